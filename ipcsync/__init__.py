@@ -1,0 +1,46 @@
+"""ipcsync: zero-copy tensor handoff between PyTorch processes.
+
+Producers own a ring of slots in shared memory (CUDA IPC memory on GPUs, POSIX shared
+memory on the CPU backend); every handoff carries an event, so consumers wait on the GPU,
+not the host; the control channel is ZeroMQ with msgpack messages, never pickle.
+
+    with ipcsync.Producer("frames", slots=4) as out:
+        out.send({"x": x}, meta={"step": i})
+
+    with ipcsync.Consumer("frames") as inp:
+        for item in inp:
+            use(item["x"], item.meta)
+"""
+
+from __future__ import annotations
+
+from .consumer import Consumer, Item
+from .errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    IpcSyncError,
+    IpcTimeoutError,
+    PeerLostError,
+    ProtocolError,
+)
+from .producer import Producer, SlotWriter
+from .protocol import PROTOCOL_VERSION
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Producer",
+    "Consumer",
+    "Item",
+    "SlotWriter",
+    "IpcSyncError",
+    "ProtocolError",
+    "PeerLostError",
+    "ClosedError",
+    "IpcTimeoutError",
+    "ConfigError",
+    "BackendError",
+    "PROTOCOL_VERSION",
+    "__version__",
+]

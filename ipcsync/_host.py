@@ -1,0 +1,53 @@
+"""Identity of this process and host, and liveness of a peer process on the same host.
+
+CUDA IPC and POSIX shared memory only work between processes of one host and boot, so
+peers are always local: a peer is named by (pid, start time), which survives pid reuse.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+__all__ = ["boot_id", "pid_namespace", "start_time", "process_alive"]
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot of this host (Linux: /proc/sys/kernel/random/boot_id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def pid_namespace() -> str:
+    """Identity of this process's PID namespace, "" where unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot; -1 if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return -1
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        if fields[0] == b"Z":  # a zombie has exited
+            return -1
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return -1
+
+
+def process_alive(pid: int, started: int) -> bool:
+    """True while the process (pid, start time) exists and has not exited."""
+    return start_time(pid) == started

@@ -1,0 +1,48 @@
+"""Backends: where slot memory and events come from, selected from the device."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import BackendError, ConfigError
+from .base import Arena, Backend, Event
+from .cpu import CpuBackend
+
+__all__ = ["Arena", "Backend", "Event", "CpuBackend", "backend_for", "resolve_device"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Parse a device option. ``None`` means cuda:<current> when CUDA is available, else cpu."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"bad device {device!r}: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r}: only 'cpu' and 'cuda[:N]' devices are supported")
+    return dev
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend serving ``device``."""
+    if device.type == "cpu":
+        return CpuBackend(device)
+    if device.type == "cuda":
+        try:
+            from .cuda import CudaBackend  # noqa: PLC0415 (imported only when used)
+        except ImportError as exc:
+            raise BackendError(f"the CUDA backend is not available: {exc}") from None
+        return CudaBackend(device)
+    raise ConfigError(f"no backend for device {device}")

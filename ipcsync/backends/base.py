@@ -1,0 +1,90 @@
+"""The backend interface: where slot memory and synchronization events come from.
+
+A backend gives the producer arenas (byte buffers shared with consumers, exported once
+per connection through a small handle) and both sides events (recorded by one process,
+waited on by another, exchanged once through a handle). The CPU backend's events are
+complete when recorded; the CUDA backend's are interprocess CUDA events.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["Arena", "Event", "Backend"]
+
+
+class Event(abc.ABC):
+    """An event one process records and another waits on (same interface as ipcsync.IpcEvent)."""
+
+    @abc.abstractmethod
+    def record(self, stream: Any = None) -> None:
+        """Mark the current point of ``stream`` (default: the current stream)."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: current) wait for the recorded work, without blocking
+        the host."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True when the recorded work has completed. Never blocks."""
+
+    @abc.abstractmethod
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block the host until the recorded work completes; IpcTimeoutError after
+        ``timeout`` seconds. Polls, so a peer that died mid-record cannot wedge it."""
+
+    @abc.abstractmethod
+    def handle(self) -> bytes:
+        """Bytes another process passes to ``Backend.open_event`` to use this event."""
+
+
+class Arena(abc.ABC):
+    """A byte buffer shared between processes. ``tensor`` is a uint8 view of all of it."""
+
+    handle: bytes | str
+    nbytes: int
+    tensor: torch.Tensor
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Give the memory back (the owner unlinks/frees it; an importer drops its mapping).
+        Idempotent."""
+
+
+class Backend(abc.ABC):
+    """Memory and events for one device."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abc.abstractmethod
+    def device_identity(self) -> str | None:
+        """A stable identity of the device (GPU UUID), or None on the CPU."""
+
+    @abc.abstractmethod
+    def create_arena(self, nbytes: int) -> Arena:
+        """Allocate an arena owned by this process, exportable through its handle."""
+
+    @abc.abstractmethod
+    def open_arena(self, handle: bytes | str, nbytes: int) -> Arena:
+        """Map a peer's arena. Raises BackendError if it cannot be opened."""
+
+    @abc.abstractmethod
+    def create_event(self) -> Event:
+        """A new event this process records."""
+
+    @abc.abstractmethod
+    def open_event(self, handle: bytes | str) -> Event:
+        """A peer's event, from its handle."""
+
+    def collect(self) -> None:
+        """Return memory that departed peers no longer use (CUDA: ipc_collect)."""
+
+    def close(self) -> None:
+        """Release what the backend itself holds."""

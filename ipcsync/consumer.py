@@ -1,0 +1,501 @@
+"""The public Consumer and Item.
+
+Ordering rules of a handoff (receive):
+
+1. READY for (seq, slot, gen) arrives after the producer recorded the slot's ready event;
+2. before the item's tensors are used, the consumer's stream waits on that event
+   (``wait="gpu"``: enqueued at once; ``"host"``: the host polls ``query()`` first, so a
+   producer that dies mid-record can never wedge the consumer's stream);
+3. ``release()`` records the slot's release event on the consumer's stream, then queues
+   RELEASE(seq, slot, gen); queued releases go out in one message when the consumer has
+   no more buffered items (or from the service thread while the user computes);
+4. after the producer's BYE and the last buffered item, iteration ends; the consumer
+   answers BYE once it holds nothing.
+
+After the producer is declared lost, no wait is ever enqueued on its events.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+import zmq
+
+from . import _host
+from . import protocol as P
+from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
+from .backends import Arena, Event, backend_for, resolve_device
+from .channel import ConsumerChannel, remove_stale, resolve_endpoint
+from .errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    IpcSyncError,
+    IpcTimeoutError,
+    PeerLostError,
+    ProtocolError,
+)
+from .layout import message_nbytes, read_message
+from .stats import Stats
+
+__all__ = ["Consumer", "Item"]
+
+log = logging.getLogger("ipcsync")
+
+
+class Item:
+    """One received message: ``tensors`` (the nested structure the producer sent, as views
+    of its slot), ``meta``, ``seq``. ``item["x"]`` indexes ``tensors``.
+
+    The tensors are valid until ``release()``: after it the producer may overwrite the
+    slot. Clone what you need to keep.
+    """
+
+    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "_consumer")
+
+    def __init__(self, consumer: "Consumer", ready: P.Ready, tensors: Any, nbytes: int) -> None:
+        self.tensors = tensors
+        self.meta = ready.meta
+        self.seq = ready.seq
+        self.slot = ready.slot
+        self.gen = ready.gen
+        self.nbytes = nbytes
+        self.released = False
+        self._consumer = consumer
+
+    def __getitem__(self, key: Any) -> Any:
+        if self.released:
+            raise ClosedError(f"item {self.seq} was released; its slot may hold another item now")
+        return self.tensors[key]
+
+    def release(self, stream: Any = None) -> None:
+        """Give the slot back (after the work queued on ``stream``, default current, is
+        done). Idempotent. Implicit at the next iteration when ``auto_release`` is on."""
+        self._consumer._release(self, stream)
+
+    def __enter__(self) -> "Item":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<ipcsync.Item seq={self.seq} slot={self.slot} {state} meta={self.meta!r:.60}>"
+
+
+class Consumer(_Endpoint):
+    """Connects to a producer's ``endpoint`` and receives its items, in order.
+
+    Args:
+        endpoint: the producer's endpoint (bare name, ``ipc://...`` or ``tcp://...``).
+        device: must be the same kind of device as the producer's (``cpu`` / ``cuda[:N]``).
+        wait: ``"gpu"`` (the stream waits on the producer's event at once) or ``"host"``
+            (poll until complete, then enqueue: never wedges if the producer dies).
+        timeout: default for blocking calls, and how long the handshake waits for a
+            producer to appear (seconds; None or inf: forever).
+        idle_timeout: how long iteration waits for the next item; None: as long as the
+            producer is alive.
+        heartbeat: seconds between liveness messages when idle; None disables silence
+            detection (disconnects and process exits are still detected).
+        credits: most items held at once (buffered + unreleased); default: all slots.
+        auto_release: release the previous item at the next iteration.
+        stream: CUDA stream for waits and release events (default: current at each call).
+    """
+
+    _role = "consumer"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        device: str | torch.device | None = None,
+        wait: str = "gpu",
+        timeout: float | None = 30.0,
+        idle_timeout: float | None = None,
+        heartbeat: float | None = 1.0,
+        credits: int | None = None,
+        auto_release: bool = True,
+        stream: Any = None,
+        limits: P.Limits = P.DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(endpoint, timeout, heartbeat)
+        self.wait_mode = check_wait(wait)
+        self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
+        self._credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
+        self.auto_release = bool(auto_release)
+        self.device = resolve_device(device)
+        self.endpoint = resolve_endpoint(endpoint)
+        self._limits = limits
+        self._stream = stream
+        self._backend = backend_for(self.device)
+        self._stats = Stats()
+        self._conv = P.Conversation("consumer")
+        self._ready: deque[P.Ready] = deque()
+        self._held: dict[int, Item] = {}
+        self._pending: list[tuple[int, int, int]] = []
+        self._current: Item | None = None
+        self._error: IpcSyncError | None = None
+        self._bye_received = False
+        self._bye_sent = False
+        self._rehello = False
+        self._arenas: list[Arena] = []
+        self._slot_views: list[torch.Tensor] = []
+        self._ready_events: list[Event] = []
+        self._release_events: list[Event] = []
+        self._setup: P.Setup | None = None
+        self._last_recv = time.monotonic()
+        self._last_send = 0.0
+        self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame)
+        try:
+            with self._lock:
+                self._send_frame(P.encode(self._hello()))
+                t = self._resolve_timeout(None)
+                if not self._wait_until(lambda: self._conv.state != "await_setup", t):
+                    raise IpcTimeoutError(
+                        f"no producer answered on endpoint {self.endpoint.name!r} "
+                        f"({self.endpoint.url}) within {t} s; is it running, with the same name?"
+                    )
+                self._raise_if_broken()
+        except BaseException:
+            self._closed = True
+            self._teardown()
+            raise
+        self._start_service()
+
+    # ------------------------------------------------------------------ public API
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item, or None once the producer has closed and everything it sent was
+        received. Blocks up to ``timeout`` (default: the consumer's); raises
+        IpcTimeoutError then, PeerLostError if the producer died, ClosedError after close().
+        """
+        with self._call():
+            return self._next_item(self._resolve_timeout(timeout))
+
+    def __iter__(self) -> Iterator[Item]:
+        return self
+
+    def __next__(self) -> Item:
+        with self._call():
+            t = self._idle_timeout
+            item = self._next_item(None if t is None or math.isinf(t) else t)
+        if item is None:
+            raise StopIteration
+        return item
+
+    def stats(self) -> dict[str, Any]:
+        """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
+        waiting by cause, items held and buffered."""
+        with self._lock:
+            return self._stats.snapshot(
+                role="consumer", held=len(self._held), buffered=len(self._ready)
+            )
+
+    @property
+    def slots(self) -> int:
+        """Number of slots in the producer's ring."""
+        return len(self._slot_views)
+
+    @property
+    def producer_pid(self) -> int | None:
+        return self._setup.pid if self._setup else None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Release everything held, say goodbye and disconnect. Idempotent; bounded by
+        ``timeout`` (default: min(the consumer's timeout, 1 s)) for the goodbye."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                for item in list(self._held.values()):
+                    self._release_locked(item, None)
+                while self._ready:
+                    r = self._ready.popleft()
+                    self._pending.append((r.seq, r.slot, r.gen))
+                self._flush_releases()
+                if self._conv.state == "active" and self._error is None:
+                    self._say_bye()
+                    t = self._resolve_timeout(timeout)
+                    t = 1.0 if t is None else min(t, 1.0)
+                    self._wait_until(lambda: self._bye_received or self._error is not None, t)
+            except IpcSyncError as exc:
+                log.debug("ipcsync consumer close: %s", exc)
+            self._closed = True
+            self._teardown()
+        self._stop_service()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self._closed = True
+                self._teardown()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ internals
+    def _hello(self) -> P.Hello:
+        pid = os.getpid()
+        return P.Hello(
+            version=P.PROTOCOL_VERSION,
+            pid=pid,
+            start_time=_host.start_time(pid),
+            boot_id=_host.boot_id(),
+            pid_ns=_host.pid_namespace(),
+            backend=self._backend.name,
+            device=self._backend.device_identity(),
+            credits=self._credits,
+            heartbeat_ms=int(self._heartbeat * 1000),
+        )
+
+    def _next_item(self, timeout: float | None) -> Item | None:
+        cur = self._current
+        if cur is not None and self.auto_release and not cur.released:
+            self._release_locked(cur, None)
+        self._current = None
+        self._wait_until(
+            lambda: bool(self._ready) or self._bye_received or self._error is not None,
+            timeout, "producer", self._stats.waited,
+        )
+        self._raise_if_broken()
+        if self._ready:
+            item = self._make_item(self._ready.popleft())
+            self._current = item
+            return item
+        if self._bye_received:
+            self._pump()  # answers BYE once nothing is held
+            return None
+        raise IpcTimeoutError(
+            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
+            "it is alive but sent nothing (pass a larger timeout, or None to wait)"
+        )
+
+    def _make_item(self, ready: P.Ready) -> Item:
+        view = self._slot_views[ready.slot]
+        try:
+            tensors = read_message(ready.layout, view, view.numel())
+        except ProtocolError as exc:
+            self._fail(ProtocolError(f"producer sent a bad layout: {exc}"), "protocol")
+            raise self._error  # type: ignore[misc]
+        ev = self._ready_events[ready.slot]
+        if self.wait_mode == "host":
+            if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
+                                    self._stats.waited):
+                raise AssertionError("unreachable")
+            self._raise_if_broken()
+        ev.wait(self._stream)
+        nbytes = message_nbytes(ready.layout)
+        item = Item(self, ready, tensors, nbytes)
+        self._held[ready.seq] = item
+        self._stats.count(nbytes)
+        self._stats.latency((time.monotonic_ns() - ready.sent_ns) / 1e9)
+        return item
+
+    def _release(self, item: Item, stream: Any) -> None:
+        with self._lock:
+            self._last_call = time.monotonic()
+            if not item.released and not self._closed:
+                self._release_locked(item, stream)
+
+    def _release_locked(self, item: Item, stream: Any) -> None:
+        if item.released:
+            return
+        item.released = True
+        self._held.pop(item.seq, None)
+        if self._error is None:
+            self._release_events[item.slot].record(stream if stream is not None else self._stream)
+        self._pending.append((item.seq, item.slot, item.gen))
+        if not self._ready:
+            self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        if not self._pending or self._error is not None or self._conv.state != "active":
+            return
+        n = min(len(self._pending), self._limits.max_release_batch)
+        if self._send_frame(P.encode(P.Release(self._pending[:n]))):
+            del self._pending[:n]
+
+    def _say_bye(self) -> None:
+        if not self._bye_sent:
+            self._bye_sent = True
+            self._send_frame(P.encode(P.Bye("consumer closed")))
+
+    def _send_frame(self, frame: bytes) -> bool:
+        ok = self._chan.send(frame)
+        if ok:
+            self._last_send = time.monotonic()
+        return ok
+
+    def _wait_io(self, timeout: float) -> None:
+        self._chan.wait(timeout)
+
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, error: IpcSyncError, code: str | None) -> None:
+        """Record a fatal error; tell the producer if it is our fault to report."""
+        if self._error is not None:
+            return
+        self._error = error
+        if code is not None:
+            try:
+                self._chan.send(P.encode(P.Error(code, str(error)[:1000])))
+            except zmq.ZMQError:
+                pass
+        self._ready.clear()
+
+    def _lost(self, why: str) -> None:
+        pid = self._setup.pid if self._setup else None
+        self._fail(PeerLostError(
+            f"producer (pid {pid}) on endpoint {self.endpoint.name!r} {why}; items it had "
+            "not delivered are lost. Restart the producer and connect again."
+        ), None)
+        # Stop ZeroMQ from silently reconnecting to a successor on the same path.
+        try:
+            self._chan.sock.disconnect(self.endpoint.url)
+        except zmq.ZMQError:
+            pass
+        if self._setup is not None and not self._producer_alive():
+            remove_stale(self.endpoint)
+
+    def _producer_alive(self) -> bool:
+        s = self._setup
+        if s is None or s.pid_ns != _host.pid_namespace():
+            return True  # cannot tell from here
+        return _host.process_alive(s.pid, s.start_time)
+
+    def _pump(self) -> None:
+        disconnected = False
+        for ev, _fd in self._chan.events():
+            if ev == zmq.EVENT_DISCONNECTED:
+                if self._conv.state == "await_setup":
+                    self._rehello = True
+                else:
+                    disconnected = True
+            elif ev == zmq.EVENT_CONNECTED and self._rehello and self._conv.state == "await_setup":
+                self._rehello = False
+                self._send_frame(P.encode(self._hello()))
+        for _ in range(10_000):
+            if self._error is not None:
+                break
+            frames = self._chan.recv()
+            if frames is None:
+                break
+            self._last_recv = time.monotonic()
+            self._on_frames(frames)
+        # Frames that arrived before the disconnect count (a BYE then a close is clean).
+        if disconnected and not self._bye_received:
+            self._lost("disconnected")
+        if self._error is None:
+            if not self._ready:
+                self._flush_releases()
+            if self._bye_received and not self._held and not self._ready and not self._pending:
+                self._say_bye()
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + self._tick
+            self._tick_producer(now)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._fail(ProtocolError(f"producer sent a message of {len(frames)} frames"), "protocol")
+            return
+        try:
+            msg = P.decode(frames[0], self._limits)
+            self._conv.receive(msg)
+        except ProtocolError as exc:
+            code = "version" if isinstance(exc, P.VersionMismatch) else "protocol"
+            self._fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: {exc}"), code)
+            return
+        kind = type(msg)
+        if kind is P.Ready:
+            self._on_ready(msg)  # type: ignore[arg-type]
+        elif kind is P.Setup:
+            self._on_setup(msg)  # type: ignore[arg-type]
+        elif kind is P.Bye:
+            self._bye_received = True
+        elif kind is P.Error:
+            self._on_error(msg)  # type: ignore[arg-type]
+
+    def _on_ready(self, msg: P.Ready) -> None:
+        if msg.slot >= len(self._slot_views):
+            self._fail(ProtocolError(f"READY names slot {msg.slot}; the ring has {len(self._slot_views)}"), "protocol")
+            return
+        self._ready.append(msg)
+
+    def _on_error(self, msg: P.Error) -> None:
+        text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"
+        err: IpcSyncError
+        if msg.code in ("backend", "host", "credits", "device"):
+            err = ConfigError(text)
+        elif msg.code == "closing":
+            err = PeerLostError(text)
+        else:
+            err = ProtocolError(text)
+        self._fail(err, None)
+
+    def _on_setup(self, s: P.Setup) -> None:
+        problem = None
+        if s.backend != self._backend.name:
+            problem = f"producer uses the {s.backend} backend, this consumer {self._backend.name}"
+        elif not s.slots or len(s.slots) != len(s.ready_events):
+            problem = f"SETUP has {len(s.slots)} slots and {len(s.ready_events)} ready events"
+        elif not s.arenas or len(s.arenas) != len(s.arena_bytes):
+            problem = "SETUP arenas and their sizes do not match"
+        else:
+            for i, (a, off, n) in enumerate(s.slots):
+                if a >= len(s.arenas) or off + n > s.arena_bytes[a]:
+                    problem = f"SETUP slot {i} lies outside its arena"
+                    break
+        if problem is not None:
+            self._fail(ConfigError(problem) if "backend" in problem else ProtocolError(problem), "setup")
+            return
+        try:
+            self._arenas = [self._backend.open_arena(h, n) for h, n in zip(s.arenas, s.arena_bytes)]
+            self._slot_views = [self._arenas[a].tensor[off : off + n] for a, off, n in s.slots]
+            self._ready_events = [self._backend.open_event(h) for h in s.ready_events]
+            self._release_events = [self._backend.create_event() for _ in s.slots]
+        except IpcSyncError as exc:
+            self._fail(exc if isinstance(exc, BackendError) else BackendError(str(exc)), "backend")
+            return
+        self._setup = s
+        self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
+
+    def _tick_producer(self, now: float) -> None:
+        s = self._setup
+        if s is None or self._error is not None or self._bye_received:
+            return
+        hb = s.heartbeat_ms / 1000
+        if hb and now - self._last_recv > 1.5 * hb:
+            self._lost(f"was silent for {now - self._last_recv:.2f} s (heartbeat {hb} s)")
+            return
+        if not self._producer_alive():
+            self._lost("exited")
+            return
+        if self._heartbeat and now - self._last_send > self._heartbeat / 4:
+            self._send_frame(P.encode(P.Heartbeat()))
+
+    def _teardown(self) -> None:
+        self._ready.clear()
+        self._ready_events = []
+        self._release_events = []
+        self._slot_views = []
+        for closer in [self._chan.close, *(a.close for a in self._arenas), self._backend.collect]:
+            try:
+                closer()
+            except Exception as exc:
+                log.debug("ipcsync consumer teardown: %s", exc)
+        self._arenas = []
+

@@ -1,0 +1,51 @@
+"""The one exception tree of ipcsync.
+
+Every error raised by ipcsync derives from :class:`IpcSyncError`. The split follows trio:
+"you closed it" (:class:`ClosedError`) is a different error from "the peer broke it"
+(:class:`PeerLostError`). Each message says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "IpcSyncError",
+    "ProtocolError",
+    "PeerLostError",
+    "ClosedError",
+    "IpcTimeoutError",
+    "ConfigError",
+    "BackendError",
+]
+
+
+class IpcSyncError(Exception):
+    """Base class of every error raised by ipcsync."""
+
+
+class ProtocolError(IpcSyncError):
+    """A frame or message broke the wire protocol (malformed, oversized, wrong version,
+    out of order). The offending frame is dropped; nothing it described is used."""
+
+
+class PeerLostError(IpcSyncError):
+    """The peer process went away (it died, closed its socket, or fell silent past the
+    heartbeat timeout). Items it had not yet delivered are gone; restart or reconnect."""
+
+
+class ClosedError(IpcSyncError):
+    """This endpoint was closed by its own process; it cannot be used any more."""
+
+
+class IpcTimeoutError(IpcSyncError, TimeoutError):
+    """A blocking call did not complete within its timeout. Nothing was lost: the call
+    can be retried. Also a builtin :class:`TimeoutError`."""
+
+
+class ConfigError(IpcSyncError, ValueError):
+    """An option, endpoint, message or device is not acceptable (bad name, a message
+    larger than a slot, an endpoint already bound by a live producer, ...)."""
+
+
+class BackendError(IpcSyncError):
+    """The memory/event backend failed (shared memory or CUDA IPC could not be created,
+    opened or used)."""

@@ -1,0 +1,251 @@
+"""Message layout codec: a nested dict/list/tuple of tensors <-> bytes placed in one slot.
+
+A message is flattened to a tree (plain data) and a list of tensor specs
+``[dtype, shape, stride, byte offset in slot]``. Each tensor occupies, at an offset aligned
+to ``ALIGN`` bytes, exactly the span of elements its strides reach (``span_elements``), so
+every stride torch can express travels unchanged: transposed, channels-last, expanded
+(stride 0) and gapped views alike. A gapped view (``x[::4]``) ships its gaps too; call
+``.contiguous()`` first if that matters. 0-d and zero-size tensors are supported.
+
+The received tensor is a view of the slot whose storage offset (in elements) is its byte
+offset over its item size. Decoding checks every dtype against the dtypes torch has and
+every span against the slot size before any view exists, so a bad layout cannot reach
+outside its slot.
+
+Imports torch but never torch.cuda: copies go through ``Tensor.copy_`` on whatever device
+the slot lives on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from .errors import ConfigError, ProtocolError
+
+__all__ = [
+    "ALIGN",
+    "Placement",
+    "plan_message",
+    "plan_empty",
+    "write_message",
+    "read_message",
+    "span_elements",
+    "dtype_name",
+    "dtype_from_name",
+]
+
+ALIGN = 256  # byte alignment of every tensor in a slot (CUDA-friendly, >= any itemsize)
+MAX_DEPTH = 32  # nesting of dicts/lists/tuples in one message
+
+_DTYPES: dict[str, torch.dtype] = {}
+for _name in dir(torch):
+    _obj = getattr(torch, _name)
+    if isinstance(_obj, torch.dtype):
+        _canon = str(_obj).removeprefix("torch.")
+        # Quantized dtypes are not plain strided memory; they cannot travel as bytes.
+        if not _canon.startswith("q"):
+            _DTYPES[_canon] = _obj
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical wire name of a dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; ProtocolError for a name torch does not have."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        raise ProtocolError(f"unknown dtype {name!r} in layout (not a dtype of this torch)")
+    return dt
+
+
+def span_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Number of elements from the first to the last one a strided view reaches."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a message goes in a slot: the wire layout and the source tensors in order."""
+
+    layout: list[Any]  # [tree, specs] as sent in READY
+    tensors: list[torch.Tensor]  # sources, in spec order (empty for plan_empty)
+    nbytes: int  # bytes of the slot the message occupies
+
+
+def _flatten(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"message nesting exceeds depth {MAX_DEPTH}")
+    if isinstance(msg, torch.Tensor):
+        leaves.append(msg)
+        return len(leaves) - 1
+    if isinstance(msg, Mapping):
+        keys = list(msg.keys())
+        for k in keys:
+            if type(k) is not str:
+                raise ConfigError(f"message dict keys must be strings, got {k!r}")
+        return ["d", keys, [_flatten(msg[k], leaves, depth + 1) for k in keys]]
+    if isinstance(msg, (list, tuple)):
+        tag = "t" if isinstance(msg, tuple) else "l"
+        return [tag, [_flatten(x, leaves, depth + 1) for x in msg]]
+    raise ConfigError(
+        f"message leaves must be tensors, got {type(msg).__name__}; "
+        "put other values in meta="
+    )
+
+
+def _check_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise ConfigError(f"only strided tensors can be sent, got layout {t.layout}")
+    if t.is_quantized:
+        raise ConfigError("quantized tensors cannot be sent; dequantize them first")
+    if t.device.type == "meta":
+        raise ConfigError("meta tensors have no data to send")
+    if dtype_name(t.dtype) not in _DTYPES:
+        raise ConfigError(f"dtype {t.dtype} cannot be sent")
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def _place(
+    shapes_strides_dtypes: Iterable[tuple[Sequence[int], Sequence[int], torch.dtype]],
+    slot_bytes: int,
+) -> tuple[list[list[Any]], int]:
+    specs: list[list[Any]] = []
+    offset = 0
+    for shape, stride, dtype in shapes_strides_dtypes:
+        offset = _align(offset)
+        specs.append([dtype_name(dtype), list(shape), list(stride), offset])
+        offset += span_elements(shape, stride) * dtype.itemsize
+    if offset > slot_bytes:
+        raise ConfigError(
+            f"message needs {offset} bytes but a slot holds {slot_bytes} bytes; "
+            f"create the producer with slot_bytes>={offset}"
+        )
+    return specs, offset
+
+
+def plan_message(msg: Any, slot_bytes: int) -> Placement:
+    """Flatten ``msg`` and place its tensors in a slot of ``slot_bytes`` bytes.
+
+    Raises ConfigError for a leaf that is not a tensor, a tensor that cannot travel as
+    bytes, or a message larger than the slot (naming both sizes).
+    """
+    leaves: list[torch.Tensor] = []
+    tree = _flatten(msg, leaves, 1)
+    tensors = [_check_tensor(t) for t in leaves]
+    specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes)
+    return Placement([tree, specs], tensors, nbytes)
+
+
+def plan_empty(
+    fields: Mapping[str, tuple[Sequence[int], torch.dtype]], slot_bytes: int
+) -> Placement:
+    """Place contiguous tensors of the given ``{name: (shape, dtype)}`` in a slot (for
+    zero-copy writes). The message is a flat dict of those names."""
+    keys = list(fields)
+    items = []
+    for k in keys:
+        spec = fields[k]
+        if type(k) is not str:
+            raise ConfigError(f"field names must be strings, got {k!r}")
+        try:
+            shape, dtype = spec
+            shape = [int(s) for s in shape]
+        except (TypeError, ValueError):
+            raise ConfigError(f"field {k!r} must be (shape, dtype), got {spec!r}") from None
+        if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in _DTYPES:
+            raise ConfigError(f"field {k!r}: {dtype!r} is not a dtype that can be sent")
+        if any(s < 0 for s in shape):
+            raise ConfigError(f"field {k!r}: negative size in shape {shape}")
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+        items.append((shape, stride, dtype))
+    specs, nbytes = _place(items, slot_bytes)
+    tree = ["d", keys, list(range(len(keys)))]
+    return Placement([tree, specs], [], nbytes)
+
+
+def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torch.Tensor:
+    """The 1-d typed view of a spec's span in ``slot`` (uint8), after bounds checks."""
+    name, shape, stride, offset = spec
+    dtype = dtype_from_name(name)
+    n = span_elements(shape, stride)
+    if offset % dtype.itemsize:
+        raise ProtocolError(f"tensor offset {offset} is not aligned to its item size")
+    end = offset + n * dtype.itemsize
+    if end > slot_bytes:
+        raise ProtocolError(
+            f"tensor reaches byte {end} but the slot has {slot_bytes} bytes"
+        )
+    return slot[offset:end].view(dtype)
+
+
+def write_message(placement: Placement, slot: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copy the placement's source tensors into ``slot`` (a uint8 tensor of the slot's bytes)
+    on the current stream of the slot's device."""
+    specs = placement.layout[1]
+    slot_bytes = slot.numel()
+    for spec, src in zip(specs, placement.tensors):
+        dst = _span_view(slot, spec, slot_bytes)
+        n = dst.numel()
+        if n:
+            dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=non_blocking)
+
+
+def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of a ``plan_empty`` placement in ``slot``, to be written by the caller."""
+    out = read_message(placement.layout, slot, slot.numel())
+    assert isinstance(out, dict)
+    return out
+
+
+def read_message(layout: Sequence[Any], slot: torch.Tensor, slot_bytes: int) -> Any:
+    """Rebuild a message as views of ``slot`` from a layout validated by the protocol.
+
+    Raises ProtocolError for an unknown dtype or a tensor that would reach outside the slot.
+    """
+    tree, specs = layout
+    tensors = []
+    for spec in specs:
+        base = _span_view(slot, spec, slot_bytes)
+        tensors.append(base.as_strided(spec[1], spec[2]))
+    return _unflatten(tree, tensors)
+
+
+def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if type(node) is int:
+        return tensors[node]
+    tag = node[0]
+    if tag == "d":
+        return {k: _unflatten(c, tensors) for k, c in zip(node[1], node[2])}
+    children = [_unflatten(c, tensors) for c in node[1]]
+    return tuple(children) if tag == "t" else children
+
+
+def message_nbytes(layout: Sequence[Any]) -> int:
+    """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
+    return sum(math.prod(shape) * dtype_from_name(name).itemsize for name, shape, _, _ in layout[1])
+
+
+def leaves(msg: Any) -> list[torch.Tensor]:
+    """The tensors of a message, in layout order."""
+    out: list[torch.Tensor] = []
+    _flatten(msg, out, 1)
+    return out

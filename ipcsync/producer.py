@@ -1,0 +1,624 @@
+"""The public Producer: owns the slots, binds the endpoint, serves any number of consumers.
+
+Ordering rules of a handoff (send):
+
+1. acquire a FREE slot (blocking, with a timeout, while consumers hold every slot);
+2. wait for the release events of the consumers that held the slot's previous item (on
+   the CPU backend they are complete; on CUDA the wait goes on the producer's stream);
+3. copy the message into the slot on the stream and record the slot's ready event there;
+4. commit the slot (it gets its seq) and dispatch queued items, in seq order, to consumers
+   with free credits; READY goes out after the ready event was recorded, so a consumer
+   that waits on the event sees the finished copy.
+
+A slot is reused only after every consumer it went to has released it or is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import zmq
+
+from . import _host
+from . import protocol as P
+from ._endpoint import _Endpoint, check_positive_int, check_wait, check_timeout
+from .backends import Event, backend_for, resolve_device
+from .channel import ProducerChannel, resolve_endpoint
+from .errors import ConfigError, IpcTimeoutError, PeerLostError, ProtocolError
+from .layout import ALIGN, Placement, empty_views, plan_empty, plan_message, write_message
+from .ring import POLICIES, Acquired, Ring
+from .stats import Stats
+
+__all__ = ["Producer", "SlotWriter"]
+
+log = logging.getLogger("ipcsync")
+
+DEFAULT_SLOT_BYTES = 16 << 20
+_MAX_SLOTS = 1024
+_BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
+
+
+@dataclass
+class _Peer:
+    """One consumer connection, as the producer sees it."""
+
+    identity: bytes
+    fd: int
+    hello: P.Hello
+    conv: P.Conversation
+    last_recv: float
+    last_send: float = 0.0
+    release_events: list[Event] = field(default_factory=list)
+    outbox: deque[bytes] = field(default_factory=deque)
+    bye_sent: bool = False
+    bye_received: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"consumer pid {self.hello.pid}"
+
+
+class SlotWriter:
+    """What ``Producer.slot()`` yields: the slot's tensors by name, to fill in place, and
+    ``meta`` to send with them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
+        self.tensors = tensors
+        self.meta = meta
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def keys(self) -> Any:
+        return self.tensors.keys()
+
+
+class Producer(_Endpoint):
+    """Binds ``endpoint`` and hands messages (nested dicts/lists/tuples of tensors plus
+    msgpack-able ``meta``) to the consumers that connect to it.
+
+    Args:
+        endpoint: a bare name (a private ipc socket), ``ipc:///abs/path`` or ``tcp://host:port``.
+        slots: number of slots in the ring (items in flight at once).
+        slot_bytes: capacity of one slot; a larger message is refused with a ConfigError.
+        device: ``"cpu"`` or ``"cuda[:N]"``; default: the current CUDA device if any, else cpu.
+        policy: with several consumers, ``"shard"`` (each item to one consumer, balanced by
+            free credits) or ``"broadcast"`` (every item to every consumer).
+        wait: how the producer waits on consumers' release events (CUDA): ``"gpu"`` or ``"host"``.
+        timeout: default for every blocking call (seconds; None or inf: wait forever).
+        heartbeat: seconds between liveness messages when idle; a consumer silent for 1.5x
+            its heartbeat is declared lost. None disables silence detection (disconnects
+            and process exits are still detected).
+        stream: CUDA stream for copies and events (default: the current stream at each call).
+    """
+
+    _role = "producer"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        slots: int = 4,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        device: str | torch.device | None = None,
+        policy: str = "shard",
+        wait: str = "gpu",
+        timeout: float | None = 30.0,
+        heartbeat: float | None = 1.0,
+        stream: Any = None,
+        limits: P.Limits = P.DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(endpoint, timeout, heartbeat)
+        self.slots = check_positive_int("slots", slots, _MAX_SLOTS)
+        self.slot_bytes = check_positive_int("slot_bytes", slot_bytes, 1 << 40)
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.wait_mode = check_wait(wait)
+        self.device = resolve_device(device)
+        self.endpoint = resolve_endpoint(endpoint)
+        self._limits = limits
+        self._stream = stream
+        self._backend = backend_for(self.device)
+        self._ring = Ring(self.slots, policy)
+        self._peers: dict[bytes, _Peer] = {}
+        self._fd_peer: dict[int, bytes] = {}
+        self._disconnected: list[bytes] = []  # identities whose connection closed
+        self._frames: list[bytes | None] = [None] * self.slots  # READY frame per queued slot
+        self._sent_ns: list[int] = [0] * self.slots
+        self._stats = Stats()
+        self._bad_frames = 0
+        self._bad_by_peer: dict[bytes, int] = {}
+        self._closing = False
+        self._stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
+        self._chan = ProducerChannel(self.endpoint, limits.max_frame)
+        try:
+            self._arena = self._backend.create_arena(self._stride * self.slots)
+            self._slot_views = [
+                self._arena.tensor[i * self._stride : i * self._stride + self.slot_bytes]
+                for i in range(self.slots)
+            ]
+            self._ready_events = [self._backend.create_event() for _ in range(self.slots)]
+        except BaseException:
+            self._chan.close()
+            if hasattr(self, "_arena"):
+                self._arena.close()
+            raise
+        self._pid = os.getpid()
+        self._start_service()
+
+    # ------------------------------------------------------------------ public API
+    def send(
+        self,
+        message: Any,
+        meta: Any = None,
+        *,
+        timeout: float | None = None,
+        stream: Any = None,
+    ) -> int:
+        """Copy ``message`` into a free slot and hand it to a consumer. Returns its seq.
+
+        Blocks while every slot is in use (backpressure: nothing is dropped or
+        overwritten), up to ``timeout`` (default: the producer's). On CUDA the copy and the
+        ready event go on ``stream`` (default: current) and the call returns without a host
+        sync. Raises ConfigError for a message that does not fit a slot or a bad meta,
+        IpcTimeoutError when no slot frees in time, ClosedError after close().
+        """
+        with self._call():
+            self._check_sendable()
+            placement = plan_message(message, self.slot_bytes)
+            acq = self._acquire(timeout)
+            try:
+                slot_view = self._slot_views[acq.slot]
+                self._prepare_slot(acq, stream)
+                write_message(placement, slot_view, non_blocking=self.device.type == "cuda")
+                self._ready_events[acq.slot].record(self._stream_or(stream))
+                return self._commit(acq, placement, meta)
+            except BaseException:
+                self._ring.abort(acq.slot)
+                raise
+
+    @contextmanager
+    def slot(
+        self,
+        fields: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
+        *,
+        meta: Any = None,
+        timeout: float | None = None,
+        stream: Any = None,
+        **named_fields: tuple[Sequence[int], torch.dtype],
+    ) -> Iterator[SlotWriter]:
+        """Zero-copy send: reserve a slot, yield its tensors to write in place, send on exit.
+
+        ``with out.slot(x=((64, 3, 224, 224), torch.uint8)) as s: s["x"].copy_(src)``.
+        Fields are ``name=(shape, dtype)`` (or a ``fields`` mapping); the tensors are
+        contiguous. Set ``s.meta`` to change the meta. If the block raises, nothing is sent
+        and the slot is given back.
+        """
+        spec = dict(fields or {})
+        spec.update(named_fields)
+        with self._call():
+            self._check_sendable()
+            placement = plan_empty(spec, self.slot_bytes)
+            acq = self._acquire(timeout)
+            try:
+                self._prepare_slot(acq, stream)
+                writer = SlotWriter(empty_views(placement, self._slot_views[acq.slot]), meta)
+            except BaseException:
+                self._ring.abort(acq.slot)
+                raise
+        try:
+            yield writer
+        except BaseException:
+            with self._lock:
+                self._ring.abort(acq.slot)
+            raise
+        with self._call():
+            try:
+                self._ready_events[acq.slot].record(self._stream_or(stream))
+                self._commit(acq, placement, writer.meta)
+            except BaseException:
+                self._ring.abort(acq.slot)
+                raise
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every item sent so far has been released by its consumers (or they
+        are gone). IpcTimeoutError after ``timeout``."""
+        with self._call():
+            t = self._resolve_timeout(timeout)
+            if not self._wait_until(lambda: not self._ring.busy(), t):
+                raise self._timeout_error(
+                    "items still in flight", t, f"slot states: {self._ring.occupancy()}"
+                )
+
+    def wait_for_consumers(self, n: int = 1, timeout: float | None = None) -> None:
+        """Block until at least ``n`` consumers are attached. IpcTimeoutError after ``timeout``."""
+        with self._call():
+            t = self._resolve_timeout(timeout)
+            if not self._wait_until(lambda: len(self._ring.consumers()) >= n, t):
+                raise self._timeout_error(
+                    f"fewer than {n} consumers attached", t,
+                    f"is a consumer running on endpoint {self.endpoint.name!r}?",
+                )
+
+    @property
+    def consumers(self) -> int:
+        """Number of consumers attached now."""
+        return len(self._ring.consumers())
+
+    def stats(self) -> dict[str, Any]:
+        """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
+        by cause, slot occupancy, consumers, rejected frames."""
+        with self._lock:
+            return self._stats.snapshot(
+                role="producer",
+                occupancy=self._ring.occupancy(),
+                consumers=len(self._ring.consumers()),
+                bad_frames=self._bad_frames,
+            )
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish and shut down. Items already sent are delivered to consumers (who end
+        their iteration after the last one); waits up to ``timeout`` (default: the
+        producer's) for them to be released, then frees the slots and the endpoint.
+        Idempotent; never raises for peers that are gone."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = True
+            t = self._resolve_timeout(timeout)
+            deadline = None if t is None else time.monotonic() + t
+            try:
+                self._wait_until(lambda: self._ring.queued == 0, _remaining(deadline))
+                for peer in list(self._peers.values()):
+                    self._say_bye(peer, "producer closed")
+                self._wait_until(
+                    lambda: not self._ring.busy() and not self._peers, _remaining(deadline)
+                )
+            except Exception as exc:  # close never fails because of a peer
+                log.debug("ipcsync producer close: %s", exc)
+            if self._ring.busy():
+                log.warning(
+                    "ipcsync producer %r closing with items not released by consumers "
+                    "(slot states %s)", self.endpoint.name, self._ring.occupancy(),
+                )
+            self._closed = True
+            self._teardown()
+        self._stop_service()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self._closed = True
+                self._teardown()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ send internals
+    def _check_sendable(self) -> None:
+        if self._closing:
+            raise ConfigError("send() during close()")
+
+    def _stream_or(self, stream: Any) -> Any:
+        return stream if stream is not None else self._stream
+
+    def _acquire(self, timeout: float | None) -> Acquired:
+        acq = self._ring.acquire()
+        if acq is not None:
+            return acq
+        t = self._resolve_timeout(timeout)
+        cause = "consumer" if not self._ring.consumers() else "slot"
+        if not self._wait_until(lambda: self._ring.free_slots > 0, t, cause, self._stats.waited):
+            raise self._timeout_error(
+                "no free slot", t,
+                f"all {self.slots} slots are held ({self._ring.occupancy()}) by "
+                f"{len(self._ring.consumers())} consumer(s); consumers must release items "
+                "(or connect), or raise timeout/slots",
+            )
+        acq = self._ring.acquire()
+        assert acq is not None
+        return acq
+
+    def _prepare_slot(self, acq: Acquired, stream: Any) -> None:
+        """Order the overwrite after the previous holders' reads (their release events)."""
+        for cid in acq.last_holders:
+            peer = self._peers.get(cid)  # type: ignore[call-overload]
+            if peer is not None and peer.release_events:
+                ev = peer.release_events[acq.slot]
+                if self.wait_mode == "host":
+                    ev.synchronize(self._timeout)
+                ev.wait(self._stream_or(stream))
+
+    def _commit(self, acq: Acquired, placement: Placement, meta: Any) -> int:
+        seq = self._ring.next_seq
+        sent_ns = time.monotonic_ns()
+        try:
+            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, placement.layout, meta)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"meta is not msgpack-able: {exc}") from None
+        if len(frame) > self._limits.max_frame:
+            raise ConfigError(
+                f"message description (layout + meta) is {len(frame)} bytes, over the frame "
+                f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
+            )
+        if meta is not None:
+            try:
+                P.check_meta(meta, self._limits.max_depth)
+            except ProtocolError as exc:
+                raise ConfigError(f"bad meta: {exc}") from None
+        committed = self._ring.commit(acq.slot)
+        assert committed == seq
+        self._frames[acq.slot] = frame
+        self._sent_ns[acq.slot] = sent_ns
+        self._stats.count(sum(t.numel() * t.element_size() for t in placement.tensors)
+                          if placement.tensors else placement.nbytes)
+        self._dispatch()
+        return seq
+
+    def _dispatch(self) -> None:
+        for d in self._ring.dispatch():
+            peer = self._peers[d.consumer]  # type: ignore[index]
+            frame = self._frames[d.slot]
+            assert frame is not None
+            self._send(peer, frame)
+
+    # ------------------------------------------------------------------ I/O
+    def _send(self, peer: _Peer, frame: bytes) -> None:
+        if peer.outbox or not self._try_send(peer, frame):
+            peer.outbox.append(frame)
+
+    def _try_send(self, peer: _Peer, frame: bytes) -> bool:
+        try:
+            ok = self._chan.send(peer.identity, frame)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+            self._lose(peer, f"unreachable ({exc})")
+            return True
+        if ok:
+            peer.last_send = time.monotonic()
+        return ok
+
+    def _flush_outboxes(self) -> None:
+        for peer in list(self._peers.values()):
+            while peer.outbox and peer.identity in self._peers:
+                if not self._try_send(peer, peer.outbox[0]):
+                    break
+                if peer.outbox:
+                    peer.outbox.popleft()
+
+    def _wait_io(self, timeout: float) -> None:
+        self._chan.wait(timeout)
+
+    def _pump(self) -> None:
+        for ev, fd in self._chan.events():
+            self._on_monitor(ev, fd)
+        for _ in range(10_000):  # bounded, so a flood cannot starve the caller
+            got = self._chan.recv()
+            if got is None:
+                break
+            self._on_frame(*got)
+        # Disconnects are applied after the frames that arrived before them (a BYE
+        # followed by a close is a goodbye, not a loss).
+        while self._disconnected:
+            peer = self._peers.get(self._disconnected.pop())
+            if peer is not None:
+                self._lose(peer, "disconnected")
+        self._dispatch()
+        self._flush_outboxes()
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + self._tick
+            self._tick_peers(now)
+
+    def _on_monitor(self, event: int, fd: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            identity = self._fd_peer.pop(fd, None)
+            if identity is not None:
+                self._disconnected.append(identity)
+
+    def _on_frame(self, identity: bytes, frames: list[bytes], fd: int) -> None:
+        peer = self._peers.get(identity)
+        if len(frames) != 1:
+            self._bad_frame(identity, peer, ProtocolError(f"expected 1 frame, got {len(frames)}"))
+            return
+        try:
+            msg = P.decode(frames[0], self._limits)
+        except ProtocolError as exc:
+            self._bad_frame(identity, peer, exc)
+            return
+        if peer is None:
+            if type(msg) is P.Hello:
+                self._on_hello(identity, msg, fd)
+            elif type(msg) is not P.Bye:
+                self._bad_frame(identity, None, ProtocolError(
+                    f"{type(msg).__name__.upper()} from a peer that has not sent HELLO"))
+            return
+        peer.last_recv = time.monotonic()
+        try:
+            peer.conv.receive(msg)
+        except ProtocolError as exc:
+            self._bad_frame(identity, peer, exc)
+            return
+        kind = type(msg)
+        if kind is P.Release:
+            self._on_release(peer, msg)  # type: ignore[arg-type]
+        elif kind is P.Attach:
+            self._on_attach(peer, msg)  # type: ignore[arg-type]
+        elif kind is P.Bye:
+            peer.bye_received = True
+            self._say_bye(peer, "goodbye")
+            self._drop(peer)
+        elif kind is P.Error:
+            log.warning("ipcsync: %s reported an error: %s: %s", peer.label, msg.code, msg.message)  # type: ignore[union-attr]
+            self._drop(peer)
+
+    def _bad_frame(self, identity: bytes, peer: _Peer | None, exc: ProtocolError) -> None:
+        """Log (rate-limited), answer ERROR, and end the connection of a known peer. Never
+        raises; never touches another peer's state."""
+        self._bad_frames += 1
+        n = self._bad_by_peer[identity] = self._bad_by_peer.get(identity, 0) + 1
+        if len(self._bad_by_peer) > 1024:  # bounded memory under a flood of identities
+            self._bad_by_peer.clear()
+        who = peer.label if peer else f"unknown peer {identity.hex()[:16]}"
+        if n <= _BAD_FRAME_LOG_FIRST or n % 1000 == 0:
+            log.warning("ipcsync producer %r rejected a frame from %s (%d so far): %s",
+                        self.endpoint.name, who, n, exc)
+        code = "version" if isinstance(exc, P.VersionMismatch) else "protocol"
+        try:
+            self._chan.send(identity, P.encode(P.Error(code, str(exc)[:1000])))
+        except zmq.ZMQError:
+            pass
+        if peer is not None:
+            self._drop(peer)
+
+    def _on_hello(self, identity: bytes, hello: P.Hello, fd: int) -> None:
+        # Monitor events first: a DISCONNECTED of an earlier connection on the same fd must
+        # not be applied to this one.
+        for ev, efd in self._chan.events():
+            self._on_monitor(ev, efd)
+        problem = self._hello_problem(hello)
+        if problem is not None:
+            code, text = problem
+            log.warning("ipcsync producer %r refused consumer pid %d: %s", self.endpoint.name, hello.pid, text)
+            try:
+                self._chan.send(identity, P.encode(P.Error(code, text)))
+            except zmq.ZMQError:
+                pass
+            return
+        now = time.monotonic()
+        peer = _Peer(identity, fd, hello, P.Conversation("producer"), last_recv=now)
+        peer.conv.receive(hello)
+        self._peers[identity] = peer
+        if fd >= 0:
+            self._fd_peer[fd] = identity
+        setup = P.Setup(
+            version=P.PROTOCOL_VERSION,
+            pid=self._pid,
+            start_time=_host.start_time(self._pid),
+            pid_ns=_host.pid_namespace(),
+            backend=self._backend.name,
+            device=self._backend.device_identity(),
+            arenas=[self._arena.handle],
+            arena_bytes=[self._arena.nbytes],
+            slots=[(0, i * self._stride, self.slot_bytes) for i in range(self.slots)],
+            ready_events=[e.handle() for e in self._ready_events],
+            heartbeat_ms=int(self._heartbeat * 1000),
+        )
+        self._send(peer, P.encode(setup))
+
+    def _hello_problem(self, hello: P.Hello) -> tuple[str, str] | None:
+        if self._closing:
+            return "closing", "the producer is closing and accepts no new consumers"
+        if hello.boot_id != _host.boot_id():
+            return "host", (
+                "consumer runs on another host or boot; shared memory and CUDA IPC need "
+                "both processes on one machine"
+            )
+        if hello.backend != self._backend.name:
+            return "backend", (
+                f"producer uses the {self._backend.name} backend (device {self.device}) but "
+                f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
+            )
+        if hello.credits < 1:
+            return "credits", "consumer credits must be at least 1"
+        return None
+
+    def _on_attach(self, peer: _Peer, msg: P.Attach) -> None:
+        if len(msg.release_events) != self.slots:
+            self._bad_frame(peer.identity, peer, ProtocolError(
+                f"ATTACH carries {len(msg.release_events)} release events for {self.slots} slots"))
+            return
+        try:
+            peer.release_events = [self._backend.open_event(h) for h in msg.release_events]
+        except Exception as exc:
+            self._bad_frame(peer.identity, peer, ProtocolError(f"cannot open release events: {exc}"))
+            return
+        self._ring.add_consumer(peer.identity, min(peer.hello.credits, self.slots))
+        log.debug("ipcsync producer %r: %s attached", self.endpoint.name, peer.label)
+        if self._closing and self._ring.queued == 0:
+            self._say_bye(peer, "producer closed")
+        self._dispatch()
+
+    def _on_release(self, peer: _Peer, msg: P.Release) -> None:
+        now_ns = time.monotonic_ns()
+        for seq, slot, gen in msg.entries:
+            try:
+                freed = self._ring.release(peer.identity, seq, slot, gen)
+            except ProtocolError as exc:
+                # Rejected, not fatal: a stale release can never free a newer item.
+                self._bad_frames += 1
+                log.warning("ipcsync producer %r ignored a release from %s: %s",
+                            self.endpoint.name, peer.label, exc)
+                continue
+            if freed:
+                self._frames[slot] = None
+                self._stats.latency((now_ns - self._sent_ns[slot]) / 1e9)
+
+    def _say_bye(self, peer: _Peer, reason: str) -> None:
+        if not peer.bye_sent:
+            peer.bye_sent = True
+            self._send(peer, P.encode(P.Bye(reason)))
+
+    def _drop(self, peer: _Peer) -> None:
+        """Forget a peer that said goodbye or broke the protocol; reclaim its slots."""
+        if self._peers.pop(peer.identity, None) is None:
+            return
+        if self._fd_peer.get(peer.fd) == peer.identity:
+            del self._fd_peer[peer.fd]
+        peer.conv.close()
+        freed = self._ring.remove_consumer(peer.identity)
+        for slot in freed:
+            self._frames[slot] = None
+        peer.release_events = []
+        self._bad_by_peer.pop(peer.identity, None)
+        self._backend.collect()
+        self._dispatch()
+
+    def _lose(self, peer: _Peer, why: str) -> None:
+        """A consumer died or went silent: reclaim what it held, serve the others."""
+        if peer.identity not in self._peers:
+            return
+        held = len(self._ring.held_by(peer.identity))
+        if not peer.bye_received and peer.conv.state != "closed":
+            log.warning("ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
+                        self.endpoint.name, peer.label, why, held)
+        self._drop(peer)
+
+    def _tick_peers(self, now: float) -> None:
+        same_ns = _host.pid_namespace()
+        for peer in list(self._peers.values()):
+            hb = peer.hello.heartbeat_ms / 1000
+            if hb and now - peer.last_recv > 1.5 * hb:
+                self._lose(peer, f"silent for {now - peer.last_recv:.2f} s")
+                continue
+            if peer.hello.pid_ns == same_ns and not _host.process_alive(peer.hello.pid, peer.hello.start_time):
+                self._lose(peer, "process exited")
+                continue
+            if self._heartbeat and not peer.outbox and now - peer.last_send > self._heartbeat / 4:
+                self._try_send(peer, P.encode(P.Heartbeat()))
+
+    def _teardown(self) -> None:
+        """Free everything. Lock held (or the object is being collected)."""
+        self._peers.clear()
+        self._fd_peer.clear()
+        for closer in (self._chan.close, self._arena.close, self._backend.collect, self._backend.close):
+            try:
+                closer()
+            except Exception as exc:
+                log.debug("ipcsync producer teardown: %s", exc)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

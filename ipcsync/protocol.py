@@ -1,0 +1,495 @@
+"""The ipcsync wire protocol, sans-IO: bytes in, messages out. No sockets, no zmq, no torch.
+
+A frame is one msgpack array ``[type, field, field, ...]`` whose fields follow the schema
+of its type (``SCHEMAS``, written as data). Decoding is defensive: the frame size is
+checked before msgpack sees it, msgpack gets hard caps on every length, extension types are
+refused, nesting depth is bounded, and every field is validated before a message object
+exists. Anything wrong raises :class:`~ipcsync.errors.ProtocolError` naming the reason.
+
+Conversation (one consumer connection)::
+
+    consumer                         producer
+    HELLO{version, pid, ...}   ->
+                               <-    SETUP{slots, arena handles, ready-event handles}
+    ATTACH{release-event handles} ->
+                               <-    READY{seq, slot, gen, layout, meta}     (many)
+    RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
+    HEARTBEAT                  <->   HEARTBEAT                                (when idle)
+    BYE{reason}                <->   BYE{reason}                              (either side)
+    ERROR{code, message}       <->   ERROR{code, message}                     (then close)
+
+The per-connection state machine is ``TRANSITIONS``: for each role and state, which
+received message types are allowed and which state they lead to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Final, Union
+
+import msgpack
+
+from .errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Limits",
+    "DEFAULT_LIMITS",
+    "Hello",
+    "Setup",
+    "Attach",
+    "Ready",
+    "Release",
+    "Heartbeat",
+    "Bye",
+    "Error",
+    "Message",
+    "encode",
+    "decode",
+    "Conversation",
+    "VersionMismatch",
+    "check_meta",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+# Largest integer accepted in any integer field (sequence numbers, offsets, sizes, pids).
+_MAX_INT: Final = 2**62
+# A handle (shared-memory name, CUDA IPC handle) is small; cap it to keep frames small.
+_MAX_HANDLE_BYTES: Final = 4096
+_MAX_TEXT: Final = 4096
+# torch tensors have at most 64 dimensions.
+_MAX_NDIM: Final = 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard caps applied to every received frame. A frame over any cap is refused."""
+
+    max_frame: int = 1 << 20  # bytes in one frame
+    max_depth: int = 32  # nesting of arrays/maps (meta and layout trees)
+    max_items: int = 65536  # entries in one array or map
+    max_tensors: int = 4096  # tensors in one message
+    max_slots: int = 4096  # slots in one ring
+    max_release_batch: int = 4096  # entries in one RELEASE
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    def __init__(self, peer_version: object) -> None:
+        self.peer_version = peer_version
+        super().__init__(
+            f"peer speaks ipcsync protocol version {peer_version!r}, this process speaks "
+            f"version {PROTOCOL_VERSION}; install the same ipcsync version on both sides"
+        )
+
+
+# --------------------------------------------------------------------------- validators
+# Each validator takes the decoded value and the limits, returns the value to store (possibly
+# converted) or raises ProtocolError. They are composed into SCHEMAS below.
+
+Validator = Callable[[Any, Limits], Any]
+
+
+def _fail(what: str) -> ProtocolError:
+    return ProtocolError(what)
+
+
+def _uint(v: Any, lim: Limits) -> int:
+    if type(v) is not int or v < 0 or v > _MAX_INT:
+        raise _fail(f"expected a non-negative integer, got {_describe(v)}")
+    return v
+
+
+def _int(v: Any, lim: Limits) -> int:
+    if type(v) is not int or abs(v) > _MAX_INT:
+        raise _fail(f"expected an integer, got {_describe(v)}")
+    return v
+
+
+def _text(v: Any, lim: Limits) -> str:
+    if type(v) is not str or len(v) > _MAX_TEXT:
+        raise _fail(f"expected a string of at most {_MAX_TEXT} characters, got {_describe(v)}")
+    return v
+
+
+def _opt_text(v: Any, lim: Limits) -> str | None:
+    return None if v is None else _text(v, lim)
+
+
+def _handle(v: Any, lim: Limits) -> bytes | str:
+    if type(v) not in (bytes, str) or len(v) > _MAX_HANDLE_BYTES:
+        raise _fail(f"expected a handle (bytes or str up to {_MAX_HANDLE_BYTES}), got {_describe(v)}")
+    return v
+
+
+def _list_of(item: Validator, cap: Callable[[Limits], int]) -> Validator:
+    def check(v: Any, lim: Limits) -> list[Any]:
+        if type(v) is not list:
+            raise _fail(f"expected an array, got {_describe(v)}")
+        if len(v) > cap(lim):
+            raise _fail(f"array of {len(v)} entries exceeds the limit of {cap(lim)}")
+        return [item(x, lim) for x in v]
+
+    return check
+
+
+def _slot_desc(v: Any, lim: Limits) -> tuple[int, int, int]:
+    if type(v) is not list or len(v) != 3:
+        raise _fail(f"a slot descriptor is [arena, offset, nbytes], got {_describe(v)}")
+    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+
+def _release_entry(v: Any, lim: Limits) -> tuple[int, int, int]:
+    if type(v) is not list or len(v) != 3:
+        raise _fail(f"a release entry is [seq, slot, gen], got {_describe(v)}")
+    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+
+def _meta(v: Any, lim: Limits) -> Any:
+    check_meta(v, lim.max_depth)
+    return v
+
+
+def _layout(v: Any, lim: Limits) -> Any:
+    """Structure of a message layout: ``[tree, specs]`` (see ipcsync.layout).
+
+    tree  := int (index of a tensor spec) | ["d", [key, ...], [tree, ...]]
+           | ["l", [tree, ...]] | ["t", [tree, ...]]
+    spec  := [dtype name, [size, ...], [stride, ...], byte offset in slot]
+
+    Checked here: types, ranges, depth, that every spec is used exactly once. The dtype
+    name and the bounds against the slot size are checked by ipcsync.layout.
+    """
+    if type(v) is not list or len(v) != 2:
+        raise _fail("a layout is [tree, specs]")
+    tree, specs = v
+    if type(specs) is not list or len(specs) > lim.max_tensors:
+        raise _fail(f"layout specs must be an array of at most {lim.max_tensors} tensors")
+    for spec in specs:
+        if type(spec) is not list or len(spec) != 4:
+            raise _fail(f"a tensor spec is [dtype, shape, stride, offset], got {_describe(spec)}")
+        dtype, shape, stride, offset = spec
+        if type(dtype) is not str or len(dtype) > 64:
+            raise _fail(f"tensor dtype must be a short string, got {_describe(dtype)}")
+        for dims, what in ((shape, "shape"), (stride, "stride")):
+            if type(dims) is not list or len(dims) > _MAX_NDIM:
+                raise _fail(f"tensor {what} must be an array of at most {_MAX_NDIM} integers")
+            for d in dims:
+                _uint(d, lim)
+        if len(shape) != len(stride):
+            raise _fail(f"tensor shape has {len(shape)} dims but stride has {len(stride)}")
+        _uint(offset, lim)
+    seen: set[int] = set()
+    # Iterative walk: (node, depth).
+    stack: list[tuple[Any, int]] = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > lim.max_depth:
+            raise _fail(f"layout nesting exceeds depth {lim.max_depth}")
+        if type(node) is int:
+            if node < 0 or node >= len(specs) or node in seen:
+                raise _fail(f"layout leaf {node} is out of range or used twice")
+            seen.add(node)
+            continue
+        if type(node) is not list or not node or node[0] not in ("d", "l", "t"):
+            raise _fail(f"layout node must be an index or a d/l/t container, got {_describe(node)}")
+        if node[0] == "d":
+            if len(node) != 3 or type(node[1]) is not list or type(node[2]) is not list:
+                raise _fail("a dict layout node is ['d', keys, children]")
+            keys, children = node[1], node[2]
+            if len(keys) != len(children) or any(type(k) is not str for k in keys):
+                raise _fail("dict layout keys must be strings, one per child")
+            if len(set(keys)) != len(keys):
+                raise _fail("dict layout keys must be distinct")
+        else:
+            if len(node) != 2 or type(node[1]) is not list:
+                raise _fail(f"a {node[0]!r} layout node is [{node[0]!r}, children]")
+            children = node[1]
+        stack.extend((c, depth + 1) for c in children)
+    if len(seen) != len(specs):
+        raise _fail("layout has tensor specs that no tree leaf uses")
+    return v
+
+
+def _describe(v: Any) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r[:40]}{'...' if len(r) > 40 else ''}"
+
+
+def check_meta(v: Any, max_depth: int = DEFAULT_LIMITS.max_depth) -> None:
+    """Raise ProtocolError unless ``v`` is plain msgpack data (None, bool, int, float, str,
+    bytes, list/tuple, dict with str keys) nested at most ``max_depth`` deep."""
+    stack: list[tuple[Any, int]] = [(v, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise _fail(f"meta nesting exceeds depth {max_depth}")
+        t = type(node)
+        if t in (list, tuple):
+            stack.extend((c, depth + 1) for c in node)
+        elif t is dict:
+            for k, c in node.items():
+                if type(k) is not str:
+                    raise _fail(f"meta dict keys must be strings, got {_describe(k)}")
+                stack.append((c, depth + 1))
+        elif node is not None and t not in (bool, int, float, str, bytes):
+            raise _fail(f"meta may hold only plain msgpack data, got {_describe(node)}")
+        elif t is int and not -(2**63) <= node < 2**64:
+            raise _fail(f"meta integer {node} does not fit in 64 bits")
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Consumer -> producer, first message. Says who the consumer is and where it runs."""
+
+    TYPE: ClassVar[int] = 1
+    version: int
+    pid: int
+    start_time: int  # process start time (clock ticks since boot); with pid, names a process
+    boot_id: str  # /proc/sys/kernel/random/boot_id: same boot <=> same host and boot
+    pid_ns: str  # PID namespace identity ("" where unknown)
+    backend: str  # "cpu" or "cuda"
+    device: str | None  # device identity (GPU UUID) or None on the CPU backend
+    credits: int  # how many items this consumer will hold at once, at most
+    heartbeat_ms: int  # 0: no heartbeat-based loss detection
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """Producer -> consumer: the ring. Arenas and events are exported once here."""
+
+    TYPE: ClassVar[int] = 2
+    version: int
+    pid: int
+    start_time: int
+    pid_ns: str
+    backend: str
+    device: str | None
+    arenas: list[bytes | str]  # backend handles, one per arena
+    arena_bytes: list[int]  # size of each arena
+    slots: list[tuple[int, int, int]]  # per slot: (arena index, byte offset, nbytes)
+    ready_events: list[bytes | str]  # per slot: handle of the producer's ready event
+    heartbeat_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Consumer -> producer: the consumer's release-event handles, one per slot."""
+
+    TYPE: ClassVar[int] = 3
+    release_events: list[bytes | str]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Producer -> consumer: slot ``slot`` of generation ``gen`` holds item ``seq``."""
+
+    TYPE: ClassVar[int] = 4
+    seq: int
+    slot: int
+    gen: int
+    sent_ns: int  # producer's time.monotonic_ns() at send (same host: comparable)
+    layout: Any  # see _layout
+    meta: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Consumer -> producer: these items are released (batched)."""
+
+    TYPE: ClassVar[int] = 5
+    entries: list[tuple[int, int, int]]  # (seq, slot, gen)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Either way, when a side has sent nothing for a while."""
+
+    TYPE: ClassVar[int] = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Either way: this side is closing. From the producer it follows the last READY."""
+
+    TYPE: ClassVar[int] = 7
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either way: the peer did something wrong; ``code`` is machine-readable."""
+
+    TYPE: ClassVar[int] = 8
+    code: str
+    message: str
+
+
+Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error]
+
+# The schema of each message type, as data: field validators in wire order.
+SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
+    Hello: (_uint, _uint, _uint, _text, _text, _text, _opt_text, _uint, _uint),
+    Setup: (
+        _uint,
+        _uint,
+        _uint,
+        _text,
+        _text,
+        _opt_text,
+        _list_of(_handle, lambda lim: lim.max_slots),
+        _list_of(_uint, lambda lim: lim.max_slots),
+        _list_of(_slot_desc, lambda lim: lim.max_slots),
+        _list_of(_handle, lambda lim: lim.max_slots),
+        _uint,
+    ),
+    Attach: (_list_of(_handle, lambda lim: lim.max_slots),),
+    Ready: (_uint, _uint, _uint, _uint, _layout, _meta),
+    Release: (_list_of(_release_entry, lambda lim: lim.max_release_batch),),
+    Heartbeat: (),
+    Bye: (_text,),
+    Error: (_text, _text),
+}
+_BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
+_FIELDS: Final[dict[type, tuple[str, ...]]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in SCHEMAS
+}
+for _cls, _schema in SCHEMAS.items():
+    assert len(_schema) == len(_FIELDS[_cls]), _cls
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message to one frame."""
+    cls = type(msg)
+    return msgpack.packb(
+        [cls.TYPE, *(getattr(msg, f) for f in _FIELDS[cls])], use_bin_type=True
+    )
+
+
+def encode_ready(seq: int, slot: int, gen: int, sent_ns: int, layout: Any, meta: Any) -> bytes:
+    """Hot-path encoder for READY, identical in output to ``encode(Ready(...))``."""
+    return msgpack.packb([4, seq, slot, gen, sent_ns, layout, meta], use_bin_type=True)
+
+
+def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode and validate one frame. Raises ProtocolError naming the reason."""
+    if len(frame) > limits.max_frame:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {limits.max_frame}")
+    if not frame:
+        raise ProtocolError("empty frame")
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=limits.max_frame,
+            max_bin_len=limits.max_frame,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"malformed msgpack frame: {type(exc).__name__}: {exc}") from None
+    if type(obj) is not list or not obj:
+        raise ProtocolError(f"a frame must be a non-empty msgpack array, got {_describe(obj)}")
+    kind = obj[0]
+    cls = _BY_TYPE.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {_describe(kind)}")
+    if cls is Hello or cls is Setup:
+        # Check the version first, so a peer of another version gets a version error even
+        # when its message has other fields.
+        if len(obj) < 2 or obj[1] != PROTOCOL_VERSION:
+            raise VersionMismatch(obj[1] if len(obj) > 1 else None)
+    schema = SCHEMAS[cls]
+    if len(obj) - 1 != len(schema):
+        raise ProtocolError(
+            f"{cls.__name__.upper()} has {len(obj) - 1} fields, expected {len(schema)}"
+        )
+    values = []
+    for name, check, value in zip(_FIELDS[cls], schema, obj[1:]):
+        try:
+            values.append(check(value, limits))
+        except ProtocolError as exc:
+            raise ProtocolError(f"{cls.__name__.upper()}.{name}: {exc}") from None
+    return cls(*values)
+
+
+# --------------------------------------------------------------------------- conversation
+
+# State machine of one connection, as data: (role, state) -> {received type: next state}.
+# A message type absent from a state's table is a protocol violation in that state.
+TRANSITIONS: Final[dict[tuple[str, str], dict[type, str]]] = {
+    ("producer", "await_hello"): {Hello: "await_attach", Bye: "closed", Error: "closed"},
+    ("producer", "await_attach"): {
+        Attach: "active",
+        Heartbeat: "await_attach",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("producer", "active"): {
+        Release: "active",
+        Heartbeat: "active",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("consumer", "await_setup"): {
+        Setup: "active",
+        Heartbeat: "await_setup",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("consumer", "active"): {
+        Ready: "active",
+        Heartbeat: "active",
+        Bye: "closed",
+        Error: "closed",
+    },
+}
+_INITIAL: Final = {"producer": "await_hello", "consumer": "await_setup"}
+
+
+class Conversation:
+    """The protocol state of one connection, seen from one side (``role``)."""
+
+    __slots__ = ("role", "state")
+
+    def __init__(self, role: str) -> None:
+        if role not in _INITIAL:
+            raise ValueError(f"role must be 'producer' or 'consumer', not {role!r}")
+        self.role = role
+        self.state = _INITIAL[role]
+
+    def receive(self, msg: Message) -> str:
+        """Advance on a received message; return the new state. Raises ProtocolError for a
+        message that is not allowed in the current state (the state does not change)."""
+        if self.state == "closed":
+            raise ProtocolError(f"{type(msg).__name__.upper()} received after the connection closed")
+        nxt = TRANSITIONS[(self.role, self.state)].get(type(msg))
+        if nxt is None:
+            raise ProtocolError(
+                f"{type(msg).__name__.upper()} is not allowed while the {self.role} is in "
+                f"state {self.state!r}"
+            )
+        self.state = nxt
+        return nxt
+
+    def close(self) -> None:
+        self.state = "closed"

@@ -1,0 +1,50 @@
+"""Counters behind ``Producer.stats()`` and ``Consumer.stats()``. Cheap to update: a few
+integer adds and one deque append per handoff."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["Stats"]
+
+
+class Stats:
+    """Handoffs, bytes, latency samples and time spent waiting, by cause."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.started = time.monotonic()
+        self.handoffs = 0
+        self.bytes = 0
+        self.latencies: deque[float] = deque(maxlen=window)  # seconds, newest last
+        self.waiting: dict[str, float] = {}
+
+    def count(self, nbytes: int) -> None:
+        self.handoffs += 1
+        self.bytes += nbytes
+
+    def latency(self, seconds: float) -> None:
+        self.latencies.append(seconds)
+
+    def waited(self, cause: str, seconds: float) -> None:
+        self.waiting[cause] = self.waiting.get(cause, 0.0) + seconds
+
+    def snapshot(self, **extra: Any) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        lat = sorted(self.latencies)
+
+        def pct(p: float) -> float | None:
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+        out: dict[str, Any] = {
+            "handoffs": self.handoffs,
+            "bytes": self.bytes,
+            "elapsed_s": elapsed,
+            "rate_per_s": self.handoffs / elapsed,
+            "bytes_per_s": self.bytes / elapsed,
+            "latency_s": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "samples": len(lat)},
+            "waiting_s": dict(self.waiting),
+        }
+        out.update(extra)
+        return out
