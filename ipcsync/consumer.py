@@ -144,6 +144,7 @@ class Consumer(_Endpoint):
         self._error: IpcSyncError | None = None
         self._bye_received = False
         self._bye_sent = False
+        self._bye_acked = False
         self._rehello = False
         self._arenas: list[Arena] = []
         self._slot_views: list[torch.Tensor] = []
@@ -219,11 +220,13 @@ class Consumer(_Endpoint):
                     r = self._ready.popleft()
                     self._pending.append((r.seq, r.slot, r.gen))
                 self._flush_releases()
-                if self._conv.state == "active" and self._error is None:
+                if self._conv.state in ("active", "ending") and self._error is None and not self._bye_acked:
                     self._say_bye()
                     t = self._resolve_timeout(timeout)
                     t = 1.0 if t is None else min(t, 1.0)
-                    self._wait_until(lambda: self._bye_received or self._error is not None, t)
+                    # Our RELEASE and BYE frames are delivered once the producer acks the
+                    # BYE; only then may the socket close (linger 0 drops unsent frames).
+                    self._wait_until(lambda: self._bye_acked or self._error is not None, t)
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
             self._closed = True
@@ -320,7 +323,7 @@ class Consumer(_Endpoint):
             self._flush_releases()
 
     def _flush_releases(self) -> None:
-        if not self._pending or self._error is not None or self._conv.state != "active":
+        if not self._pending or self._error is not None or self._conv.state not in ("active", "ending"):
             return
         n = min(len(self._pending), self._limits.max_release_batch)
         if self._send_frame(P.encode(P.Release(self._pending[:n]))):
@@ -367,8 +370,22 @@ class Consumer(_Endpoint):
             self._chan.sock.disconnect(self.endpoint.url)
         except zmq.ZMQError:
             pass
-        if self._setup is not None and not self._producer_alive():
-            remove_stale(self.endpoint)
+        self._remove_stale_endpoint(wait=0.0)
+
+    def _remove_stale_endpoint(self, wait: float) -> None:
+        """Whoever notices a dead producer removes its stale socket files. A killed process
+        keeps its files (and its bind lock) until its last thread has exited, which can be
+        after its main thread shows as a zombie: retry for up to ``wait`` seconds."""
+        if self._setup is None or self._setup.pid_ns != _host.pid_namespace():
+            return
+        deadline = time.monotonic() + wait
+        while True:
+            if not self._producer_alive() and remove_stale(self.endpoint):
+                log.debug("ipcsync consumer: removed stale endpoint %s", self.endpoint.path)
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def _producer_alive(self) -> bool:
         s = self._setup
@@ -396,8 +413,11 @@ class Consumer(_Endpoint):
             self._last_recv = time.monotonic()
             self._on_frames(frames)
         # Frames that arrived before the disconnect count (a BYE then a close is clean).
-        if disconnected and not self._bye_received:
-            self._lost("disconnected")
+        if disconnected:
+            if self._bye_sent:
+                self._bye_acked = True  # the producer closed after our goodbye
+            elif not self._bye_received:
+                self._lost("disconnected")
         if self._error is None:
             if not self._ready:
                 self._flush_releases()
@@ -426,6 +446,8 @@ class Consumer(_Endpoint):
             self._on_setup(msg)  # type: ignore[arg-type]
         elif kind is P.Bye:
             self._bye_received = True
+            if self._bye_sent:
+                self._bye_acked = True
         elif kind is P.Error:
             self._on_error(msg)  # type: ignore[arg-type]
 
@@ -488,6 +510,8 @@ class Consumer(_Endpoint):
             self._send_frame(P.encode(P.Heartbeat()))
 
     def _teardown(self) -> None:
+        if isinstance(self._error, PeerLostError):
+            self._remove_stale_endpoint(wait=0.5)
         self._ready.clear()
         self._ready_events = []
         self._release_events = []

@@ -19,6 +19,8 @@ the slot lives on.
 from __future__ import annotations
 
 import math
+import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -46,8 +48,9 @@ for _name in dir(torch):
     _obj = getattr(torch, _name)
     if isinstance(_obj, torch.dtype):
         _canon = str(_obj).removeprefix("torch.")
-        # Quantized dtypes are not plain strided memory; they cannot travel as bytes.
-        if not _canon.startswith("q"):
+        # Quantized dtypes are not plain strided memory, and torch cannot copy the
+        # sub-byte integer dtypes (int1..int7, uint1..uint7): neither can travel as bytes.
+        if not _canon.startswith("q") and not re.fullmatch(r"u?int[1-7]", _canon):
             _DTYPES[_canon] = _obj
 
 
@@ -166,7 +169,7 @@ def plan_empty(
             raise ConfigError(f"field names must be strings, got {k!r}")
         try:
             shape, dtype = spec
-            shape = [int(s) for s in shape]
+            shape = [operator.index(s) for s in shape]
         except (TypeError, ValueError):
             raise ConfigError(f"field {k!r} must be (shape, dtype), got {spec!r}") from None
         if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in _DTYPES:
@@ -187,6 +190,8 @@ def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torc
     name, shape, stride, offset = spec
     dtype = dtype_from_name(name)
     n = span_elements(shape, stride)
+    if math.prod(max(s, 1) for s in shape) >= 2**63:
+        raise ProtocolError(f"tensor shape {list(shape)} has more elements than torch can index")
     if offset % dtype.itemsize:
         raise ProtocolError(f"tensor offset {offset} is not aligned to its item size")
     end = offset + n * dtype.itemsize

@@ -457,8 +457,11 @@ class Producer(_Endpoint):
         elif kind is P.Attach:
             self._on_attach(peer, msg)  # type: ignore[arg-type]
         elif kind is P.Bye:
+            # Always acknowledged: the consumer closes its socket (linger 0) only after
+            # this ack, which proves its earlier frames (releases, BYE) arrived.
             peer.bye_received = True
-            self._say_bye(peer, "goodbye")
+            peer.bye_sent = True
+            self._send(peer, P.encode(P.Bye("ack")))
             self._drop(peer)
         elif kind is P.Error:
             log.warning("ipcsync: %s reported an error: %s: %s", peer.label, msg.code, msg.message)  # type: ignore[union-attr]
@@ -573,8 +576,10 @@ class Producer(_Endpoint):
 
     def _drop(self, peer: _Peer) -> None:
         """Forget a peer that said goodbye or broke the protocol; reclaim its slots."""
-        if self._peers.pop(peer.identity, None) is None:
+        if self._peers.get(peer.identity) is not peer:
             return
+        self._flush_outboxes()  # last words (ERROR, BYE) go out before we forget the peer
+        del self._peers[peer.identity]
         if self._fd_peer.get(peer.fd) == peer.identity:
             del self._fd_peer[peer.fd]
         peer.conv.close()

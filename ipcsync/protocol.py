@@ -15,7 +15,8 @@ Conversation (one consumer connection)::
                                <-    READY{seq, slot, gen, layout, meta}     (many)
     RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
     HEARTBEAT                  <->   HEARTBEAT                                (when idle)
-    BYE{reason}                <->   BYE{reason}                              (either side)
+    BYE{reason}                <->   BYE{reason}              (either side; a consumer's BYE is
+                                                               always acknowledged with a BYE)
     ERROR{code, message}       <->   ERROR{code, message}                     (then close)
 
 The per-connection state machine is ``TRANSITIONS``: for each role and state, which
@@ -69,7 +70,9 @@ class Limits:
 
     max_frame: int = 1 << 20  # bytes in one frame
     max_depth: int = 32  # nesting of arrays/maps (meta and layout trees)
-    max_items: int = 65536  # entries in one array or map
+    # Entries in one array or map. msgpack pre-allocates a container when it reads its
+    # header, so this also bounds what a frame of nested headers can make it allocate.
+    max_items: int = 4096
     max_tensors: int = 4096  # tensors in one message
     max_slots: int = 4096  # slots in one ring
     max_release_batch: int = 4096  # entries in one RELEASE
@@ -459,7 +462,14 @@ TRANSITIONS: Final[dict[tuple[str, str], dict[type, str]]] = {
     ("consumer", "active"): {
         Ready: "active",
         Heartbeat: "active",
-        Bye: "closed",
+        Bye: "ending",
+        Error: "closed",
+    },
+    # After the producer's BYE: no more items; the consumer still releases what it holds,
+    # then says BYE, which the producer acknowledges with a BYE of its own.
+    ("consumer", "ending"): {
+        Heartbeat: "ending",
+        Bye: "ending",
         Error: "closed",
     },
 }

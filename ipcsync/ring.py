@@ -97,7 +97,8 @@ class Ring:
         self.state[slot] = SlotState.WRITING
         self.gen[slot] += 1
         last = frozenset(c for c in self._last_holders[slot] if c in self._consumers)
-        self._last_holders[slot] = frozenset()
+        # Cleared at commit, not here: an aborted write leaves the previous item's holders
+        # for the next acquire of this slot.
         return Acquired(slot, self.gen[slot], last)
 
     def abort(self, slot: int) -> None:
@@ -111,6 +112,7 @@ class Ring:
         self._expect(slot, SlotState.WRITING)
         seq = self.next_seq
         self.next_seq += 1
+        self._last_holders[slot] = frozenset()
         self.state[slot] = SlotState.QUEUED
         self.seq[slot] = seq
         self._queue.append(slot)

@@ -8,6 +8,7 @@ the consumer checks every tensor, the order and the meta.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 import ipcsync
+
+logging.basicConfig(level=os.environ.get("IPCSYNC_TEST_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
 
 
 def say(**kw: Any) -> None:

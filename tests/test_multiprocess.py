@@ -72,9 +72,9 @@ def test_consumer_sigkilled_midstream_producer_reclaims_and_serves_next(procs, r
     p = prod.result()
     assert c2["errors"] == []
     assert c2["end"] == "stop"
-    # The first consumer saw items 0..99 and held at most `slots` more; the second gets
-    # the rest in order, with no duplicates.
-    assert 100 < c2["first"][0] <= 100 + 4
+    # The first consumer saw items 0..99 and at most `slots` more were in flight to it
+    # (lost with it); the second gets the rest in order, with no duplicates.
+    assert 100 <= c2["first"][0] <= 100 + 4
     assert c2["last"] == [n - 1]
     assert c2["received"] == n - c2["first"][0]
     assert p["sent"] == n
