@@ -118,6 +118,8 @@ class _Endpoint:
     ) -> bool:
         """Pump until ``done()`` or the timeout; True if done. Raises the endpoint's pending
         error (e.g. PeerLostError) as soon as it appears. Lock held."""
+        if done():  # e.g. an item already buffered: no socket work on this call
+            return True
         self._pump()
         if done():
             return True

@@ -97,7 +97,7 @@ def resolve_endpoint(name: str) -> Endpoint:
     elif "://" in name:
         raise ConfigError(f"endpoint {name!r}: only bare names, ipc:// and tcp:// are supported")
     else:
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise ConfigError(
                 f"endpoint name {name!r} must be 1-64 characters of letters, digits, '.', "
                 "'_' and '-', starting with a letter or digit"
@@ -123,7 +123,10 @@ class BindLock:
         path = self.endpoint.lock_path
         assert path is not None
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:
+                raise ConfigError(f"cannot open the bind lock {path}: {exc}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -197,8 +200,14 @@ class _Channel:
         """Block up to ``timeout`` seconds for a frame or a monitor event."""
         return bool(self.poller.poll(max(0, int(timeout * 1000))))
 
+    def readable(self) -> bool:
+        """A frame is waiting (cheaper than a non-blocking recv that raises zmq.Again)."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def events(self) -> Iterator[tuple[int, int]]:
         """Pending monitor events as (event, fd), without blocking."""
+        if self.mon is None or not self.mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
         while True:
             try:
                 raw = self.mon.recv_multipart(zmq.NOBLOCK)
@@ -257,6 +266,8 @@ class ProducerChannel(_Channel):
     def recv(self) -> tuple[bytes, list[bytes], int] | None:
         """One message as (identity, payload frames, connection fd), or None if none is
         waiting."""
+        if not self.readable():
+            return None
         try:
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -297,6 +308,8 @@ class ConsumerChannel(_Channel):
             raise
 
     def recv(self) -> list[bytes] | None:
+        if not self.readable():
+            return None
         try:
             return self.sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:

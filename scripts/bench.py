@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="send,slot")
     ap.add_argument("--waits", default=None, help="wait modes (CUDA): gpu,host")
     args = ap.parse_args(argv)
+    # One intra-op thread per process for every method (as torchrun does), so the two
+    # processes of a run do not spin against each other in OpenMP on a small machine.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("IPCSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="ipcs-bench-", dir="/tmp"))
     device = args.device
     waits = (args.waits or ("gpu,host" if device.startswith("cuda") else "gpu")).split(",")
