@@ -226,6 +226,7 @@ class _Channel:
             except zmq.ZMQError:
                 pass
             self.mon.close(linger=0)
+            self.mon = None
         sock.close(linger=0)
 
 

@@ -142,7 +142,7 @@ class CpuBackend(Backend):
         return CpuArena(name, nbytes, owner=True)
 
     def open_arena(self, handle: bytes | str, nbytes: int) -> CpuArena:
-        if type(handle) is not str or not _NAME_RE.match(handle):
+        if type(handle) is not str or not _NAME_RE.fullmatch(handle):
             raise BackendError(f"not an ipcsync shared-memory name: {handle!r:.60}")
         return CpuArena(handle, nbytes, owner=False)
 
