@@ -14,6 +14,7 @@ not the host; the control channel is ZeroMQ with msgpack messages, never pickle.
 
 from __future__ import annotations
 
+from .backends.cuda import IpcEvent, export_tensor, import_tensor
 from .consumer import Consumer, Item
 from .errors import (
     BackendError,
@@ -34,6 +35,9 @@ __all__ = [
     "Consumer",
     "Item",
     "SlotWriter",
+    "IpcEvent",
+    "export_tensor",
+    "import_tensor",
     "IpcSyncError",
     "ProtocolError",
     "PeerLostError",

@@ -297,7 +297,7 @@ class Consumer(_Endpoint):
                                     self._stats.waited):
                 raise AssertionError("unreachable")
             self._raise_if_broken()
-        ev.wait(self._stream)
+        ev.wait(self._stream)  # on the consumer's stream; no host block
         nbytes = message_nbytes(ready.layout)
         item = Item(self, ready, tensors, nbytes)
         self._held[ready.seq] = item

@@ -202,16 +202,23 @@ def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torc
     return slot[offset:end].view(dtype)
 
 
-def write_message(placement: Placement, slot: torch.Tensor, non_blocking: bool = False) -> None:
+def write_message(placement: Placement, slot: torch.Tensor) -> None:
     """Copy the placement's source tensors into ``slot`` (a uint8 tensor of the slot's bytes)
-    on the current stream of the slot's device."""
+    on the current stream of the slot's device.
+
+    Device-to-device copies are queued without a host sync. A host source is copied
+    synchronously (a pinned source could otherwise be changed by the caller before the copy
+    ran); a device source into a host slot likewise, so the bytes are there before READY.
+    """
     specs = placement.layout[1]
     slot_bytes = slot.numel()
+    on_device = slot.device.type != "cpu"
     for spec, src in zip(specs, placement.tensors):
         dst = _span_view(slot, spec, slot_bytes)
         n = dst.numel()
         if n:
-            dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=non_blocking)
+            src_span = src.as_strided((n,), (1,), src.storage_offset())
+            dst.copy_(src_span, non_blocking=on_device and src.device == slot.device)
 
 
 def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:

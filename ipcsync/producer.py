@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -91,7 +91,10 @@ class Producer(_Endpoint):
         device: ``"cpu"`` or ``"cuda[:N]"``; default: the current CUDA device if any, else cpu.
         policy: with several consumers, ``"shard"`` (each item to one consumer, balanced by
             free credits) or ``"broadcast"`` (every item to every consumer).
-        wait: how the producer waits on consumers' release events (CUDA): ``"gpu"`` or ``"host"``.
+        wait: how the producer waits on consumers' release events before reusing a slot
+            (CUDA): ``"host"`` (default: poll until complete, then enqueue; a consumer that
+            dies mid-record can never wedge the producer's stream; free in steady state,
+            since a slot is reused long after its release) or ``"gpu"`` (enqueue at once).
         timeout: default for every blocking call (seconds; None or inf: wait forever).
         heartbeat: seconds between liveness messages when idle; a consumer silent for 1.5x
             its heartbeat is declared lost. None disables silence detection (disconnects
@@ -109,7 +112,7 @@ class Producer(_Endpoint):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         device: str | torch.device | None = None,
         policy: str = "shard",
-        wait: str = "gpu",
+        wait: str = "host",
         timeout: float | None = 30.0,
         heartbeat: float | None = 1.0,
         stream: Any = None,
@@ -175,11 +178,18 @@ class Producer(_Endpoint):
             self._check_sendable()
             placement = plan_message(message, self.slot_bytes)
             acq = self._acquire(timeout)
+            s = self._stream_or(stream)
             try:
-                slot_view = self._slot_views[acq.slot]
-                self._prepare_slot(acq, stream)
-                write_message(placement, slot_view, non_blocking=self.device.type == "cuda")
-                self._ready_events[acq.slot].record(self._stream_or(stream))
+                with self._on_stream(s):
+                    self._prepare_slot(acq, s)
+                    write_message(placement, self._slot_views[acq.slot])
+                    if s is not None:
+                        # The copy runs on `s`: keep the caching allocator from reusing a
+                        # source's memory before it has run.
+                        for t in placement.tensors:
+                            if t.is_cuda:
+                                t.record_stream(s)
+                    self._ready_events[acq.slot].record(s)
                 return self._commit(acq, placement, meta)
             except BaseException:
                 self._ring.abort(acq.slot)
@@ -209,7 +219,7 @@ class Producer(_Endpoint):
             placement = plan_empty(spec, self.slot_bytes)
             acq = self._acquire(timeout)
             try:
-                self._prepare_slot(acq, stream)
+                self._prepare_slot(acq, self._stream_or(stream))
                 writer = SlotWriter(empty_views(placement, self._slot_views[acq.slot]), meta)
             except BaseException:
                 self._ring.abort(acq.slot)
@@ -315,6 +325,11 @@ class Producer(_Endpoint):
     def _stream_or(self, stream: Any) -> Any:
         return stream if stream is not None else self._stream
 
+    def _on_stream(self, stream: Any) -> Any:
+        if stream is None or self.device.type != "cuda":
+            return nullcontext()
+        return torch.cuda.stream(stream)
+
     def _acquire(self, timeout: float | None) -> Acquired:
         acq = self._ring.acquire()
         if acq is not None:
@@ -333,14 +348,28 @@ class Producer(_Endpoint):
         return acq
 
     def _prepare_slot(self, acq: Acquired, stream: Any) -> None:
-        """Order the overwrite after the previous holders' reads (their release events)."""
+        """Order the overwrite after the previous holders' reads (their release events).
+
+        ``wait="gpu"``: the stream waits on each event at once. ``"host"``: poll ``query()``
+        (pumping, so deaths are noticed) and enqueue only completed events. A holder lost
+        meanwhile is skipped: no wait is ever enqueued on an event a lost peer recorded.
+        """
         for cid in acq.last_holders:
             peer = self._peers.get(cid)  # type: ignore[call-overload]
-            if peer is not None and peer.release_events:
-                ev = peer.release_events[acq.slot]
-                if self.wait_mode == "host":
-                    ev.synchronize(self._timeout)
-                ev.wait(self._stream_or(stream))
+            if peer is None or not peer.release_events:
+                continue
+            ev = peer.release_events[acq.slot]
+            if self.wait_mode == "host" and not ev.query():
+                t = self._timeout
+                if not self._wait_until(lambda: self._peers.get(cid) is not peer or ev.query(),  # type: ignore[call-overload]
+                                        t, "release_event", self._stats.waited):
+                    raise self._timeout_error(
+                        f"{peer.label} did not finish with slot {acq.slot}", t,
+                        "its GPU work on the slot is still running (or wedged)",
+                    )
+                if self._peers.get(cid) is not peer:  # type: ignore[call-overload]
+                    continue
+            ev.wait(stream)
 
     def _commit(self, acq: Acquired, placement: Placement, meta: Any) -> int:
         seq = self._ring.next_seq
@@ -513,7 +542,7 @@ class Producer(_Endpoint):
             pid_ns=_host.pid_namespace(),
             backend=self._backend.name,
             device=self._backend.device_identity(),
-            arenas=[self._arena.handle],
+            arenas=[self._arena.export()],
             arena_bytes=[self._arena.nbytes],
             slots=[(0, i * self._stride, self.slot_bytes) for i in range(self.slots)],
             ready_events=[e.handle() for e in self._ready_events],
@@ -534,6 +563,15 @@ class Producer(_Endpoint):
                 f"producer uses the {self._backend.name} backend (device {self.device}) but "
                 f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
             )
+        if self._backend.name == "cuda":
+            if hello.device != self._backend.device_identity():
+                return "device", (
+                    f"consumer is on GPU {hello.device}, the producer's slots are on "
+                    f"{self._backend.device_identity()} ({self.device}); open the consumer on the "
+                    "producer's GPU (GPUs are matched by UUID, not index)"
+                )
+            if hello.pid_ns != _host.pid_namespace():
+                return "host", "CUDA IPC needs both processes in one PID namespace"
         if hello.credits < 1:
             return "credits", "consumer credits must be at least 1"
         return None

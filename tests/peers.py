@@ -26,19 +26,20 @@ def say(**kw: Any) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def expected(i: int, size: int) -> dict[str, Any]:
+def expected(i: int, size: int, device: str = "cpu") -> dict[str, Any]:
     """Message ``i``: several dtypes, a nested list and tuple, a non-contiguous view."""
-    base = torch.arange(size, dtype=torch.int64) * 7 + i
+    base = torch.arange(size, dtype=torch.int64, device=device) * 7 + i
     return {
         "a": base,
-        "b": [torch.full((3, 2), float(i), dtype=torch.float32).t(), (torch.tensor(i % 2 == 0),)],
-        "c": torch.arange(12, dtype=torch.float64).reshape(3, 4)[:, ::2] + i,
+        "b": [torch.full((3, 2), float(i), dtype=torch.float32, device=device).t(),
+              (torch.tensor(i % 2 == 0, device=device),)],
+        "c": torch.arange(12, dtype=torch.float64, device=device).reshape(3, 4)[:, ::2] + i,
     }
 
 
-def check(item: ipcsync.Item, i: int, size: int) -> str | None:
+def check(item: ipcsync.Item, i: int, size: int, device: str = "cpu") -> str | None:
     """None if item holds message ``i``, else what is wrong."""
-    exp = expected(i, size)
+    exp = expected(i, size, device)
     got = item.tensors
     if item.meta != {"i": i, "tag": f"item-{i}"}:
         return f"meta {item.meta!r} != item {i}"
@@ -59,9 +60,10 @@ def check(item: ipcsync.Item, i: int, size: int) -> str | None:
 def produce(a: dict[str, Any]) -> None:
     n, size = a["n"], a.get("size", 16)
     kill_after = a.get("kill_after")
+    device = a.get("device", "cpu")
     with ipcsync.Producer(
         a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 1 << 16),
-        heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0),
+        heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0), device=device,
     ) as out:
         say(event="bound", pid=os.getpid())
         if a.get("wait_consumers"):
@@ -72,7 +74,7 @@ def produce(a: dict[str, Any]) -> None:
                 say(event="dying", sent=i)
                 os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.monotonic()
-            out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+            out.send(expected(i, size, device), meta={"i": i, "tag": f"item-{i}"})
             blocked = max(blocked, time.monotonic() - t0)
             if a.get("progress") and (i + 1) % a["progress"] == 0:
                 say(event="sent", n=i + 1, consumers=out.consumers)
@@ -92,16 +94,21 @@ def consume(a: dict[str, Any]) -> None:
     got: list[int] = []
     end = "stop"
     t0 = time.monotonic()
-    inp = ipcsync.Consumer(a["endpoint"], heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0))
+    device = a.get("device", "cpu")
+    inp = ipcsync.Consumer(a["endpoint"], heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0),
+                           device=device, wait=a.get("wait", "gpu"))
     say(event="connected", pid=os.getpid(), producer=inp.producer_pid)
     try:
         for item in inp:
             i = item.meta["i"] if isinstance(item.meta, dict) else -1
-            if not a.get("any_order") and got and i != got[-1] + 1:
+            if a.get("sharded"):  # each item to one consumer: ours only increase
+                if got and i <= got[-1]:
+                    errors.append(f"order: {i} after {got[-1]}")
+            elif not a.get("any_order") and got and i != got[-1] + 1:
                 errors.append(f"order: {i} after {got[-1]}")
             if not got and start is not None and i != start:
                 errors.append(f"first item {i}, expected {start}")
-            err = check(item, i, size)
+            err = check(item, i, size, device)
             if err:
                 errors.append(err)
             got.append(i)
@@ -123,10 +130,168 @@ def consume(a: dict[str, Any]) -> None:
         distinct=len(set(got)), errors=errors[:20], stats=_plain(stats))
 
 
+# --------------------------------------------------------------------------- CUDA roles
+def _cycles(seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for about ``seconds``."""
+    rate = torch.cuda.get_device_properties(0).clock_rate if hasattr(
+        torch.cuda.get_device_properties(0), "clock_rate") else 1_980_000  # kHz
+    return int(seconds * rate * 1000)
+
+
+def _disable_waits(on: bool) -> None:
+    """Test knob: make ipcsync's event waits no-ops, to show the race tests can fail."""
+    if on:
+        from ipcsync.backends import cuda as C
+
+        C.IpcEvent.wait = lambda self, stream=None: None  # type: ignore[method-assign]
+        C.IpcEvent.query = lambda self: True  # type: ignore[method-assign]
+
+
+def _drains(seconds: float = 20.0) -> bool:
+    """True if the current stream finishes its queued work within ``seconds`` (polled:
+    never blocks on a poisoned event)."""
+    ev = torch.cuda.Event()
+    ev.record()
+    deadline = time.monotonic() + seconds
+    while not ev.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def race_produce(a: dict[str, Any]) -> None:
+    """Write a slot only after ~`sleep` s of GPU work, on the same stream; return at once."""
+    _disable_waits(a.get("skip_wait", False))
+    n = a.get("elems", 1 << 20)
+    with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 1), slot_bytes=n * 4 + 4096,
+                          device="cuda", wait=a.get("wait", "host"), timeout=60) as out:
+        out.wait_for_consumers(1, timeout=60)
+        returned = []
+        for k, value in enumerate(a.get("values", [42.0])):
+            t0 = time.monotonic()
+            with out.slot(x=((n,), torch.float32), meta={"value": value}) as slot:
+                torch.cuda._sleep(_cycles(a.get("sleep", 1.0)) if k == 0 or a.get("sleep_all") else 0)
+                slot["x"].fill_(value)
+            returned.append(time.monotonic() - t0)
+            say(event="sent", k=k, returned_after=returned[-1])
+        if a.get("die"):
+            say(event="dying")
+            os.kill(os.getpid(), signal.SIGKILL)
+        drained = _drains()
+    say(event="done", returned_after=returned, drained=drained)
+
+
+def race_consume(a: dict[str, Any]) -> None:
+    """Read each item on the GPU (optionally after slow GPU work of our own) and report
+    what it held."""
+    _disable_waits(a.get("skip_wait", False))
+    seen, end = [], "stop"
+    inp = ipcsync.Consumer(a["endpoint"], device="cuda", wait=a.get("wait", "gpu"),
+                           auto_release=False, timeout=60)
+    try:
+        while True:
+            item = inp.get(timeout=60)
+            if item is None:
+                break
+            if a.get("slow"):
+                torch.cuda._sleep(_cycles(a["slow"]))  # slow GPU work before reading the slot
+            copy = item["x"].clone()  # queued on our stream after the wait on the ready event
+            item.release()  # records the release event after the clone
+            seen.append((item.meta["value"], copy))
+            if a.get("die_after_release"):
+                say(event="dying")
+                os.kill(os.getpid(), signal.SIGKILL)
+    except ipcsync.PeerLostError as exc:
+        end = "peer-lost"
+        say(event="peer-lost", message=str(exc))
+    drained = _drains()
+    torch.cuda.synchronize()
+    inp.close()
+    say(event="done", end=end, drained=drained,
+        items=[{"expected": v, "min": float(c.min()), "max": float(c.max())} for v, c in seen])
+
+
+def cuda_profile(a: dict[str, Any]) -> None:
+    """Both sides of a steady-state stream under torch.profiler: report host syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, warm, role = a["n"], 50, a["side"]
+    syncs: dict[str, int] = {}
+
+    def count(prof: Any) -> None:
+        for ev in prof.key_averages():
+            if "Synchronize" in ev.key:
+                syncs[ev.key] = syncs.get(ev.key, 0) + ev.count
+
+    if role == "producer":
+        src = torch.ones(1024, device="cuda")
+        with ipcsync.Producer(a["endpoint"], slots=4, slot_bytes=1 << 16, device="cuda",
+                              wait=a.get("wait", "host"), timeout=60) as out:
+            out.wait_for_consumers(1, timeout=60)
+            for i in range(warm):
+                out.send({"x": src}, meta=i)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(warm, warm + n):
+                    out.send({"x": src}, meta=i)
+            count(prof)
+            sent = warm + n
+    else:
+        with ipcsync.Consumer(a["endpoint"], device="cuda", wait=a.get("wait", "gpu"), timeout=60) as inp:
+            acc = torch.zeros(1024, device="cuda")
+            it = iter(inp)
+            for _ in range(warm):
+                acc += next(it)["x"]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    acc += next(it)["x"]  # GPU work on the slot, queued, no host sync
+            count(prof)
+            for _ in it:
+                pass
+            sent = int(acc[0].item())
+    say(event="done", syncs=syncs, value=sent)
+
+
+def cuda_serve(a: dict[str, Any]) -> None:
+    """Serve consumers one after another until `stop_file` exists; report GPU memory each
+    time the number of consumers changes."""
+    src = torch.ones(4096, device="cuda")
+    last, losses = None, 0
+    with ipcsync.Producer(a["endpoint"], slots=4, slot_bytes=1 << 20, device="cuda",
+                          timeout=60, heartbeat=1.0) as out:
+        say(event="bound")
+        while not os.path.exists(a["stop_file"]):
+            try:
+                out.send({"x": src}, timeout=0.2)
+            except ipcsync.IpcTimeoutError:
+                pass
+            if out.consumers != last:
+                if last and not out.consumers:
+                    losses += 1
+                last = out.consumers
+                torch.cuda.synchronize()
+                say(event="consumers", n=last, losses=losses, reserved=torch.cuda.memory_reserved(),
+                    allocated=torch.cuda.memory_allocated(), free=torch.cuda.mem_get_info()[0])
+        say(event="done")
+
+
+def cuda_consume_and_die(a: dict[str, Any]) -> None:
+    """Take `k` items, queue slow GPU work on one and record its release, then SIGKILL."""
+    inp = ipcsync.Consumer(a["endpoint"], device="cuda", auto_release=False, timeout=60)
+    items = [inp.get(timeout=60) for _ in range(a.get("k", 2))]
+    torch.cuda._sleep(_cycles(a.get("sleep", 2.0)))
+    items[0].release()  # the release event is recorded behind the sleep: mid-record at death
+    say(event="dying")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _plain(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
 if __name__ == "__main__":
     role, args = sys.argv[1], json.loads(sys.argv[2])
-    {"produce": produce, "consume": consume}[role](args)
+    roles = {"produce": produce, "consume": consume, "race_produce": race_produce,
+             "race_consume": race_consume, "cuda_profile": cuda_profile, "cuda_serve": cuda_serve,
+             "cuda_consume_and_die": cuda_consume_and_die}
+    roles[role](args)

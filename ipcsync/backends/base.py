@@ -49,6 +49,10 @@ class Arena(abc.ABC):
     nbytes: int
     tensor: torch.Tensor
 
+    def export(self) -> bytes | str:
+        """The handle to send to one new connection (exported once per connection)."""
+        return self.handle
+
     @abc.abstractmethod
     def close(self) -> None:
         """Give the memory back (the owner unlinks/frees it; an importer drops its mapping).

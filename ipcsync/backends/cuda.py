@@ -1,0 +1,298 @@
+"""CUDA backend: arenas in CUDA IPC memory, interprocess CUDA events.
+
+Arena: one ``torch.empty(nbytes, uint8)`` on the producer's device. It is exported once
+per connection with the same machinery torch.multiprocessing uses
+(``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``): a CUDA IPC memory handle plus
+torch's cross-process reference counter, so the producer's caching allocator never
+reuses the block while an importer still maps it. The consumer imports it once per
+connection and keeps the import until it closes; on close torch syncs its stream and
+drops the counter. A consumer SIGKILLed never drops its counter, which is why the arena is
+one long-lived block reused for every item: a dead consumer pins nothing beyond it.
+
+Events: ``torch.cuda.Event(interprocess=True)``, exchanged once with ``ipc_handle()`` /
+``Event.from_ipc_handle()``. Interprocess events cannot time (CUDA refuses at record time
+with "invalid argument"), so ``IpcEvent`` refuses ``enable_timing`` up front.
+
+An arena or event opened in the process that created it (producer and consumer threads of
+one process) is looked up in a process-local registry: CUDA IPC handles cannot be opened
+by their own process.
+
+Hot-path cost: ``torch.cuda.current_stream()`` builds a Stream object each call (~6 us on
+an H200 host); ``current_stream`` here caches one per stream id.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from typing import Any
+
+import msgpack
+import torch
+
+from ..errors import BackendError, ConfigError, IpcTimeoutError
+from .base import Arena, Backend, Event
+
+__all__ = ["CudaBackend", "IpcEvent", "CudaArena", "current_stream", "export_tensor", "import_tensor"]
+
+_ARENA_MAGIC = "ipcsync-cuda-arena"
+_TENSOR_MAGIC = "ipcsync-cuda-tensor"
+# Arenas and events created in this process, by handle: their own process cannot open them.
+_LOCAL_ARENAS: "weakref.WeakValueDictionary[bytes, CudaArena]" = weakref.WeakValueDictionary()
+_LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, torch.cuda.Event]" = weakref.WeakValueDictionary()
+_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device_index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device_index)``, without building a new Stream object
+    on every call."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if get is None:  # pragma: no cover - older torch
+        return torch.cuda.current_stream(device_index)
+    key = tuple(get(device_index))
+    s = _STREAMS.get(key)  # type: ignore[arg-type]
+    if s is None:
+        s = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        _STREAMS[key] = s  # type: ignore[index]
+    return s
+
+
+def device_uuid(index: int) -> str:
+    """The GPU's UUID: stable across processes whatever CUDA_VISIBLE_DEVICES says."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is None:  # pragma: no cover - torch without uuid
+        return f"{props.name}/{getattr(props, 'pci_bus_id', index)}"
+    return str(uuid)
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        raise ConfigError(f"an IPC event lives on a CUDA device, not {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+class IpcEvent(Event):
+    """An interprocess CUDA event: record in one process, wait on it in another.
+
+    ``IpcEvent(device)`` creates one; ``IpcEvent.from_handle(ev.handle(), device)`` opens a
+    peer's. ``wait()`` makes a stream wait on the GPU (no host block); ``synchronize()``
+    polls ``query()`` with a timeout, so a peer that died mid-record cannot wedge the host.
+    """
+
+    __slots__ = ("event", "device_index", "_handle")
+
+    def __init__(self, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                 _event: torch.cuda.Event | None = None) -> None:
+        if enable_timing:
+            raise ConfigError(
+                "an interprocess CUDA event cannot record timing (CUDA fails at record time with "
+                "'invalid argument'); time with a separate non-interprocess torch.cuda.Event"
+            )
+        self.device_index = _device_index(device)
+        self._handle: bytes | None = None
+        if _event is None:
+            with torch.cuda.device(self.device_index):
+                _event = torch.cuda.Event(interprocess=True, blocking=blocking)
+        self.event = _event
+
+    def record(self, stream: Any = None) -> None:
+        self.event.record(stream if stream is not None else current_stream(self.device_index))
+
+    def wait(self, stream: Any = None) -> None:
+        self.event.wait(stream if stream is not None else current_stream(self.device_index))
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-5
+        while not self.event.query():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise IpcTimeoutError(
+                    f"CUDA event not complete within {timeout} s (its recording process may be "
+                    "stuck or dead; an event whose recorder died mid-record never completes)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def handle(self) -> bytes:
+        if self._handle is None:
+            with torch.cuda.device(self.device_index):
+                self._handle = bytes(self.event.ipc_handle())
+            _LOCAL_EVENTS[self._handle] = self.event
+        return self._handle
+
+    @classmethod
+    def from_handle(cls, handle: bytes, device: Any = None) -> "IpcEvent":
+        if type(handle) is not bytes or len(handle) > 256:
+            raise BackendError(f"not a CUDA IPC event handle: {handle!r:.60}")
+        index = _device_index(device)
+        local = _LOCAL_EVENTS.get(handle)
+        if local is not None:
+            return cls(index, _event=local)
+        try:
+            ev = torch.cuda.Event.from_ipc_handle(index, handle)
+        except Exception as exc:
+            raise BackendError(f"cannot open CUDA IPC event handle: {exc}") from None
+        return cls(index, _event=ev)
+
+
+class CudaArena(Arena):
+    """Device memory shared over CUDA IPC. The owner exports it once per connection."""
+
+    def __init__(self, tensor: torch.Tensor, owner: bool, handle: bytes | None = None) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.owner = owner
+        self.handle = handle or b""
+        self._key: bytes | None = None
+
+    def export(self) -> bytes:
+        """A handle for one connection (each export takes one torch IPC reference)."""
+        storage = self.tensor.untyped_storage()
+        with torch.cuda.device(self.tensor.device):
+            dev, mem, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
+        self._key = bytes(mem)
+        _LOCAL_ARENAS[self._key] = self
+        return msgpack.packb(
+            [_ARENA_MAGIC, os.getpid(), bytes(mem), int(size), int(offset), bytes(ref),
+             int(ref_off), bytes(ev) if ev else b"", bool(sync)],
+            use_bin_type=True,
+        )
+
+    def close(self) -> None:
+        if self._key is not None:
+            _LOCAL_ARENAS.pop(self._key, None)
+            self._key = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+class CudaBackend(Backend):
+    """CUDA IPC memory and interprocess events on one GPU."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self._uuid = device_uuid(self.index)
+
+    def device_identity(self) -> str | None:
+        return self._uuid
+
+    def create_arena(self, nbytes: int) -> CudaArena:
+        try:
+            with torch.cuda.device(self.index):
+                t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise BackendError(f"cannot allocate a {nbytes}-byte arena on {self.device}: {exc}") from None
+        return CudaArena(t, owner=True)
+
+    def open_arena(self, handle: bytes | str, nbytes: int) -> CudaArena:
+        try:
+            fields = msgpack.unpackb(handle, raw=False, max_bin_len=4096, max_str_len=64, max_array_len=16)
+            magic, pid, mem, size, offset, ref, ref_off, ev, sync = fields
+            ok = (magic == _ARENA_MAGIC and type(mem) is bytes and type(ref) is bytes and type(ev) is bytes
+                  and all(type(v) is int and v >= 0 for v in (pid, size, offset, ref_off)) and type(sync) is bool)
+        except Exception:
+            ok = False
+        if not ok:
+            raise BackendError(f"not an ipcsync CUDA arena handle: {handle!r:.60}")
+        if size - offset < nbytes and size < nbytes:
+            raise BackendError(f"CUDA arena has {size} bytes, the producer announced {nbytes}")
+        if pid == os.getpid():
+            local = _LOCAL_ARENAS.get(mem)
+            if local is None:
+                raise BackendError("arena handle names this process but no such arena is alive")
+            return CudaArena(local.tensor[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+        try:
+            with torch.cuda.device(self.index):
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    self.index, mem, size, offset, ref, ref_off, ev or None, sync
+                )
+                t = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        except Exception as exc:
+            raise BackendError(
+                f"cannot open the producer's CUDA memory on {self.device}: {exc}; producer and "
+                "consumer must be on the same host and see the same GPU"
+            ) from None
+        if t.numel() < nbytes:
+            raise BackendError(f"CUDA arena has {t.numel()} bytes, the producer announced {nbytes}")
+        return CudaArena(t[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+
+    def create_event(self) -> IpcEvent:
+        return IpcEvent(self.index)
+
+    def open_event(self, handle: bytes | str) -> IpcEvent:
+        return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]
+
+    def collect(self) -> None:
+        try:
+            torch.cuda.ipc_collect()
+        except Exception:  # best effort
+            pass
+
+
+# --------------------------------------------------------------------------- low-level API
+_IMPORTS: "weakref.WeakValueDictionary[tuple[bytes, int], torch.UntypedStorage]" = weakref.WeakValueDictionary()
+
+
+def export_tensor(t: torch.Tensor) -> bytes:
+    """A msgpack reference to a CUDA tensor that ``import_tensor`` opens in another process
+    of this host, without a copy. The producer must keep ``t`` alive while importers use it.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        raise ConfigError("export_tensor() takes a CUDA tensor; use Producer/Consumer for CPU tensors")
+    from ..layout import dtype_name
+
+    storage = t.untyped_storage()
+    with torch.cuda.device(t.device):
+        dev, mem, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
+    return msgpack.packb(
+        [_TENSOR_MAGIC, os.getpid(), device_uuid(t.device.index), bytes(mem), int(size), int(offset),
+         bytes(ref), int(ref_off), bytes(ev) if ev else b"", bool(sync), dtype_name(t.dtype),
+         list(t.shape), list(t.stride()), int(t.storage_offset())],
+        use_bin_type=True,
+    )
+
+
+def import_tensor(ref: bytes, device: Any = None) -> torch.Tensor:
+    """Open a tensor exported by ``export_tensor`` (another process). Each storage is
+    imported once per process and cached while any tensor uses it."""
+    from ..layout import dtype_from_name, span_elements
+
+    try:
+        f = msgpack.unpackb(ref, raw=False, max_bin_len=4096, max_str_len=256, max_array_len=64)
+        (magic, pid, uuid, mem, size, offset, rc, rc_off, ev, sync, dtype, shape, stride, soff) = f
+        ok = (magic == _TENSOR_MAGIC and type(mem) is bytes and type(rc) is bytes and type(ev) is bytes
+              and type(uuid) is str and type(dtype) is str and type(sync) is bool
+              and all(type(v) is int and v >= 0 for v in (pid, size, offset, rc_off, soff))
+              and type(shape) is list and type(stride) is list and len(shape) == len(stride) <= 64
+              and all(type(v) is int and v >= 0 for v in shape + stride))
+    except Exception:
+        ok = False
+    if not ok:
+        raise ConfigError(f"not an ipcsync tensor reference: {ref!r:.60}")
+    index = _device_index(device)
+    if device_uuid(index) != uuid:
+        raise ConfigError(f"tensor lives on GPU {uuid}, not on cuda:{index} ({device_uuid(index)})")
+    if pid == os.getpid():
+        raise ConfigError("import_tensor() in the exporting process: use the tensor itself")
+    dt = dtype_from_name(dtype)
+    if (soff + span_elements(shape, stride)) * dt.itemsize > size:
+        raise ConfigError("tensor reference reaches outside its storage")
+    key = (mem, offset)
+    storage = _IMPORTS.get(key)
+    if storage is None:
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(index, mem, size, offset, rc, rc_off, ev or None, sync)
+        _IMPORTS[key] = storage
+    else:
+        torch.UntypedStorage._release_ipc_counter(rc, rc_off, device=index)
+    return torch.empty(0, dtype=dt, device=torch.device("cuda", index)).set_(storage, soff, shape, stride)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run the `cuda` tests (and the whole suite's CUDA parameters) on a GPU machine.
+#
+# Through the device tool, from the checkout root:
+#   run(command="bash scripts/gpu-tests.sh", carry=[".whl"])
+# where .whl holds a pyzmq wheel for the machine's Python (see README, "GPU tests"): the
+# GPU machine has torch and msgpack but no pyzmq and no network. Extra arguments go to
+# pytest. With BENCH=1 it also prints the CUDA benchmark table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! python3 -c "import zmq" 2>/dev/null; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+    else
+        echo "gpu-tests: pyzmq is missing and there is no .whl/ to install it from" >&2
+        exit 1
+    fi
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, zmq, msgpack; print('gpu-tests: torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s), pyzmq', zmq.__version__)"
+workers=${WORKERS:-4}
+python3 -m pytest -q -p no:cacheprovider -n "$workers" -m cuda "$@"
+rc=$?
+if [ "${BENCH:-0}" = "1" ]; then
+    python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes 4K,1M,64M,256M || rc=1
+fi
+exit $rc
