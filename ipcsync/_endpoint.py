@@ -73,6 +73,10 @@ class _Endpoint:
         """Handle everything that has arrived, without blocking. Lock held."""
         raise NotImplementedError
 
+    def _service_pump(self) -> None:
+        """What the service thread does while the user's thread is away. Lock held."""
+        self._pump()
+
     def _wait_io(self, timeout: float) -> None:
         """Block up to ``timeout`` for socket activity. Lock held."""
         raise NotImplementedError
@@ -159,7 +163,7 @@ def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: fl
                 continue
             try:
                 if not ep._closed:
-                    ep._pump()
+                    ep._service_pump()
             finally:
                 ep._lock.release()
         except Exception:  # never let the service thread die silently

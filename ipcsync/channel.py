@@ -45,6 +45,9 @@ __all__ = [
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# Plain ints on the hot path: pyzmq's flag enums cost an Enum operation per use.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 def runtime_dir() -> str:
@@ -202,11 +205,11 @@ class _Channel:
 
     def readable(self) -> bool:
         """A frame is waiting (cheaper than a non-blocking recv that raises zmq.Again)."""
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
 
     def events(self) -> Iterator[tuple[int, int]]:
         """Pending monitor events as (event, fd), without blocking."""
-        if self.mon is None or not self.mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.mon is None or not self.mon.getsockopt(_EVENTS) & _POLLIN:
             return
         while True:
             try:
@@ -270,7 +273,7 @@ class ProducerChannel(_Channel):
         if not self.readable():
             return None
         try:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         fd = frames[-1].get(zmq.SRCFD) if len(frames) > 1 else -1
@@ -280,10 +283,13 @@ class ProducerChannel(_Channel):
         """Send one frame to a peer; False if its queue is full (retry later). Raises
         zmq.ZMQError(EHOSTUNREACH) when the peer is gone."""
         try:
-            self.sock.send_multipart((identity, frame), zmq.NOBLOCK)
-            return True
+            # ROUTER_MANDATORY fails the identity part at once if the peer is gone or full,
+            # so the two parts go out together or not at all.
+            self.sock.send(identity, _SNDMORE | _NOBLOCK)
         except zmq.Again:
             return False
+        self.sock.send(frame, _NOBLOCK)
+        return True
 
     def close(self) -> None:
         super().close()
@@ -312,13 +318,13 @@ class ConsumerChannel(_Channel):
         if not self.readable():
             return None
         try:
-            return self.sock.recv_multipart(zmq.NOBLOCK)
+            return self.sock.recv_multipart(_NOBLOCK)
         except zmq.Again:
             return None
 
     def send(self, frame: bytes) -> bool:
         try:
-            self.sock.send(frame, zmq.NOBLOCK)
+            self.sock.send(frame, _NOBLOCK)
             return True
         except zmq.Again:
             return False

@@ -151,6 +151,7 @@ class Consumer(_Endpoint):
         self._ready_events: list[Event] = []
         self._release_events: list[Event] = []
         self._setup: P.Setup | None = None
+        self._release_batch = 1
         self._last_recv = time.monotonic()
         self._last_send = 0.0
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame)
@@ -319,7 +320,9 @@ class Consumer(_Endpoint):
         if self._error is None:
             self._release_events[item.slot].record(stream if stream is not None else self._stream)
         self._pending.append((item.seq, item.slot, item.gen))
-        if not self._ready:
+        # Batched: queued releases go out together when this many are waiting, when the
+        # consumer is about to wait for more items (see _pump), or from the service thread.
+        if len(self._pending) >= self._release_batch:
             self._flush_releases()
 
     def _flush_releases(self) -> None:
@@ -428,6 +431,11 @@ class Consumer(_Endpoint):
             self._next_tick = now + self._tick
             self._tick_producer(now)
 
+    def _service_pump(self) -> None:
+        # The user's thread is away (computing): nothing to batch with, flush now.
+        self._flush_releases()
+        self._pump()
+
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 1:
             self._fail(ProtocolError(f"producer sent a message of {len(frames)} frames"), "protocol")
@@ -493,6 +501,7 @@ class Consumer(_Endpoint):
             self._fail(exc if isinstance(exc, BackendError) else BackendError(str(exc)), "backend")
             return
         self._setup = s
+        self._release_batch = max(1, len(s.slots) // 4)
         self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
 
     def _tick_producer(self, now: float) -> None:

@@ -138,6 +138,8 @@ class Producer(_Endpoint):
         self._sent_ns: list[int] = [0] * self.slots
         self._stats = Stats()
         self._bad_frames = 0
+        self._attached_total = 0  # consumers that completed the handshake, ever
+        self._lost_total = 0  # consumers that died or went silent, ever
         self._bad_by_peer: dict[bytes, int] = {}
         self._closing = False
         self._stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
@@ -271,6 +273,8 @@ class Producer(_Endpoint):
                 role="producer",
                 occupancy=self._ring.occupancy(),
                 consumers=len(self._ring.consumers()),
+                consumers_attached=self._attached_total,
+                consumers_lost=self._lost_total,
                 bad_frames=self._bad_frames,
             )
 
@@ -398,6 +402,8 @@ class Producer(_Endpoint):
         return seq
 
     def _dispatch(self) -> None:
+        if not self._ring.queued:
+            return
         for d in self._ring.dispatch():
             peer = self._peers[d.consumer]  # type: ignore[index]
             frame = self._frames[d.slot]
@@ -587,6 +593,7 @@ class Producer(_Endpoint):
             self._bad_frame(peer.identity, peer, ProtocolError(f"cannot open release events: {exc}"))
             return
         self._ring.add_consumer(peer.identity, min(peer.hello.credits, self.slots))
+        self._attached_total += 1
         log.debug("ipcsync producer %r: %s attached", self.endpoint.name, peer.label)
         if self._closing and self._ring.queued == 0:
             self._say_bye(peer, "producer closed")
@@ -635,6 +642,7 @@ class Producer(_Endpoint):
             return
         held = len(self._ring.held_by(peer.identity))
         if not peer.bye_received and peer.conv.state != "closed":
+            self._lost_total += 1
             log.warning("ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
                         self.endpoint.name, peer.label, why, held)
         self._drop(peer)

@@ -160,9 +160,22 @@ def _drains(seconds: float = 20.0) -> bool:
     return True
 
 
+def _warm_kernels() -> None:
+    """Launch every kernel the roles use once: with CUDA lazy loading, the first launch of a
+    kernel loads its module, which waits for the device to go idle (a host sync)."""
+    x = torch.zeros(1 << 10, device="cuda")
+    x.fill_(1.0)
+    y = x.clone()
+    torch.cuda._sleep(1)
+    float(y.min()), float(y.max()), float(y.sum())
+    (y + x).add_(1)
+    torch.cuda.synchronize()
+
+
 def race_produce(a: dict[str, Any]) -> None:
     """Write a slot only after ~`sleep` s of GPU work, on the same stream; return at once."""
     _disable_waits(a.get("skip_wait", False))
+    _warm_kernels()
     n = a.get("elems", 1 << 20)
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 1), slot_bytes=n * 4 + 4096,
                           device="cuda", wait=a.get("wait", "host"), timeout=60) as out:
@@ -186,6 +199,7 @@ def race_consume(a: dict[str, Any]) -> None:
     """Read each item on the GPU (optionally after slow GPU work of our own) and report
     what it held."""
     _disable_waits(a.get("skip_wait", False))
+    _warm_kernels()
     seen, end = [], "stop"
     inp = ipcsync.Consumer(a["endpoint"], device="cuda", wait=a.get("wait", "gpu"),
                            auto_release=False, timeout=60)
@@ -218,11 +232,20 @@ def cuda_profile(a: dict[str, Any]) -> None:
 
     n, warm, role = a["n"], 50, a["side"]
     syncs: dict[str, int] = {}
+    _warm_kernels()
 
-    def count(prof: Any) -> None:
+    def count(prof: Any, sign: int = 1) -> None:
         for ev in prof.key_averages():
             if "Synchronize" in ev.key:
-                syncs[ev.key] = syncs.get(ev.key, 0) + ev.count
+                syncs[ev.key] = syncs.get(ev.key, 0) + sign * ev.count
+                if not syncs[ev.key]:
+                    del syncs[ev.key]
+
+    # The profiler's own start/stop may synchronize: measure that on an empty region and
+    # subtract it, so only syncs made by the handoffs remain.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as base:
+        pass
+    count(base, -1)
 
     if role == "producer":
         src = torch.ones(1024, device="cuda")
@@ -256,7 +279,7 @@ def cuda_serve(a: dict[str, Any]) -> None:
     """Serve consumers one after another until `stop_file` exists; report GPU memory each
     time the number of consumers changes."""
     src = torch.ones(4096, device="cuda")
-    last, losses = None, 0
+    last = None
     with ipcsync.Producer(a["endpoint"], slots=4, slot_bytes=1 << 20, device="cuda",
                           timeout=60, heartbeat=1.0) as out:
         say(event="bound")
@@ -265,14 +288,15 @@ def cuda_serve(a: dict[str, Any]) -> None:
                 out.send({"x": src}, timeout=0.2)
             except ipcsync.IpcTimeoutError:
                 pass
-            if out.consumers != last:
-                if last and not out.consumers:
-                    losses += 1
-                last = out.consumers
+            st = out.stats()
+            now = (st["consumers_attached"], st["consumers_lost"], out.consumers)
+            if now != last:
+                last = now
                 torch.cuda.synchronize()
-                say(event="consumers", n=last, losses=losses, reserved=torch.cuda.memory_reserved(),
+                say(event="consumers", n=out.consumers, losses=st["consumers_lost"], reserved=torch.cuda.memory_reserved(),
                     allocated=torch.cuda.memory_allocated(), free=torch.cuda.mem_get_info()[0])
-        say(event="done")
+        out.close(timeout=1)  # items still queued have no consumer left to go to
+    say(event="done")
 
 
 def cuda_consume_and_die(a: dict[str, Any]) -> None:

@@ -40,7 +40,8 @@ _ARENA_MAGIC = "ipcsync-cuda-arena"
 _TENSOR_MAGIC = "ipcsync-cuda-tensor"
 # Arenas and events created in this process, by handle: their own process cannot open them.
 _LOCAL_ARENAS: "weakref.WeakValueDictionary[bytes, CudaArena]" = weakref.WeakValueDictionary()
-_LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, torch.cuda.Event]" = weakref.WeakValueDictionary()
+# (Values are our own wrappers: a weakref to a torch.cuda.Event itself segfaults in torch 2.11.)
+_LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
 _STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 
 
@@ -125,7 +126,7 @@ class IpcEvent(Event):
         if self._handle is None:
             with torch.cuda.device(self.device_index):
                 self._handle = bytes(self.event.ipc_handle())
-            _LOCAL_EVENTS[self._handle] = self.event
+            _LOCAL_EVENTS[self._handle] = self
         return self._handle
 
     @classmethod
@@ -135,7 +136,7 @@ class IpcEvent(Event):
         index = _device_index(device)
         local = _LOCAL_EVENTS.get(handle)
         if local is not None:
-            return cls(index, _event=local)
+            return cls(index, _event=local.event)
         try:
             ev = torch.cuda.Event.from_ipc_handle(index, handle)
         except Exception as exc:
@@ -240,7 +241,8 @@ class CudaBackend(Backend):
 
 
 # --------------------------------------------------------------------------- low-level API
-_IMPORTS: "weakref.WeakValueDictionary[tuple[bytes, int], torch.UntypedStorage]" = weakref.WeakValueDictionary()
+# Imported storages by (handle, offset), held weakly the way torch.multiprocessing does.
+_IMPORTS: dict[tuple[bytes, int], Any] = {}
 
 
 def export_tensor(t: torch.Tensor) -> bytes:
@@ -287,12 +289,20 @@ def import_tensor(ref: bytes, device: Any = None) -> torch.Tensor:
     dt = dtype_from_name(dtype)
     if (soff + span_elements(shape, stride)) * dt.itemsize > size:
         raise ConfigError("tensor reference reaches outside its storage")
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     key = (mem, offset)
-    storage = _IMPORTS.get(key)
+    ref_ = _IMPORTS.get(key)
+    storage = None
+    if ref_ is not None and not ref_.expired():
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref_.cdata)
     if storage is None:
         with torch.cuda.device(index):
             storage = torch.UntypedStorage._new_shared_cuda(index, mem, size, offset, rc, rc_off, ev or None, sync)
-        _IMPORTS[key] = storage
+        for k in [k for k, r in _IMPORTS.items() if r.expired()]:
+            del _IMPORTS[k]
+        _IMPORTS[key] = StorageWeakRef(storage)
     else:
+        # Already imported: give the producer back the reference this export took.
         torch.UntypedStorage._release_ipc_counter(rc, rc_off, device=index)
     return torch.empty(0, dtype=dt, device=torch.device("cuda", index)).set_(storage, soff, shape, stride)
