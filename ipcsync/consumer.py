@@ -41,12 +41,14 @@ from .errors import (
     PeerLostError,
     ProtocolError,
 )
-from .layout import message_nbytes, read_message
+from .layout import Recipe
 from .stats import Stats
 
 __all__ = ["Consumer", "Item"]
 
 log = logging.getLogger("ipcsync")
+
+_MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 1024 ids)
 
 
 class Item:
@@ -137,7 +139,8 @@ class Consumer(_Endpoint):
         self._backend = backend_for(self.device)
         self._stats = Stats()
         self._conv = P.Conversation("consumer")
-        self._ready: deque[P.Ready] = deque()
+        self._ready: deque[tuple[P.Ready, Recipe]] = deque()
+        self._recipes: dict[int, Recipe] = {}  # layout id -> validated layout
         self._held: dict[int, Item] = {}
         self._pending: list[tuple[int, int, int]] = []
         self._current: Item | None = None
@@ -218,7 +221,7 @@ class Consumer(_Endpoint):
                 for item in list(self._held.values()):
                     self._release_locked(item, None)
                 while self._ready:
-                    r = self._ready.popleft()
+                    r, _ = self._ready.popleft()
                     self._pending.append((r.seq, r.slot, r.gen))
                 self._flush_releases()
                 if self._conv.state in ("active", "ending") and self._error is None and not self._bye_acked:
@@ -285,13 +288,9 @@ class Consumer(_Endpoint):
             "it is alive but sent nothing (pass a larger timeout, or None to wait)"
         )
 
-    def _make_item(self, ready: P.Ready) -> Item:
-        view = self._slot_views[ready.slot]
-        try:
-            tensors = read_message(ready.layout, view, view.numel())
-        except ProtocolError as exc:
-            self._fail(ProtocolError(f"producer sent a bad layout: {exc}"), "protocol")
-            raise self._error  # type: ignore[misc]
+    def _make_item(self, entry: tuple[P.Ready, Recipe]) -> Item:
+        ready, recipe = entry
+        tensors = recipe.build(ready.slot, self._slot_views[ready.slot])
         ev = self._ready_events[ready.slot]
         if self.wait_mode == "host":
             if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
@@ -299,7 +298,7 @@ class Consumer(_Endpoint):
                 raise AssertionError("unreachable")
             self._raise_if_broken()
         ev.wait(self._stream)  # on the consumer's stream; no host block
-        nbytes = message_nbytes(ready.layout)
+        nbytes = recipe.nbytes
         item = Item(self, ready, tensors, nbytes)
         self._held[ready.seq] = item
         self._stats.count(nbytes)
@@ -463,7 +462,24 @@ class Consumer(_Endpoint):
         if msg.slot >= len(self._slot_views):
             self._fail(ProtocolError(f"READY names slot {msg.slot}; the ring has {len(self._slot_views)}"), "protocol")
             return
-        self._ready.append(msg)
+        if msg.layout is None:
+            recipe = self._recipes.get(msg.layout_id)
+            if recipe is None:
+                self._fail(ProtocolError(f"READY names layout {msg.layout_id}, which was never sent"), "protocol")
+                return
+        else:
+            # A layout is validated once (dtypes, bounds) and kept under its id.
+            try:
+                recipe = Recipe(msg.layout, self._slot_views[msg.slot].numel())
+            except ProtocolError as exc:
+                self._fail(ProtocolError(f"producer sent a bad layout: {exc}"), "protocol")
+                return
+            if msg.layout_id:
+                if len(self._recipes) >= _MAX_RECIPES and msg.layout_id not in self._recipes:
+                    self._fail(ProtocolError(f"producer sent over {_MAX_RECIPES} layouts"), "protocol")
+                    return
+                self._recipes[msg.layout_id] = recipe
+        self._ready.append((msg, recipe))
 
     def _on_error(self, msg: P.Error) -> None:
         text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"

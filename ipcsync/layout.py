@@ -185,8 +185,8 @@ def plan_empty(
     return Placement([tree, specs], [], nbytes)
 
 
-def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torch.Tensor:
-    """The 1-d typed view of a spec's span in ``slot`` (uint8), after bounds checks."""
+def _check_spec(spec: Sequence[Any], slot_bytes: int) -> tuple[int, int, torch.dtype]:
+    """(offset, end, dtype) of a wire spec, after checking its dtype and its bounds."""
     name, shape, stride, offset = spec
     dtype = dtype_from_name(name)
     n = span_elements(shape, stride)
@@ -199,6 +199,12 @@ def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torc
         raise ProtocolError(
             f"tensor reaches byte {end} but the slot has {slot_bytes} bytes"
         )
+    return offset, end, dtype
+
+
+def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torch.Tensor:
+    """The 1-d typed view of a spec's span in ``slot`` (uint8), after bounds checks."""
+    offset, end, dtype = _check_spec(spec, slot_bytes)
     return slot[offset:end].view(dtype)
 
 
@@ -254,6 +260,103 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
 def message_nbytes(layout: Sequence[Any]) -> int:
     """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
     return sum(math.prod(shape) * dtype_from_name(name).itemsize for name, shape, _, _ in layout[1])
+
+
+# --------------------------------------------------------------------------- caches
+# Producers send the same shapes step after step. A Plan (producer) and a Recipe
+# (consumer) hold what one layout needs so the hot path does no re-planning and no
+# re-validation; both keep per-slot views, since slot memory never moves.
+
+
+def signature(msg: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A hashable key of a message's structure, dtypes, shapes, strides and devices, and its
+    tensors in layout order. Two messages with one key have one layout."""
+    leaves: list[torch.Tensor] = []
+    return _sig(msg, leaves, 1), leaves
+
+
+def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"message nesting exceeds depth {MAX_DEPTH}")
+    if isinstance(msg, torch.Tensor):
+        leaves.append(msg)
+        try:
+            # conj/neg bits: such a tensor is resolved before copying, deterministically,
+            # so one key still means one layout.
+            return (msg.dtype, msg.shape, msg.stride(), msg.device, msg.is_conj(), msg.is_neg())
+        except RuntimeError:  # no strides: sparse and other layouts
+            raise ConfigError(f"only strided tensors can be sent, got layout {msg.layout}") from None
+    if isinstance(msg, Mapping):
+        return ("d",) + tuple((k, _sig(v, leaves, depth + 1)) for k, v in msg.items())
+    if isinstance(msg, tuple):
+        return ("t",) + tuple(_sig(v, leaves, depth + 1) for v in msg)
+    if isinstance(msg, list):
+        return ("l",) + tuple(_sig(v, leaves, depth + 1) for v in msg)
+    raise ConfigError(
+        f"message leaves must be tensors, got {type(msg).__name__}; put other values in meta="
+    )
+
+
+class Plan:
+    """A placement to reuse for every message of one signature (producer side)."""
+
+    __slots__ = ("layout", "nbytes", "layout_id", "data_bytes", "recipe", "_dst")
+
+    def __init__(self, placement: Placement, layout_id: int) -> None:
+        self.layout = placement.layout
+        self.nbytes = placement.nbytes
+        self.layout_id = layout_id
+        self.data_bytes = (sum(t.numel() * t.element_size() for t in placement.tensors)
+                           if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
+                                                         for sp in self.layout[1]))
+        self.recipe: Recipe | None = None  # views for zero-copy writes (Producer.slot)
+        self._dst: dict[int, list[torch.Tensor]] = {}  # slot -> destination span views
+
+    def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` (this plan's signature) into slot ``slot_index``, as
+        ``write_message`` does."""
+        dsts = self._dst.get(slot_index)
+        if dsts is None:
+            dsts = self._dst[slot_index] = [_span_view(slot, spec, slot.numel()) for spec in self.layout[1]]
+        on_device = slot.device.type != "cpu"
+        for dst, src in zip(dsts, tensors):
+            n = dst.numel()
+            if n:
+                if src.requires_grad:
+                    src = src.detach()
+                if src.is_conj() or src.is_neg():
+                    src = src.resolve_conj().resolve_neg()
+                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()),
+                          non_blocking=on_device and src.device == slot.device)
+
+
+class Recipe:
+    """A validated layout and how to view it in any slot (consumer side)."""
+
+    __slots__ = ("tree", "specs", "nbytes", "_bases")
+
+    def __init__(self, layout: Sequence[Any], slot_bytes: int) -> None:
+        """Validate ``layout`` (already structure-checked by the protocol) against a slot of
+        ``slot_bytes``: ProtocolError for an unknown dtype or a tensor outside the slot."""
+        tree, specs = layout
+        self.tree = tree
+        self.specs = []
+        nbytes = 0
+        for spec in specs:
+            offset, end, dtype = _check_spec(spec, slot_bytes)
+            self.specs.append((offset, end, dtype, tuple(spec[1]), tuple(spec[2])))
+            nbytes += math.prod(spec[1]) * dtype.itemsize
+        self.nbytes = nbytes
+        self._bases: dict[int, list[torch.Tensor]] = {}  # slot -> 1-d typed span views
+
+    def build(self, slot_index: int, slot: torch.Tensor) -> Any:
+        """The message as fresh views of the slot (fresh, so a caller that changes a view's
+        metadata cannot affect a later item)."""
+        bases = self._bases.get(slot_index)
+        if bases is None:
+            bases = self._bases[slot_index] = [slot[o:e].view(dt) for o, e, dt, _, _ in self.specs]
+        tensors = [b.as_strided(shape, stride) for b, (_, _, _, shape, stride) in zip(bases, self.specs)]
+        return _unflatten(self.tree, tensors)
 
 
 def leaves(msg: Any) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ from ._endpoint import _Endpoint, check_positive_int, check_wait, check_timeout
 from .backends import Event, backend_for, resolve_device
 from .channel import ProducerChannel, resolve_endpoint
 from .errors import ConfigError, IpcTimeoutError, PeerLostError, ProtocolError
-from .layout import ALIGN, Placement, empty_views, plan_empty, plan_message, write_message
+from .layout import ALIGN, Plan, Recipe, plan_empty, plan_message, signature
 from .ring import POLICIES, Acquired, Ring
 from .stats import Stats
 
@@ -41,6 +41,8 @@ __all__ = ["Producer", "SlotWriter"]
 log = logging.getLogger("ipcsync")
 
 DEFAULT_SLOT_BYTES = 16 << 20
+_MAX_PLANS = 256  # distinct message signatures cached (then the cache starts over)
+_MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
 _MAX_SLOTS = 1024
 _BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
 
@@ -59,6 +61,7 @@ class _Peer:
     outbox: deque[bytes] = field(default_factory=deque)
     bye_sent: bool = False
     bye_received: bool = False
+    layouts: set[int] = field(default_factory=set)  # layout ids this consumer has been sent
 
     @property
     def label(self) -> str:
@@ -134,7 +137,11 @@ class Producer(_Endpoint):
         self._peers: dict[bytes, _Peer] = {}
         self._fd_peer: dict[int, bytes] = {}
         self._disconnected: list[bytes] = []  # identities whose connection closed
-        self._frames: list[bytes | None] = [None] * self.slots  # READY frame per queued slot
+        # Per slot, the item it holds: [layout_id, layout, meta, seq, gen, sent_ns, full READY
+        # frame, short READY frame (without the layout) or None until first needed].
+        self._items: list[list[Any] | None] = [None] * self.slots
+        self._plans: dict[Any, Plan] = {}
+        self._next_layout_id = 1
         self._sent_ns: list[int] = [0] * self.slots
         self._stats = Stats()
         self._bad_frames = 0
@@ -178,21 +185,21 @@ class Producer(_Endpoint):
         """
         with self._call():
             self._check_sendable()
-            placement = plan_message(message, self.slot_bytes)
+            plan, tensors = self._plan_for(message)
             acq = self._acquire(timeout)
             s = self._stream_or(stream)
             try:
                 with self._on_stream(s):
                     self._prepare_slot(acq, s)
-                    write_message(placement, self._slot_views[acq.slot])
+                    plan.write(acq.slot, self._slot_views[acq.slot], tensors)
                     if s is not None:
                         # The copy runs on `s`: keep the caching allocator from reusing a
                         # source's memory before it has run.
-                        for t in placement.tensors:
+                        for t in tensors:
                             if t.is_cuda:
                                 t.record_stream(s)
                     self._ready_events[acq.slot].record(s)
-                return self._commit(acq, placement, meta)
+                return self._commit(acq, plan, meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
@@ -218,11 +225,11 @@ class Producer(_Endpoint):
         spec.update(named_fields)
         with self._call():
             self._check_sendable()
-            placement = plan_empty(spec, self.slot_bytes)
+            plan, recipe = self._empty_plan_for(spec)
             acq = self._acquire(timeout)
             try:
                 self._prepare_slot(acq, self._stream_or(stream))
-                writer = SlotWriter(empty_views(placement, self._slot_views[acq.slot]), meta)
+                writer = SlotWriter(recipe.build(acq.slot, self._slot_views[acq.slot]), meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
@@ -235,7 +242,7 @@ class Producer(_Endpoint):
         with self._call():
             try:
                 self._ready_events[acq.slot].record(self._stream_or(stream))
-                self._commit(acq, placement, writer.meta)
+                self._commit(acq, plan, writer.meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
@@ -375,11 +382,45 @@ class Producer(_Endpoint):
                     continue
             ev.wait(stream)
 
-    def _commit(self, acq: Acquired, placement: Placement, meta: Any) -> int:
+    def _plan_for(self, message: Any) -> tuple[Plan, list[torch.Tensor]]:
+        """The cached plan for this message's signature (made, fully checked, on first
+        sight) and the message's tensors."""
+        key, tensors = signature(message)
+        plan = self._plans.get(key)
+        if plan is None:
+            placement = plan_message(message, self.slot_bytes)
+            plan = self._new_plan(key, placement)
+        return plan, tensors
+
+    def _empty_plan_for(self, spec: dict[str, Any]) -> tuple[Plan, Recipe]:
+        try:
+            key = ("slot",) + tuple((k, tuple(v[0]), v[1]) for k, v in spec.items())
+            plan = self._plans.get(key)
+        except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
+            key, plan = None, None
+        if plan is None:
+            plan = self._new_plan(key, plan_empty(spec, self.slot_bytes))
+            plan.recipe = Recipe(plan.layout, self.slot_bytes)
+        assert plan.recipe is not None
+        return plan, plan.recipe
+
+    def _new_plan(self, key: Any, placement: Any) -> Plan:
+        lid = 0
+        if self._next_layout_id <= _MAX_LAYOUT_IDS:
+            lid = self._next_layout_id
+            self._next_layout_id += 1
+        plan = Plan(placement, lid)
+        if key is not None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _commit(self, acq: Acquired, plan: Plan, meta: Any) -> int:
         seq = self._ring.next_seq
         sent_ns = time.monotonic_ns()
         try:
-            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, placement.layout, meta)
+            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, plan.layout_id, plan.layout, meta)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
         if len(frame) > self._limits.max_frame:
@@ -387,17 +428,16 @@ class Producer(_Endpoint):
                 f"message description (layout + meta) is {len(frame)} bytes, over the frame "
                 f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
             )
-        if meta is not None:
+        if meta is not None and type(meta) not in (int, float, str, bool):
             try:
                 P.check_meta(meta, self._limits.max_depth)
             except ProtocolError as exc:
                 raise ConfigError(f"bad meta: {exc}") from None
         committed = self._ring.commit(acq.slot)
         assert committed == seq
-        self._frames[acq.slot] = frame
+        self._items[acq.slot] = [plan.layout_id, meta, seq, acq.gen, sent_ns, frame, None]
         self._sent_ns[acq.slot] = sent_ns
-        self._stats.count(sum(t.numel() * t.element_size() for t in placement.tensors)
-                          if placement.tensors else placement.nbytes)
+        self._stats.count(plan.data_bytes)
         self._dispatch()
         return seq
 
@@ -406,8 +446,17 @@ class Producer(_Endpoint):
             return
         for d in self._ring.dispatch():
             peer = self._peers[d.consumer]  # type: ignore[index]
-            frame = self._frames[d.slot]
-            assert frame is not None
+            item = self._items[d.slot]
+            assert item is not None
+            lid = item[0]
+            if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
+                frame = item[6]
+                if frame is None:
+                    frame = item[6] = P.encode_ready(item[2], d.slot, item[3], item[4], lid, None, item[1])
+            else:
+                frame = item[5]
+                if lid:
+                    peer.layouts.add(lid)
             self._send(peer, frame)
 
     # ------------------------------------------------------------------ I/O
@@ -611,7 +660,7 @@ class Producer(_Endpoint):
                             self.endpoint.name, peer.label, exc)
                 continue
             if freed:
-                self._frames[slot] = None
+                self._items[slot] = None
                 self._stats.latency((now_ns - self._sent_ns[slot]) / 1e9)
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
@@ -630,7 +679,7 @@ class Producer(_Endpoint):
         peer.conv.close()
         freed = self._ring.remove_consumer(peer.identity)
         for slot in freed:
-            self._frames[slot] = None
+            self._items[slot] = None
         peer.release_events = []
         self._bad_by_peer.pop(peer.identity, None)
         self._backend.collect()

@@ -12,7 +12,7 @@ Conversation (one consumer connection)::
     HELLO{version, pid, ...}   ->
                                <-    SETUP{slots, arena handles, ready-event handles}
     ATTACH{release-event handles} ->
-                               <-    READY{seq, slot, gen, layout, meta}     (many)
+                               <-    READY{seq, slot, gen, layout_id, [layout], meta}
     RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
     HEARTBEAT                  <->   HEARTBEAT                                (when idle)
     BYE{reason}                <->   BYE{reason}              (either side; a consumer's BYE is
@@ -220,6 +220,10 @@ def _layout(v: Any, lim: Limits) -> Any:
     return v
 
 
+def _opt_layout(v: Any, lim: Limits) -> Any:
+    return None if v is None else _layout(v, lim)
+
+
 def _describe(v: Any) -> str:
     r = repr(v)
     return f"{type(v).__name__} {r[:40]}{'...' if len(r) > 40 else ''}"
@@ -301,7 +305,11 @@ class Ready:
     slot: int
     gen: int
     sent_ns: int  # producer's time.monotonic_ns() at send (same host: comparable)
-    layout: Any  # see _layout
+    # Layouts travel once per connection: the first READY with a given layout_id carries
+    # the layout, later ones carry None and the consumer uses the one it validated then.
+    # layout_id 0 means "not cached": the layout is always present.
+    layout_id: int
+    layout: Any  # see _layout; None for a layout_id the consumer already has
     meta: Any
 
 
@@ -356,7 +364,7 @@ SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
         _uint,
     ),
     Attach: (_list_of(_handle, lambda lim: lim.max_slots),),
-    Ready: (_uint, _uint, _uint, _uint, _layout, _meta),
+    Ready: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta),
     Release: (_list_of(_release_entry, lambda lim: lim.max_release_batch),),
     Heartbeat: (),
     Bye: (_text,),
@@ -382,9 +390,11 @@ def encode(msg: Message) -> bytes:
     )
 
 
-def encode_ready(seq: int, slot: int, gen: int, sent_ns: int, layout: Any, meta: Any) -> bytes:
+def encode_ready(
+    seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
+) -> bytes:
     """Hot-path encoder for READY, identical in output to ``encode(Ready(...))``."""
-    return msgpack.packb([4, seq, slot, gen, sent_ns, layout, meta], use_bin_type=True)
+    return msgpack.packb([4, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
 
 
 def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -388,3 +388,25 @@ def test_producer_refuses_a_consumer_of_another_version(device: str) -> None:
         assert isinstance(reply, P.Error) and reply.code == "version"
         assert "version 99" in reply.message
         assert out.consumers == 0
+
+
+def test_alternating_layouts_each_reach_the_consumer_right(device: str) -> None:
+    """Layouts travel once per connection under an id; items of alternating shapes and
+    structures must each come back with their own."""
+    shapes = [(3,), (2, 5), (7, 1, 2)]
+
+    def produce() -> None:
+        with producer("shapes", device, slots=2) as out:
+            for i in range(30):
+                shape = shapes[i % 3]
+                msg = {"x": torch.full(shape, i, device=device)} if i % 2 else [torch.full(shape, i, device=device)]
+                out.send(msg, meta=i)
+
+    bg = Background(produce)
+    with consumer("shapes", device) as inp:
+        for item in inp:
+            i = item.meta
+            x = item.tensors["x"] if i % 2 else item.tensors[0]
+            assert tuple(x.shape) == shapes[i % 3]
+            assert bool((x == i).all())
+    bg.result()

@@ -124,7 +124,7 @@ def round_trip(msg: Any, slot_bytes: int = SLOT) -> tuple[L.Placement, torch.Ten
     slot = torch.zeros(slot_bytes, dtype=torch.uint8)
     write_message(placement, slot)
     # The layout is valid wire data: it passes the protocol's checks unchanged.
-    ready = P.decode(P.encode_ready(0, 0, 1, 0, placement.layout, None))
+    ready = P.decode(P.encode_ready(0, 0, 1, 0, 1, placement.layout, None))
     assert ready.layout == placement.layout
     out = read_message(ready.layout, slot, slot_bytes)
     check_placement(placement, slot_bytes)
@@ -671,7 +671,7 @@ def test_read_bad_spec_checked_before_any_view() -> None:
 def test_read_absurd_element_counts_raise_protocol_error(shape: list[int], stride: list[int]) -> None:
     """Sizes the protocol accepts but torch cannot index: a ProtocolError, not a crash."""
     layout = _layout(["float32", shape, stride, 0])
-    assert P.decode(P.encode_ready(0, 0, 1, 0, layout, None)).layout == layout
+    assert P.decode(P.encode_ready(0, 0, 1, 0, 1, layout, None)).layout == layout
     slot = torch.zeros(1024, dtype=torch.uint8)
     with pytest.raises(ProtocolError):
         read_message(layout, slot, 1024)
@@ -699,7 +699,7 @@ def test_plan_empty_round_trip() -> None:
     placement = plan_empty(fields, SLOT)
     assert placement.tensors == []
     check_placement(placement, SLOT)
-    assert P.decode(P.encode_ready(0, 0, 1, 0, placement.layout, None)).layout == placement.layout
+    assert P.decode(P.encode_ready(0, 0, 1, 0, 1, placement.layout, None)).layout == placement.layout
     slot = torch.zeros(SLOT, dtype=torch.uint8)
     views = L.empty_views(placement, slot)
     assert list(views) == list(fields)
@@ -822,7 +822,7 @@ def test_fuzz_read_protocol_valid_layouts(specs: list[list[Any]]) -> None:
     """Any layout the protocol accepts either reads as in-bounds views of the slot or raises
     ProtocolError: never another exception, never a view reaching outside the slot."""
     layout = _layout(*specs)
-    assert P.decode(P.encode_ready(0, 0, 1, 0, layout, None)).layout == layout
+    assert P.decode(P.encode_ready(0, 0, 1, 0, 1, layout, None)).layout == layout
     slot = torch.zeros(1024, dtype=torch.uint8)
     try:
         out = read_message(layout, slot, 1024)

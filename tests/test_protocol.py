@@ -73,7 +73,7 @@ SETUP = Setup(version=PROTOCOL_VERSION, pid=17, start_time=99, pid_ns="pid:[1]",
               slots=[(0, 0, 2048), (0, 2048, 2048), (1, 0, 8192)],
               ready_events=[b"e0", "e1", b""], heartbeat_ms=250)
 ATTACH = Attach(release_events=[b"r0", "r1", b"\x00" * 64])
-READY = Ready(seq=7, slot=1, gen=3, sent_ns=2**62, layout=LAYOUT, meta=META)
+READY = Ready(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout=LAYOUT, meta=META)
 RELEASE = Release(entries=[(0, 0, 1), (1, 1, 1), (2**62, 4095, 2**62)])
 HEARTBEAT = Heartbeat()
 BYE = Bye(reason="producer closed")
@@ -89,10 +89,10 @@ VARIANTS = [
     Setup(PROTOCOL_VERSION, 1, 1, "", "cpu", None, [], [], [], [], 0),
     Attach([]),
     Attach(["h" * 4096, b"h" * 4096]),
-    Ready(0, 0, 0, 0, [0, [["int64", [], [], 0]]], None),
-    Ready(1, 2, 3, 4, [["d", [], []], []], []),
-    Ready(1, 2, 3, 4, [["t", []], []], {"": ""}),
-    Ready(1, 2, 3, 4, [["l", [["l", [["d", ["k"], [0]]]]]], [["bool", [1] * 64, [0] * 64, 0]]], 1.0),
+    Ready(0, 0, 0, 0, 1, [0, [["int64", [], [], 0]]], None),
+    Ready(1, 2, 3, 4, 1, [["d", [], []], []], []),
+    Ready(1, 2, 3, 4, 1, [["t", []], []], {"": ""}),
+    Ready(1, 2, 3, 4, 1, [["l", [["l", [["d", ["k"], [0]]]]]], [["bool", [1] * 64, [0] * 64, 0]]], 1.0),
     Release([]),
     Bye(""),
     Error("", ""),
@@ -134,9 +134,10 @@ def test_bytes_and_str_stay_distinct() -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        (7, 1, 3, 2**62, LAYOUT, META),
-        (0, 0, 0, 0, [0, [["int64", [], [], 0]]], None),
-        (2**62, 4095, 2**62, 1, [["d", [], []], []], [1, "a", b"b", {"k": [None]}]),
+        (7, 1, 3, 2**62, 5, LAYOUT, META),
+        (0, 0, 0, 0, 0, [0, [["int64", [], [], 0]]], None),
+        (2**62, 4095, 2**62, 1, 9, [["d", [], []], []], [1, "a", b"b", {"k": [None]}]),
+        (3, 1, 2, 3, 9, None, {"layout": "already sent"}),
     ],
 )
 def test_encode_ready_matches_encode(args: tuple[Any, ...]) -> None:
@@ -252,7 +253,7 @@ _KINDS = {
     "uints": _BAD_UINTS,
     "slots": _BAD_SLOTS,
     "releases": _BAD_RELEASES,
-    "layout": _BAD_LAYOUTS,
+    "opt_layout": [b for b in _BAD_LAYOUTS if b is not None],
     "meta": _BAD_META,
 }
 FIELD_KINDS: dict[type, list[str]] = {
@@ -260,7 +261,7 @@ FIELD_KINDS: dict[type, list[str]] = {
     Setup: ["uint", "uint", "uint", "text", "text", "opt_text", "handles", "uints", "slots",
             "handles", "uint"],
     Attach: ["handles"],
-    Ready: ["uint", "uint", "uint", "uint", "layout", "meta"],
+    Ready: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta"],
     Release: ["releases"],
     Heartbeat: [],
     Bye: ["text"],
@@ -317,7 +318,7 @@ def test_invalid_utf8_text_is_rejected(bad_utf8: bytes) -> None:
     frame = b"\x92\x07" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8
     expect_error(frame, "malformed msgpack frame")
     # Also as a meta map key.
-    prefix = b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
     expect_error(prefix + b"\x81" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8 + b"\xc0")
 
 
@@ -341,24 +342,24 @@ def test_default_max_frame_boundary() -> None:
     # byte over it (by size, before msgpack parses anything).
     n = DEFAULT_LIMITS.max_frame
     lay = [0, [["uint8", [], [], 0]]]
-    overhead = len(P.encode_ready(0, 0, 0, 0, lay, b"x" * 70000)) - 70000
-    fits = P.encode_ready(0, 0, 0, 0, lay, b"x" * (n - overhead))
+    overhead = len(P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * 70000)) - 70000
+    fits = P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * (n - overhead))
     assert len(fits) == n
     assert decode(fits).meta == b"x" * (n - overhead)
-    over = P.encode_ready(0, 0, 0, 0, lay, b"x" * (n - overhead + 1))
+    over = P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * (n - overhead + 1))
     assert len(over) == n + 1
     expect_error(over, f"frame of {n + 1} bytes exceeds the limit of {n}")
     expect_error(b"\x00" * (n + 1), "exceeds the limit")
 
 
 def test_max_items_limit() -> None:
-    lim = Limits(max_items=7)  # a READY is an array of 7
-    assert decode(encode(Release([(0, 0, 0)] * 7)), lim)
-    expect_error(encode(Release([(0, 0, 0)] * 8)), "8 exceeds max_array_len(7)", limits=lim)
+    lim = Limits(max_items=8)  # a READY is an array of 8
+    assert decode(encode(Release([(0, 0, 0)] * 8)), lim)
+    expect_error(encode(Release([(0, 0, 0)] * 9)), "9 exceeds max_array_len(8)", limits=lim)
     lay = [0, [["uint8", [], [], 0]]]
-    assert decode(P.encode_ready(0, 0, 0, 0, lay, {str(i): i for i in range(7)}), lim)
-    expect_error(P.encode_ready(0, 0, 0, 0, lay, {str(i): i for i in range(8)}),
-                 "8 exceeds max_map_len(7)", limits=lim)
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, {str(i): i for i in range(8)}), lim)
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, {str(i): i for i in range(9)}),
+                 "9 exceeds max_map_len(8)", limits=lim)
 
 
 def test_max_release_batch_and_max_slots() -> None:
@@ -373,8 +374,8 @@ def test_max_release_batch_and_max_slots() -> None:
 
 def test_max_tensors_limit() -> None:
     lay = [["l", [0, 1]], [["uint8", [], [], 0], ["uint8", [], [], 256]]]
-    assert decode(P.encode_ready(0, 0, 0, 0, lay, None), Limits(max_tensors=2))
-    expect_error(P.encode_ready(0, 0, 0, 0, lay, None), "READY.layout", "at most 1 tensors",
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, None), Limits(max_tensors=2))
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, None), "READY.layout", "at most 1 tensors",
                  limits=Limits(max_tensors=1))
 
 
@@ -382,7 +383,7 @@ def test_max_depth_limit_is_configurable() -> None:
     meta: Any = None
     for _ in range(5):
         meta = [meta]
-    frame = P.encode_ready(0, 0, 0, 0, [0, [["uint8", [], [], 0]]], meta)
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], meta)
     assert decode(frame, Limits(max_depth=6)).meta == meta
     expect_error(frame, "READY.meta", "depth 5", limits=Limits(max_depth=5))
 
@@ -420,8 +421,8 @@ HUGE_HEADERS = {
     # ATTACH with 2**32-1 handles, READY with a 2**32-1 entry meta map.
     "bye-str32": b"\x92\x07\xdb\xff\xff\xff\xff",
     "attach-array32": b"\x92\x03\xdd\xff\xff\xff\xff",
-    "ready-map32": b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xdf\xff\xff\xff\xff",
-    "ready-bin32-meta": b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xc6\xff\xff\xff\xff",
+    "ready-map32": b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xdf\xff\xff\xff\xff",
+    "ready-bin32-meta": b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xc6\xff\xff\xff\xff",
     "array32-in-array32": b"\xdd\xff\xff\xff\xff" * 8,
 }
 
@@ -442,7 +443,7 @@ def test_huge_array_header_names_the_limit() -> None:
 def test_ready_map32_prefix_is_otherwise_valid() -> None:
     # Sanity: the READY prefix used above is a valid READY when given a real meta.
     frame = HUGE_HEADERS["ready-map32"][:-5] + b"\xc0"
-    assert decode(frame) == Ready(0, 0, 0, 0, [0, [["uint8", [], [], 0]]], None)
+    assert decode(frame) == Ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], None)
 
 
 # --------------------------------------------------------------------------- deep nesting
@@ -454,7 +455,7 @@ def _nested(depth: int, leaf: Any = None) -> Any:
 
 
 def test_meta_nested_100_lists() -> None:
-    frame = P.encode_ready(0, 0, 0, 0, [0, [["uint8", [], [], 0]]], _nested(100))
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], _nested(100))
     expect_error(frame, "READY.meta", "meta nesting exceeds depth 32")
 
 
@@ -462,7 +463,7 @@ def test_meta_nested_dicts() -> None:
     meta: Any = 1
     for _ in range(40):
         meta = {"k": meta}
-    frame = P.encode_ready(0, 0, 0, 0, [0, [["uint8", [], [], 0]]], meta)
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], meta)
     expect_error(frame, "READY.meta", "depth")
 
 
@@ -470,8 +471,8 @@ def test_meta_depth_boundary() -> None:
     lay = [0, [["uint8", [], [], 0]]]
     # The meta value itself is depth 1: 31 lists around a leaf reach depth 32.
     ok = _nested(DEFAULT_LIMITS.max_depth - 1)
-    assert decode(P.encode_ready(0, 0, 0, 0, lay, ok)).meta == ok
-    expect_error(P.encode_ready(0, 0, 0, 0, lay, _nested(DEFAULT_LIMITS.max_depth)), "depth")
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, ok)).meta == ok
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, _nested(DEFAULT_LIMITS.max_depth)), "depth")
 
 
 @pytest.mark.parametrize("depth", [100, 10_000])
@@ -480,7 +481,7 @@ def test_raw_deep_nesting(depth: int) -> None:
     with pytest.raises(ProtocolError):
         decode(b"\x91" * depth + b"\xc0")
     # Inside a READY's meta too.
-    prefix = b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
     with pytest.raises(ProtocolError):
         decode(prefix + b"\x91" * depth + b"\xc0")
     with pytest.raises(ProtocolError):
@@ -492,7 +493,7 @@ def test_deep_layout_tree() -> None:
     tree: Any = 0
     for _ in range(40):
         tree = ["l", [tree]]
-    frame = P.encode_ready(0, 0, 0, 0, [tree, [["uint8", [], [], 0]]], None)
+    frame = P.encode_ready(0, 0, 0, 0, 1, [tree, [["uint8", [], [], 0]]], None)
     expect_error(frame, "READY.layout", "layout nesting exceeds depth 32")
 
 
@@ -519,7 +520,7 @@ def test_ext_types_are_rejected(ext: bytes, where: str) -> None:
     if where == "top":
         frame = ext
     elif where == "meta":
-        frame = b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00\x91" + ext
+        frame = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\x91" + ext
     elif where == "field":
         frame = b"\x92\x07" + ext  # BYE.reason
     else:
@@ -555,14 +556,14 @@ def test_ext_with_timestamp_argument_is_never_decoded() -> None:
     ids=["bytes", "int", "nil", "bool", "float", "array", "map", "nested-bytes", "in-list"],
 )
 def test_non_str_meta_keys_are_rejected(meta_bytes: bytes) -> None:
-    prefix = b"\x97\x04\x00\x00\x00\x00\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
     assert decode(prefix + b"\x80").meta == {}
     with pytest.raises(ProtocolError):
         decode(prefix + meta_bytes)
 
 
 def test_bytes_meta_key_message_names_the_reason() -> None:
-    frame = P.encode_ready(0, 0, 0, 0, [0, [["uint8", [], [], 0]]], {b"k": 1})
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], {b"k": 1})
     expect_error(frame, "READY.meta", "keys must be strings")
 
 
@@ -580,7 +581,7 @@ def test_check_meta_directly() -> None:
 
 # --------------------------------------------------------------------------- READY layouts
 def _ready_with(layout: Any) -> bytes:
-    return P.encode_ready(1, 0, 1, 0, layout, None)
+    return P.encode_ready(1, 0, 1, 0, 1, layout, None)
 
 
 GOOD_SPEC = ["float32", [2, 2], [2, 1], 0]
@@ -767,7 +768,7 @@ _messages = st.one_of(
               st.one_of(st.none(), st.text(max_size=8)), _small_uint(), _small_uint()),
     st.builds(Attach, st.lists(st.one_of(st.binary(max_size=8), st.text(max_size=8)), max_size=4)),
     st.builds(Release, st.lists(st.tuples(_small_uint(), _small_uint(), _small_uint()), max_size=4)),
-    st.builds(Ready, _small_uint(), _small_uint(), _small_uint(), _small_uint(),
+    st.builds(Ready, _small_uint(), _small_uint(), _small_uint(), _small_uint(), _small_uint(),
               st.just(LAYOUT), _data),
     st.builds(Bye, st.text(max_size=16)),
     st.builds(Error, st.text(max_size=8), st.text(max_size=16)),

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Where does a handoff's time go? Runs N handoffs producer -> consumer (two processes)
+under cProfile and prints, for each side, its rate, time spent waiting by cause and the
+top functions by own time. A development tool; scripts/bench.py is the benchmark.
+
+    python3 scripts/profile_handoff.py [--device cuda] [--n 20000] [--slots 16] [--mode send]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import multiprocessing as mp
+import os
+import pstats
+import tempfile
+import time
+
+import torch
+
+
+def _report(name: str, prof: cProfile.Profile, stats: dict, elapsed: float, n: int, q) -> None:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    q.put(f"== {name}: {n / elapsed:,.0f}/s over {elapsed:.2f} s; waiting {stats['waiting_s']}\n{out.getvalue()}")
+
+
+def producer(ep, n, slots, device, mode, q, ready):
+    import ipcsync
+
+    src = torch.zeros(4096, dtype=torch.uint8, device=device)
+    prof = cProfile.Profile()
+    with ipcsync.Producer(ep, slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out:
+        ready.set()
+        out.wait_for_consumers(1, timeout=60)
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(n):
+            if mode == "slot":
+                with out.slot(x=((4096,), torch.uint8)) as s:
+                    s["x"][:1].fill_(1)
+            else:
+                out.send({"x": src})
+        prof.disable()
+        _report("producer", prof, out.stats(), time.perf_counter() - t0, n, q)
+
+
+def consumer(ep, n, device, touch, q):
+    import ipcsync
+
+    prof = cProfile.Profile()
+    with ipcsync.Consumer(ep, device=device, heartbeat=None, timeout=60) as inp:
+        it = iter(inp)
+        next(it)
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(n - 1):
+            item = next(it)
+            if touch:
+                item["x"][:1].sum()
+        prof.disable()
+        _report("consumer", prof, inp.stats(), time.perf_counter() - t0, n - 1, q)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--mode", default="send")
+    ap.add_argument("--no-touch", action="store_true")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("IPCSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="ipcs-prof-", dir="/tmp"))
+    ctx = mp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=producer, args=("prof", a.n, a.slots, a.device, a.mode, q, ready))
+    p.start()
+    ready.wait(60)
+    c = ctx.Process(target=consumer, args=("prof", a.n, a.device, not a.no_touch, q))
+    c.start()
+    for _ in range(2):
+        print(q.get(timeout=300))
+    p.join(60)
+    c.join(60)
+
+
+if __name__ == "__main__":
+    main()
