@@ -104,13 +104,17 @@ class _Endpoint:
     def _call(self) -> Iterator[None]:
         """Enter a public call: take the lock, refuse if closed."""
         with self._lock:
-            if self._closed:
-                raise ClosedError(f"this {self._role} is closed; create a new one")
-            self._last_call = time.monotonic()
+            self._check_open()
             try:
                 yield
             finally:
                 self._last_call = time.monotonic()
+
+    def _check_open(self) -> None:
+        """Refuse a call on a closed endpoint; note that the user's thread is here. Lock held."""
+        if self._closed:
+            raise ClosedError(f"this {self._role} is closed; create a new one")
+        self._last_call = time.monotonic()
 
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         t = self._timeout if timeout is None else check_timeout("timeout", timeout)

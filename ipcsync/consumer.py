@@ -187,9 +187,13 @@ class Consumer(_Endpoint):
         return self
 
     def __next__(self) -> Item:
-        with self._call():
-            t = self._idle_timeout
-            item = self._next_item(None if t is None or math.isinf(t) else t)
+        with self._lock:  # the hot path: an explicit lock rather than _call()
+            self._check_open()
+            try:
+                t = self._idle_timeout
+                item = self._next_item(None if t is None or math.isinf(t) else t)
+            finally:
+                self._last_call = time.monotonic()
         if item is None:
             raise StopIteration
         return item

@@ -297,10 +297,23 @@ def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
     )
 
 
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True if the strides tile exactly numel consecutive elements (no gaps, no overlap):
+    sorted by stride, each stride is the product of the sizes below it."""
+    if any(s == 0 for s in shape):
+        return True
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
 class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
-    __slots__ = ("layout", "nbytes", "layout_id", "data_bytes", "recipe", "_dst")
+    __slots__ = ("layout", "nbytes", "layout_id", "data_bytes", "recipe", "_direct", "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
@@ -310,24 +323,34 @@ class Plan:
                            if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
                                                          for sp in self.layout[1]))
         self.recipe: Recipe | None = None  # views for zero-copy writes (Producer.slot)
-        self._dst: dict[int, list[torch.Tensor]] = {}  # slot -> destination span views
+        # A dense, non-overlapping tensor is copied into a destination view of its own shape
+        # and strides (copy_ resolves conj/neg bits itself); others as their element span.
+        self._direct = [_dense(t.shape, t.stride()) for t in placement.tensors]
+        self._dst: dict[int, list[torch.Tensor]] = {}  # slot -> destination views
 
     def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` (this plan's signature) into slot ``slot_index``, as
         ``write_message`` does."""
         dsts = self._dst.get(slot_index)
         if dsts is None:
-            dsts = self._dst[slot_index] = [_span_view(slot, spec, slot.numel()) for spec in self.layout[1]]
+            dsts = []
+            for spec, direct in zip(self.layout[1], self._direct):
+                span = _span_view(slot, spec, slot.numel())
+                dsts.append(span.as_strided(spec[1], spec[2]) if direct else span)
+            self._dst[slot_index] = dsts
         on_device = slot.device.type != "cpu"
-        for dst, src in zip(dsts, tensors):
+        for dst, src, direct in zip(dsts, tensors, self._direct):
+            if src.requires_grad:
+                src = src.detach()
+            blocking = not (on_device and src.device == slot.device)
+            if direct:
+                dst.copy_(src, non_blocking=not blocking)
+                continue
             n = dst.numel()
             if n:
-                if src.requires_grad:
-                    src = src.detach()
                 if src.is_conj() or src.is_neg():
                     src = src.resolve_conj().resolve_neg()
-                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()),
-                          non_blocking=on_device and src.device == slot.device)
+                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=not blocking)
 
 
 class Recipe:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
-COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}
+COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}  # CPU backend: host memcpy speeds
+COUNT_CUDA = {"4K": 20_000, "1M": 10_000, "64M": 2_000, "256M": 500}
 
 
 # ------------------------------------------------------------------ ipcsync
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.sizes.split(","):
         nbytes = SIZES[name]
-        n = COUNT[name] // (10 if args.quick else 1)
+        n = (COUNT_CUDA if device.startswith("cuda") else COUNT)[name] // (10 if args.quick else 1)
         n = max(n, 10)
         host = run_host_copy(nbytes, n, device)
         mrate, mlat = run_mpq(nbytes, n, args.slots, device)
@@ -204,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((name, label, rate, pct(lat, .5), pct(lat, .99), rate / mrate, host))
         rows.append((name, "torch.multiprocessing.Queue", mrate, pct(mlat, .5), pct(mlat, .99), 1.0, host))
 
-    cpu = os.cpu_count()
-    dev = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"{cpu} CPU cores"
+    cpu = len(os.sched_getaffinity(0))
+    dev = (f"{torch.cuda.get_device_name(torch.device(device))}, {cpu} CPU cores" if device.startswith("cuda")
+           else f"{cpu} CPU cores")
     print(f"\nipcsync bench: device={device} ({dev}), slots={args.slots}, torch {torch.__version__}, "
           f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}")
     head = ("size", "method", "handoffs/s", "p50 ms", "p99 ms", "x mp.Queue", "host copy/s")

@@ -20,10 +20,15 @@ import time
 import torch
 
 
+PROFILE = os.environ.get("NO_PROFILE") != "1"
+
+
 def _report(name: str, prof: cProfile.Profile, stats: dict, elapsed: float, n: int, q) -> None:
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-    q.put(f"== {name}: {n / elapsed:,.0f}/s over {elapsed:.2f} s; waiting {stats['waiting_s']}\n{out.getvalue()}")
+    if PROFILE:
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    waits = {k: round(v, 3) for k, v in stats["waiting_s"].items()}
+    q.put(f"== {name}: {n / elapsed:,.0f}/s over {elapsed:.2f} s; waiting {waits}\n{out.getvalue()}")
 
 
 def producer(ep, n, slots, device, mode, q, ready):
@@ -35,14 +40,14 @@ def producer(ep, n, slots, device, mode, q, ready):
         ready.set()
         out.wait_for_consumers(1, timeout=60)
         t0 = time.perf_counter()
-        prof.enable()
+        prof.enable() if PROFILE else None
         for _ in range(n):
             if mode == "slot":
                 with out.slot(x=((4096,), torch.uint8)) as s:
                     s["x"][:1].fill_(1)
             else:
                 out.send({"x": src})
-        prof.disable()
+        prof.disable() if PROFILE else None
         _report("producer", prof, out.stats(), time.perf_counter() - t0, n, q)
 
 
@@ -54,12 +59,12 @@ def consumer(ep, n, device, touch, q):
         it = iter(inp)
         next(it)
         t0 = time.perf_counter()
-        prof.enable()
+        prof.enable() if PROFILE else None
         for _ in range(n - 1):
             item = next(it)
             if touch:
                 item["x"][:1].sum()
-        prof.disable()
+        prof.disable() if PROFILE else None
         _report("consumer", prof, inp.stats(), time.perf_counter() - t0, n - 1, q)
 
 

@@ -835,3 +835,51 @@ def test_fuzz_read_protocol_valid_layouts(specs: list[list[Any]]) -> None:
             first = t.storage_offset() * t.element_size()
             last = first + (L.span_elements(shape, stride) - 1) * t.element_size()
             assert first == offset and last + t.element_size() <= 1024
+
+
+# --------------------------------------------------------------------------- Plan / Recipe
+def _awkward_views() -> list[torch.Tensor]:
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    c = torch.complex(torch.arange(6.0), -torch.arange(6.0))
+    return [
+        base,
+        base.transpose(0, 2),
+        base[:, ::2, 1:],
+        torch.arange(3.0).expand(4, 3),
+        base.to(memory_format=torch.channels_last) if base.dim() == 4 else base.unsqueeze(0).to(memory_format=torch.channels_last),
+        c.conj(),
+        torch._neg_view(torch.arange(5.0)),
+        torch.ones(3, requires_grad=True) * 2,
+        torch.tensor(7),
+        torch.zeros(0, 3),
+    ]
+
+
+@pytest.mark.parametrize("i", range(10))
+def test_plan_write_then_recipe_build_round_trips(i: int) -> None:
+    t = _awkward_views()[i]
+    msg = {"t": t, "pad": [torch.arange(3)]}
+    placement = L.plan_message(msg, 1 << 12)
+    plan = L.Plan(placement, layout_id=1)
+    recipe = L.Recipe(plan.layout, 1 << 12)
+    slots = [torch.zeros(1 << 12, dtype=torch.uint8) for _ in range(2)]
+    for k, slot in enumerate(slots):  # twice per slot: the cached views are reused
+        for _ in range(2):
+            key, tensors = L.signature(msg)
+            plan.write(k, slot, tensors)
+            got = recipe.build(k, slot)
+            expect = t.detach().resolve_conj().resolve_neg()
+            assert got["t"].shape == t.shape and got["t"].dtype == t.dtype
+            assert torch.equal(got["t"].resolve_conj().resolve_neg(), expect)
+            assert torch.equal(got["pad"][0], torch.arange(3))
+
+
+def test_signature_is_equal_for_equal_layouts_and_differs_otherwise() -> None:
+    a = L.signature({"x": torch.zeros(2, 3)})[0]
+    assert a == L.signature({"x": torch.ones(2, 3)})[0]
+    assert a != L.signature({"x": torch.zeros(3, 2)})[0]
+    assert a != L.signature({"x": torch.zeros(3, 2).t()})[0]
+    assert a != L.signature([torch.zeros(2, 3)])[0]
+    assert a != L.signature({"x": torch.zeros(2, 3, dtype=torch.float64)})[0]
+    with pytest.raises(ConfigError):
+        L.signature({"x": 3})

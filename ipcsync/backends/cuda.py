@@ -43,15 +43,15 @@ _LOCAL_ARENAS: "weakref.WeakValueDictionary[bytes, CudaArena]" = weakref.WeakVal
 # (Values are our own wrappers: a weakref to a torch.cuda.Event itself segfaults in torch 2.11.)
 _LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
 _STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def current_stream(device_index: int) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device_index)``, without building a new Stream object
     on every call."""
-    get = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if get is None:  # pragma: no cover - older torch
+    if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch
         return torch.cuda.current_stream(device_index)
-    key = tuple(get(device_index))
+    key = tuple(_GET_CURRENT_STREAM(device_index))
     s = _STREAMS.get(key)  # type: ignore[arg-type]
     if s is None:
         s = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
