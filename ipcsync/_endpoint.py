@@ -122,10 +122,15 @@ class _Endpoint:
 
     def _wait_until(
         self, done: Callable[[], bool], timeout: float | None, cause: str | None = None,
-        stats_wait: Callable[[str, float], None] | None = None,
+        stats_wait: Callable[[str, float], None] | None = None, poll_event: bool = False,
     ) -> bool:
         """Pump until ``done()`` or the timeout; True if done. Raises the endpoint's pending
-        error (e.g. PeerLostError) as soon as it appears. Lock held."""
+        error (e.g. PeerLostError) as soon as it appears. Lock held.
+
+        ``poll_event``: ``done()`` waits on a GPU event, whose completion makes no socket
+        activity to wake on, so poll it with a short backoff (10 us doubling to 1 ms)
+        instead of sleeping a whole tick in the socket poll.
+        """
         if done():  # e.g. an item already buffered: no socket work on this call
             return True
         self._pump()
@@ -133,6 +138,7 @@ class _Endpoint:
             return True
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        backoff = 1e-5
         try:
             while True:
                 self._raise_if_broken()
@@ -140,7 +146,11 @@ class _Endpoint:
                 if deadline is not None and now >= deadline:
                     return False
                 step = self._tick if deadline is None else min(self._tick, deadline - now)
-                self._wait_io(step)
+                if poll_event and backoff < 1e-3:
+                    time.sleep(min(backoff, step))
+                    backoff *= 2
+                else:
+                    self._wait_io(min(step, 1e-3) if poll_event else step)
                 self._pump()
                 if done():
                     return True

@@ -298,7 +298,7 @@ class Consumer(_Endpoint):
         ev = self._ready_events[ready.slot]
         if self.wait_mode == "host":
             if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
-                                    self._stats.waited):
+                                    self._stats.waited, poll_event=True):
                 raise AssertionError("unreachable")
             self._raise_if_broken()
         ev.wait(self._stream)  # on the consumer's stream; no host block

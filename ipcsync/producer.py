@@ -231,7 +231,8 @@ class Producer(_Endpoint):
         """
         spec = dict(fields or {})
         spec.update(named_fields)
-        with self._call():
+        with self._lock:
+            self._check_open()
             self._check_sendable()
             plan, recipe = self._empty_plan_for(spec)
             acq = self._acquire(timeout)
@@ -247,13 +248,16 @@ class Producer(_Endpoint):
             with self._lock:
                 self._ring.abort(acq.slot)
             raise
-        with self._call():
+        with self._lock:
+            self._check_open()
             try:
                 self._ready_events[acq.slot].record(self._stream_or(stream))
                 self._commit(acq, plan, writer.meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
+            finally:
+                self._last_call = time.monotonic()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item sent so far has been released by its consumers (or they
@@ -381,7 +385,7 @@ class Producer(_Endpoint):
             if self.wait_mode == "host" and not ev.query():
                 t = self._timeout
                 if not self._wait_until(lambda: self._peers.get(cid) is not peer or ev.query(),  # type: ignore[call-overload]
-                                        t, "release_event", self._stats.waited):
+                                        t, "release_event", self._stats.waited, poll_event=True):
                     raise self._timeout_error(
                         f"{peer.label} did not finish with slot {acq.slot}", t,
                         "its GPU work on the slot is still running (or wedged)",
