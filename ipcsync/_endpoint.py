@@ -84,6 +84,25 @@ class _Endpoint:
     def _raise_if_broken(self) -> None:
         """Raise the pending error (peer lost, protocol error), if any. Lock held."""
 
+    def _teardown(self) -> None:
+        """Free sockets, memory and events. Lock held (or the object is being collected)."""
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Unreferenced without close(): free what we hold, without saying goodbye.
+        if not getattr(self, "_closed", True):
+            try:
+                self._closed = True
+                self._teardown()
+            except Exception:
+                pass
+
     # ------------------------------------------------------------------ helpers
     def _start_service(self) -> None:
         ref = weakref.ref(self)
@@ -190,6 +209,6 @@ def _close_at_exit(ref: "weakref.ref[_Endpoint]") -> None:
     ep = ref()
     if ep is not None and not ep._closed:
         try:
-            ep.close(timeout=1.0)  # type: ignore[attr-defined]
+            ep.close(timeout=1.0)
         except Exception:
             pass

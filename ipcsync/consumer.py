@@ -244,17 +244,6 @@ class Consumer(_Endpoint):
     def __enter__(self) -> "Consumer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self._closed = True
-                self._teardown()
-            except Exception:
-                pass
-
     # ------------------------------------------------------------------ internals
     def _hello(self) -> P.Hello:
         pid = os.getpid()

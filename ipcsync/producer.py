@@ -329,17 +329,6 @@ class Producer(_Endpoint):
     def __enter__(self) -> "Producer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self._closed = True
-                self._teardown()
-            except Exception:
-                pass
-
     # ------------------------------------------------------------------ send internals
     def _check_sendable(self) -> None:
         if self._closing:
