@@ -313,12 +313,13 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
-    __slots__ = ("layout", "nbytes", "layout_id", "data_bytes", "recipe", "_direct", "_dst")
+    __slots__ = ("layout", "nbytes", "layout_id", "layout_size", "data_bytes", "recipe", "_direct", "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
         self.nbytes = placement.nbytes
         self.layout_id = layout_id
+        self.layout_size = 0  # bytes of the encoded layout (set by the producer)
         self.data_bytes = (sum(t.numel() * t.element_size() for t in placement.tensors)
                            if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
                                                          for sp in self.layout[1]))

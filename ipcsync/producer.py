@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+import msgpack
 import torch
 import zmq
 
@@ -141,6 +142,7 @@ class Producer(_Endpoint):
         # frame, short READY frame (without the layout) or None until first needed].
         self._items: list[list[Any] | None] = [None] * self.slots
         self._plans: dict[Any, Plan] = {}
+        self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
         self._next_layout_id = 1
         self._sent_ns: list[int] = [0] * self.slots
         self._stats = Stats()
@@ -411,6 +413,9 @@ class Producer(_Endpoint):
             lid = self._next_layout_id
             self._next_layout_id += 1
         plan = Plan(placement, lid)
+        plan.layout_size = len(msgpack.packb(plan.layout, use_bin_type=True))
+        if lid:
+            self._layouts[lid] = plan.layout
         if key is not None:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
@@ -420,13 +425,17 @@ class Producer(_Endpoint):
     def _commit(self, acq: Acquired, plan: Plan, meta: Any) -> int:
         seq = self._ring.next_seq
         sent_ns = time.monotonic_ns()
+        lid = plan.layout_id
         try:
-            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, plan.layout_id, plan.layout, meta)
+            # Cached layouts: encode the short frame now (what consumers that know the
+            # layout get); the full one only if a consumer needs it (see _dispatch).
+            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, lid, None if lid else plan.layout, meta)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
-        if len(frame) > self._limits.max_frame:
+        size = len(frame) + (plan.layout_size if lid else 0)  # bounds the full frame
+        if size > self._limits.max_frame:
             raise ConfigError(
-                f"message description (layout + meta) is {len(frame)} bytes, over the frame "
+                f"message description (layout + meta) is {size} bytes, over the frame "
                 f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
             )
         if meta is not None and type(meta) not in (int, float, str, bool):
@@ -436,7 +445,7 @@ class Producer(_Endpoint):
                 raise ConfigError(f"bad meta: {exc}") from None
         committed = self._ring.commit(acq.slot)
         assert committed == seq
-        self._items[acq.slot] = [plan.layout_id, meta, seq, acq.gen, sent_ns, frame, None]
+        self._items[acq.slot] = [lid, meta, seq, acq.gen, sent_ns, None if lid else frame, frame if lid else None]
         self._sent_ns[acq.slot] = sent_ns
         self._stats.count(plan.data_bytes)
         self._dispatch()
@@ -452,10 +461,11 @@ class Producer(_Endpoint):
             lid = item[0]
             if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
                 frame = item[6]
-                if frame is None:
-                    frame = item[6] = P.encode_ready(item[2], d.slot, item[3], item[4], lid, None, item[1])
             else:
                 frame = item[5]
+                if frame is None:
+                    layout = self._layouts[lid]
+                    frame = item[5] = P.encode_ready(item[2], d.slot, item[3], item[4], lid, layout, item[1])
                 if lid:
                     peer.layouts.add(lid)
             self._send(peer, frame)

@@ -137,6 +137,9 @@ class Ring:
         cons = self._consumers
         if not cons:
             return []
+        if len(cons) == 1:  # the common case, either policy
+            ((cid, c),) = cons.items()
+            return [cid] if c.free_credits > 0 else []
         if self.policy == "broadcast":
             if all(c.free_credits > 0 for c in cons.values()):
                 return list(cons)
