@@ -210,21 +210,13 @@ def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torc
 
 def write_message(placement: Placement, slot: torch.Tensor) -> None:
     """Copy the placement's source tensors into ``slot`` (a uint8 tensor of the slot's bytes)
-    on the current stream of the slot's device.
+    on the current stream of the slot's device: ``Plan.write`` without the caching.
 
     Device-to-device copies are queued without a host sync. A host source is copied
     synchronously (a pinned source could otherwise be changed by the caller before the copy
     ran); a device source into a host slot likewise, so the bytes are there before READY.
     """
-    specs = placement.layout[1]
-    slot_bytes = slot.numel()
-    on_device = slot.device.type != "cpu"
-    for spec, src in zip(specs, placement.tensors):
-        dst = _span_view(slot, spec, slot_bytes)
-        n = dst.numel()
-        if n:
-            src_span = src.as_strided((n,), (1,), src.storage_offset())
-            dst.copy_(src_span, non_blocking=on_device and src.device == slot.device)
+    Plan(placement, 0).write(0, slot, placement.tensors)
 
 
 def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -235,16 +227,12 @@ def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Ten
 
 
 def read_message(layout: Sequence[Any], slot: torch.Tensor, slot_bytes: int) -> Any:
-    """Rebuild a message as views of ``slot`` from a layout validated by the protocol.
+    """Rebuild a message as views of ``slot`` from a layout validated by the protocol:
+    ``Recipe.build`` without the caching.
 
     Raises ProtocolError for an unknown dtype or a tensor that would reach outside the slot.
     """
-    tree, specs = layout
-    tensors = []
-    for spec in specs:
-        base = _span_view(slot, spec, slot_bytes)
-        tensors.append(base.as_strided(spec[1], spec[2]))
-    return _unflatten(tree, tensors)
+    return Recipe(layout, slot_bytes).build(0, slot)
 
 
 def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
