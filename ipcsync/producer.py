@@ -29,10 +29,10 @@ import zmq
 
 from . import _host
 from . import protocol as P
-from ._endpoint import _Endpoint, check_positive_int, check_wait, check_timeout
+from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .channel import ProducerChannel, resolve_endpoint
-from .errors import ConfigError, IpcTimeoutError, PeerLostError, ProtocolError
+from .errors import ConfigError, ProtocolError
 from .layout import ALIGN, Plan, Recipe, plan_empty, plan_message, signature
 from .ring import POLICIES, Acquired, Ring
 from .stats import Stats
@@ -144,7 +144,6 @@ class Producer(_Endpoint):
         self._plans: dict[Any, Plan] = {}
         self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
         self._next_layout_id = 1
-        self._sent_ns: list[int] = [0] * self.slots
         self._stats = Stats()
         self._bad_frames = 0
         self._attached_total = 0  # consumers that completed the handshake, ever
@@ -446,7 +445,6 @@ class Producer(_Endpoint):
         committed = self._ring.commit(acq.slot)
         assert committed == seq
         self._items[acq.slot] = [lid, meta, seq, acq.gen, sent_ns, None if lid else frame, frame if lid else None]
-        self._sent_ns[acq.slot] = sent_ns
         self._stats.count(plan.data_bytes)
         self._dispatch()
         return seq
@@ -671,8 +669,10 @@ class Producer(_Endpoint):
                             self.endpoint.name, peer.label, exc)
                 continue
             if freed:
+                item = self._items[slot]
                 self._items[slot] = None
-                self._stats.latency((now_ns - self._sent_ns[slot]) / 1e9)
+                if item is not None:
+                    self._stats.latency((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
         if not peer.bye_sent:
