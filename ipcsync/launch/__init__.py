@@ -1,0 +1,10 @@
+"""``ipcsync-run``: launch and supervise a pipeline of stage processes.
+
+Layers, torchrun style: ``spec`` (parse and validate, pure) -> ``plan`` (resolve devices,
+endpoints and each process's wiring, pure) -> ``supervisor`` (processes) ; ``cli`` ties
+them together: ``parse_args -> config -> run``.
+"""
+
+from .spec import EdgeSpec, PipelineSpec, SpecError, StageSpec, from_cli, load, loads
+
+__all__ = ["EdgeSpec", "PipelineSpec", "SpecError", "StageSpec", "from_cli", "load", "loads"]

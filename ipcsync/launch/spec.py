@@ -1,0 +1,470 @@
+"""Pipeline specs for ``ipcsync-run``: parsing and validation, pure (no processes, no
+sockets, no CUDA). ``load(path)`` reads TOML, ``from_cli(...)`` reads ``--stage``/``--edge``
+arguments; both give the same ``PipelineSpec``, or a ``SpecError`` that names the source,
+the key and what is wrong.
+
+A spec::
+
+    restart = 1                 # restart the whole group up to 1 time after a failure
+    stop_timeout = 10           # seconds between SIGTERM and SIGKILL at teardown
+
+    [stages.loader]
+    cmd = ["python3", "examples/loader.py"]     # or one string, split like a shell
+    replicas = 2
+    device = "cuda:0"           # "auto" (default), "cpu", "cuda", "cuda:N"; "{replica}"
+                                # is replaced by the replica index, e.g. "cuda:{replica}"
+    visible_devices = "0,1"     # optional CUDA_VISIBLE_DEVICES for this stage
+    env = { LOG_LEVEL = "info" }
+    cwd = "."                   # optional; relative to the spec file's directory
+
+    [stages.train]
+    cmd = "python3 examples/train.py"
+
+    [[edges]]
+    from = "loader"
+    to = "train"
+    slots = 4
+    slot_bytes = "8MiB"         # an integer, or a string with B, KiB, MiB, GiB
+    policy = "shard"            # or "broadcast" (with several consumer replicas)
+    wait = "gpu"                # how the consumer waits on the producer's events
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ..errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "SpecError",
+    "StageSpec",
+    "EdgeSpec",
+    "PipelineSpec",
+    "load",
+    "loads",
+    "from_mapping",
+    "from_cli",
+    "parse_bytes",
+    "DEFAULT_SLOT_BYTES",
+]
+
+DEFAULT_SLOT_BYTES = 8 << 20
+MAX_REPLICAS = 256
+MAX_RESTART = 1000
+POLICIES = ("shard", "broadcast")
+WAITS = ("gpu", "host")
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]{1,3})?)$")
+_VISIBLE_RE = re.compile(r"^[A-Za-z0-9,:-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BYTES_RE = re.compile(r"^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB|k|K|M|G)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 1 << 10,
+          "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
+
+_TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name"}
+_STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd"}
+_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout"}
+
+
+class SpecError(ConfigError):
+    """A pipeline spec is invalid. The message names the source, the key and the problem."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: a command run in ``replicas`` processes."""
+
+    name: str
+    cmd: tuple[str, ...]
+    replicas: int = 1
+    device: str = "auto"
+    visible_devices: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
+
+    def device_for(self, replica: int) -> str:
+        """The device string of one replica (``{replica}`` substituted)."""
+        return self.device.replace("{replica}", str(replica))
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """A producer stage ``src`` feeding a consumer stage ``dst``."""
+
+    src: str
+    dst: str
+    slots: int = 4
+    slot_bytes: int = DEFAULT_SLOT_BYTES
+    policy: str = "shard"
+    wait: str = "gpu"
+    timeout: float = 60.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}-{self.dst}"
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A validated pipeline: stages in a fixed order (upstream first), acyclic edges."""
+
+    stages: tuple[StageSpec, ...]
+    edges: tuple[EdgeSpec, ...] = ()
+    restart: int = 0
+    stop_timeout: float = 10.0
+    name: str = "pipeline"
+    source: str = "<spec>"
+
+    def stage(self, name: str) -> StageSpec:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def inputs_of(self, name: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.dst == name]
+
+    def outputs_of(self, name: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.src == name]
+
+
+# ---------------------------------------------------------------------------- entry points
+def load(path: str) -> PipelineSpec:
+    """Read and validate a TOML spec file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the spec: {exc.strerror or exc}") from None
+    return loads(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def loads(text: str | bytes, source: str = "<spec>", base_dir: str | None = None) -> PipelineSpec:
+    """Validate a TOML spec given as text. A relative ``cwd`` of a stage is taken relative
+    to ``base_dir`` (for a file: the file's directory)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    return from_mapping(data, source, base_dir)
+
+
+def from_mapping(data: Mapping[str, Any], source: str = "<spec>", base_dir: str | None = None) -> PipelineSpec:
+    """Validate a spec given as a mapping (what TOML parsing returns)."""
+    where = _Where(source)
+    if not isinstance(data, Mapping):
+        raise where.error("", "the spec must be a table")
+    where.unknown_keys("", data, _TOP_KEYS)
+    stages_raw = data.get("stages")
+    if not isinstance(stages_raw, Mapping) or not stages_raw:
+        raise where.error("stages", "define at least one stage, e.g. [stages.train] with cmd = [...]")
+    stages = [_stage(where, name, body, base_dir) for name, body in stages_raw.items()]
+    edges_raw = data.get("edges", [])
+    if not isinstance(edges_raw, list):
+        raise where.error("edges", "must be an array of tables ([[edges]])")
+    names = {s.name for s in stages}
+    edges = [_edge(where, f"edges[{i}]", body, names) for i, body in enumerate(edges_raw)]
+    return _finish(
+        where, stages, edges,
+        restart=_int(where, "restart", data.get("restart", 0), 0, MAX_RESTART),
+        stop_timeout=_seconds(where, "stop_timeout", data.get("stop_timeout", 10.0)),
+        name=_name(where, "name", data.get("name", "pipeline")),
+    )
+
+
+def from_cli(
+    stages: Iterable[str],
+    edges: Iterable[str] = (),
+    replicas: Iterable[str] = (),
+    devices: Iterable[str] = (),
+    restart: int = 0,
+    stop_timeout: float = 10.0,
+    edge_options: Iterable[str] = (),
+) -> PipelineSpec:
+    """Build a spec from command-line pieces: ``NAME=CMD`` stages, ``A:B`` edges,
+    ``NAME=N`` replicas, ``NAME=DEVICE`` devices, ``A:B:KEY=VALUE`` edge options."""
+    where = _Where("<command line>")
+    data: dict[str, Any] = {"stages": {}, "edges": [], "restart": restart, "stop_timeout": stop_timeout}
+    for arg in stages:
+        name, cmd = _split_pair(where, "--stage", arg, "NAME=COMMAND")
+        if name in data["stages"]:
+            raise where.error(f"--stage {name}", "stage given twice")
+        data["stages"][name] = {"cmd": cmd}
+    for opt, items in (("replicas", replicas), ("device", devices)):
+        for arg in items:
+            name, value = _split_pair(where, f"--{opt if opt == 'replicas' else 'device'}", arg, f"NAME={opt.upper()}")
+            if name not in data["stages"]:
+                raise where.error(f"--{opt} {arg}", f"unknown stage {name!r}; stages: {sorted(data['stages'])}")
+            if opt == "replicas":
+                try:
+                    data["stages"][name][opt] = int(value)
+                except ValueError:
+                    raise where.error(f"--replicas {arg}", f"{value!r} is not an integer") from None
+            else:
+                data["stages"][name][opt] = value
+    by_pair: dict[tuple[str, str], dict[str, Any]] = {}
+    for arg in edges:
+        parts = arg.split(":")
+        if len(parts) != 2 or not all(parts):
+            raise where.error(f"--edge {arg}", "expected FROM:TO, e.g. --edge loader:train")
+        edge = {"from": parts[0], "to": parts[1]}
+        by_pair[(parts[0], parts[1])] = edge
+        data["edges"].append(edge)
+    for arg in edge_options:
+        parts = arg.split(":", 2)
+        if len(parts) != 3 or "=" not in parts[2]:
+            raise where.error(f"--edge-option {arg}", "expected FROM:TO:KEY=VALUE, e.g. loader:train:slots=8")
+        edge = by_pair.get((parts[0], parts[1]))
+        if edge is None:
+            raise where.error(f"--edge-option {arg}", f"no edge {parts[0]}:{parts[1]} was given with --edge")
+        key, value = parts[2].split("=", 1)
+        if key in ("from", "to"):
+            raise where.error(f"--edge-option {arg}", "the ends of an edge are set by --edge FROM:TO")
+        edge[key] = _cli_value(value)
+    return from_mapping(data, "<command line>")
+
+
+# ---------------------------------------------------------------------------- pieces
+class _Where:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, key: str, problem: str) -> SpecError:
+        return SpecError(f"{self.source}: {key}: {problem}" if key else f"{self.source}: {problem}")
+
+    def unknown_keys(self, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+        extra = sorted(set(table) - allowed)
+        if extra:
+            key = f"{prefix}.{extra[0]}" if prefix else extra[0]
+            raise self.error(key, f"unknown key; allowed here: {', '.join(sorted(allowed))}")
+
+
+def _stage(where: _Where, name: Any, body: Any, base_dir: str | None) -> StageSpec:
+    key = f"stages.{name}"
+    _name(where, key, name)
+    if not isinstance(body, Mapping):
+        raise where.error(key, "must be a table with at least cmd = [...]")
+    where.unknown_keys(key, body, _STAGE_KEYS)
+    if "cmd" not in body:
+        raise where.error(f"{key}.cmd", "missing: the command to run, e.g. cmd = [\"python3\", \"stage.py\"]")
+    cmd = _cmd(where, f"{key}.cmd", body["cmd"])
+    device = body.get("device", "auto")
+    if not isinstance(device, str):
+        raise where.error(f"{key}.device", f"must be a string, got {device!r}")
+    for probe in ("0", "1"):
+        if not _DEVICE_RE.fullmatch(device.replace("{replica}", probe)):
+            raise where.error(
+                f"{key}.device", f"{device!r} is not a device; use auto, cpu, cuda, cuda:N or cuda:{{replica}}"
+            )
+    visible = body.get("visible_devices")
+    if visible is not None and (
+        not isinstance(visible, (str, int)) or isinstance(visible, bool) or not _VISIBLE_RE.fullmatch(str(visible))
+    ):
+        raise where.error(f"{key}.visible_devices", f"{visible!r} is not a CUDA_VISIBLE_DEVICES value like \"0,1\"")
+    env = body.get("env", {})
+    if not isinstance(env, Mapping):
+        raise where.error(f"{key}.env", "must be a table of NAME = \"value\"")
+    pairs = []
+    for k, v in env.items():
+        if not _ENV_NAME_RE.fullmatch(str(k)):
+            raise where.error(f"{key}.env.{k}", "not a valid environment variable name")
+        if str(k).startswith("IPCSYNC_"):
+            raise where.error(f"{key}.env.{k}", "IPCSYNC_* variables are set by ipcsync-run itself")
+        if not isinstance(v, (str, int, float, bool)):
+            raise where.error(f"{key}.env.{k}", f"must be a string or number, got {type(v).__name__}")
+        pairs.append((str(k), str(v).lower() if isinstance(v, bool) else str(v)))
+    cwd = body.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+        raise where.error(f"{key}.cwd", "must be a non-empty path string")
+    if cwd is not None and base_dir is not None and not os.path.isabs(cwd):
+        cwd = os.path.normpath(os.path.join(base_dir, cwd))
+    replicas = _int(where, f"{key}.replicas", body.get("replicas", 1), 1, MAX_REPLICAS)
+    for r in range(replicas):
+        if not _DEVICE_RE.fullmatch(device.replace("{replica}", str(r))):
+            raise where.error(f"{key}.device", f"{device!r} gives {device.replace('{replica}', str(r))!r} for replica {r}")
+    return StageSpec(
+        name=name,
+        cmd=cmd,
+        replicas=replicas,
+        device=device,
+        visible_devices=None if visible is None else str(visible),
+        env=tuple(pairs),
+        cwd=cwd,
+    )
+
+
+def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
+    if not isinstance(body, Mapping):
+        raise where.error(key, "must be a table with from = \"...\" and to = \"...\"")
+    where.unknown_keys(key, body, _EDGE_KEYS)
+    ends = []
+    for end in ("from", "to"):
+        if end not in body:
+            raise where.error(f"{key}.{end}", "missing: the name of a stage")
+        value = body[end]
+        if not isinstance(value, str) or value not in stages:
+            raise where.error(f"{key}.{end}", f"unknown stage {value!r}; stages: {', '.join(sorted(stages))}")
+        ends.append(value)
+    if ends[0] == ends[1]:
+        raise where.error(key, f"an edge from stage {ends[0]!r} to itself is a cycle")
+    policy = body.get("policy", "shard")
+    if policy not in POLICIES:
+        raise where.error(f"{key}.policy", f"{policy!r}; use one of {', '.join(POLICIES)}")
+    wait = body.get("wait", "gpu")
+    if wait not in WAITS:
+        raise where.error(f"{key}.wait", f"{wait!r}; use one of {', '.join(WAITS)}")
+    return EdgeSpec(
+        src=ends[0],
+        dst=ends[1],
+        slots=_int(where, f"{key}.slots", body.get("slots", 4), 1, 4096),
+        slot_bytes=parse_bytes(body.get("slot_bytes", DEFAULT_SLOT_BYTES), where, f"{key}.slot_bytes"),
+        policy=policy,
+        wait=wait,
+        timeout=_seconds(where, f"{key}.timeout", body.get("timeout", 60.0)),
+    )
+
+
+def _finish(where: _Where, stages: list[StageSpec], edges: list[EdgeSpec], **top: Any) -> PipelineSpec:
+    seen: set[tuple[str, str]] = set()
+    for i, e in enumerate(edges):
+        if (e.src, e.dst) in seen:
+            raise where.error(f"edges[{i}]", f"edge {e.src} -> {e.dst} is given twice")
+        seen.add((e.src, e.dst))
+    order = _topological(where, [s.name for s in stages], edges)
+    by_name = {s.name: s for s in stages}
+    return PipelineSpec(
+        stages=tuple(by_name[n] for n in order), edges=tuple(edges), source=where.source, **top
+    )
+
+
+def _topological(where: _Where, names: list[str], edges: list[EdgeSpec]) -> list[str]:
+    """Stages upstream first (stable in spec order); SpecError naming a cycle."""
+    indeg = {n: 0 for n in names}
+    succ: dict[str, list[str]] = {n: [] for n in names}
+    for e in edges:
+        indeg[e.dst] += 1
+        succ[e.src].append(e.dst)
+    rank = {n: i for i, n in enumerate(names)}
+    order: list[str] = []
+    ready = [n for n in names if indeg[n] == 0]
+    while ready:
+        n = min(ready, key=rank.__getitem__)  # of the stages that may come next, the first declared
+        ready.remove(n)
+        order.append(n)
+        for m in succ[n]:
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    if len(order) < len(names):
+        left = [n for n in names if n not in order]
+        cycle = _find_cycle(left, succ)
+        raise where.error("edges", f"the edges form a cycle: {' -> '.join(cycle)}")
+    return order
+
+
+def _find_cycle(nodes: list[str], succ: dict[str, list[str]]) -> list[str]:
+    """A cycle among ``nodes`` (those a topological sort could not place)."""
+    inside = set(nodes)
+    # Drop nodes downstream of a cycle (no successor left) until every node has one.
+    changed = True
+    while changed:
+        changed = False
+        for n in list(inside):
+            if not any(m in inside for m in succ[n]):
+                inside.discard(n)
+                changed = True
+    path: list[str] = []
+    on_path: set[str] = set()
+    node = next(n for n in nodes if n in inside)
+    while node not in on_path:  # every node inside has a successor inside, so this ends
+        path.append(node)
+        on_path.add(node)
+        node = next(m for m in succ[node] if m in inside)
+    return path[path.index(node):] + [node]
+
+
+def _name(where: _Where, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise where.error(
+            key, f"{value!r} is not a valid name: 1-32 letters, digits, '_' and '-', starting with a letter"
+        )
+    return value
+
+
+def _cmd(where: _Where, key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        try:
+            parts = shlex.split(value)
+        except ValueError as exc:
+            raise where.error(key, f"cannot split {value!r} like a shell: {exc}") from None
+    elif isinstance(value, list) and all(isinstance(p, str) for p in value):
+        parts = list(value)
+    else:
+        raise where.error(key, f"must be a string or a list of strings, got {value!r}")
+    if not parts or not parts[0]:
+        raise where.error(key, "is empty: give the command to run")
+    return tuple(parts)
+
+
+def _int(where: _Where, key: str, value: Any, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise where.error(key, f"must be an integer from {lo} to {hi}, got {value!r}")
+    return value
+
+
+def _seconds(where: _Where, key: str, value: Any) -> float:
+    if (
+        not isinstance(value, (int, float)) or isinstance(value, bool)
+        or math.isnan(value) or math.isinf(value) or value <= 0
+    ):
+        raise where.error(key, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def parse_bytes(value: Any, where: _Where | None = None, key: str = "size") -> int:
+    """``8388608``, ``"8MiB"``, ``"512 KiB"`` -> bytes (1 B to 1 TiB)."""
+    w = where or _Where("<value>")
+    n: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        m = _BYTES_RE.fullmatch(value)
+        if m:
+            n = int(m.group(1)) * _UNITS[m.group(2)]
+    if n is None:
+        raise w.error(key, f"{value!r} is not a size; use an integer or e.g. \"8MiB\"")
+    if not 1 <= n <= 1 << 40:
+        raise w.error(key, f"must be from 1 B to 1 TiB, got {n} bytes")
+    return n
+
+
+def _split_pair(where: _Where, flag: str, arg: str, form: str) -> tuple[str, str]:
+    name, sep, value = arg.partition("=")
+    if not sep or not name or not value:
+        raise where.error(f"{flag} {arg}", f"expected {form}")
+    return name, value
+
+
+def _cli_value(text: str) -> Any:
+    """An edge option value from the command line: an integer if it is one, else the text."""
+    if re.fullmatch(r"-?[0-9]+", text):
+        return int(text)
+    if re.fullmatch(r"-?[0-9]+\.[0-9]*([eE][-+]?[0-9]+)?", text):
+        return float(text)
+    return text
