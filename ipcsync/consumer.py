@@ -53,13 +53,15 @@ _MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 
 
 class Item:
     """One received message: ``tensors`` (the nested structure the producer sent, as views
-    of its slot), ``meta``, ``seq``. ``item["x"]`` indexes ``tensors``.
+    of its slot), ``meta``, ``seq`` (the producer's sequence number), ``source`` (which
+    producer sent it: its endpoint, or the label a FanIn gave it). ``item["x"]`` indexes
+    ``tensors``.
 
     The tensors are valid until ``release()``: after it the producer may overwrite the
     slot. Clone what you need to keep.
     """
 
-    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "_consumer")
+    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
 
     def __init__(self, consumer: "Consumer", ready: P.Ready, tensors: Any, nbytes: int) -> None:
         self.tensors = tensors
@@ -69,6 +71,7 @@ class Item:
         self.gen = ready.gen
         self.nbytes = nbytes
         self.released = False
+        self.source = consumer.source
         self._consumer = consumer
 
     def __getitem__(self, key: Any) -> Any:
@@ -134,6 +137,7 @@ class Consumer(_Endpoint):
         self.auto_release = bool(auto_release)
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
+        self.source = endpoint  # what Item.source says; FanIn relabels it
         self._limits = limits
         self._stream = stream
         self._backend = backend_for(self.device)
@@ -280,6 +284,18 @@ class Consumer(_Endpoint):
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
             "it is alive but sent nothing (pass a larger timeout, or None to wait)"
         )
+
+    def _poll(self) -> tuple[bool, Item | None]:
+        """Without waiting for the producer: (True, item), (True, None) at the end of the
+        stream, or (False, None) when nothing has arrived. For FanIn. Lock held."""
+        self._pump()
+        self._raise_if_broken()
+        if self._ready:
+            return True, self._make_item(self._ready.popleft())
+        if self._bye_received:
+            self._pump()  # answers BYE once nothing is held
+            return True, None
+        return False, None
 
     def _make_item(self, entry: tuple[P.Ready, Recipe]) -> Item:
         ready, recipe = entry

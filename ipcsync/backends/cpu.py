@@ -2,7 +2,7 @@
 
 Arena lifetime:
 
-- the producer creates ``/dev/shm/ipcsync-<pid>-<token>`` (mode 0600, O_EXCL), maps it, and
+- the producer creates ``/dev/shm/ipcsync-<pid>-[r<run id>-]<token>`` (mode 0600, O_EXCL), maps it, and
   registers the name with multiprocessing's resource tracker, a helper process that
   unlinks it if the producer dies without closing (SIGKILL included);
 - the whole arena (slots x slot_bytes) is faulted in when mapped (MAP_POPULATE), so the
@@ -34,7 +34,10 @@ __all__ = ["CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ipcsync-"
-_NAME_RE = re.compile(r"^ipcsync-[0-9]+-[0-9a-f]{16}$")
+# ipcsync-<pid>-[<run id>-]<token>: the run id (IPCSYNC_RUN_ID, set by ipcsync-run) lets
+# the launcher sweep what a killed process group left behind, resource tracker included.
+_NAME_RE = re.compile(r"^ipcsync-[0-9]+-(r[0-9a-f]{8}-)?[0-9a-f]{16}$")
+_RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
 _EVENT_HANDLE = b"ipcsync-cpu-event"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -143,7 +146,9 @@ class CpuBackend(Backend):
         return None
 
     def create_arena(self, nbytes: int) -> CpuArena:
-        name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        run_id = os.environ.get("IPCSYNC_RUN_ID", "")
+        tag = f"r{run_id}-" if _RUN_ID_RE.fullmatch(run_id) else ""
+        name = f"{SHM_PREFIX}{os.getpid()}-{tag}{secrets.token_hex(8)}"
         return CpuArena(name, nbytes, owner=True)
 
     def open_arena(self, handle: bytes | str, nbytes: int) -> CpuArena:

@@ -1,0 +1,197 @@
+"""FanIn: one consumer's view of several producers, merged fairly.
+
+Rules:
+
+- each source is an ordinary Consumer (its own handshake, slots, events, liveness), so a
+  source's items arrive in that source's order, and ``item.source`` names it;
+- merging is round robin among the sources that have an item ready: after an item from
+  source k, the next scan starts at k + 1, so a busy source cannot starve a slower one;
+- the merged stream ends when every source has ended (its producer closed and everything
+  it sent was received); a source whose producer dies raises PeerLostError from the
+  FanIn, like a single Consumer would;
+- waiting for the next item polls all sources' sockets at once (each source's lock held
+  for the poll, so no service thread uses a socket meanwhile).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack
+from typing import Any, Iterator, Sequence
+
+import zmq
+
+from ._endpoint import check_timeout
+from .consumer import Consumer, Item
+from .errors import ClosedError, ConfigError, IpcTimeoutError
+
+__all__ = ["FanIn"]
+
+_TICK = 0.05
+
+
+class FanIn:
+    """Receives from several producers as one stream.
+
+    Args:
+        endpoints: the producers' endpoints (at least one).
+        sources: labels for ``item.source``, one per endpoint (default: the endpoints).
+        timeout: default for blocking calls and for each source's handshake.
+        idle_timeout: how long iteration waits for the next item (None: as long as a
+            source lives).
+        auto_release: release the previous item at the next iteration.
+        **options: passed to every source's Consumer (device, wait, heartbeat, ...).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        sources: Sequence[str] | None = None,
+        timeout: float | None = 30.0,
+        idle_timeout: float | None = None,
+        auto_release: bool = True,
+        **options: Any,
+    ) -> None:
+        endpoints = list(endpoints)
+        if not endpoints:
+            raise ConfigError("FanIn needs at least one endpoint")
+        labels = list(sources) if sources is not None else list(endpoints)
+        if len(labels) != len(endpoints):
+            raise ConfigError(f"FanIn got {len(endpoints)} endpoints but {len(labels)} source labels")
+        if len(set(endpoints)) != len(endpoints):
+            raise ConfigError(f"FanIn endpoints must be distinct, got {endpoints}")
+        if "auto_release" in options or "idle_timeout" in options:
+            raise ConfigError("pass auto_release/idle_timeout to FanIn itself")
+        self._timeout = check_timeout("timeout", timeout)
+        self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
+        self.auto_release = bool(auto_release)
+        self._consumers: list[Consumer] = []
+        try:
+            for ep, label in zip(endpoints, labels):
+                c = Consumer(ep, timeout=timeout, auto_release=False, **options)
+                c.source = label
+                self._consumers.append(c)
+        except BaseException:
+            self.close()
+            raise
+        self._live = list(range(len(self._consumers)))  # sources not yet ended, scan order
+        self._next = 0
+        self._current: Item | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def sources(self) -> list[str]:
+        return [c.source for c in self._consumers]
+
+    @property
+    def consumers(self) -> list[Consumer]:
+        """The per-source Consumers (for their stats, device, ...)."""
+        return list(self._consumers)
+
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item from any source, or None once every source has ended. Raises
+        IpcTimeoutError after ``timeout`` (default: the FanIn's), PeerLostError if a
+        source's producer died, ClosedError after close()."""
+        t = self._timeout if timeout is None else check_timeout("timeout", timeout)
+        return self._next_item(None if t is None or math.isinf(t) else t)
+
+    def __iter__(self) -> Iterator[Item]:
+        return self
+
+    def __next__(self) -> Item:
+        t = self._idle_timeout
+        item = self._next_item(None if t is None or math.isinf(t) else t)
+        if item is None:
+            raise StopIteration
+        return item
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the sources, and each source's own ``stats()`` under ``sources``."""
+        per = {c.source: c.stats() for c in self._consumers}
+        handoffs = sum(s["handoffs"] for s in per.values())
+        nbytes = sum(s["bytes"] for s in per.values())
+        elapsed = max((s["elapsed_s"] for s in per.values()), default=1e-9)
+        return {
+            "role": "fanin",
+            "handoffs": handoffs,
+            "bytes": nbytes,
+            "elapsed_s": elapsed,
+            "rate_per_s": handoffs / elapsed,
+            "bytes_per_s": nbytes / elapsed,
+            "sources": per,
+        }
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close every source. Idempotent."""
+        self._closed = True
+        for c in self._consumers:
+            c.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "FanIn":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _next_item(self, timeout: float | None) -> Item | None:
+        if self._closed:
+            raise ClosedError("this FanIn is closed; create a new one")
+        cur = self._current
+        if cur is not None and self.auto_release and not cur.released:
+            cur.release()
+        self._current = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._live:
+            item = self._scan()
+            if item is not None:
+                self._current = item
+                return item
+            if not self._live:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise IpcTimeoutError(
+                    f"no item from any of {len(self._live)} live sources within {timeout} s "
+                    "(pass a larger timeout, or None to wait)"
+                )
+            self._wait(_TICK if deadline is None else min(_TICK, deadline - now))
+        return None
+
+    def _scan(self) -> Item | None:
+        """One round-robin pass over the live sources, starting after the last one served."""
+        n = len(self._live)
+        for k in range(n):
+            pos = (self._next + k) % n
+            c = self._consumers[self._live[pos]]
+            with c._call():
+                got, item = c._poll()
+            if got and item is None:  # this source ended
+                del self._live[pos]
+                self._next = pos % len(self._live) if self._live else 0
+                return self._scan() if self._live else None
+            if got:
+                self._next = (pos + 1) % n
+                return item
+        return None
+
+    def _wait(self, timeout: float) -> None:
+        """Block until any live source's socket is readable, or ``timeout``."""
+        poller = zmq.Poller()
+        with ExitStack() as stack:
+            for i in self._live:
+                c = self._consumers[i]
+                stack.enter_context(c._lock)
+                if c.closed:
+                    raise ClosedError("a FanIn source was closed directly; close the FanIn instead")
+                poller.register(c._chan.sock, zmq.POLLIN)
+                if c._chan.mon is not None:  # disconnects wake us too
+                    poller.register(c._chan.mon, zmq.POLLIN)
+            poller.poll(max(0, int(timeout * 1000)))

@@ -1,0 +1,7 @@
+"""``python3 -m ipcsync.launch`` is ``ipcsync-run``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

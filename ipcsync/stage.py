@@ -1,0 +1,187 @@
+"""What stage code running under ``ipcsync-run`` calls to get its inputs and outputs.
+
+    import ipcsync.stage as stage
+
+    me = stage.info()                     # name, replica, device, ... from the launcher
+    with stage.input("loader") as inp, stage.output("infer") as out:
+        for item in inp:
+            out.send({"y": f(item["x"])})
+
+``input(name)`` connects to every replica of the upstream stage ``name`` (a Consumer for
+one, a FanIn merging them for several); ``output(name)`` binds this replica's endpoint
+towards the downstream stage ``name`` and waits until all its replicas are attached, so
+no item goes to a partial set of consumers. Options in the spec's edge (slots,
+slot_bytes, policy, wait, timeout) apply; keyword arguments override them.
+
+The launcher passes the wiring as JSON in ``IPCSYNC_WIRING``. Outside ``ipcsync-run`` these
+functions raise ConfigError: create ``ipcsync.Producer``/``Consumer`` with an endpoint.
+
+At exit, the stats of every endpoint made here are written for the launcher's summary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .consumer import Consumer
+from .errors import ConfigError
+from .fanin import FanIn
+from .producer import Producer
+
+__all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
+
+_ENV = "IPCSYNC_WIRING"
+_WIRING_VERSION = 1
+_MAX_WIRING = 1 << 20
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Who this process is in the pipeline."""
+
+    pipeline: str
+    stage: str
+    replica: int
+    replicas: int
+    device: str
+    run_id: str
+    restart: int  # 0 on the first attempt, k after the k-th group restart
+    inputs: tuple[str, ...]  # upstream stage names
+    outputs: tuple[str, ...]  # downstream stage names
+
+
+_lock = threading.Lock()
+_wiring_cache: dict[str, Any] | None = None
+_made: list[tuple[str, str, Any]] = []  # (direction, peer stage, endpoint) for the stats report
+
+
+def under_launcher() -> bool:
+    """True when this process was started by ipcsync-run."""
+    return bool(os.environ.get(_ENV))
+
+
+def info() -> StageInfo:
+    """This process's identity in the pipeline (ConfigError outside ipcsync-run)."""
+    w = _wiring("ipcsync.stage.info()")
+    return StageInfo(
+        pipeline=w["pipeline"], stage=w["stage"], replica=w["replica"], replicas=w["replicas"],
+        device=w["device"], run_id=w["run_id"], restart=w["restart"],
+        inputs=tuple(w["inputs"]), outputs=tuple(w["outputs"]),
+    )
+
+
+def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the natural name
+    """The items of upstream stage ``name``: a Consumer if it has one replica, else a FanIn
+    over all of them. ``options`` override the edge's (wait, timeout, idle_timeout, ...)."""
+    w = _wiring(f"ipcsync.stage.input({name!r})")
+    edge = w["inputs"].get(name)
+    if edge is None:
+        raise ConfigError(
+            f"stage {w['stage']!r} has no input from {name!r}; its inputs: "
+            f"{sorted(w['inputs']) or 'none'} (add an edge from = {name!r}, to = {w['stage']!r})"
+        )
+    kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "timeout": edge["timeout"]}
+    kw.update(options)
+    if len(edge["endpoints"]) == 1:
+        c = Consumer(edge["endpoints"][0], **kw)
+        c.source = edge["sources"][0]
+        ep: Consumer | FanIn = c
+    else:
+        ep = FanIn(edge["endpoints"], sources=edge["sources"], **kw)
+    _track("inputs", name, ep)
+    return ep
+
+
+def output(name: str, *, wait_for_consumers: bool = True, **options: Any) -> Producer:
+    """This replica's producer towards downstream stage ``name``. Waits (up to the edge's
+    timeout) until every replica of ``name`` is attached unless ``wait_for_consumers`` is
+    False. ``options`` override the edge's (slots, slot_bytes, policy, timeout, ...)."""
+    w = _wiring(f"ipcsync.stage.output({name!r})")
+    edge = w["outputs"].get(name)
+    if edge is None:
+        raise ConfigError(
+            f"stage {w['stage']!r} has no output to {name!r}; its outputs: "
+            f"{sorted(w['outputs']) or 'none'} (add an edge from = {w['stage']!r}, to = {name!r})"
+        )
+    kw: dict[str, Any] = {
+        "device": w["device"], "slots": edge["slots"], "slot_bytes": edge["slot_bytes"],
+        "policy": edge["policy"], "timeout": edge["timeout"],
+    }
+    kw.update(options)
+    p = Producer(edge["endpoint"], **kw)
+    try:
+        if wait_for_consumers:
+            p.wait_for_consumers(edge["consumers"], timeout=edge["timeout"])
+    except BaseException:
+        p.close(timeout=0)
+        raise
+    _track("outputs", name, p)
+    return p
+
+
+# ---------------------------------------------------------------------------- internals
+def _wiring(what: str) -> dict[str, Any]:
+    global _wiring_cache
+    with _lock:
+        if _wiring_cache is not None:
+            return _wiring_cache
+        raw = os.environ.get(_ENV)
+        if not raw:
+            raise ConfigError(
+                f"{what} works in a process started by ipcsync-run, which passes the wiring in "
+                f"${_ENV}; outside it, pass endpoints by hand: ipcsync.Producer('name') in "
+                "one process and ipcsync.Consumer('name') in the other (or ipc:///path, tcp://host:port)"
+            )
+        if len(raw) > _MAX_WIRING:
+            raise ConfigError(f"${_ENV} is {len(raw)} bytes, over {_MAX_WIRING}")
+        try:
+            w = json.loads(raw)
+            if w.get("version") != _WIRING_VERSION:
+                raise ConfigError(
+                    f"${_ENV} has wiring version {w.get('version')!r}, this ipcsync reads "
+                    f"{_WIRING_VERSION}: run the stage with the ipcsync-run of the same ipcsync"
+                )
+            for key, kind in (("pipeline", str), ("stage", str), ("replica", int), ("replicas", int),
+                              ("device", str), ("run_id", str), ("restart", int), ("inputs", dict),
+                              ("outputs", dict), ("stats_path", str)):
+                if not isinstance(w.get(key), kind):
+                    raise ConfigError(f"${_ENV}: {key!r} missing or not a {kind.__name__}")
+        except (ValueError, AttributeError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"${_ENV} is not valid wiring JSON: {exc}") from None
+        _wiring_cache = w
+        return w
+
+
+def _track(direction: str, peer: str, ep: Any) -> None:
+    with _lock:
+        if not _made:
+            atexit.register(_write_stats)
+        _made.append((direction, peer, ep))
+
+
+def _write_stats() -> None:
+    """Leave this process's per-edge stats where the launcher collects them."""
+    w = _wiring_cache
+    if w is None or not _made:
+        return
+    report: dict[str, Any] = {"stage": w["stage"], "replica": w["replica"], "inputs": {}, "outputs": {}}
+    for direction, peer, ep in _made:
+        try:
+            report[direction][peer] = ep.stats()
+        except Exception:
+            continue
+    path = w["stats_path"]
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, default=str)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the run directory is gone (teardown): no summary for this process
