@@ -5,7 +5,8 @@
 #   run(command="bash scripts/gpu-tests.sh", carry=[".whl"])
 # where .whl holds a pyzmq wheel for the machine's Python (see README, "GPU tests"): the
 # GPU machine has torch and msgpack but no pyzmq and no network. Extra arguments go to
-# pytest. With BENCH=1 it also prints the CUDA benchmark table.
+# pytest. It then runs the demo pipeline through ipcsync-run (DEMO=0 skips it); with
+# BENCH=1 it also prints the CUDA benchmark table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import zmq" 2>/dev/null; then
@@ -23,6 +24,10 @@ python3 -c "import torch, zmq, msgpack; print('gpu-tests: torch', torch.__versio
 workers=${WORKERS:-4}
 python3 -m pytest -q -p no:cacheprovider -n "$workers" -m cuda "$@"
 rc=$?
+if [ "${DEMO:-1}" = "1" ]; then
+    echo "gpu-tests: demo pipeline (python3 -m ipcsync.launch examples/pipeline.toml)"
+    OMP_NUM_THREADS=1 python3 -m ipcsync.launch examples/pipeline.toml || rc=1
+fi
 if [ "${BENCH:-0}" = "1" ]; then
     python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes 4K,1M,64M,256M || rc=1
 fi

@@ -23,4 +23,7 @@ if [ "$installed_at" != "$PWD" ]; then
     echo "setup: installing ipcsync (editable) with test dependencies"
     pip_install -e ".[test]"
 fi
+if ! command -v ipcsync-run >/dev/null 2>&1; then
+    echo "setup: note: ipcsync-run is not on PATH here; use 'python3 -m ipcsync.launch' (same command)" >&2
+fi
 echo "setup: ok ($("$PY" --version), torch $("$PY" -c 'import torch; print(torch.__version__)'))"
