@@ -531,16 +531,19 @@ class Consumer(_Endpoint):
 
     def _tick_producer(self, now: float) -> None:
         s = self._setup
-        if s is None or self._error is not None or self._bye_received:
+        if s is None or self._error is not None:
             return
-        hb = s.heartbeat_ms / 1000
-        if hb and now - self._last_recv > 1.5 * hb:
-            self._lost(f"was silent for {now - self._last_recv:.2f} s (heartbeat {hb} s)")
-            return
-        if not self._producer_alive():
-            self._lost("exited")
-            return
-        if self._heartbeat and now - self._last_send > self._heartbeat / 4:
+        if not self._bye_received:  # after its BYE the producer only waits for our releases
+            hb = s.heartbeat_ms / 1000
+            if hb and now - self._last_recv > 1.5 * hb:
+                self._lost(f"was silent for {now - self._last_recv:.2f} s (heartbeat {hb} s)")
+                return
+            if not self._producer_alive():
+                self._lost("exited")
+                return
+        # Heartbeats go on until our BYE: a consumer still holding items after the
+        # producer's BYE must not look dead to the closing producer.
+        if self._heartbeat and not self._bye_sent and now - self._last_send > self._heartbeat / 4:
             self._send_frame(P.encode(P.Heartbeat()))
 
     def _teardown(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 import zmq
 
 from ._endpoint import check_timeout
+from .channel import resolve_endpoint
 from .consumer import Consumer, Item
 from .errors import ClosedError, ConfigError, IpcTimeoutError
 
@@ -60,10 +61,9 @@ class FanIn:
         labels = list(sources) if sources is not None else list(endpoints)
         if len(labels) != len(endpoints):
             raise ConfigError(f"FanIn got {len(endpoints)} endpoints but {len(labels)} source labels")
-        if len(set(endpoints)) != len(endpoints):
-            raise ConfigError(f"FanIn endpoints must be distinct, got {endpoints}")
-        if "auto_release" in options or "idle_timeout" in options:
-            raise ConfigError("pass auto_release/idle_timeout to FanIn itself")
+        urls = [resolve_endpoint(ep).url for ep in endpoints]
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"FanIn endpoints must be distinct producers, got {endpoints} ({urls})")
         self._timeout = check_timeout("timeout", timeout)
         self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
         self.auto_release = bool(auto_release)

@@ -141,22 +141,45 @@ def _wiring(what: str) -> dict[str, Any]:
             raise ConfigError(f"${_ENV} is {len(raw)} bytes, over {_MAX_WIRING}")
         try:
             w = json.loads(raw)
-            if w.get("version") != _WIRING_VERSION:
-                raise ConfigError(
-                    f"${_ENV} has wiring version {w.get('version')!r}, this ipcsync reads "
-                    f"{_WIRING_VERSION}: run the stage with the ipcsync-run of the same ipcsync"
-                )
-            for key, kind in (("pipeline", str), ("stage", str), ("replica", int), ("replicas", int),
-                              ("device", str), ("run_id", str), ("restart", int), ("inputs", dict),
-                              ("outputs", dict), ("stats_path", str)):
-                if not isinstance(w.get(key), kind):
-                    raise ConfigError(f"${_ENV}: {key!r} missing or not a {kind.__name__}")
-        except (ValueError, AttributeError) as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            raise ConfigError(f"${_ENV} is not valid wiring JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"${_ENV} is not valid wiring JSON: {str(exc)[:200]}") from None
+        _check_wiring(w)
         _wiring_cache = w
         return w
+
+
+def _check_wiring(w: Any) -> None:
+    """ConfigError unless ``w`` is wiring this ipcsync can use (types checked exactly:
+    JSON true is not an integer here)."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"${_ENV}: {what}; run the stage under ipcsync-run of the same ipcsync")
+
+    if type(w) is not dict:
+        raise bad("not valid wiring JSON (not an object)")
+    if type(w.get("version")) is not int or w["version"] != _WIRING_VERSION:
+        raise bad(f"wiring version {w.get('version')!r}, this ipcsync reads {_WIRING_VERSION}")
+    for key, kind in (("pipeline", str), ("stage", str), ("replica", int), ("replicas", int),
+                      ("device", str), ("run_id", str), ("restart", int), ("inputs", dict),
+                      ("outputs", dict), ("stats_path", str)):
+        if type(w.get(key)) is not kind:
+            raise bad(f"{key!r} missing or not a {kind.__name__}")
+    shapes = {
+        "inputs": (("endpoints", list), ("sources", list), ("wait", str), ("timeout", (int, float))),
+        "outputs": (("endpoint", str), ("consumers", int), ("slots", int), ("slot_bytes", int),
+                    ("policy", str), ("timeout", (int, float))),
+    }
+    for direction, fields in shapes.items():
+        for name, edge in w[direction].items():
+            if type(edge) is not dict:
+                raise bad(f"{direction}[{name!r}] is not an object")
+            for key, kind in fields:
+                value = edge.get(key)
+                if not isinstance(value, kind) or type(value) is bool:
+                    raise bad(f"{direction}[{name!r}].{key} missing or of the wrong type")
+    for name, edge in w["inputs"].items():
+        eps, srcs = edge["endpoints"], edge["sources"]
+        if not eps or len(eps) != len(srcs) or not all(type(x) is str for x in eps + srcs):
+            raise bad(f"inputs[{name!r}] needs as many endpoint as source strings, at least one")
 
 
 def _track(direction: str, peer: str, ep: Any) -> None:

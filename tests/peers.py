@@ -319,3 +319,56 @@ if __name__ == "__main__":
              "race_consume": race_consume, "cuda_profile": cuda_profile, "cuda_serve": cuda_serve,
              "cuda_consume_and_die": cuda_consume_and_die}
     roles[role](args)
+
+
+# --------------------------------------------------------------------------- appended roles
+# The dispatch table above is closed (``roles[role](args)`` runs before anything defined
+# below exists when this file is run as a script), so these roles are started by importing
+# this module instead: ``python3 -c "import peers; peers.<role>(args)"`` with tests/ on
+# PYTHONPATH (see ``start_role`` in tests/test_fanin.py and tests/test_stage.py).
+def tagged_produce(a: dict[str, Any]) -> None:
+    """Send ``n`` items whose contents encode (tag, i): ``x = [tag, i]``, ``y = i`` repeated,
+    meta ``{"src": label, "i": i}``; then close (which waits for the consumer's releases)."""
+    n, tag, label = a["n"], a["tag"], a["label"]
+    size = a.get("size", 8)
+    with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 4096),
+                          device="cpu", timeout=a.get("timeout", 30.0), heartbeat=a.get("heartbeat", 1.0)) as out:
+        say(event="bound", pid=os.getpid())
+        if a.get("wait_consumers"):
+            out.wait_for_consumers(a["wait_consumers"], timeout=30)
+        for i in range(n):
+            out.send({"x": torch.tensor([tag, i], dtype=torch.int64),
+                      "y": torch.full((size,), float(i), dtype=torch.float32)},
+                     meta={"src": label, "i": i})
+        say(event="sent-all", n=n)
+        stats = out.stats()
+    say(event="done", sent=n, stats=_plain(stats))
+
+
+def stage_src(a: dict[str, Any]) -> None:
+    """A stage under (simulated) ipcsync-run: IPCSYNC_WIRING is in the environment. Sends
+    ``n`` items ``{"x": [replica, i]}`` to downstream stage ``to`` via ipcsync.stage."""
+    import ipcsync.stage as stage
+
+    me = stage.info()
+    say(event="info", info=_plain(me.__dict__))
+    with stage.output(a["to"]) as out:
+        for i in range(a["n"]):
+            out.send({"x": torch.tensor([me.replica, i], dtype=torch.int64)}, meta={"i": i, "from": me.stage})
+        stats = out.stats()
+    say(event="done", sent=a["n"], stats=_plain(stats))  # the stats report is written at exit
+
+
+def stage_sink(a: dict[str, Any]) -> None:
+    """A stage that reads everything from upstream stage ``frm`` via ipcsync.stage."""
+    import ipcsync.stage as stage
+
+    me = stage.info()
+    say(event="info", info=_plain(me.__dict__))
+    got: list[list[Any]] = []
+    with stage.input(a["frm"]) as inp:
+        kind = type(inp).__name__
+        for item in inp:
+            got.append([item.source, item["x"].tolist(), item.meta])
+        stats = inp.stats()
+    say(event="done", kind=kind, got=got, stats=_plain(stats))
