@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Sequence
 
 from .plan import Plan, resolve
 from ..errors import ConfigError
-from .spec import PipelineSpec, SpecError, from_cli, load
+from .spec import MAX_RESTART, PipelineSpec, SpecError, from_cli, load
 
 __all__ = ["main", "parse_args", "config_from_args", "run"]
 
@@ -62,11 +63,11 @@ def config_from_args(args: argparse.Namespace) -> PipelineSpec:
         raise SpecError("<command line>: give a pipeline spec file, or at least one --stage NAME=CMD")
     changes = {}
     if args.restart is not None:
-        if args.restart < 0:
-            raise SpecError(f"<command line>: --restart must be 0 or more, got {args.restart}")
+        if not 0 <= args.restart <= MAX_RESTART:
+            raise SpecError(f"<command line>: --restart must be from 0 to {MAX_RESTART}, got {args.restart}")
         changes["restart"] = args.restart
     if args.stop_timeout is not None:
-        if not args.stop_timeout > 0:
+        if not 0 < args.stop_timeout < math.inf:
             raise SpecError(f"<command line>: --stop-timeout must be positive, got {args.stop_timeout}")
         changes["stop_timeout"] = args.stop_timeout
     if changes:

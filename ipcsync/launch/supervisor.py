@@ -115,6 +115,7 @@ class Supervisor:
         self._summary = summary
         self._signal: int | None = None  # the last signal the launcher got
         self._signals = 0  # how many
+        self._out_broken = False  # our stdout's reader is gone
         self._procs: list[_Proc] = []
 
     # ------------------------------------------------------------------ public
@@ -163,6 +164,7 @@ class Supervisor:
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
+        signals_before = self._signals
         cause: str | None = None
         code = 0
         interrupted: int | None = None
@@ -189,11 +191,12 @@ class Supervisor:
                     interrupted = self._signal
                     cause = f"interrupted by {signal.Signals(interrupted).name}"
                     code = 128 + interrupted
-                    self._signal_all(interrupted)  # forwarded as is; close() escalates
+                    # Forwarded as is (close() escalates); a closed output pipe is not the
+                    # stages' business: they get SIGTERM.
+                    self._signal_all(signal.SIGTERM if interrupted == signal.SIGPIPE else interrupted)
                     break
                 for p in self._procs:
-                    if p.running and p.popen is not None and p.popen.poll() is not None:
-                        p.returncode = p.popen.returncode
+                    if p.running and _reap(p):
                         if p.returncode != 0 and cause is None:
                             cause = (
                                 f"stage {p.inst.label} (pid {p.popen.pid}) {_describe(p.returncode)} "
@@ -204,6 +207,10 @@ class Supervisor:
                 self._say(f"root cause: {cause}; stopping the other stages")
         finally:
             self._close(sel, forwarded=interrupted is not None)
+            if interrupted is None and self._signals != signals_before:
+                # Interrupted while stopping a failed attempt: no restart; the failure
+                # stays the root cause and sets the exit code.
+                interrupted = self._signal
             if cause is None:
                 stats = _read_stats(os.path.join(run_dir, "stats"))
             _remove_run(run_dir, run_id)
@@ -258,10 +265,15 @@ class Supervisor:
         if len(proc.partial) > _MAX_PARTIAL or (final and proc.partial):
             lines.append(proc.partial)
             proc.partial = b""
-        if lines:
+        if lines and not self._out_broken:
             prefix = f"[{proc.inst.label}] ".encode()
-            self._out.write(b"".join(prefix + line + b"\n" for line in lines))
-            self._out.flush()
+            try:
+                self._out.write(b"".join(prefix + line + b"\n" for line in lines))
+                self._out.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                # Nobody reads our output (``| head`` exited): stop as if by SIGPIPE.
+                self._out_broken = True
+                self._on_signal(signal.SIGPIPE, None)
 
     def _signal_all(self, signum: int) -> None:
         for p in self._procs:
@@ -277,23 +289,19 @@ class Supervisor:
         signals_before = self._signals
         while True:
             for p in self._procs:
-                if p.running and p.popen is not None and p.popen.poll() is not None:
-                    p.returncode = p.popen.returncode
+                if p.running:
+                    _reap(p)
             if not any(p.running for p in self._procs) or time.monotonic() >= deadline:
                 break
             if self._signals != signals_before:
                 break  # interrupted (again) while stopping: kill now
             self._pump(sel, 0.05)
         for p in self._procs:
-            if p.popen is None:
-                continue
-            _killpg(p.popen.pid, signal.SIGKILL)  # the leader if alive, and any straggler
-            if p.running:
-                try:
-                    p.popen.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-                p.returncode = p.popen.returncode
+            if p.running and p.popen is not None:
+                _killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
+                deadline = time.monotonic() + 5
+                while not _reap(p) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         # Last output: pipes reach EOF once every holder is dead.
         end = time.monotonic() + 1.0
         while any(p.pipe_open for p in self._procs) and time.monotonic() < end:
@@ -310,11 +318,32 @@ class Supervisor:
         self._signals += 1
 
     def _say(self, line: str) -> None:
-        self._err.write(f"ipcsync-run: {line}\n")
-        self._err.flush()
+        try:
+            self._err.write(f"ipcsync-run: {line}\n")
+            self._err.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
 
 
 # ---------------------------------------------------------------------------- helpers
+def _reap(p: _Proc) -> bool:
+    """If ``p``'s leader has exited: SIGKILL what is left of its process group, then reap
+    it, and return True. The group is killed while the leader is still a zombie, so its
+    id cannot have been reused by an unrelated group."""
+    if p.popen is None or not p.running:
+        return True
+    try:
+        info = os.waitid(os.P_PID, p.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already (by Popen)
+        info = True
+    if info is None:
+        return False
+    _killpg(p.popen.pid, signal.SIGKILL)
+    p.popen.wait()
+    p.returncode = p.popen.returncode
+    return True
+
+
 def _killpg(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""A stage that sleeps until it is stopped (no ipcsync endpoints).
+
+On SIGTERM/SIGINT it writes a ``sig-<NAME>`` marker and exits with 128+N, or with
+``--ignore-term`` keeps sleeping (only SIGKILL stops it; ``--ignore-term-on-restart R``:
+only on attempt R). ``--exit-when FILE --code C``:
+exit with code C once FILE exists. ``--chatty``: print a line every 10 ms. Writes a ``ready`` marker once its handlers are set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stagelib  # noqa: E402
+
+stagelib.record_pid()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--ignore-term-on-restart", type=int, default=None, metavar="R",
+                    help="ignore SIGTERM/SIGINT only on attempt R (ipcsync.stage.info().restart)")
+    ap.add_argument("--exit-when", default=None, metavar="FILE")
+    ap.add_argument("--code", type=int, default=0)
+    ap.add_argument("--chatty", action="store_true", help="print a line every 10 ms")
+    args = ap.parse_args()
+    if args.ignore_term_on_restart is not None and args.ignore_term_on_restart == stagelib.ident()[2]:
+        args.ignore_term = True
+
+    def on_signal(signum: int, frame: object) -> None:
+        stagelib.mark(f"sig-{signal.Signals(signum).name}")
+        if not args.ignore_term:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stagelib.mark("ready")
+    stagelib.say(event="sleeping", pid=os.getpid())
+    n = 0
+    while True:
+        if args.chatty:
+            print(f"chatter {n}", flush=True)
+            n += 1
+            time.sleep(0.01)
+            continue
+        if args.exit_when and os.path.exists(args.exit_when):
+            stagelib.say(event="exiting", code=args.code)
+            return args.code
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
