@@ -15,6 +15,7 @@ not the host; the control channel is ZeroMQ with msgpack messages, never pickle.
 from __future__ import annotations
 
 from .backends.cuda import IpcEvent, export_tensor, import_tensor
+from .channel import CurveKeys
 from .consumer import Consumer, Item
 from .errors import (
     BackendError,
@@ -25,6 +26,7 @@ from .errors import (
     PeerLostError,
     ProtocolError,
 )
+from .fanin import FanIn
 from .producer import Producer, SlotWriter
 from .protocol import PROTOCOL_VERSION
 
@@ -34,6 +36,8 @@ __all__ = [
     "Producer",
     "Consumer",
     "Item",
+    "FanIn",
+    "CurveKeys",
     "SlotWriter",
     "IpcEvent",
     "export_tensor",

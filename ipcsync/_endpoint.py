@@ -26,6 +26,9 @@ from .errors import ClosedError, ConfigError, IpcTimeoutError
 log = logging.getLogger("ipcsync")
 
 WAIT_MODES = ("gpu", "host")
+# How long a wait on a GPU event polls it without sleeping first: such an event is usually
+# complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
+_EVENT_SPIN_S = 50e-6
 
 
 def check_timeout(name: str, value: float | None) -> float | None:
@@ -142,23 +145,33 @@ class _Endpoint:
     def _wait_until(
         self, done: Callable[[], bool], timeout: float | None, cause: str | None = None,
         stats_wait: Callable[[str, float], None] | None = None, poll_event: bool = False,
+        pumped: bool = False,
     ) -> bool:
         """Pump until ``done()`` or the timeout; True if done. Raises the endpoint's pending
         error (e.g. PeerLostError) as soon as it appears. Lock held.
 
         ``poll_event``: ``done()`` waits on a GPU event, whose completion makes no socket
-        activity to wake on, so poll it with a short backoff (10 us doubling to 1 ms)
-        instead of sleeping a whole tick in the socket poll.
+        activity to wake on, so poll it: without sleeping for up to 50 us, then with a
+        short backoff (10 us doubling to 1 ms) instead of sleeping a whole tick in the
+        socket poll.
+
+        ``pumped``: the caller has just pumped and seen ``done()`` false: start waiting.
         """
-        if done():  # e.g. an item already buffered: no socket work on this call
-            return True
-        self._pump()
-        if done():
-            return True
+        if not pumped:
+            if done():  # e.g. an item already buffered: no socket work on this call
+                return True
+            self._pump()
+            if done():
+                return True
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         backoff = 1e-5
         try:
+            if poll_event:
+                spin_end = time.perf_counter() + (_EVENT_SPIN_S if timeout is None else min(_EVENT_SPIN_S, timeout))
+                while time.perf_counter() < spin_end:
+                    if done():
+                        return True
             while True:
                 self._raise_if_broken()
                 now = time.monotonic()

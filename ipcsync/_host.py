@@ -51,3 +51,27 @@ def start_time(pid: int) -> int:
 def process_alive(pid: int, started: int) -> bool:
     """True while the process (pid, start time) exists and has not exited."""
     return start_time(pid) == started
+
+
+def peer_credentials(fd: int) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the process at the other end of the Unix socket ``fd``, as the
+    kernel recorded them at connect time (SO_PEERCRED); None where the OS cannot say."""
+    import socket
+    import struct
+
+    if fd < 0 or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.family != socket.AF_UNIX:
+            return None
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", raw)
+        return pid, uid, gid
+    except OSError:
+        return None
+    finally:
+        sock.close()

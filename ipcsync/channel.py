@@ -25,7 +25,7 @@ import re
 import stat
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -40,14 +40,29 @@ __all__ = [
     "ProducerChannel",
     "ConsumerChannel",
     "remove_stale",
+    "CurveKeys",
+    "check_transport",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 # Plain ints on the hot path: pyzmq's flag enums cost an Enum operation per use.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _SNDMORE, _SRCFD = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.SRCFD)
+_NO_EVENTS: tuple[tuple[int, int], ...] = ()
+# pyzmq's Python-level Socket.send adds only routing_id/group handling (unused here) to
+# its backend's send, and recv_multipart is a loop over recv: the channels call the
+# backend's methods directly.
+_BACKEND_SOCKET = getattr(zmq.backend, "Socket", None)
+
+
+def _backend_method(sock: zmq.Socket, name: str) -> Any:
+    """``sock.<name>`` as the pyzmq backend defines it, bound to ``sock`` (the Python-level
+    one where the backend has none)."""
+    base = _BACKEND_SOCKET if _BACKEND_SOCKET is not None and isinstance(sock, _BACKEND_SOCKET) else None
+    fn = getattr(base, name, None)
+    return fn.__get__(sock) if fn is not None else getattr(sock, name)
 
 
 def runtime_dir() -> str:
@@ -176,6 +191,70 @@ def remove_stale(endpoint: Endpoint) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys for a ``tcp://`` control channel (Z85 bytes, as ``zmq.curve_keypair()``
+    makes them). The producer needs its own pair; a consumer needs a pair of its own and
+    ``server``, the producer's public key, which it must get out of band: only a peer that
+    knows it can connect, and everything on the wire is encrypted.
+
+        server = CurveKeys.generate()                      # producer side
+        client = CurveKeys.generate(server=server.public)  # consumer side
+    """
+
+    public: bytes
+    secret: bytes
+    server: bytes | None = None
+
+    @classmethod
+    def generate(cls, server: bytes | None = None) -> "CurveKeys":
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret, server)
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"CurveKeys(public={self.public!r}, server={self.server!r})"
+
+
+def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool, role: str) -> None:
+    """Refuse an unprotected tcp:// control channel unless ``insecure=True`` says so, and
+    a producer bound to every interface without CURVE. ipc endpoints are protected by the
+    file system (a 0700 directory, 0600 sockets) and the peer-credential check."""
+    if endpoint.path is not None:
+        if curve is not None:
+            raise ConfigError("CURVE keys apply to tcp:// endpoints; ipc endpoints are protected by file permissions")
+        return
+    if curve is not None:
+        if not zmq.has("curve"):
+            raise ConfigError("this libzmq was built without CURVE support; use an ipc endpoint")
+        if role == "consumer" and curve.server is None:
+            raise ConfigError("a consumer's CurveKeys need server=<the producer's public key>")
+        return
+    if not insecure:
+        raise ConfigError(
+            f"{endpoint.url}: a tcp:// control channel needs CURVE keys (curve=ipcsync.CurveKeys."
+            "generate(...)); pass insecure=True to accept an unauthenticated, unencrypted channel "
+            "(anyone who can reach the port can then talk to this endpoint)"
+        )
+    host = endpoint.url[len("tcp://"):].rsplit(":", 1)[0]
+    if role == "producer" and host in ("*", "0.0.0.0", "[::]", "::", "[*]"):
+        raise ConfigError(
+            f"{endpoint.url}: refusing to bind every interface without CURVE; bind one address "
+            "(e.g. tcp://127.0.0.1:PORT) or use CURVE keys"
+        )
+
+
+def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> None:
+    if curve is None:
+        return
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    else:
+        assert curve.server is not None
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server)
+
+
 def _context() -> zmq.Context:
     return zmq.Context.instance()
 
@@ -199,25 +278,47 @@ class _Channel:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.mon, zmq.POLLIN)
 
+    def _bind_hot(self) -> None:
+        """Bound backend methods of the socket, for the per-frame calls."""
+        self._get = _backend_method(self.sock, "get")
+        self._send = _backend_method(self.sock, "send")
+        self._recv = _backend_method(self.sock, "recv")
+
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for a frame or a monitor event."""
         return bool(self.poller.poll(max(0, int(timeout * 1000))))
 
     def readable(self) -> bool:
         """A frame is waiting (cheaper than a non-blocking recv that raises zmq.Again)."""
-        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+        return bool(self._get(_EVENTS) & _POLLIN)
 
-    def events(self) -> Iterator[tuple[int, int]]:
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
-        if self.mon is None or not self.mon.getsockopt(_EVENTS) & _POLLIN:
-            return
+        mon = self.mon
+        if mon is None or not mon.getsockopt(_EVENTS) & _POLLIN:
+            return _NO_EVENTS
+        out = []
         while True:
             try:
-                raw = self.mon.recv_multipart(zmq.NOBLOCK)
+                raw = mon.recv_multipart(_NOBLOCK)
             except zmq.Again:
-                return
+                return out
             msg = parse_monitor_message(raw)
-            yield int(msg["event"]), int(msg["value"])
+            out.append((int(msg["event"]), int(msg["value"])))
+
+    def _recv_parts(self, copy: bool) -> list[Any] | None:
+        """One whole message, as ``recv_multipart`` gives it, or None if none is waiting."""
+        if not self._get(_EVENTS) & _POLLIN:
+            return None
+        recv = self._recv
+        try:
+            parts = [recv(_NOBLOCK, copy)]
+        except zmq.Again:
+            return None
+        # The parts of a message arrive together: the rest never raises zmq.Again.
+        while self._get(_RCVMORE):
+            parts.append(recv(_NOBLOCK, copy))
+        return parts
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)
@@ -236,7 +337,7 @@ class _Channel:
 class ProducerChannel(_Channel):
     """The producer's bound ROUTER."""
 
-    def __init__(self, endpoint: Endpoint, max_frame: int) -> None:
+    def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.lock: BindLock | None = None
         if endpoint.path is not None:
@@ -256,7 +357,9 @@ class ProducerChannel(_Channel):
         try:
             _configure(self.sock, max_frame)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            _apply_curve(self.sock, curve, server=True)
             self._setup_monitor()
+            self._bind_hot()
             try:
                 self.sock.bind(endpoint.url)
             except zmq.ZMQError as exc:
@@ -270,14 +373,19 @@ class ProducerChannel(_Channel):
     def recv(self) -> tuple[bytes, list[bytes], int] | None:
         """One message as (identity, payload frames, connection fd), or None if none is
         waiting."""
-        if not self.readable():
+        if not self._get(_EVENTS) & _POLLIN:
             return None
+        recv = self._recv
         try:
-            frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            identity = recv(_NOBLOCK, True)
         except zmq.Again:
             return None
-        fd = frames[-1].get(zmq.SRCFD) if len(frames) > 1 else -1
-        return frames[0].bytes, [f.bytes for f in frames[1:]], fd
+        # The payload parts as zmq Frames: the last one knows its connection's fd.
+        parts = []
+        while self._get(_RCVMORE):
+            parts.append(recv(_NOBLOCK, False))
+        fd = parts[-1].get(_SRCFD) if parts else -1
+        return identity, [f.bytes for f in parts], fd
 
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to a peer; False if its queue is full (retry later). Raises
@@ -285,10 +393,10 @@ class ProducerChannel(_Channel):
         try:
             # ROUTER_MANDATORY fails the identity part at once if the peer is gone or full,
             # so the two parts go out together or not at all.
-            self.sock.send(identity, _SNDMORE | _NOBLOCK)
+            self._send(identity, _SNDMORE | _NOBLOCK)
         except zmq.Again:
             return False
-        self.sock.send(frame, _NOBLOCK)
+        self._send(frame, _NOBLOCK)
         return True
 
     def close(self) -> None:
@@ -301,30 +409,28 @@ class ProducerChannel(_Channel):
 class ConsumerChannel(_Channel):
     """A consumer's DEALER, connected (ZeroMQ retries until the producer binds)."""
 
-    def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int) -> None:
+    def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int,
+                 curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.sock = _context().socket(zmq.DEALER)
         try:
             _configure(self.sock, max_frame)
+            _apply_curve(self.sock, curve, server=False)
             self.sock.setsockopt(zmq.ROUTING_ID, identity)
             self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
             self._setup_monitor()
+            self._bind_hot()
             self.sock.connect(endpoint.url)
         except BaseException:
             self.close()
             raise
 
     def recv(self) -> list[bytes] | None:
-        if not self.readable():
-            return None
-        try:
-            return self.sock.recv_multipart(_NOBLOCK)
-        except zmq.Again:
-            return None
+        return self._recv_parts(True)
 
     def send(self, frame: bytes) -> bool:
         try:
-            self.sock.send(frame, _NOBLOCK)
+            self._send(frame, _NOBLOCK)
             return True
         except zmq.Again:
             return False

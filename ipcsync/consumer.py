@@ -31,7 +31,7 @@ from . import _host
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
-from .channel import ConsumerChannel, remove_stale, resolve_endpoint
+from .channel import ConsumerChannel, CurveKeys, check_transport, remove_stale, resolve_endpoint
 from .errors import (
     BackendError,
     ClosedError,
@@ -63,12 +63,13 @@ class Item:
 
     __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
 
-    def __init__(self, consumer: "Consumer", ready: P.Ready, tensors: Any, nbytes: int) -> None:
+    def __init__(self, consumer: "Consumer", seq: int, slot: int, gen: int, meta: Any,
+                 tensors: Any, nbytes: int) -> None:
         self.tensors = tensors
-        self.meta = ready.meta
-        self.seq = ready.seq
-        self.slot = ready.slot
-        self.gen = ready.gen
+        self.meta = meta
+        self.seq = seq
+        self.slot = slot
+        self.gen = gen
         self.nbytes = nbytes
         self.released = False
         self.source = consumer.source
@@ -82,7 +83,8 @@ class Item:
     def release(self, stream: Any = None) -> None:
         """Give the slot back (after the work queued on ``stream``, default current, is
         done). Idempotent. Implicit at the next iteration when ``auto_release`` is on."""
-        self._consumer._release(self, stream)
+        if not self.released:  # only ever set to True, under the consumer's lock
+            self._consumer._release(self, stream)
 
     def __enter__(self) -> "Item":
         return self
@@ -112,6 +114,9 @@ class Consumer(_Endpoint):
         credits: most items held at once (buffered + unreleased); default: all slots.
         auto_release: release the previous item at the next iteration.
         stream: CUDA stream for waits and release events (default: current at each call).
+        curve: for a ``tcp://`` endpoint, ``CurveKeys`` with ``server`` = the producer's
+            public key; refused without them unless ``insecure=True``.
+        insecure: accept a plain tcp:// control channel.
     """
 
     _role = "consumer"
@@ -128,6 +133,8 @@ class Consumer(_Endpoint):
         credits: int | None = None,
         auto_release: bool = True,
         stream: Any = None,
+        curve: CurveKeys | None = None,
+        insecure: bool = False,
         limits: P.Limits = P.DEFAULT_LIMITS,
     ) -> None:
         super().__init__(endpoint, timeout, heartbeat)
@@ -137,13 +144,16 @@ class Consumer(_Endpoint):
         self.auto_release = bool(auto_release)
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
+        check_transport(self.endpoint, curve, insecure, "consumer")
         self.source = endpoint  # what Item.source says; FanIn relabels it
         self._limits = limits
         self._stream = stream
         self._backend = backend_for(self.device)
         self._stats = Stats()
         self._conv = P.Conversation("consumer")
-        self._ready: deque[tuple[P.Ready, Recipe]] = deque()
+        self._enc = P.Encoder()  # used under the lock
+        # Buffered READYs: (seq, slot, gen, sent_ns, meta, recipe).
+        self._ready: deque[tuple[int, int, int, int, Any, Recipe]] = deque()
         self._recipes: dict[int, Recipe] = {}  # layout id -> validated layout
         self._held: dict[int, Item] = {}
         self._pending: list[tuple[int, int, int]] = []
@@ -161,7 +171,7 @@ class Consumer(_Endpoint):
         self._release_batch = 1
         self._last_recv = time.monotonic()
         self._last_send = 0.0
-        self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame)
+        self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         try:
             with self._lock:
                 self._send_frame(P.encode(self._hello()))
@@ -192,10 +202,22 @@ class Consumer(_Endpoint):
 
     def __next__(self) -> Item:
         with self._lock:  # the hot path: an explicit lock rather than _call()
-            self._check_open()
+            if self._closed:
+                self._check_open()
             try:
+                cur = self._current
+                if cur is not None and self.auto_release and not cur.released:
+                    self._release_locked(cur, None)
+                self._current = None
+                ready = self._ready
+                pumped = not ready and not self._bye_received and self._error is None
+                if pumped:
+                    self._pump()  # (no socket work when an item is already buffered)
+                if ready and self._error is None:
+                    item = self._current = self._make_item(ready.popleft())
+                    return item
                 t = self._idle_timeout
-                item = self._next_item(None if t is None or math.isinf(t) else t)
+                item = self._next_item(None if t is None or math.isinf(t) else t, pumped)
             finally:
                 self._last_call = time.monotonic()
         if item is None:
@@ -229,8 +251,8 @@ class Consumer(_Endpoint):
                 for item in list(self._held.values()):
                     self._release_locked(item, None)
                 while self._ready:
-                    r, _ = self._ready.popleft()
-                    self._pending.append((r.seq, r.slot, r.gen))
+                    seq, slot, gen, *_ = self._ready.popleft()
+                    self._pending.append((seq, slot, gen))
                 self._flush_releases()
                 if self._conv.state in ("active", "ending") and self._error is None and not self._bye_acked:
                     self._say_bye()
@@ -238,7 +260,11 @@ class Consumer(_Endpoint):
                     t = 1.0 if t is None else min(t, 1.0)
                     # Our RELEASE and BYE frames are delivered once the producer acks the
                     # BYE; only then may the socket close (linger 0 drops unsent frames).
-                    self._wait_until(lambda: self._bye_acked or self._error is not None, t)
+                    self._wait_until(
+                        lambda: self._bye_acked or self._error is not None or not self._producer_alive(), t
+                    )
+                    if not self._bye_acked and not self._producer_alive():
+                        self._remove_stale_endpoint(wait=0.0)  # it died after its BYE
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
             self._closed = True
@@ -263,15 +289,20 @@ class Consumer(_Endpoint):
             heartbeat_ms=int(self._heartbeat * 1000),
         )
 
-    def _next_item(self, timeout: float | None) -> Item | None:
+    def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:
+        """``pumped``: the caller has just pumped (nothing is buffered)."""
         cur = self._current
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
         self._current = None
-        self._wait_until(
-            lambda: bool(self._ready) or self._bye_received or self._error is not None,
-            timeout, "producer", self._stats.waited,
-        )
+        if not self._ready and not self._bye_received and self._error is None:
+            if not pumped:
+                self._pump()
+            if not self._ready and not self._bye_received and self._error is None:
+                self._wait_until(
+                    lambda: bool(self._ready) or self._bye_received or self._error is not None,
+                    timeout, "producer", self._stats.waited, pumped=True,
+                )
         self._raise_if_broken()
         if self._ready:
             item = self._make_item(self._ready.popleft())
@@ -297,21 +328,23 @@ class Consumer(_Endpoint):
             return True, None
         return False, None
 
-    def _make_item(self, entry: tuple[P.Ready, Recipe]) -> Item:
-        ready, recipe = entry
-        tensors = recipe.build(ready.slot, self._slot_views[ready.slot])
-        ev = self._ready_events[ready.slot]
-        if self.wait_mode == "host":
+    def _make_item(self, entry: tuple[int, int, int, int, Any, Recipe]) -> Item:
+        seq, slot, gen, sent_ns, meta, recipe = entry
+        tensors = recipe.build(slot, self._slot_views[slot])
+        ev = self._ready_events[slot]
+        if self.wait_mode == "host" and not ev.query():
             if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
                                     self._stats.waited, poll_event=True):
                 raise AssertionError("unreachable")
             self._raise_if_broken()
         ev.wait(self._stream)  # on the consumer's stream; no host block
         nbytes = recipe.nbytes
-        item = Item(self, ready, tensors, nbytes)
-        self._held[ready.seq] = item
-        self._stats.count(nbytes)
-        self._stats.latency((time.monotonic_ns() - ready.sent_ns) / 1e9)
+        item = Item(self, seq, slot, gen, meta, tensors, nbytes)
+        self._held[seq] = item
+        stats = self._stats
+        stats.handoffs += 1
+        stats.bytes += nbytes
+        stats.latencies.append((time.monotonic_ns() - sent_ns) / 1e9)
         return item
 
     def _release(self, item: Item, stream: Any) -> None:
@@ -327,17 +360,18 @@ class Consumer(_Endpoint):
         self._held.pop(item.seq, None)
         if self._error is None:
             self._release_events[item.slot].record(stream if stream is not None else self._stream)
-        self._pending.append((item.seq, item.slot, item.gen))
+        pending = self._pending
+        pending.append((item.seq, item.slot, item.gen))
         # Batched: queued releases go out together when this many are waiting, when the
         # consumer is about to wait for more items (see _pump), or from the service thread.
-        if len(self._pending) >= self._release_batch:
+        if len(pending) >= self._release_batch:
             self._flush_releases()
 
     def _flush_releases(self) -> None:
         if not self._pending or self._error is not None or self._conv.state not in ("active", "ending"):
             return
         n = min(len(self._pending), self._limits.max_release_batch)
-        if self._send_frame(P.encode(P.Release(self._pending[:n]))):
+        if self._send_frame(self._enc.release(self._pending[:n])):
             del self._pending[:n]
 
     def _say_bye(self) -> None:
@@ -390,7 +424,10 @@ class Consumer(_Endpoint):
         if self._setup is None or self._setup.pid_ns != _host.pid_namespace():
             return
         deadline = time.monotonic() + wait
+        ep = self.endpoint
         while True:
+            if not any(os.path.exists(f) for f in (ep.path, ep.lock_path) if f):
+                return  # removed already (by us, another consumer or a successor's bind)
             if not self._producer_alive() and remove_stale(self.endpoint):
                 log.debug("ipcsync consumer: removed stale endpoint %s", self.endpoint.path)
                 return
@@ -415,14 +452,15 @@ class Consumer(_Endpoint):
             elif ev == zmq.EVENT_CONNECTED and self._rehello and self._conv.state == "await_setup":
                 self._rehello = False
                 self._send_frame(P.encode(self._hello()))
+        recv, on_frames = self._chan.recv, self._on_frames
         for _ in range(10_000):
             if self._error is not None:
                 break
-            frames = self._chan.recv()
+            frames = recv()
             if frames is None:
                 break
             self._last_recv = time.monotonic()
-            self._on_frames(frames)
+            on_frames(frames)
         # Frames that arrived before the disconnect count (a BYE then a close is clean).
         if disconnected:
             if self._bye_sent:
@@ -445,6 +483,20 @@ class Consumer(_Endpoint):
         self._pump()
 
     def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) == 1 and self._conv.state == "active":
+            # Steady state: a READY whose layout this consumer has (it stays active).
+            r = P.decode_ready(frames[0], self._limits)
+            if r is not None:
+                seq, slot, gen, sent_ns, layout_id, meta = r
+                if slot >= len(self._slot_views):
+                    self._fail(ProtocolError(f"READY names slot {slot}; the ring has {len(self._slot_views)}"), "protocol")
+                    return
+                recipe = self._recipes.get(layout_id)
+                if recipe is None:
+                    self._fail(ProtocolError(f"READY names layout {layout_id}, which was never sent"), "protocol")
+                    return
+                self._ready.append((seq, slot, gen, sent_ns, meta, recipe))
+                return
         if len(frames) != 1:
             self._fail(ProtocolError(f"producer sent a message of {len(frames)} frames"), "protocol")
             return
@@ -488,7 +540,7 @@ class Consumer(_Endpoint):
                     self._fail(ProtocolError(f"producer sent over {_MAX_RECIPES} layouts"), "protocol")
                     return
                 self._recipes[msg.layout_id] = recipe
-        self._ready.append((msg, recipe))
+        self._ready.append((msg.seq, msg.slot, msg.gen, msg.sent_ns, msg.meta, recipe))
 
     def _on_error(self, msg: P.Error) -> None:
         text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"
@@ -518,9 +570,16 @@ class Consumer(_Endpoint):
             self._fail(ConfigError(problem) if "backend" in problem else ProtocolError(problem), "setup")
             return
         try:
-            self._arenas = [self._backend.open_arena(h, n) for h, n in zip(s.arenas, s.arena_bytes)]
+            # The producer's GPU may be another one of this host (peer access required);
+            # items are then views of its memory, on its device.
+            where = self._backend.locate(s.device, need_access=True)
+        except ConfigError as exc:
+            self._fail(exc, "device")
+            return
+        try:
+            self._arenas = [self._backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self._slot_views = [self._arenas[a].tensor[off : off + n] for a, off, n in s.slots]
-            self._ready_events = [self._backend.open_event(h) for h in s.ready_events]
+            self._ready_events = [self._backend.open_event(h, where) for h in s.ready_events]
             self._release_events = [self._backend.create_event() for _ in s.slots]
         except IpcSyncError as exc:
             self._fail(exc if isinstance(exc, BackendError) else BackendError(str(exc)), "backend")

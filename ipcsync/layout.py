@@ -260,6 +260,18 @@ def signature(msg: Any) -> tuple[Any, list[torch.Tensor]]:
     """A hashable key of a message's structure, dtypes, shapes, strides and devices, and its
     tensors in layout order. Two messages with one key have one layout."""
     leaves: list[torch.Tensor] = []
+    if type(msg) is dict:  # the common case, unrolled one level: the key _sig() gives
+        parts: list[Any] = ["d"]
+        for k, v in msg.items():
+            if isinstance(v, torch.Tensor):
+                leaves.append(v)
+                try:
+                    parts.append((k, (v.dtype, v.shape, v.stride(), v.device, v.is_conj(), v.is_neg())))
+                except RuntimeError:  # no strides: sparse and other layouts
+                    raise ConfigError(f"only strided tensors can be sent, got layout {v.layout}") from None
+            else:
+                parts.append((k, _sig(v, leaves, 2)))
+        return tuple(parts), leaves
     return _sig(msg, leaves, 1), leaves
 
 
@@ -315,37 +327,38 @@ class Plan:
         # A dense, non-overlapping tensor is copied into a destination view of its own shape
         # and strides (copy_ resolves conj/neg bits itself); others as their element span.
         self._direct = [_dense(t.shape, t.stride()) for t in placement.tensors]
-        self._dst: dict[int, list[torch.Tensor]] = {}  # slot -> destination views
+        # slot -> (slot device, whether it is not the host, [(destination view, direct)])
+        self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]]]] = {}
 
     def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` (this plan's signature) into slot ``slot_index``, as
         ``write_message`` does."""
-        dsts = self._dst.get(slot_index)
-        if dsts is None:
+        cached = self._dst.get(slot_index)
+        if cached is None:
             dsts = []
             for spec, direct in zip(self.layout[1], self._direct):
                 span = _span_view(slot, spec, slot.numel())
-                dsts.append(span.as_strided(spec[1], spec[2]) if direct else span)
-            self._dst[slot_index] = dsts
-        on_device = slot.device.type != "cpu"
-        for dst, src, direct in zip(dsts, tensors, self._direct):
+                dsts.append((span.as_strided(spec[1], spec[2]) if direct else span, direct))
+            cached = self._dst[slot_index] = (slot.device, slot.device.type != "cpu", dsts)
+        device, on_device, dsts = cached
+        for (dst, direct), src in zip(dsts, tensors):
             if src.requires_grad:
                 src = src.detach()
-            blocking = not (on_device and src.device == slot.device)
+            non_blocking = on_device and src.device == device
             if direct:
-                dst.copy_(src, non_blocking=not blocking)
+                dst.copy_(src, non_blocking=non_blocking)
                 continue
             n = dst.numel()
             if n:
                 if src.is_conj() or src.is_neg():
                     src = src.resolve_conj().resolve_neg()
-                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=not blocking)
+                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=non_blocking)
 
 
 class Recipe:
     """A validated layout and how to view it in any slot (consumer side)."""
 
-    __slots__ = ("tree", "specs", "nbytes", "_bases")
+    __slots__ = ("tree", "specs", "nbytes", "_bases", "_assemble", "_only_key")
 
     def __init__(self, layout: Sequence[Any], slot_bytes: int) -> None:
         """Validate ``layout`` (already structure-checked by the protocol) against a slot of
@@ -359,16 +372,42 @@ class Recipe:
             self.specs.append((offset, end, dtype, tuple(spec[1]), tuple(spec[2])))
             nbytes += math.prod(spec[1]) * dtype.itemsize
         self.nbytes = nbytes
-        self._bases: dict[int, list[torch.Tensor]] = {}  # slot -> 1-d typed span views
+        # slot -> [(1-d typed span view, shape, stride)]
+        self._bases: dict[int, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]] = {}
+        self._assemble = _assembler(tree, len(self.specs))
+        # The commonest message, {key: tensor}: its key, to build it without the assembler.
+        self._only_key = tree[1][0] if len(self.specs) == 1 and _is_flat_dict(tree, 1) else None
 
     def build(self, slot_index: int, slot: torch.Tensor) -> Any:
         """The message as fresh views of the slot (fresh, so a caller that changes a view's
         metadata cannot affect a later item)."""
         bases = self._bases.get(slot_index)
         if bases is None:
-            bases = self._bases[slot_index] = [slot[o:e].view(dt) for o, e, dt, _, _ in self.specs]
-        tensors = [b.as_strided(shape, stride) for b, (_, _, _, shape, stride) in zip(bases, self.specs)]
-        return _unflatten(self.tree, tensors)
+            bases = self._bases[slot_index] = [(slot[o:e].view(dt), shape, stride)
+                                               for o, e, dt, shape, stride in self.specs]
+        if self._only_key is not None:
+            b, shape, stride = bases[0]
+            return {self._only_key: b.as_strided(shape, stride)}
+        return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
+
+
+def _assembler(tree: Any, ntensors: int) -> Any:
+    """A function of the ``ntensors`` tensors (in spec order) that builds what
+    ``_unflatten(tree, tensors)`` builds; for a flat dict of every tensor in order
+    (``plan_empty``, ``{"x": t}``) that is one ``dict(zip(keys, tensors))``."""
+    if _is_flat_dict(tree, ntensors):
+        keys = tuple(tree[1])
+        return lambda tensors: dict(zip(keys, tensors))
+    return lambda tensors: _unflatten(tree, tensors)
+
+
+def _is_flat_dict(tree: Any, ntensors: int) -> bool:
+    """``tree`` is ``["d", keys, [0, 1, ..., ntensors - 1]]``."""
+    return (
+        type(tree) is list and len(tree) == 3 and tree[0] == "d"
+        and type(tree[1]) is list and type(tree[2]) is list and len(tree[1]) == len(tree[2]) == ntensors
+        and all(type(c) is int and c == i for i, c in enumerate(tree[2]))
+    )
 
 
 def leaves(msg: Any) -> list[torch.Tensor]:

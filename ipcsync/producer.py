@@ -19,9 +19,9 @@ import logging
 import os
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, ContextManager, Mapping, Sequence
 
 import msgpack
 import torch
@@ -31,7 +31,7 @@ from . import _host
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
-from .channel import ProducerChannel, resolve_endpoint
+from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .errors import ConfigError, ProtocolError
 from .layout import ALIGN, Plan, Recipe, plan_empty, plan_message, signature
 from .ring import POLICIES, Acquired, Ring
@@ -46,6 +46,7 @@ _MAX_PLANS = 256  # distinct message signatures cached (then the cache starts ov
 _MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
 _MAX_SLOTS = 1024
 _BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
+_PLAIN_META = (int, float, str, bool)  # metas msgpack itself fully checks
 
 
 @dataclass
@@ -84,6 +85,31 @@ class SlotWriter:
         return self.tensors.keys()
 
 
+class _SlotContext:
+    """What ``Producer.slot()`` returns: a context manager that reserves the slot on entry
+    and sends it (or, if the block raised, gives it back) on exit."""
+
+    __slots__ = ("producer", "spec", "meta", "timeout", "stream", "acq", "plan", "writer")
+
+    def __init__(self, producer: "Producer", spec: dict[str, Any], meta: Any,
+                 timeout: float | None, stream: Any) -> None:
+        self.producer = producer
+        self.spec = spec
+        self.meta = meta
+        self.timeout = timeout
+        self.stream = stream
+        self.acq: Acquired | None = None
+
+    def __enter__(self) -> SlotWriter:
+        if self.acq is not None:
+            raise RuntimeError("a Producer.slot() context can be entered once")
+        return self.producer._slot_enter(self)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.producer._slot_exit(self, exc_type is None)
+        return False
+
+
 class Producer(_Endpoint):
     """Binds ``endpoint`` and hands messages (nested dicts/lists/tuples of tensors plus
     msgpack-able ``meta``) to the consumers that connect to it.
@@ -104,6 +130,10 @@ class Producer(_Endpoint):
             its heartbeat is declared lost. None disables silence detection (disconnects
             and process exits are still detected).
         stream: CUDA stream for copies and events (default: the current stream at each call).
+        curve: CURVE keys (``ipcsync.CurveKeys``) for a ``tcp://`` endpoint; a tcp endpoint
+            without them is refused unless ``insecure=True``. ipc endpoints need neither:
+            only the same user can connect (file modes and the kernel's peer credentials).
+        insecure: accept a plain tcp:// control channel (one interface only, never ``*``).
     """
 
     _role = "producer"
@@ -120,6 +150,8 @@ class Producer(_Endpoint):
         timeout: float | None = 30.0,
         heartbeat: float | None = 1.0,
         stream: Any = None,
+        curve: CurveKeys | None = None,
+        insecure: bool = False,
         limits: P.Limits = P.DEFAULT_LIMITS,
     ) -> None:
         super().__init__(endpoint, timeout, heartbeat)
@@ -131,6 +163,7 @@ class Producer(_Endpoint):
         self.wait_mode = check_wait(wait)
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
+        check_transport(self.endpoint, curve, insecure, "producer")
         self._limits = limits
         self._stream = stream
         self._backend = backend_for(self.device)
@@ -145,13 +178,14 @@ class Producer(_Endpoint):
         self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
         self._next_layout_id = 1
         self._stats = Stats()
+        self._enc = P.Encoder()  # used under the lock
         self._bad_frames = 0
         self._attached_total = 0  # consumers that completed the handshake, ever
         self._lost_total = 0  # consumers that died or went silent, ever
         self._bad_by_peer: dict[bytes, int] = {}
         self._closing = False
         self._stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
-        self._chan = ProducerChannel(self.endpoint, limits.max_frame)
+        self._chan = ProducerChannel(self.endpoint, limits.max_frame, curve)
         try:
             self._arena = self._backend.create_arena(self._stride * self.slots)
             self._slot_views = [
@@ -184,36 +218,44 @@ class Producer(_Endpoint):
         sync. Raises ConfigError for a message that does not fit a slot or a bad meta,
         IpcTimeoutError when no slot frees in time, ClosedError after close().
         """
-        # The hot path: an explicit lock rather than the _call() context manager.
+        # The hot path: an explicit lock rather than the _call() context manager, and the
+        # helpers of the common case inlined.
         with self._lock:
-            self._check_open()
-            self._check_sendable()
-            plan, tensors = self._plan_for(message)
-            acq = self._acquire(timeout)
-            s = self._stream_or(stream)
+            if self._closed or self._closing:
+                self._refuse_send()
+            key, tensors = signature(message)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._new_plan(key, plan_message(message, self.slot_bytes))
+            acq = self._ring.acquire() or self._acquire(timeout)
+            slot = acq.slot
+            s = stream if stream is not None else self._stream
             try:
                 if s is None:
-                    self._prepare_slot(acq, None)
-                    plan.write(acq.slot, self._slot_views[acq.slot], tensors)
-                    self._ready_events[acq.slot].record(None)
+                    # Resolved once: the waits, the copy and the record all go on the
+                    # current stream.
+                    cur = self._backend.current_stream()
+                    if acq.last_holders:
+                        self._prepare_slot(acq, cur)
+                    plan.write(slot, self._slot_views[slot], tensors)
+                    self._ready_events[slot].record(cur)
                 else:
                     with self._on_stream(s):
                         self._prepare_slot(acq, s)
-                        plan.write(acq.slot, self._slot_views[acq.slot], tensors)
+                        plan.write(slot, self._slot_views[slot], tensors)
                         # The copy runs on `s`: keep the caching allocator from reusing a
                         # source's memory before it has run.
                         for t in tensors:
                             if t.is_cuda:
                                 t.record_stream(s)
-                        self._ready_events[acq.slot].record(s)
+                        self._ready_events[slot].record(s)
                 return self._commit(acq, plan, meta)
             except BaseException:
-                self._ring.abort(acq.slot)
+                self._ring.abort(slot)
                 raise
             finally:
                 self._last_call = time.monotonic()
 
-    @contextmanager
     def slot(
         self,
         fields: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
@@ -222,7 +264,7 @@ class Producer(_Endpoint):
         timeout: float | None = None,
         stream: Any = None,
         **named_fields: tuple[Sequence[int], torch.dtype],
-    ) -> Iterator[SlotWriter]:
+    ) -> ContextManager[SlotWriter]:
         """Zero-copy send: reserve a slot, yield its tensors to write in place, send on exit.
 
         ``with out.slot(x=((64, 3, 224, 224), torch.uint8)) as s: s["x"].copy_(src)``.
@@ -230,30 +272,42 @@ class Producer(_Endpoint):
         contiguous. Set ``s.meta`` to change the meta. If the block raises, nothing is sent
         and the slot is given back.
         """
-        spec = dict(fields or {})
-        spec.update(named_fields)
+        if fields:
+            spec = dict(fields)
+            spec.update(named_fields)
+        else:
+            spec = named_fields
+        return _SlotContext(self, spec, meta, timeout, stream)
+
+    def _slot_enter(self, ctx: "_SlotContext") -> SlotWriter:
         with self._lock:
-            self._check_open()
-            self._check_sendable()
-            plan, recipe = self._empty_plan_for(spec)
-            acq = self._acquire(timeout)
+            if self._closed or self._closing:
+                self._refuse_send()
+            self._last_call = time.monotonic()
+            plan, recipe = self._empty_plan_for(ctx.spec)
+            acq = self._ring.acquire() or self._acquire(ctx.timeout)
             try:
-                self._prepare_slot(acq, self._stream_or(stream))
-                writer = SlotWriter(recipe.build(acq.slot, self._slot_views[acq.slot]), meta)
+                if acq.last_holders:
+                    s = ctx.stream if ctx.stream is not None else self._stream
+                    self._prepare_slot(acq, s if s is not None else self._backend.current_stream())
+                writer = SlotWriter(recipe.build(acq.slot, self._slot_views[acq.slot]), ctx.meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
-        try:
-            yield writer
-        except BaseException:
-            with self._lock:
-                self._ring.abort(acq.slot)
-            raise
+        ctx.acq, ctx.plan, ctx.writer = acq, plan, writer
+        return writer
+
+    def _slot_exit(self, ctx: "_SlotContext", ok: bool) -> None:
+        acq = ctx.acq
         with self._lock:
-            self._check_open()
+            if not ok:  # the block raised: nothing is sent
+                self._ring.abort(acq.slot)
+                return
+            if self._closed:
+                self._check_open()
             try:
-                self._ready_events[acq.slot].record(self._stream_or(stream))
-                self._commit(acq, plan, writer.meta)
+                self._ready_events[acq.slot].record(ctx.stream if ctx.stream is not None else self._stream)
+                self._commit(acq, ctx.plan, ctx.writer.meta)
             except BaseException:
                 self._ring.abort(acq.slot)
                 raise
@@ -331,12 +385,10 @@ class Producer(_Endpoint):
         return self
 
     # ------------------------------------------------------------------ send internals
-    def _check_sendable(self) -> None:
+    def _refuse_send(self) -> None:
+        self._check_open()
         if self._closing:
             raise ConfigError("send() during close()")
-
-    def _stream_or(self, stream: Any) -> Any:
-        return stream if stream is not None else self._stream
 
     def _on_stream(self, stream: Any) -> Any:
         if stream is None or self.device.type != "cuda":
@@ -348,8 +400,14 @@ class Producer(_Endpoint):
         if acq is not None:
             return acq
         t = self._resolve_timeout(timeout)
+        # Every slot is taken: the releases that already arrived usually free one (what
+        # _wait_until would do first, without its set-up).
+        self._pump()
+        acq = self._ring.acquire()
+        if acq is not None:
+            return acq
         cause = "consumer" if not self._ring.consumers() else "slot"
-        if not self._wait_until(lambda: self._ring.free_slots > 0, t, cause, self._stats.waited):
+        if not self._wait_until(lambda: self._ring.free_slots > 0, t, cause, self._stats.waited, pumped=True):
             raise self._timeout_error(
                 "no free slot", t,
                 f"all {self.slots} slots are held ({self._ring.occupancy()}) by "
@@ -384,19 +442,12 @@ class Producer(_Endpoint):
                     continue
             ev.wait(stream)
 
-    def _plan_for(self, message: Any) -> tuple[Plan, list[torch.Tensor]]:
-        """The cached plan for this message's signature (made, fully checked, on first
-        sight) and the message's tensors."""
-        key, tensors = signature(message)
-        plan = self._plans.get(key)
-        if plan is None:
-            placement = plan_message(message, self.slot_bytes)
-            plan = self._new_plan(key, placement)
-        return plan, tensors
-
     def _empty_plan_for(self, spec: dict[str, Any]) -> tuple[Plan, Recipe]:
         try:
-            key = ("slot",) + tuple((k, tuple(v[0]), v[1]) for k, v in spec.items())
+            parts: list[Any] = ["slot"]
+            for k, v in spec.items():
+                parts.append((k, tuple(v[0]), v[1]))
+            key: Any = tuple(parts)
             plan = self._plans.get(key)
         except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
             key, plan = None, None
@@ -422,13 +473,15 @@ class Producer(_Endpoint):
         return plan
 
     def _commit(self, acq: Acquired, plan: Plan, meta: Any) -> int:
-        seq = self._ring.next_seq
+        ring = self._ring
+        seq = ring.next_seq
+        slot, gen = acq.slot, acq.gen
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
         try:
             # Cached layouts: encode the short frame now (what consumers that know the
             # layout get); the full one only if a consumer needs it (see _dispatch).
-            frame = P.encode_ready(seq, acq.slot, acq.gen, sent_ns, lid, None if lid else plan.layout, meta)
+            frame = self._enc.ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout, meta)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
         size = len(frame) + (plan.layout_size if lid else 0)  # bounds the full frame
@@ -437,24 +490,29 @@ class Producer(_Endpoint):
                 f"message description (layout + meta) is {size} bytes, over the frame "
                 f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
             )
-        if meta is not None and type(meta) not in (int, float, str, bool):
+        if meta is not None and type(meta) not in _PLAIN_META:
             try:
                 P.check_meta(meta, self._limits.max_depth)
             except ProtocolError as exc:
                 raise ConfigError(f"bad meta: {exc}") from None
-        committed = self._ring.commit(acq.slot)
+        committed = ring.commit(slot)
         assert committed == seq
-        self._items[acq.slot] = [lid, meta, seq, acq.gen, sent_ns, None if lid else frame, frame if lid else None]
-        self._stats.count(plan.data_bytes)
+        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None]
+        stats = self._stats
+        stats.handoffs += 1
+        stats.bytes += plan.data_bytes
         self._dispatch()
         return seq
 
     def _dispatch(self) -> None:
-        if not self._ring.queued:
+        ring = self._ring
+        if not ring.queued:
             return
-        for d in self._ring.dispatch():
-            peer = self._peers[d.consumer]  # type: ignore[index]
-            item = self._items[d.slot]
+        for cid, _seq, slot, _gen in ring.dispatch():
+            peer = self._peers.get(cid)  # type: ignore[call-overload]
+            if peer is None:  # lost by an earlier send of this loop; the ring freed its slots
+                continue
+            item = self._items[slot]
             assert item is not None
             lid = item[0]
             if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
@@ -463,10 +521,21 @@ class Producer(_Endpoint):
                 frame = item[5]
                 if frame is None:
                     layout = self._layouts[lid]
-                    frame = item[5] = P.encode_ready(item[2], d.slot, item[3], item[4], lid, layout, item[1])
+                    frame = item[5] = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
                 if lid:
                     peer.layouts.add(lid)
-            self._send(peer, frame)
+            if peer.outbox:
+                peer.outbox.append(frame)
+                continue
+            try:
+                ok = self._chan.send(peer.identity, frame)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+                self._lose(peer, f"unreachable ({exc})")
+                continue
+            if ok:
+                peer.last_send = time.monotonic()
+            else:
+                peer.outbox.append(frame)
 
     # ------------------------------------------------------------------ I/O
     def _send(self, peer: _Peer, frame: bytes) -> None:
@@ -495,13 +564,15 @@ class Producer(_Endpoint):
         self._chan.wait(timeout)
 
     def _pump(self) -> None:
-        for ev, fd in self._chan.events():
+        chan = self._chan
+        for ev, fd in chan.events():
             self._on_monitor(ev, fd)
+        recv, on_frame = chan.recv, self._on_frame
         for _ in range(10_000):  # bounded, so a flood cannot starve the caller
-            got = self._chan.recv()
+            got = recv()
             if got is None:
                 break
-            self._on_frame(*got)
+            on_frame(*got)
         # Disconnects are applied after the frames that arrived before them (a BYE
         # followed by a close is a goodbye, not a loss).
         while self._disconnected:
@@ -523,6 +594,13 @@ class Producer(_Endpoint):
 
     def _on_frame(self, identity: bytes, frames: list[bytes], fd: int) -> None:
         peer = self._peers.get(identity)
+        if peer is not None and len(frames) == 1 and peer.conv.state == "active":
+            # Steady state: a RELEASE from an attached consumer, which leaves it active.
+            entries = P.decode_release(frames[0], self._limits)
+            if entries is not None:
+                peer.last_recv = time.monotonic()
+                self._on_release(peer, entries)
+                return
         if len(frames) != 1:
             self._bad_frame(identity, peer, ProtocolError(f"expected 1 frame, got {len(frames)}"))
             return
@@ -539,6 +617,11 @@ class Producer(_Endpoint):
                     f"{type(msg).__name__.upper()} from a peer that has not sent HELLO"))
             return
         peer.last_recv = time.monotonic()
+        if type(msg) is P.Hello and msg == peer.hello and peer.conv.state == "await_attach":
+            # The same HELLO again: ZeroMQ kept the consumer's first HELLO queued across a
+            # reconnect (its previous producer died unanswered) and the consumer sent one
+            # more on connecting. SETUP is already on its way; nothing to do.
+            return
         try:
             peer.conv.receive(msg)
         except ProtocolError as exc:
@@ -546,7 +629,7 @@ class Producer(_Endpoint):
             return
         kind = type(msg)
         if kind is P.Release:
-            self._on_release(peer, msg)  # type: ignore[arg-type]
+            self._on_release(peer, msg.entries)  # type: ignore[union-attr]
         elif kind is P.Attach:
             self._on_attach(peer, msg)  # type: ignore[arg-type]
         elif kind is P.Bye:
@@ -584,7 +667,7 @@ class Producer(_Endpoint):
         # not be applied to this one.
         for ev, efd in self._chan.events():
             self._on_monitor(ev, efd)
-        problem = self._hello_problem(hello)
+        problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem
             log.warning("ipcsync producer %r refused consumer pid %d: %s", self.endpoint.name, hello.pid, text)
@@ -614,6 +697,22 @@ class Producer(_Endpoint):
         )
         self._send(peer, P.encode(setup))
 
+    def _credentials_problem(self, hello: P.Hello, fd: int) -> tuple[str, str] | None:
+        """On ipc endpoints the kernel says who connected (SO_PEERCRED): only our own
+        user, and only the process the HELLO names. (The socket file is 0600 in a 0700
+        directory already; this also holds for ipc:// paths the user chose.)"""
+        if self.endpoint.path is None:
+            return None
+        cred = _host.peer_credentials(fd)
+        if cred is None:
+            return None
+        pid, uid, _gid = cred
+        if uid != os.getuid():
+            return "uid", f"connection from uid {uid}; this producer accepts only its own user ({os.getuid()})"
+        if hello.pid_ns == _host.pid_namespace() and pid != hello.pid:
+            return "identity", f"HELLO claims pid {hello.pid} but the connection belongs to pid {pid}"
+        return None
+
     def _hello_problem(self, hello: P.Hello) -> tuple[str, str] | None:
         if self._closing:
             return "closing", "the producer is closing and accepts no new consumers"
@@ -628,12 +727,8 @@ class Producer(_Endpoint):
                 f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
             )
         if self._backend.name == "cuda":
-            if hello.device != self._backend.device_identity():
-                return "device", (
-                    f"consumer is on GPU {hello.device}, the producer's slots are on "
-                    f"{self._backend.device_identity()} ({self.device}); open the consumer on the "
-                    "producer's GPU (GPUs are matched by UUID, not index)"
-                )
+            # A consumer on another GPU of this host is welcome: it checks on SETUP that it
+            # can see ours and has peer access to it (GPUs are matched by UUID, not index).
             if hello.pid_ns != _host.pid_namespace():
                 return "host", "CUDA IPC needs both processes in one PID namespace"
         if hello.credits < 1:
@@ -646,7 +741,10 @@ class Producer(_Endpoint):
                 f"ATTACH carries {len(msg.release_events)} release events for {self.slots} slots"))
             return
         try:
-            peer.release_events = [self._backend.open_event(h) for h in msg.release_events]
+            # Opened on the consumer's GPU where we can see it (else on ours); our streams
+            # may wait on an event of another GPU.
+            where = self._backend.locate(peer.hello.device, need_access=False)
+            peer.release_events = [self._backend.open_event(h, where) for h in msg.release_events]
         except Exception as exc:
             self._bad_frame(peer.identity, peer, ProtocolError(f"cannot open release events: {exc}"))
             return
@@ -657,9 +755,10 @@ class Producer(_Endpoint):
             self._say_bye(peer, "producer closed")
         self._dispatch()
 
-    def _on_release(self, peer: _Peer, msg: P.Release) -> None:
+    def _on_release(self, peer: _Peer, entries: list[tuple[int, int, int]]) -> None:
         now_ns = time.monotonic_ns()
-        for seq, slot, gen in msg.entries:
+        latencies = self._stats.latencies
+        for seq, slot, gen in entries:
             try:
                 freed = self._ring.release(peer.identity, seq, slot, gen)
             except ProtocolError as exc:
@@ -672,7 +771,7 @@ class Producer(_Endpoint):
                 item = self._items[slot]
                 self._items[slot] = None
                 if item is not None:
-                    self._stats.latency((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
+                    latencies.append((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
         if not peer.bye_sent:

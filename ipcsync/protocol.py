@@ -48,6 +48,10 @@ __all__ = [
     "Message",
     "encode",
     "decode",
+    "encode_ready",
+    "decode_ready",
+    "decode_release",
+    "Encoder",
     "Conversation",
     "VersionMismatch",
     "check_meta",
@@ -229,6 +233,13 @@ def _describe(v: Any) -> str:
     return f"{type(v).__name__} {r[:40]}{'...' if len(r) > 40 else ''}"
 
 
+# Types of meta values that check_meta accepts at any max_depth >= 1 without looking
+# further (an int needs its range checked too).
+_SCALAR_META: Final = (bool, float, str, bytes)
+_META_INT_MIN: Final = -(2**63)
+_META_INT_END: Final = 2**64
+
+
 def check_meta(v: Any, max_depth: int = DEFAULT_LIMITS.max_depth) -> None:
     """Raise ProtocolError unless ``v`` is plain msgpack data (None, bool, int, float, str,
     bytes, list/tuple, dict with str keys) nested at most ``max_depth`` deep."""
@@ -247,7 +258,7 @@ def check_meta(v: Any, max_depth: int = DEFAULT_LIMITS.max_depth) -> None:
                 stack.append((c, depth + 1))
         elif node is not None and t not in (bool, int, float, str, bytes):
             raise _fail(f"meta may hold only plain msgpack data, got {_describe(node)}")
-        elif t is int and not -(2**63) <= node < 2**64:
+        elif t is int and not _META_INT_MIN <= node < _META_INT_END:
             raise _fail(f"meta integer {node} does not fit in 64 bits")
 
 
@@ -397,6 +408,117 @@ def encode_ready(
     return msgpack.packb([4, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
 
 
+class Encoder:
+    """``encode_ready`` and ``encode(Release(...))`` with one reused msgpack Packer: the same
+    bytes, without building a Packer (and its buffer) per frame. Not thread-safe: one per
+    endpoint, used under that endpoint's lock."""
+
+    __slots__ = ("_pack",)
+
+    def __init__(self) -> None:
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+
+    def ready(
+        self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
+    ) -> bytes:
+        try:
+            return self._pack([4, seq, slot, gen, sent_ns, layout_id, layout, meta])
+        except BaseException:
+            # Never reuse a Packer after a failed pack: some msgpack versions keep its bytes.
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+    def release(self, entries: list[tuple[int, int, int]]) -> bytes:
+        try:
+            return self._pack([5, entries])
+        except BaseException:
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+
+def _unpack(frame: bytes, limits: Limits) -> Any:
+    return msgpack.unpackb(
+        frame,
+        raw=False,
+        use_list=True,
+        strict_map_key=True,
+        ext_hook=_reject_ext,
+        max_str_len=limits.max_frame,
+        max_bin_len=limits.max_frame,
+        max_array_len=limits.max_items,
+        max_map_len=limits.max_items,
+        max_ext_len=0,
+    )
+
+
+def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, int, int, int, Any] | None:
+    """The steady-state fast path of ``decode``: ``(seq, slot, gen, sent_ns, layout_id,
+    meta)`` when ``decode(frame, limits)`` would return a READY without a layout, else None
+    (then ``decode`` accepts or rejects the frame, with its reason). Never raises."""
+    max_frame = limits.max_frame
+    if len(frame) > max_frame or not frame or limits.max_depth < 1:  # depth: see check_meta
+        return None
+    try:
+        obj = msgpack.unpackb(  # as _unpack
+            frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=limits.max_items,
+            max_map_len=limits.max_items, max_ext_len=0,
+        )
+    except Exception:
+        return None
+    if type(obj) is not list or len(obj) != 8:
+        return None
+    kind, seq, slot, gen, sent_ns, layout_id, layout, meta = obj
+    if (
+        type(kind) is not int or kind != 4 or layout is not None
+        or type(seq) is not int or not 0 <= seq <= _MAX_INT
+        or type(slot) is not int or not 0 <= slot <= _MAX_INT
+        or type(gen) is not int or not 0 <= gen <= _MAX_INT
+        or type(sent_ns) is not int or not 0 <= sent_ns <= _MAX_INT
+        or type(layout_id) is not int or not 0 <= layout_id <= _MAX_INT
+    ):
+        return None
+    if meta is not None and type(meta) not in _SCALAR_META:
+        if type(meta) is int:
+            if not _META_INT_MIN <= meta < _META_INT_END:
+                return None
+        else:
+            try:
+                check_meta(meta, limits.max_depth)
+            except ProtocolError:
+                return None
+    return seq, slot, gen, sent_ns, layout_id, meta
+
+
+def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
+    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
+    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
+    if len(frame) > limits.max_frame or not frame:
+        return None
+    try:
+        obj = _unpack(frame, limits)
+    except Exception:
+        return None
+    if type(obj) is not list or len(obj) != 2:
+        return None
+    kind, raw = obj
+    if type(kind) is not int or kind != 5 or type(raw) is not list or len(raw) > limits.max_release_batch:
+        return None
+    entries = []
+    for e in raw:
+        if type(e) is not list or len(e) != 3:
+            return None
+        seq, slot, gen = e
+        if (
+            type(seq) is not int or not 0 <= seq <= _MAX_INT
+            or type(slot) is not int or not 0 <= slot <= _MAX_INT
+            or type(gen) is not int or not 0 <= gen <= _MAX_INT
+        ):
+            return None
+        entries.append((seq, slot, gen))
+    return entries
+
+
 def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Decode and validate one frame. Raises ProtocolError naming the reason."""
     if len(frame) > limits.max_frame:
@@ -404,18 +526,7 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     if not frame:
         raise ProtocolError("empty frame")
     try:
-        obj = msgpack.unpackb(
-            frame,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            max_str_len=limits.max_frame,
-            max_bin_len=limits.max_frame,
-            max_array_len=limits.max_items,
-            max_map_len=limits.max_items,
-            max_ext_len=0,
-        )
+        obj = _unpack(frame, limits)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types for malformed input

@@ -41,6 +41,12 @@ class SlotState(Enum):
     IN_FLIGHT = "in_flight"
 
 
+# Plain globals on the hot path (an Enum member read through its class is an attribute
+# lookup per use).
+_FREE, _WRITING, _QUEUED, _IN_FLIGHT = SlotState.FREE, SlotState.WRITING, SlotState.QUEUED, SlotState.IN_FLIGHT
+_NOBODY: frozenset[Hashable] = frozenset()
+
+
 class Acquired(NamedTuple):
     slot: int
     gen: int
@@ -54,6 +60,10 @@ class Dispatch(NamedTuple):
     seq: int
     slot: int
     gen: int
+
+
+# Acquired(*fields), Dispatch(*fields) without the Python-level __new__ of a namedtuple.
+_new_tuple = tuple.__new__
 
 
 @dataclass
@@ -80,7 +90,7 @@ class Ring:
         self.gen = [0] * nslots
         self.seq = [-1] * nslots  # seq of the item in the slot (QUEUED / IN_FLIGHT)
         self.holders: list[set[Hashable]] = [set() for _ in range(nslots)]
-        self._last_holders: list[frozenset[Hashable]] = [frozenset()] * nslots
+        self._last_holders: list[frozenset[Hashable]] = [_NOBODY] * nslots
         # Least recently freed first: gives consumers' release work the most time.
         self._free: deque[int] = deque(range(nslots))
         self._queue: deque[int] = deque()  # QUEUED slots in seq order
@@ -94,26 +104,29 @@ class Ring:
         if not self._free:
             return None
         slot = self._free.popleft()
-        self.state[slot] = SlotState.WRITING
-        self.gen[slot] += 1
-        last = frozenset(c for c in self._last_holders[slot] if c in self._consumers)
+        self.state[slot] = _WRITING
+        gen = self.gen[slot] = self.gen[slot] + 1
+        last = self._last_holders[slot]
+        if last and not last <= self._consumers.keys():
+            last = frozenset(c for c in last if c in self._consumers)
         # Cleared at commit, not here: an aborted write leaves the previous item's holders
         # for the next acquire of this slot.
-        return Acquired(slot, self.gen[slot], last)
+        return _new_tuple(Acquired, (slot, gen, last))
 
     def abort(self, slot: int) -> None:
         """Give back a slot acquired but not committed (its contents are never sent)."""
-        self._expect(slot, SlotState.WRITING)
-        self.state[slot] = SlotState.FREE
+        self._expect(slot, _WRITING)
+        self.state[slot] = _FREE
         self._free.appendleft(slot)
 
     def commit(self, slot: int) -> int:
         """A written slot is ready to go out; returns its sequence number."""
-        self._expect(slot, SlotState.WRITING)
+        if not 0 <= slot < self.nslots or self.state[slot] is not _WRITING:
+            self._expect(slot, _WRITING)
         seq = self.next_seq
-        self.next_seq += 1
-        self._last_holders[slot] = frozenset()
-        self.state[slot] = SlotState.QUEUED
+        self.next_seq = seq + 1
+        self._last_holders[slot] = _NOBODY
+        self.state[slot] = _QUEUED
         self.seq[slot] = seq
         self._queue.append(slot)
         return seq
@@ -121,12 +134,23 @@ class Ring:
     def dispatch(self) -> list[Dispatch]:
         """Assign queued items to consumers with free credits, in seq order."""
         out: list[Dispatch] = []
-        while self._queue:
+        queue = self._queue
+        if len(self._consumers) == 1:  # the common case, either policy: what _targets() picks
+            ((cid, c),) = self._consumers.items()
+            held = c.held
+            while queue and c.credits > len(held):
+                slot = queue.popleft()
+                self.state[slot] = _IN_FLIGHT
+                self.holders[slot].add(cid)
+                held.add(slot)
+                out.append(_new_tuple(Dispatch, (cid, self.seq[slot], slot, self.gen[slot])))
+            return out
+        while queue:
             targets = self._targets()
             if not targets:
                 break
-            slot = self._queue.popleft()
-            self.state[slot] = SlotState.IN_FLIGHT
+            slot = queue.popleft()
+            self.state[slot] = _IN_FLIGHT
             for cid in targets:
                 self.holders[slot].add(cid)
                 self._consumers[cid].held.add(slot)
@@ -192,18 +216,20 @@ class Ring:
                 f"stale release of slot {slot}: (seq {seq}, gen {gen}) but the slot holds "
                 f"(seq {self.seq[slot]}, gen {self.gen[slot]})"
             )
-        if self.state[slot] is not SlotState.IN_FLIGHT or cid not in self.holders[slot]:
+        holders = self.holders[slot]
+        if self.state[slot] is not _IN_FLIGHT or cid not in holders:
             raise ProtocolError(f"release of slot {slot} by a consumer that does not hold it")
-        self.holders[slot].discard(cid)
+        holders.discard(cid)
         self._consumers[cid].held.discard(slot)
-        self._last_holders[slot] = self._last_holders[slot] | {cid}
-        if self.holders[slot]:
+        last = self._last_holders[slot]
+        self._last_holders[slot] = last | {cid} if last else frozenset((cid,))
+        if holders:
             return False
         self._free_slot(slot)
         return True
 
     def _free_slot(self, slot: int) -> None:
-        self.state[slot] = SlotState.FREE
+        self.state[slot] = _FREE
         self.seq[slot] = -1
         self._free.append(slot)
 

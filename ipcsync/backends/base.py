@@ -76,16 +76,29 @@ class Backend(abc.ABC):
         """Allocate an arena owned by this process, exportable through its handle."""
 
     @abc.abstractmethod
-    def open_arena(self, handle: bytes | str, nbytes: int) -> Arena:
-        """Map a peer's arena. Raises BackendError if it cannot be opened."""
+    def open_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> Arena:
+        """Map a peer's arena (``where``: the local device it lives on, from ``locate``).
+        Raises BackendError if it cannot be opened."""
 
     @abc.abstractmethod
     def create_event(self) -> Event:
         """A new event this process records."""
 
     @abc.abstractmethod
-    def open_event(self, handle: bytes | str) -> Event:
-        """A peer's event, from its handle."""
+    def open_event(self, handle: bytes | str, where: Any = None) -> Event:
+        """A peer's event, from its handle (``where``: the peer's device, from ``locate``)."""
+
+    def locate(self, identity: str | None, need_access: bool) -> Any:
+        """Where a peer's device (its ``device_identity()``) is in this process: None for
+        this backend's own device. ``need_access``: this device must be able to read it
+        (peer access); ConfigError if it cannot, or if the device is not visible here."""
+        return None
+
+    def current_stream(self) -> Any:
+        """The stream ``Event.record(None)``/``wait(None)`` would use now, to pass to several
+        of them in one call (CUDA: the device's current stream; None where events ignore
+        streams)."""
+        return None
 
     def collect(self) -> None:
         """Return memory that departed peers no longer use (CUDA: ipc_collect)."""

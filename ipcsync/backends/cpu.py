@@ -151,7 +151,7 @@ class CpuBackend(Backend):
         name = f"{SHM_PREFIX}{os.getpid()}-{tag}{secrets.token_hex(8)}"
         return CpuArena(name, nbytes, owner=True)
 
-    def open_arena(self, handle: bytes | str, nbytes: int) -> CpuArena:
+    def open_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> CpuArena:
         if type(handle) is not str or not _NAME_RE.fullmatch(handle):
             raise BackendError(f"not an ipcsync shared-memory name: {handle!r:.60}")
         return CpuArena(handle, nbytes, owner=False)
@@ -159,5 +159,5 @@ class CpuBackend(Backend):
     def create_event(self) -> CpuEvent:
         return CpuEvent()
 
-    def open_event(self, handle: bytes | str) -> CpuEvent:
+    def open_event(self, handle: bytes | str, where: Any = None) -> CpuEvent:
         return CpuEvent.from_handle(handle)

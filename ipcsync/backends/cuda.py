@@ -44,6 +44,14 @@ _LOCAL_ARENAS: "weakref.WeakValueDictionary[bytes, CudaArena]" = weakref.WeakVal
 _LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
 _STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 _GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+# torch.cuda.Event.record/wait only replace a None stream by the current one and query
+# only forwards, then they call these (a Python frame less per call); absent from CPU
+# builds of torch.
+_EVENT_BASE = getattr(torch._C, "_CudaEventBase", None)
+_EVENT_RECORD = getattr(_EVENT_BASE, "record", None)
+_EVENT_WAIT = getattr(_EVENT_BASE, "wait", None)
+_EVENT_QUERY = getattr(_EVENT_BASE, "query", None)
+_STREAM = torch.cuda.Stream
 
 
 def current_stream(device_index: int) -> torch.cuda.Stream:
@@ -102,12 +110,24 @@ class IpcEvent(Event):
         self.event = _event
 
     def record(self, stream: Any = None) -> None:
-        self.event.record(stream if stream is not None else current_stream(self.device_index))
+        if stream is None:
+            stream = current_stream(self.device_index)
+        if _EVENT_RECORD is not None and type(stream) is _STREAM:
+            _EVENT_RECORD(self.event, stream)
+        else:
+            self.event.record(stream)
 
     def wait(self, stream: Any = None) -> None:
-        self.event.wait(stream if stream is not None else current_stream(self.device_index))
+        if stream is None:
+            stream = current_stream(self.device_index)
+        if _EVENT_WAIT is not None and type(stream) is _STREAM:
+            _EVENT_WAIT(self.event, stream)
+        else:
+            self.event.wait(stream)
 
     def query(self) -> bool:
+        if _EVENT_QUERY is not None:
+            return bool(_EVENT_QUERY(self.event))
         return bool(self.event.query())
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -187,6 +207,12 @@ class CudaBackend(Backend):
     def device_identity(self) -> str | None:
         return self._uuid
 
+    def current_stream(self) -> torch.cuda.Stream:
+        if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch
+            return current_stream(self.index)
+        s = _STREAMS.get(tuple(_GET_CURRENT_STREAM(self.index)))  # type: ignore[arg-type]
+        return s if s is not None else current_stream(self.index)
+
     def create_arena(self, nbytes: int) -> CudaArena:
         try:
             with torch.cuda.device(self.index):
@@ -195,7 +221,30 @@ class CudaBackend(Backend):
             raise BackendError(f"cannot allocate a {nbytes}-byte arena on {self.device}: {exc}") from None
         return CudaArena(t, owner=True)
 
-    def open_arena(self, handle: bytes | str, nbytes: int) -> CudaArena:
+    def locate(self, identity: str | None, need_access: bool) -> int | None:
+        """The local index of the GPU with UUID ``identity``; None if it is our own. With
+        ``need_access``, our GPU must have peer access to it (reading its memory
+        directly, over NVLink or PCIe)."""
+        if identity is None or identity == self._uuid:
+            return None
+        for i in range(torch.cuda.device_count()):
+            if device_uuid(i) == identity:
+                if need_access and not torch.cuda.can_device_access_peer(self.index, i):
+                    raise ConfigError(
+                        f"the producer's GPU {identity} (cuda:{i} here) and this consumer's "
+                        f"{self._uuid} ({self.device}) have no peer access; run the consumer on "
+                        "the producer's GPU, or on one with peer access to it"
+                    )
+                return i
+        if not need_access:
+            return None  # the peer's GPU is hidden from us: open its handles on ours
+        raise ConfigError(
+            f"the producer's GPU {identity} is not visible to this process (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); CUDA IPC opens memory on the GPU "
+            "that holds it, so make that GPU visible here too"
+        )
+
+    def open_arena(self, handle: bytes | str, nbytes: int, where: int | None = None) -> CudaArena:
         try:
             fields = msgpack.unpackb(handle, raw=False, max_bin_len=4096, max_str_len=64, max_array_len=16)
             magic, pid, mem, size, offset, ref, ref_off, ev, sync = fields
@@ -212,12 +261,14 @@ class CudaBackend(Backend):
             if local is None:
                 raise BackendError("arena handle names this process but no such arena is alive")
             return CudaArena(local.tensor[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+        index = self.index if where is None else where  # the memory lives on the producer's GPU
         try:
-            with torch.cuda.device(self.index):
+            with torch.cuda.device(index):
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    self.index, mem, size, offset, ref, ref_off, ev or None, sync
+                    index, mem, size, offset, ref, ref_off, ev or None, sync
                 )
-                t = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (storage.nbytes(),), (1,))
+                t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(
+                    storage, 0, (storage.nbytes(),), (1,))
         except Exception as exc:
             raise BackendError(
                 f"cannot open the producer's CUDA memory on {self.device}: {exc}; producer and "
@@ -230,8 +281,9 @@ class CudaBackend(Backend):
     def create_event(self) -> IpcEvent:
         return IpcEvent(self.index)
 
-    def open_event(self, handle: bytes | str) -> IpcEvent:
-        return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]
+    def open_event(self, handle: bytes | str, where: int | None = None) -> IpcEvent:
+        # An event belongs to the GPU of its creator; a stream of another GPU may wait on it.
+        return IpcEvent.from_handle(handle, self.index if where is None else where)  # type: ignore[arg-type]
 
     def collect(self) -> None:
         try:
