@@ -1,0 +1,119 @@
+"""Bounded shutdown: close() returns within its deadline with dead peers, with slots in
+flight, and with a peer that stopped reading (SIGSTOP: its socket queue fills and nobody
+answers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ipcsync
+
+MARGIN = 1.0  # scheduling margin on a loaded 2-core machine
+
+
+def fill(p: ipcsync.Producer, n: int) -> None:
+    for i in range(n):
+        p.send({"x": torch.full((16,), float(i))}, meta={"i": i}, timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_producer_close_with_a_stopped_consumer_holding_slots(procs: Any, runtime_dir: Any) -> None:
+    p = ipcsync.Producer("sd-stopped", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
+    try:
+        c = procs.start("consume", endpoint="sd-stopped", delay=30.0)  # takes one item, then sleeps
+        c.read_until(lambda l: l.get("event") == "connected")
+        p.wait_for_consumers(1, timeout=10)
+        fill(p, 4)
+        os.kill(c.pid, signal.SIGSTOP)  # alive, holding items, reading nothing
+        t0 = time.monotonic()
+        p.close(timeout=1.0)
+        assert time.monotonic() - t0 < 1.0 + MARGIN
+    finally:
+        try:
+            os.kill(c.pid, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        p.close(timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_producer_close_with_a_dead_consumer_not_yet_noticed(procs: Any, runtime_dir: Any) -> None:
+    # Heartbeats off, so only the disconnect and the process check can notice.
+    p = ipcsync.Producer("sd-dead", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
+    try:
+        c = procs.start("consume", endpoint="sd-dead", delay=30.0)
+        c.read_until(lambda l: l.get("event") == "connected")
+        p.wait_for_consumers(1, timeout=10)
+        fill(p, 4)
+        c.kill()
+        t0 = time.monotonic()
+        p.close(timeout=5.0)
+        assert time.monotonic() - t0 < 1.0 + MARGIN  # noticed, not waited out
+    finally:
+        p.close(timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_producer_close_with_items_in_flight_to_a_live_consumer() -> None:
+    p = ipcsync.Producer("sd-held", slots=2, slot_bytes=4096, device="cpu")
+    c = ipcsync.Consumer("sd-held", device="cpu", auto_release=False, timeout=10)
+    try:
+        fill(p, 2)
+        held = [c.get(timeout=5), c.get(timeout=5)]
+        assert all(h is not None for h in held)
+        t0 = time.monotonic()
+        p.close(timeout=0.5)  # the consumer never releases: give up at the deadline
+        assert time.monotonic() - t0 < 0.5 + MARGIN
+    finally:
+        c.close()
+        p.close(timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_consumer_close_with_a_stopped_producer(procs: Any, runtime_dir: Any) -> None:
+    prod = procs.start("produce", endpoint="sd-prod-stopped", n=1000, size=16, slots=4, heartbeat=None)
+    c = ipcsync.Consumer("sd-prod-stopped", device="cpu", heartbeat=None, timeout=10)
+    try:
+        assert c.get(timeout=10) is not None
+        os.kill(prod.pid, signal.SIGSTOP)  # alive, answering nothing (no BYE ack will come)
+        t0 = time.monotonic()
+        c.close(timeout=1.0)
+        assert time.monotonic() - t0 < 1.0 + MARGIN
+    finally:
+        c.close()
+        os.kill(prod.pid, signal.SIGCONT)
+        prod.kill()  # the leader only: its resource tracker then removes the segment
+
+
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_while_send_blocks() -> None:
+    p = ipcsync.Producer("sd-blocked", slots=1, slot_bytes=4096, device="cpu")
+    c = ipcsync.Consumer("sd-blocked", device="cpu", auto_release=False, timeout=10)
+    errors: list[BaseException] = []
+    try:
+        fill(p, 1)
+        assert c.get(timeout=5) is not None  # held: the next send blocks
+
+        def blocked_send() -> None:
+            try:
+                p.send({"x": torch.zeros(16)}, timeout=30)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=blocked_send)
+        t.start()
+        time.sleep(0.3)
+        c.close()  # gives the slot back: the blocked send completes or fails cleanly
+        t.join(timeout=10)
+        assert not t.is_alive()
+        assert all(isinstance(e, ipcsync.IpcSyncError) for e in errors), errors
+    finally:
+        c.close()
+        p.close(timeout=1)
