@@ -89,7 +89,7 @@ def per_call(n: int, batch: int, slots: int, device: str, mode: str) -> None:
             t0 = time.perf_counter()
             for _ in range(batch):
                 if mode == "slot":
-                    with out.slot(x=((4096,), torch.uint8)) as s:
+                    with out.slot(x=((4096,), torch.uint8)):
                         pass
                 else:
                     out.send({"x": src})

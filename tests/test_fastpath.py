@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from typing import Any
 
 import msgpack
