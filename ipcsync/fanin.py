@@ -8,7 +8,8 @@ Rules:
   source k, the next scan starts at k + 1, so a busy source cannot starve a slower one;
 - the merged stream ends when every source has ended (its producer closed and everything
   it sent was received); a source whose producer dies raises PeerLostError from the
-  FanIn, like a single Consumer would;
+  FanIn, like a single Consumer would, and again on every later call (the merged stream
+  never goes on silently without a source);
 - waiting for the next item polls all sources' sockets at once (each source's lock held
   for the poll, so no service thread uses a socket meanwhile).
 """
@@ -25,7 +26,7 @@ import zmq
 from ._endpoint import check_timeout
 from .channel import resolve_endpoint
 from .consumer import Consumer, Item
-from .errors import ClosedError, ConfigError, IpcTimeoutError
+from .errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProtocolError
 
 __all__ = ["FanIn"]
 
@@ -79,6 +80,7 @@ class FanIn:
         self._live = list(range(len(self._consumers)))  # sources not yet ended, scan order
         self._next = 0
         self._current: Item | None = None
+        self._error: IpcSyncError | None = None  # a source broke: the merged stream stays broken
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -144,6 +146,8 @@ class FanIn:
     def _next_item(self, timeout: float | None) -> Item | None:
         if self._closed:
             raise ClosedError("this FanIn is closed; create a new one")
+        if self._error is not None:
+            raise self._error
         cur = self._current
         if cur is not None and self.auto_release and not cur.released:
             cur.release()
@@ -171,8 +175,12 @@ class FanIn:
         for k in range(n):
             pos = (self._next + k) % n
             c = self._consumers[self._live[pos]]
-            with c._call():
-                got, item = c._poll()
+            try:
+                with c._call():
+                    got, item = c._poll()
+            except (PeerLostError, ProtocolError) as exc:
+                self._error = exc  # sticky, like a Consumer's: no silent merge without a source
+                raise
             if got and item is None:  # this source ended
                 del self._live[pos]
                 self._next = pos % len(self._live) if self._live else 0
