@@ -27,6 +27,7 @@ from .errors import (
     ProtocolError,
 )
 from .fanin import FanIn
+from .forward import forward
 from .producer import Producer, SlotWriter
 from .protocol import PROTOCOL_VERSION
 
@@ -37,6 +38,7 @@ __all__ = [
     "Consumer",
     "Item",
     "FanIn",
+    "forward",
     "CurveKeys",
     "SlotWriter",
     "IpcEvent",
