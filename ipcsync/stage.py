@@ -97,10 +97,11 @@ def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the na
     return ep
 
 
-def output(name: str, *, wait_for_consumers: bool = True, **options: Any) -> Producer:
-    """This replica's producer towards downstream stage ``name``. Waits (up to the edge's
-    timeout) until every replica of ``name`` is attached unless ``wait_for_consumers`` is
-    False. ``options`` override the edge's (slots, slot_bytes, policy, timeout, ...)."""
+def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any) -> Producer:
+    """This replica's producer towards stage ``name``. Waits (up to the edge's timeout)
+    until every replica of ``name`` is attached, except on a reply edge (a wait there
+    could deadlock against the stage it answers) or with ``wait_for_consumers=False``.
+    ``options`` override the edge's (slots, slot_bytes, policy, timeout, ...)."""
     w = _wiring(f"ipcsync.stage.output({name!r})")
     edge = w["outputs"].get(name)
     if edge is None:
@@ -115,7 +116,7 @@ def output(name: str, *, wait_for_consumers: bool = True, **options: Any) -> Pro
     kw.update(options)
     p = Producer(edge["endpoint"], **kw)
     try:
-        if wait_for_consumers:
+        if wait_for_consumers if wait_for_consumers is not None else not edge.get("reply", False):
             p.wait_for_consumers(edge["consumers"], timeout=edge["timeout"])
     except BaseException:
         p.close(timeout=0)

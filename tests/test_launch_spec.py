@@ -38,7 +38,7 @@ SRC = "pipe.toml"
 CLI = "<command line>"
 TOP_KEYS = ("edges", "name", "restart", "stages", "stop_timeout")
 STAGE_KEYS = ("cmd", "cwd", "device", "env", "replicas", "visible_devices")
-EDGE_KEYS = ("from", "policy", "slot_bytes", "slots", "timeout", "to", "wait")
+EDGE_KEYS = ("from", "policy", "reply", "slot_bytes", "slots", "timeout", "to", "wait")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -1125,3 +1125,31 @@ class TestFixedBugs:
         # then c before b (declared first), then d.
         text = toml({n: 'cmd = "x"' for n in "dcba"}, edges=[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
         assert [s.name for s in loads(text, source=SRC).stages] == ["a", "c", "b", "d"]
+
+
+class TestReplyEdges:
+    """A reply edge answers an upstream stage: the only edge allowed to close a cycle."""
+
+    def test_reply_edge_closes_a_cycle(self) -> None:
+        text = toml({"front": 'cmd = "x"', "worker": 'cmd = "y"'}, edges=[("front", "worker")])
+        text += '[[edges]]\nfrom = "worker"\nto = "front"\nreply = true\n'
+        spec = loads(text, source=SRC)
+        assert [s.name for s in spec.stages] == ["front", "worker"]
+        assert [(e.src, e.dst, e.reply) for e in spec.edges] == [("front", "worker", False), ("worker", "front", True)]
+
+    def test_a_cycle_without_reply_is_still_refused(self) -> None:
+        text = toml({"front": 'cmd = "x"', "worker": 'cmd = "y"'}, edges=[("front", "worker"), ("worker", "front")])
+        with spec_error("edges", "the edges form a cycle"):
+            loads(text, source=SRC)
+
+    def test_reply_edge_must_go_back_upstream(self) -> None:
+        text = toml({"a": 'cmd = "x"', "b": 'cmd = "y"'})
+        text += '[[edges]]\nfrom = "a"\nto = "b"\nreply = true\n'
+        with spec_error("edges[0].reply", "answers nobody"):
+            loads(text, source=SRC)
+
+    def test_reply_must_be_a_bool(self) -> None:
+        text = toml({"a": 'cmd = "x"', "b": 'cmd = "y"'}, edges=[("a", "b")])
+        text += '[[edges]]\nfrom = "b"\nto = "a"\nreply = 1\n'
+        with spec_error("edges[1].reply", "must be true or false"):
+            loads(text, source=SRC)

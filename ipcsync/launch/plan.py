@@ -73,7 +73,8 @@ class Plan:
         for e in self.spec.edges:
             src, dst = self.spec.stage(e.src), self.spec.stage(e.dst)
             lines.append(
-                f"  {e.src} -> {e.dst}: {src.replicas} producer(s) x {dst.replicas} consumer(s), "
+                f"  {e.src} -> {e.dst}{' (reply)' if e.reply else ''}: {src.replicas} producer(s) x "
+                f"{dst.replicas} consumer(s), "
                 f"policy {e.policy}, slots {e.slots}, slot_bytes {e.slot_bytes}, wait {e.wait}, "
                 f"timeout {e.timeout:g} s"
             )
@@ -173,6 +174,7 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
             "slot_bytes": e.slot_bytes,
             "policy": e.policy,
             "timeout": e.timeout,
+            "reply": e.reply,
         }
     return {
         "version": WIRING_VERSION,

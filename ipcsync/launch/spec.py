@@ -27,6 +27,11 @@ A spec::
     slot_bytes = "8MiB"         # an integer, or a string with B, KiB, MiB, GiB
     policy = "shard"            # or "broadcast" (with several consumer replicas)
     wait = "gpu"                # how the consumer waits on the producer's events
+
+    [[edges]]                   # a reply edge: answers going back upstream (the only
+    from = "train"              # kind of edge allowed to close a cycle); its output()
+    to = "loader"               # does not wait for consumers, so no order of input()
+    reply = true                # and output() calls can deadlock
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 
 
 _TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name"}
 _STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd"}
-_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout"}
+_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply"}
 
 
 class SpecError(ConfigError):
@@ -109,6 +114,7 @@ class EdgeSpec:
     policy: str = "shard"
     wait: str = "gpu"
     timeout: float = 60.0
+    reply: bool = False  # a back edge (answers to an upstream stage): exempt from the cycle check
 
     @property
     def name(self) -> str:
@@ -337,6 +343,7 @@ def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
         policy=policy,
         wait=wait,
         timeout=_seconds(where, f"{key}.timeout", body.get("timeout", 60.0)),
+        reply=_bool(where, f"{key}.reply", body.get("reply", False)),
     )
 
 
@@ -346,7 +353,14 @@ def _finish(where: _Where, stages: list[StageSpec], edges: list[EdgeSpec], **top
         if (e.src, e.dst) in seen:
             raise where.error(f"edges[{i}]", f"edge {e.src} -> {e.dst} is given twice")
         seen.add((e.src, e.dst))
-    order = _topological(where, [s.name for s in stages], edges)
+    forward = [e for e in edges if not e.reply]
+    order = _topological(where, [s.name for s in stages], forward)
+    for i, e in enumerate(edges):
+        if e.reply and not _reaches(e.dst, e.src, forward):
+            raise where.error(
+                f"edges[{i}].reply", f"{e.src} -> {e.dst} answers nobody: a reply edge must go back "
+                f"to a stage upstream of {e.src!r} (drop reply = true for an ordinary edge)"
+            )
     by_name = {s.name: s for s in stages}
     return PipelineSpec(
         stages=tuple(by_name[n] for n in order), edges=tuple(edges), source=where.source, **top
@@ -376,6 +390,26 @@ def _topological(where: _Where, names: list[str], edges: list[EdgeSpec]) -> list
         cycle = _find_cycle(left, succ)
         raise where.error("edges", f"the edges form a cycle: {' -> '.join(cycle)}")
     return order
+
+
+def _reaches(a: str, b: str, edges: list[EdgeSpec]) -> bool:
+    """Stage ``b`` is downstream of ``a`` along ``edges``."""
+    seen, todo = {a}, [a]
+    while todo:
+        n = todo.pop()
+        for e in edges:
+            if e.src == n and e.dst not in seen:
+                if e.dst == b:
+                    return True
+                seen.add(e.dst)
+                todo.append(e.dst)
+    return False
+
+
+def _bool(where: _Where, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(key, f"must be true or false, got {value!r}")
+    return value
 
 
 def _find_cycle(nodes: list[str], succ: dict[str, list[str]]) -> list[str]:
