@@ -131,13 +131,21 @@ def _place(
 ) -> tuple[list[list[Any]], int]:
     specs: list[list[Any]] = []
     offset = 0
+    gaps = 0  # bytes shipped only because a view has gaps (its whole span travels)
     for shape, stride, dtype in shapes_strides_dtypes:
         offset = _align(offset)
         specs.append([dtype_name(dtype), list(shape), list(stride), offset])
-        offset += span_elements(shape, stride) * dtype.itemsize
+        span = span_elements(shape, stride) * dtype.itemsize
+        dense = math.prod(shape) * dtype.itemsize
+        gaps += max(0, span - dense)
+        offset += span
     if offset > slot_bytes:
+        hint = (
+            f"; {gaps} of them are gaps of non-contiguous views, whose whole span is sent: "
+            "call .contiguous() on them to send only their elements" if gaps else ""
+        )
         raise ConfigError(
-            f"message needs {offset} bytes but a slot holds {slot_bytes} bytes; "
+            f"message needs {offset} bytes but a slot holds {slot_bytes} bytes{hint}; "
             f"create the producer with slot_bytes>={offset}"
         )
     return specs, offset

@@ -883,3 +883,12 @@ def test_signature_is_equal_for_equal_layouts_and_differs_otherwise() -> None:
     assert a != L.signature({"x": torch.zeros(2, 3, dtype=torch.float64)})[0]
     with pytest.raises(ConfigError):
         L.signature({"x": 3})
+
+
+def test_too_big_because_of_gaps_says_so() -> None:
+    view = torch.zeros(10, 100)[:, :2]  # 80 bytes of elements, a 3608-byte span
+    with pytest.raises(ConfigError, match=r"3528 of them are gaps.*\.contiguous\(\)"):
+        L.plan_message({"x": view}, 1024)
+    with pytest.raises(ConfigError) as info:
+        L.plan_message({"x": torch.zeros(300)}, 1024)
+    assert "gaps" not in str(info.value)
