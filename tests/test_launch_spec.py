@@ -1153,3 +1153,8 @@ class TestReplyEdges:
         text += '[[edges]]\nfrom = "b"\nto = "a"\nreply = 1\n'
         with spec_error("edges[1].reply", "must be true or false"):
             loads(text, source=SRC)
+
+    def test_reply_edge_from_the_command_line(self) -> None:
+        spec = from_cli(["front=x", "worker=y"], ["front:worker", "worker:front"],
+                        edge_options=["worker:front:reply=true"])
+        assert [e.reply for e in spec.edges] == [False, True]

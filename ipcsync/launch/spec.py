@@ -497,6 +497,8 @@ def _split_pair(where: _Where, flag: str, arg: str, form: str) -> tuple[str, str
 
 def _cli_value(text: str) -> Any:
     """An edge option value from the command line: an integer if it is one, else the text."""
+    if text in ("true", "false"):
+        return text == "true"
     if re.fullmatch(r"-?[0-9]+", text):
         return int(text)
     if re.fullmatch(r"-?[0-9]+\.[0-9]*([eE][-+]?[0-9]+)?", text):
