@@ -373,19 +373,12 @@ class ProducerChannel(_Channel):
     def recv(self) -> tuple[bytes, list[bytes], int] | None:
         """One message as (identity, payload frames, connection fd), or None if none is
         waiting."""
-        if not self._get(_EVENTS) & _POLLIN:
+        # As zmq Frames: the last one knows its connection's fd.
+        parts = self._recv_parts(False)
+        if parts is None:
             return None
-        recv = self._recv
-        try:
-            identity = recv(_NOBLOCK, True)
-        except zmq.Again:
-            return None
-        # The payload parts as zmq Frames: the last one knows its connection's fd.
-        parts = []
-        while self._get(_RCVMORE):
-            parts.append(recv(_NOBLOCK, False))
-        fd = parts[-1].get(_SRCFD) if parts else -1
-        return identity, [f.bytes for f in parts], fd
+        fd = parts[-1].get(_SRCFD) if len(parts) > 1 else -1
+        return parts[0].bytes, [f.bytes for f in parts[1:]], fd
 
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to a peer; False if its queue is full (retry later). Raises

@@ -296,13 +296,10 @@ class Consumer(_Endpoint):
             self._release_locked(cur, None)
         self._current = None
         if not self._ready and not self._bye_received and self._error is None:
-            if not pumped:
-                self._pump()
-            if not self._ready and not self._bye_received and self._error is None:
-                self._wait_until(
-                    lambda: bool(self._ready) or self._bye_received or self._error is not None,
-                    timeout, "producer", self._stats.waited, pumped=True,
-                )
+            self._wait_until(
+                lambda: bool(self._ready) or self._bye_received or self._error is not None,
+                timeout, "producer", self._stats.waited, pumped=pumped,
+            )
         self._raise_if_broken()
         if self._ready:
             item = self._make_item(self._ready.popleft())
@@ -488,14 +485,7 @@ class Consumer(_Endpoint):
             r = P.decode_ready(frames[0], self._limits)
             if r is not None:
                 seq, slot, gen, sent_ns, layout_id, meta = r
-                if slot >= len(self._slot_views):
-                    self._fail(ProtocolError(f"READY names slot {slot}; the ring has {len(self._slot_views)}"), "protocol")
-                    return
-                recipe = self._recipes.get(layout_id)
-                if recipe is None:
-                    self._fail(ProtocolError(f"READY names layout {layout_id}, which was never sent"), "protocol")
-                    return
-                self._ready.append((seq, slot, gen, sent_ns, meta, recipe))
+                self._on_ready(seq, slot, gen, sent_ns, layout_id, None, meta)
                 return
         if len(frames) != 1:
             self._fail(ProtocolError(f"producer sent a message of {len(frames)} frames"), "protocol")
@@ -509,7 +499,8 @@ class Consumer(_Endpoint):
             return
         kind = type(msg)
         if kind is P.Ready:
-            self._on_ready(msg)  # type: ignore[arg-type]
+            m: P.Ready = msg  # type: ignore[assignment]
+            self._on_ready(m.seq, m.slot, m.gen, m.sent_ns, m.layout_id, m.layout, m.meta)
         elif kind is P.Setup:
             self._on_setup(msg)  # type: ignore[arg-type]
         elif kind is P.Bye:
@@ -519,28 +510,30 @@ class Consumer(_Endpoint):
         elif kind is P.Error:
             self._on_error(msg)  # type: ignore[arg-type]
 
-    def _on_ready(self, msg: P.Ready) -> None:
-        if msg.slot >= len(self._slot_views):
-            self._fail(ProtocolError(f"READY names slot {msg.slot}; the ring has {len(self._slot_views)}"), "protocol")
+    def _on_ready(self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int,
+                  layout: Any, meta: Any) -> None:
+        """Buffer a READY: ``layout`` is None when it travelled earlier under ``layout_id``."""
+        if slot >= len(self._slot_views):
+            self._fail(ProtocolError(f"READY names slot {slot}; the ring has {len(self._slot_views)}"), "protocol")
             return
-        if msg.layout is None:
-            recipe = self._recipes.get(msg.layout_id)
+        if layout is None:
+            recipe = self._recipes.get(layout_id)
             if recipe is None:
-                self._fail(ProtocolError(f"READY names layout {msg.layout_id}, which was never sent"), "protocol")
+                self._fail(ProtocolError(f"READY names layout {layout_id}, which was never sent"), "protocol")
                 return
         else:
             # A layout is validated once (dtypes, bounds) and kept under its id.
             try:
-                recipe = Recipe(msg.layout, self._slot_views[msg.slot].numel())
+                recipe = Recipe(layout, self._slot_views[slot].numel())
             except ProtocolError as exc:
                 self._fail(ProtocolError(f"producer sent a bad layout: {exc}"), "protocol")
                 return
-            if msg.layout_id:
-                if len(self._recipes) >= _MAX_RECIPES and msg.layout_id not in self._recipes:
+            if layout_id:
+                if len(self._recipes) >= _MAX_RECIPES and layout_id not in self._recipes:
                     self._fail(ProtocolError(f"producer sent over {_MAX_RECIPES} layouts"), "protocol")
                     return
-                self._recipes[msg.layout_id] = recipe
-        self._ready.append((msg.seq, msg.slot, msg.gen, msg.sent_ns, msg.meta, recipe))
+                self._recipes[layout_id] = recipe
+        self._ready.append((seq, slot, gen, sent_ns, meta, recipe))
 
     def _on_error(self, msg: P.Error) -> None:
         text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"

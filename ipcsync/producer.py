@@ -396,9 +396,7 @@ class Producer(_Endpoint):
         return torch.cuda.stream(stream)
 
     def _acquire(self, timeout: float | None) -> Acquired:
-        acq = self._ring.acquire()
-        if acq is not None:
-            return acq
+        """A slot, once ``ring.acquire()`` found none free: wait up to ``timeout``."""
         t = self._resolve_timeout(timeout)
         # Every slot is taken: the releases that already arrived usually free one (what
         # _wait_until would do first, without its set-up).
@@ -524,18 +522,7 @@ class Producer(_Endpoint):
                     frame = item[5] = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
                 if lid:
                     peer.layouts.add(lid)
-            if peer.outbox:
-                peer.outbox.append(frame)
-                continue
-            try:
-                ok = self._chan.send(peer.identity, frame)
-            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
-                self._lose(peer, f"unreachable ({exc})")
-                continue
-            if ok:
-                peer.last_send = time.monotonic()
-            else:
-                peer.outbox.append(frame)
+            self._send(peer, frame)
 
     # ------------------------------------------------------------------ I/O
     def _send(self, peer: _Peer, frame: bytes) -> None:
