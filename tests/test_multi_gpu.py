@@ -63,7 +63,8 @@ def test_full_message_checked_on_the_producer_gpu(procs: Any, runtime_dir: Path)
 @pytest.mark.timeout(120)
 def test_consumer_that_cannot_see_the_producer_gpu_gets_a_clear_error(runtime_dir: Path) -> None:
     with ipcsync.Producer("mg-hidden", device="cuda:0", slot_bytes=4096) as p:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         code = (
             "import ipcsync\n"
             "try:\n"
