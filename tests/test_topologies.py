@@ -1,6 +1,7 @@
-"""Fan-out topologies on the CPU backend (the same code paths run on CUDA): broadcast
-with a slow consumer, shard balance, and a consumer SIGKILLed in fan-out while the others
-go on. Every message's content is checked: no loss, no duplicate, per-producer order."""
+"""Fan-out topologies: broadcast with a slow consumer, shard balance, and a consumer
+SIGKILLed in fan-out while the others go on, on the CPU backend everywhere and on CUDA
+(marked `cuda`) where there is a GPU. Every message's content is checked: no loss, no
+duplicate, per-producer order. Forwarding: one copy (zero-copy is in test_forward.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,15 @@ import ipcsync
 N = 60
 
 
-def msg(i: int) -> dict[str, torch.Tensor]:
-    return {"x": torch.full((32,), float(i)), "i": torch.tensor(i)}
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return request.param
+
+
+def msg(i: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {"x": torch.full((32,), float(i), device=device), "i": torch.tensor(i, device=device)}
 
 
 def ok(item: ipcsync.Item, i: int) -> bool:
@@ -27,9 +35,10 @@ def ok(item: ipcsync.Item, i: int) -> bool:
 class Reader(threading.Thread):
     """A consumer in a thread: records what it got; ``gate`` holds it before each item."""
 
-    def __init__(self, name: str, gate: threading.Event | None = None, delay: float = 0.0) -> None:
+    def __init__(self, name: str, gate: threading.Event | None = None, delay: float = 0.0,
+                 device: str = "cpu") -> None:
         super().__init__(daemon=True)
-        self.consumer = ipcsync.Consumer(name, device="cpu", timeout=20)
+        self.consumer = ipcsync.Consumer(name, device=device, timeout=20)
         self.gate, self.delay = gate, delay
         self.got: list[int] = []
         self.bad: list[Any] = []
@@ -49,11 +58,11 @@ class Reader(threading.Thread):
             self.error = exc
 
 
-def run_producer(p: ipcsync.Producer, n: int, errors: list[BaseException]) -> threading.Thread:
+def run_producer(p: ipcsync.Producer, n: int, errors: list[BaseException], device: str = "cpu") -> threading.Thread:
     def go() -> None:
         try:
             for i in range(n):
-                p.send(msg(i), meta=i, timeout=20)
+                p.send(msg(i, device), meta=i, timeout=20)
         except BaseException as exc:
             errors.append(exc)
 
@@ -63,19 +72,19 @@ def run_producer(p: ipcsync.Producer, n: int, errors: list[BaseException]) -> th
 
 
 @pytest.mark.timeout(60)
-def test_broadcast_slow_consumer_holds_the_producer_others_flow_up_to_the_ring() -> None:
+def test_broadcast_slow_consumer_holds_the_producer_others_flow_up_to_the_ring(device: str) -> None:
     slots = 4
-    p = ipcsync.Producer("topo-bc", slots=slots, slot_bytes=4096, device="cpu", policy="broadcast")
+    p = ipcsync.Producer("topo-bc", slots=slots, slot_bytes=4096, device=device, policy="broadcast")
     gate = threading.Event()
-    slow = Reader("topo-bc", gate=gate)
-    fast = [Reader("topo-bc") for _ in range(2)]
+    slow = Reader("topo-bc", gate=gate, device=device)
+    fast = [Reader("topo-bc", device=device) for _ in range(2)]
     readers = [slow, *fast]
     errors: list[BaseException] = []
     try:
         p.wait_for_consumers(3, timeout=10)
         for r in readers:
             r.start()
-        t = run_producer(p, N, errors)
+        t = run_producer(p, N, errors, device)
         # The slow consumer holds its first item and has the rest queued: every slot is
         # still held by it, so the fast ones get at most the ring's depth, then wait.
         time.sleep(1.0)
@@ -98,15 +107,15 @@ def test_broadcast_slow_consumer_holds_the_producer_others_flow_up_to_the_ring()
 
 
 @pytest.mark.timeout(60)
-def test_shard_every_item_to_exactly_one_consumer_balanced() -> None:
-    p = ipcsync.Producer("topo-shard", slots=8, slot_bytes=4096, device="cpu", policy="shard")
-    readers = [Reader("topo-shard", delay=0.002) for _ in range(3)]
+def test_shard_every_item_to_exactly_one_consumer_balanced(device: str) -> None:
+    p = ipcsync.Producer("topo-shard", slots=8, slot_bytes=4096, device=device, policy="shard")
+    readers = [Reader("topo-shard", delay=0.002, device=device) for _ in range(3)]
     errors: list[BaseException] = []
     try:
         p.wait_for_consumers(3, timeout=10)
         for r in readers:
             r.start()
-        t = run_producer(p, 300, errors)
+        t = run_producer(p, 300, errors, device)
         t.join(30)
         assert not errors, errors
         p.close(timeout=20)
@@ -125,21 +134,24 @@ def test_shard_every_item_to_exactly_one_consumer_balanced() -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("policy", ["shard", "broadcast"])
-def test_consumer_sigkilled_in_fan_out_the_others_go_on(procs: Any, runtime_dir: Any, policy: str) -> None:
+def test_consumer_sigkilled_in_fan_out_the_others_go_on(procs: Any, runtime_dir: Any, policy: str,
+                                                        device: str) -> None:
     n = 400
-    p = ipcsync.Producer("topo-kill", slots=4, slot_bytes=1 << 16, device="cpu", policy=policy, heartbeat=0.5)
+    p = ipcsync.Producer("topo-kill", slots=4, slot_bytes=1 << 16, device=device, policy=policy, heartbeat=0.5)
     try:
+        # The victim dies between items (not mid-record): the producer's streams never wait
+        # on a dead peer's event, so on CUDA it goes on serving the survivors.
         victim = procs.start("consume", endpoint="topo-kill", kill_after=20, sharded=policy == "shard",
-                             size=16, heartbeat=0.5)
+                             size=16, heartbeat=0.5, device=device)
         survivors = [procs.start("consume", endpoint="topo-kill", sharded=policy == "shard", size=16,
-                                 heartbeat=0.5) for _ in range(2)]
+                                 heartbeat=0.5, device=device) for _ in range(2)]
         for c in [victim, *survivors]:
             c.read_until(lambda l: l.get("event") == "connected")
         p.wait_for_consumers(3, timeout=10)
         import peers  # tests/ is on sys.path under pytest
 
         for i in range(n):
-            p.send(peers.expected(i, 16), meta={"i": i, "tag": f"item-{i}"}, timeout=20)
+            p.send(peers.expected(i, 16, device), meta={"i": i, "tag": f"item-{i}"}, timeout=20)
         victim.read_until(lambda l: l.get("event") == "dying")
         p.close(timeout=20)
         results = [s.result() for s in survivors]
