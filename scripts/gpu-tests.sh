@@ -6,7 +6,8 @@
 # where .whl holds a pyzmq wheel for the machine's Python (see README, "GPU tests"): the
 # GPU machine has torch and msgpack but no pyzmq and no network. Extra arguments go to
 # pytest. It then runs the demo pipeline through ipcsync-run (DEMO=0 skips it); with
-# BENCH=1 it also prints the CUDA benchmark table; with TWO_GPU=1 (on two GPUs, e.g. the
+# BENCH=1 it also prints the CUDA benchmark table (BENCH_SUITE=all adds the training and
+# inference comparisons, PLOT=path.png saves the chart); with TWO_GPU=1 (on two GPUs, e.g. the
 # device tool's nvidia-h200-x2) the two-GPU pipeline against each stage alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ if [ "${TWO_GPU:-0}" = "1" ]; then
     python3 scripts/bench_two_gpus.py || rc=1
 fi
 if [ "${BENCH:-0}" = "1" ]; then
-    python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes 4K,1M,64M,256M || rc=1
+    python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes 4K,1M,64M,256M \
+        --suite "${BENCH_SUITE:-handoff}" ${PLOT:+--plot "$PLOT"} || rc=1
 fi
 exit $rc
