@@ -89,8 +89,11 @@ class IpcEvent(Event):
     """An interprocess CUDA event: record in one process, wait on it in another.
 
     ``IpcEvent(device)`` creates one; ``IpcEvent.from_handle(ev.handle(), device)`` opens a
-    peer's. ``wait()`` makes a stream wait on the GPU (no host block); ``synchronize()``
-    polls ``query()`` with a timeout, so a peer that died mid-record cannot wedge the host.
+    peer's, on ``device``: the GPU whose streams will wait on it, which may differ from the
+    GPU it was recorded on (opened on the recorder's GPU instead, a wait from another GPU's
+    stream crashes the process). ``wait()`` makes a stream wait on the GPU (no host block);
+    ``synchronize()`` polls ``query()`` with a timeout, so a peer that died mid-record
+    cannot wedge the host.
     """
 
     __slots__ = ("event", "device_index", "_handle")
@@ -282,8 +285,13 @@ class CudaBackend(Backend):
         return IpcEvent(self.index)
 
     def open_event(self, handle: bytes | str, where: int | None = None) -> IpcEvent:
-        # An event belongs to the GPU of its creator; a stream of another GPU may wait on it.
-        return IpcEvent.from_handle(handle, self.index if where is None else where)  # type: ignore[arg-type]
+        # Opened on OUR GPU whatever GPU the peer recorded it on (``where`` is ignored):
+        # measured on two H200s (torch 2.11), a stream of cuda:0 waiting on an IPC event
+        # opened on cuda:1 segfaults in cudaStreamWaitEvent, while the same event opened on
+        # cuda:0 orders that stream after the peer's work on cuda:1 correctly. Our streams
+        # are the only ones that wait on peer events.
+        del where
+        return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]
 
     def collect(self) -> None:
         try:
