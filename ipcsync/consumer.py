@@ -13,6 +13,22 @@ Ordering rules of a handoff (receive):
    answers BYE once it holds nothing.
 
 After the producer is declared lost, no wait is ever enqueued on its events.
+
+Zero-copy forwarding (``ipcsync.forward``), the two roles a Consumer plays:
+
+- as the middle stage's input: ``_forward_take`` hands an item over to the forwarding
+  Producer (the item counts as released here: no auto-release, ``release()`` is a no-op,
+  its upstream credit stays held); the Producer later calls ``_forward_done`` from
+  whatever thread processed the last downstream release, after ordering the stream on
+  every downstream release event; we record our release event on that stream and queue
+  the RELEASE (drained under our lock by the next pump, which the call wakes through an
+  eventfd when our lock is busy). While forwarded items are out, the consumer does not
+  say BYE, and ``close()`` waits (bounded) for them;
+- as the downstream consumer: FOREIGN opens another producer's arena (once per id,
+  without taking the owner's per-export reference), FREADY buffers an item whose tensors
+  are views of it. If that memory cannot be opened (its owner died, or closed past its
+  timeout), the items referencing it are dropped with a warning and released, counted in
+  ``stats()["forwarded_lost"]``; a GPU this consumer cannot read is a ConfigError.
 """
 
 from __future__ import annotations
@@ -22,7 +38,7 @@ import math
 import os
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import zmq
@@ -49,6 +65,82 @@ __all__ = ["Consumer", "Item"]
 log = logging.getLogger("ipcsync")
 
 _MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 1024 ids)
+_LOST_LOG_FIRST = 5  # dropped forwarded items logged one by one, then every 1000th
+
+
+class CannotForward(Exception):
+    """Internal: why an item cannot be forwarded without a copy (forward() then copies, or
+    raises ConfigError with this reason for copy=False)."""
+
+
+class ForwardSource(NamedTuple):
+    """What a Producer needs to forward an item zero-copy: the arena the item lies in as
+    its owner exported it, the item's region of that arena, and the item's ready event."""
+
+    backend: str
+    device: str | None  # GPU UUID of the memory (None on the CPU backend)
+    pid: int  # the arena's owner
+    start_time: int
+    handle: bytes | str
+    arena_bytes: int
+    offset: int  # the region: the item's slot (or forwarded region) in the arena
+    nbytes: int
+    region: torch.Tensor  # uint8 view of the region in this process
+    ready_event: Event  # the event the item's READY referred to
+
+
+class _Wake:
+    """An eventfd that another thread writes to wake our poll. Closed when collected, not
+    at teardown: a thread that still holds a reference may be writing to it, and a closed
+    fd number can be reused by anything."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except OSError:  # not set (EAGAIN)
+            pass
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class _ForeignArena:
+    """Another producer's arena, described by FOREIGN: open, or why it could not be."""
+
+    __slots__ = ("msg", "arena", "error")
+
+    def __init__(self, msg: P.Foreign, arena: Arena | None, error: str | None) -> None:
+        self.msg, self.arena, self.error = msg, arena, error
+
+
+class _ForeignUse:
+    """What a buffered FREADY keeps in place of a Recipe (``_make_item`` calls ``build``
+    and reads ``nbytes`` alike): the item's views are built in the foreign region."""
+
+    __slots__ = ("recipe", "entry", "view", "offset", "region_bytes", "nbytes")
+
+    def __init__(self, recipe: Recipe, entry: _ForeignArena, view: torch.Tensor, offset: int,
+                 region_bytes: int) -> None:
+        self.recipe, self.entry, self.view = recipe, entry, view
+        self.offset, self.region_bytes = offset, region_bytes
+        self.nbytes = recipe.nbytes
+
+    def build(self, slot_index: int, slot: torch.Tensor) -> Any:
+        return self.recipe.build_at(self.view)
 
 
 class Item:
@@ -169,6 +261,15 @@ class Consumer(_Endpoint):
         self._release_events: list[Event] = []
         self._setup: P.Setup | None = None
         self._release_batch = 1
+        # Zero-copy forwarding (see the module docstring).
+        self._foreign: dict[int, _ForeignArena] = {}  # FOREIGN id -> arena
+        self._frecipes: dict[int, Recipe] = {}  # layout id -> layout validated for FREADY
+        self._foreign_seqs: dict[int, _ForeignUse] = {}  # seq -> region, for items from FREADY
+        self._foreign_lost = 0  # FREADY items dropped: their memory could not be opened
+        self._forwarded: dict[int, Item] = {}  # seq -> item handed to a forwarding Producer
+        self._fwd_done: deque[Item] = deque()  # forwarded items back (appended by any thread)
+        self._wake: _Wake | None = None  # in our poller, made at the first forward
+        self._fwd_outs: list[Any] = []  # the Producers that forwarded items of ours
         self._last_recv = time.monotonic()
         self._last_send = 0.0
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
@@ -229,7 +330,8 @@ class Consumer(_Endpoint):
         waiting by cause, items held and buffered."""
         with self._lock:
             return self._stats.snapshot(
-                role="consumer", held=len(self._held), buffered=len(self._ready)
+                role="consumer", held=len(self._held), buffered=len(self._ready),
+                forwarded_out=len(self._forwarded), forwarded_lost=self._foreign_lost,
             )
 
     @property
@@ -254,6 +356,8 @@ class Consumer(_Endpoint):
                     seq, slot, gen, *_ = self._ready.popleft()
                     self._pending.append((seq, slot, gen))
                 self._flush_releases()
+                if self._forwarded:
+                    self._close_forwarded(timeout)
                 if self._conv.state in ("active", "ending") and self._error is None and not self._bye_acked:
                     self._say_bye()
                     t = self._resolve_timeout(timeout)
@@ -355,6 +459,8 @@ class Consumer(_Endpoint):
             return
         item.released = True
         self._held.pop(item.seq, None)
+        if self._foreign_seqs:
+            self._foreign_seqs.pop(item.seq, None)
         if self._error is None:
             self._release_events[item.slot].record(stream if stream is not None else self._stream)
         pending = self._pending
@@ -383,7 +489,48 @@ class Consumer(_Endpoint):
         return ok
 
     def _wait_io(self, timeout: float) -> None:
-        self._chan.wait(timeout)
+        if self._forwarded and self._fwd_outs:
+            self._wait_io_forwarding(timeout)
+        else:
+            self._chan.wait(timeout)
+
+    def _wait_io_forwarding(self, timeout: float) -> None:
+        """``_wait_io`` while items we forwarded are out. Our releases upstream wait for
+        the forwarding Producers to process their consumers' RELEASEs, and while the user's
+        thread waits here (for the next item, which may wait for those very releases) only
+        their service threads would, once per tick: so poll their sockets too and pump
+        them. Their locks are only tried (whoever holds one is pumping that producer), and
+        held for the poll, so no other thread uses their sockets meanwhile. Lock held."""
+        poller = zmq.Poller()
+        chan = self._chan
+        poller.register(chan.sock, zmq.POLLIN)
+        if chan.mon is not None:
+            poller.register(chan.mon, zmq.POLLIN)
+        if self._wake is not None:
+            poller.register(self._wake.fd, zmq.POLLIN)
+        taken = []
+        try:
+            for out in list(self._fwd_outs):
+                if out._closed:
+                    self._fwd_outs.remove(out)
+                    continue
+                if out._lock.acquire(blocking=False):
+                    if out._closed:
+                        out._lock.release()
+                        continue
+                    taken.append(out)
+                    poller.register(out._chan.sock, zmq.POLLIN)
+                    if out._chan.mon is not None:
+                        poller.register(out._chan.mon, zmq.POLLIN)
+            poller.poll(max(0, int(timeout * 1000)))
+            for out in taken:
+                try:
+                    out._pump()
+                except Exception as exc:  # its own calls report its errors
+                    log.debug("ipcsync consumer: pumping a forwarding producer: %s", exc)
+        finally:
+            for out in taken:
+                out._lock.release()
 
     def _raise_if_broken(self) -> None:
         if self._error is not None:
@@ -407,6 +554,7 @@ class Consumer(_Endpoint):
             f"producer (pid {pid}) on endpoint {self.endpoint.name!r} {why}; items it had "
             "not delivered are lost. Restart the producer and connect again."
         ), None)
+        self._close_foreign()  # items still held keep their own mappings
         # Stop ZeroMQ from silently reconnecting to a successor on the same path.
         try:
             self._chan.sock.disconnect(self.endpoint.url)
@@ -439,6 +587,8 @@ class Consumer(_Endpoint):
         return _host.process_alive(s.pid, s.start_time)
 
     def _pump(self) -> None:
+        if self._wake is not None:
+            self._drain_forwarded()
         disconnected = False
         for ev, _fd in self._chan.events():
             if ev == zmq.EVENT_DISCONNECTED:
@@ -467,7 +617,8 @@ class Consumer(_Endpoint):
         if self._error is None:
             if not self._ready:
                 self._flush_releases()
-            if self._bye_received and not self._held and not self._ready and not self._pending:
+            if (self._bye_received and not self._held and not self._ready and not self._pending
+                    and not self._forwarded):
                 self._say_bye()
         now = time.monotonic()
         if now >= self._next_tick:
@@ -501,6 +652,10 @@ class Consumer(_Endpoint):
         if kind is P.Ready:
             m: P.Ready = msg  # type: ignore[assignment]
             self._on_ready(m.seq, m.slot, m.gen, m.sent_ns, m.layout_id, m.layout, m.meta)
+        elif kind is P.ForwardReady:
+            self._on_forward_ready(msg)  # type: ignore[arg-type]
+        elif kind is P.Foreign:
+            self._on_foreign(msg)  # type: ignore[arg-type]
         elif kind is P.Setup:
             self._on_setup(msg)  # type: ignore[arg-type]
         elif kind is P.Bye:
@@ -602,6 +757,8 @@ class Consumer(_Endpoint):
         if isinstance(self._error, PeerLostError):
             self._remove_stale_endpoint(wait=0.5)
         self._ready.clear()
+        self._close_foreign()
+        self._wake = None  # (closed when collected; see _Wake)
         self._ready_events = []
         self._release_events = []
         self._slot_views = []
@@ -612,3 +769,200 @@ class Consumer(_Endpoint):
                 log.debug("ipcsync consumer teardown: %s", exc)
         self._arenas = []
 
+
+    # ------------------------------------------------------------------ forwarding: downstream
+    def _close_foreign(self) -> None:
+        """Drop our foreign arenas (on close and when the producer is lost)."""
+        self._foreign_seqs.clear()
+        for entry in self._foreign.values():
+            if entry.arena is not None:
+                try:
+                    entry.arena.close()
+                except Exception as exc:
+                    log.debug("ipcsync consumer: closing a foreign arena: %s", exc)
+        self._foreign.clear()
+
+    def _on_foreign(self, m: P.Foreign) -> None:
+        """Open another producer's arena that FREADY items will name (once per id)."""
+        if m.backend != self._backend.name:
+            self._fail(ProtocolError(
+                f"producer on {self.endpoint.name!r} forwards {m.backend} memory to a "
+                f"{self._backend.name} consumer"), "protocol")
+            return
+        old = self._foreign.pop(m.fid, None)
+        if old is not None and old.arena is not None:
+            old.arena.close()  # items still viewing it keep their mapping
+        try:
+            where = self._backend.locate(m.device, need_access=True)
+        except ConfigError as exc:
+            self._fail(ConfigError(
+                f"producer on {self.endpoint.name!r} forwards items that live in the memory of "
+                f"producer pid {m.pid} (GPU {m.device}), which this consumer cannot read: {exc}. "
+                "Have the forwarding stage copy them: ipcsync.forward(..., copy=True)"), "device")
+            return
+        arena: Arena | None = None
+        error: str | None = None
+        try:
+            arena = self._backend.open_borrowed_arena(m.handle, m.nbytes, where)
+        except Exception as exc:  # the owner is gone (or closed past its timeout)
+            error = str(exc)
+            log.warning(
+                "ipcsync consumer %r: cannot open the memory of producer pid %d that items are "
+                "forwarded from (%s); items forwarded from it will be dropped",
+                self.endpoint.name, m.pid, error)
+        self._foreign[m.fid] = _ForeignArena(m, arena, error)
+
+    def _on_forward_ready(self, m: P.ForwardReady) -> None:
+        """Buffer an item whose tensors lie in a foreign arena's region."""
+        entry = self._foreign.get(m.fid)
+        problem = None
+        if entry is None:
+            problem = f"FREADY names foreign arena {m.fid}, which was never described"
+        elif m.slot >= len(self._slot_views):
+            problem = f"FREADY names slot {m.slot}; the ring has {len(self._slot_views)}"
+        elif m.offset + m.nbytes > entry.msg.nbytes:
+            problem = (f"FREADY region {m.offset}+{m.nbytes} lies outside foreign arena {m.fid} "
+                       f"of {entry.msg.nbytes} bytes")
+        if problem is not None:
+            self._fail(ProtocolError(problem), "protocol")
+            return
+        assert entry is not None
+        if m.layout is None:
+            recipe = self._frecipes.get(m.layout_id)
+            if recipe is None:
+                self._fail(ProtocolError(f"FREADY names layout {m.layout_id}, which was never sent"), "protocol")
+                return
+        else:
+            try:
+                recipe = Recipe(m.layout, m.nbytes)
+            except ProtocolError as exc:
+                self._fail(ProtocolError(f"producer sent a bad layout: {exc}"), "protocol")
+                return
+            if m.layout_id:
+                if len(self._frecipes) >= _MAX_RECIPES and m.layout_id not in self._frecipes:
+                    self._fail(ProtocolError(f"producer sent over {_MAX_RECIPES} layouts"), "protocol")
+                    return
+                self._frecipes[m.layout_id] = recipe
+        if recipe.extent > m.nbytes:
+            self._fail(ProtocolError(
+                f"FREADY layout reaches byte {recipe.extent} of a {m.nbytes}-byte region"), "protocol")
+            return
+        if entry.arena is None:
+            # The memory is gone: drop the item and give the slot back at once.
+            self._foreign_lost += 1
+            n = self._foreign_lost
+            if n <= _LOST_LOG_FIRST or n % 1000 == 0:
+                log.warning("ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
+                            "of producer pid %d it lies in cannot be opened (%s)",
+                            self.endpoint.name, m.seq, n, entry.msg.pid, entry.error)
+            self._release_events[m.slot].record(self._stream)
+            self._pending.append((m.seq, m.slot, m.gen))
+            return
+        view = entry.arena.tensor[m.offset : m.offset + m.nbytes]
+        use = _ForeignUse(recipe, entry, view, m.offset, m.nbytes)
+        self._foreign_seqs[m.seq] = use
+        self._ready.append((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ forwarding: middle
+    def _forward_take(self, item: Item, out: Any) -> ForwardSource:
+        """Hand ``item`` over to Producer ``out``, which forwards it zero-copy. Returns
+        where it lies; raises CannotForward (nothing changed) if it cannot be. Takes our
+        lock (the caller holds no other endpoint's lock)."""
+        with self._lock:
+            if self._closed:
+                raise CannotForward("the consumer it came from is closed")
+            if self._error is not None:
+                raise CannotForward(f"its producer is gone or broke the protocol ({self._error})")
+            if item.released or self._held.get(item.seq) is not item:
+                raise CannotForward(f"item {item.seq} is not held by its consumer")
+            s = self._setup
+            assert s is not None
+            use = self._foreign_seqs.get(item.seq) if self._foreign_seqs else None
+            if use is not None:  # itself forwarded to us: pass on the original owner's arena
+                m = use.entry.msg
+                src = ForwardSource(m.backend, m.device, m.pid, m.start_time, m.handle, m.nbytes,
+                                    use.offset, use.region_bytes, use.view, self._ready_events[item.slot])
+            else:
+                a, off, n = s.slots[item.slot]
+                src = ForwardSource(s.backend, s.device, s.pid, s.start_time, s.arenas[a], s.arena_bytes[a],
+                                    off, n, self._slot_views[item.slot], self._ready_events[item.slot])
+            if self._wake is None:
+                wake = _Wake()
+                self._chan.poller.register(wake.fd, zmq.POLLIN)
+                self._wake = wake
+            if out not in self._fwd_outs:
+                self._fwd_outs.append(out)
+            # Ownership moves: no auto-release, release() is a no-op; the credit stays held.
+            item.released = True
+            del self._held[item.seq]
+            self._forwarded[item.seq] = item
+            if self._current is item:
+                self._current = None
+            return src
+
+    def _forward_undo(self, item: Item) -> None:
+        """The forwarding Producer could not send ``item`` after all: take it back."""
+        with self._lock:
+            if self._forwarded.pop(item.seq, None) is item and not self._closed:
+                item.released = False
+                self._held[item.seq] = item
+
+    def _forward_done(self, item: Item, stream: Any) -> None:
+        """Every downstream holder of forwarded ``item`` released it, and ``stream`` is
+        ordered after their release events: record our release event there and queue the
+        RELEASE. Called by the forwarding Producer from any thread, holding its own lock,
+        so it never waits for ours: the queue is drained under our lock, now if it is
+        free, else by the pump that the eventfd wakes."""
+        if self._error is None and not self._closed:
+            try:
+                self._release_events[item.slot].record(stream)
+            except IndexError:  # torn down meanwhile
+                pass
+        self._fwd_done.append(item)
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._drain_forwarded()
+            finally:
+                self._lock.release()
+            return
+        wake = self._wake
+        if wake is not None:
+            wake.set()
+
+    def _drain_forwarded(self) -> None:
+        """Queue the RELEASEs of forwarded items that came back and send them. Lock held."""
+        if self._wake is not None:
+            self._wake.clear()
+        done = self._fwd_done
+        if not done:
+            return
+        while done:
+            item = done.popleft()
+            if self._forwarded.pop(item.seq, None) is None:
+                continue
+            if self._foreign_seqs:
+                self._foreign_seqs.pop(item.seq, None)
+            self._pending.append((item.seq, item.slot, item.gen))
+        self._flush_releases()
+
+    def _close_forwarded(self, timeout: float | None) -> None:
+        """close() with forwarded items still held downstream: wait (up to ``timeout``,
+        default the consumer's) for the forwarding Producer to give them back, then
+        release what is left, with a warning. Lock held."""
+        if self._error is None and self._conv.state in ("active", "ending"):
+            t = self._resolve_timeout(timeout)
+            self._wait_until(lambda: not self._forwarded or self._error is not None, t)
+        self._drain_forwarded()
+        if self._forwarded:
+            log.warning(
+                "ipcsync consumer %r closing while %d item(s) it forwarded zero-copy are still held "
+                "downstream; releasing them to the producer, which may now overwrite memory those "
+                "consumers read (close the forwarding Producer before this Consumer)",
+                self.endpoint.name, len(self._forwarded))
+            for item in self._forwarded.values():
+                if self._error is None:
+                    self._release_events[item.slot].record(self._stream)
+                self._pending.append((item.seq, item.slot, item.gen))
+            self._forwarded.clear()
+            self._flush_releases()

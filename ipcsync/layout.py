@@ -36,6 +36,7 @@ __all__ = [
     "write_message",
     "read_message",
     "span_elements",
+    "place_views",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -366,7 +367,7 @@ class Plan:
 class Recipe:
     """A validated layout and how to view it in any slot (consumer side)."""
 
-    __slots__ = ("tree", "specs", "nbytes", "_bases", "_assemble", "_only_key")
+    __slots__ = ("tree", "specs", "nbytes", "extent", "_bases", "_assemble", "_only_key")
 
     def __init__(self, layout: Sequence[Any], slot_bytes: int) -> None:
         """Validate ``layout`` (already structure-checked by the protocol) against a slot of
@@ -380,6 +381,8 @@ class Recipe:
             self.specs.append((offset, end, dtype, tuple(spec[1]), tuple(spec[2])))
             nbytes += math.prod(spec[1]) * dtype.itemsize
         self.nbytes = nbytes
+        # Bytes from the slot's start that the layout reaches: it fits any region this long.
+        self.extent = max((s[1] for s in self.specs), default=0)
         # slot -> [(1-d typed span view, shape, stride)]
         self._bases: dict[int, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]] = {}
         self._assemble = _assembler(tree, len(self.specs))
@@ -397,6 +400,57 @@ class Recipe:
             b, shape, stride = bases[0]
             return {self._only_key: b.as_strided(shape, stride)}
         return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
+
+
+    def build_at(self, region: torch.Tensor) -> Any:
+        """The message as views of ``region`` (uint8, at least ``extent`` bytes), without
+        caching them: for memory that is not one of our own slots (forwarded items)."""
+        if region.numel() < self.extent:
+            raise ProtocolError(f"layout reaches byte {self.extent} of a {region.numel()}-byte region")
+        views = [region[o:e].view(dt).as_strided(shape, stride) for o, e, dt, shape, stride in self.specs]
+        if self._only_key is not None:
+            return {self._only_key: views[0]}
+        return self._assemble(views)
+
+
+def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
+    """Zero-copy placement: if every tensor of ``msg`` is a view lying inside ``region`` (a
+    uint8 view of a slot), the layout ``[tree, specs]`` describing them by their byte offset
+    in the region, and the data bytes; else a string saying why not.
+
+    Raises ConfigError for what cannot travel at all (a leaf that is not a tensor, too deep).
+    """
+    leaves: list[torch.Tensor] = []
+    tree = _flatten(msg, leaves, 1)
+    base = region.untyped_storage().data_ptr()
+    start = region.storage_offset()  # uint8: elements are bytes
+    end = start + region.numel()
+    specs: list[list[Any]] = []
+    nbytes = 0
+    for i, t in enumerate(leaves):
+        what = f"tensor {i} ({t.dtype}, shape {tuple(t.shape)})"
+        if t.layout != torch.strided or t.is_quantized or dtype_name(t.dtype) not in _DTYPES:
+            return f"{what} is not a plain strided tensor of a sendable dtype"
+        if t.is_conj() or t.is_neg():
+            return f"{what} has a lazy conj/neg bit, which a layout cannot carry"
+        if t.device != region.device:
+            return f"{what} is on {t.device}, the received item on {region.device}"
+        size = t.element_size()
+        span = span_elements(t.shape, t.stride()) * size
+        if span == 0:
+            offset = 0  # no element: lies anywhere
+        else:
+            if t.untyped_storage().data_ptr() != base:
+                return f"{what} is not a view of the received item (a new tensor or another item's)"
+            first = t.storage_offset() * size
+            if first < start or first + span > end:
+                return f"{what} reaches outside the received item's slot"
+            offset = first - start
+            if offset % size:
+                return f"{what} is not aligned to its item size within the slot"
+        specs.append([dtype_name(t.dtype), list(t.shape), list(t.stride()), offset])
+        nbytes += t.numel() * size
+    return [tree, specs], nbytes
 
 
 def _assembler(tree: Any, ntensors: int) -> Any:

@@ -11,6 +11,28 @@ Ordering rules of a handoff (send):
    that waits on the event sees the finished copy.
 
 A slot is reused only after every consumer it went to has released it or is gone.
+
+Zero-copy forwarding (``ipcsync.forward``; ``_forward_zero_copy``): the item stays in the
+upstream producer's memory. We acquire one of our slots as for a send (credits,
+backpressure and the ring unchanged) but write nothing into it; its READY is a FREADY
+naming a foreign arena (the upstream arena's own export handle, described to each
+consumer once by FOREIGN) and the item's region in it. Ordering invariants:
+
+- ready: the forwarding stream waits on the item's upstream ready event (again: it may
+  not be the stream the Consumer waited on), then records our slot's ready event, so a
+  downstream wait on ours covers the upstream write transitively;
+- release: when the last downstream holder of the slot has released it (or is gone),
+  and only then, the upstream item is released, on the forwarding stream, after that
+  stream was ordered on the release event of every downstream holder that released it
+  (``wait="gpu"``: ``wait_event`` at once, when the RELEASE is processed; ``"host"``:
+  once ``query()`` says each is complete, polled at every pump, and at the latest
+  before the slot is acquired again, since a consumer re-records its release event only
+  for a later item of that slot); a holder declared lost is skipped: no wait is ever
+  enqueued on an event a lost peer recorded. The upstream release itself is the
+  Consumer's ``_forward_done``;
+- ``close()``: forwarded items still held downstream when it gives up waiting are
+  released upstream anyway, with a warning (their readers may then see the memory
+  overwritten): close the forwarding Producer while downstream consumers still run.
 """
 
 from __future__ import annotations
@@ -32,8 +54,9 @@ from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
+from .consumer import CannotForward
 from .errors import ConfigError, ProtocolError
-from .layout import ALIGN, Plan, Recipe, plan_empty, plan_message, signature
+from .layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
 from .ring import POLICIES, Acquired, Ring
 from .stats import Stats
 
@@ -64,10 +87,33 @@ class _Peer:
     bye_sent: bool = False
     bye_received: bool = False
     layouts: set[int] = field(default_factory=set)  # layout ids this consumer has been sent
+    foreign: dict[int, int] = field(default_factory=dict)  # foreign id -> version sent (FOREIGN)
 
     @property
     def label(self) -> str:
         return f"consumer pid {self.hello.pid}"
+
+
+class _Foreign:
+    """A foreign arena (another producer's, which items forwarded zero-copy lie in) under
+    a small id. The id is reused for another arena (version + 1) only once no forwarded
+    item of this one is in flight, so a consumer never holds items of a replaced arena."""
+
+    __slots__ = ("fid", "version", "key", "frame", "outstanding", "used")
+
+    def __init__(self, fid: int, version: int, key: Any, frame: bytes, used: int) -> None:
+        self.fid, self.version, self.key, self.frame = fid, version, key, frame
+        self.outstanding = 0  # forwarded items in our slots that lie in it
+        self.used = used  # recency, for reuse
+
+
+class _Forward:
+    """A zero-copy forwarded item held in one of our slots."""
+
+    __slots__ = ("item", "source", "stream", "foreign")
+
+    def __init__(self, item: Any, source: Any, stream: Any, foreign: _Foreign) -> None:
+        self.item, self.source, self.stream, self.foreign = item, source, stream, foreign
 
 
 class SlotWriter:
@@ -171,9 +217,20 @@ class Producer(_Endpoint):
         self._peers: dict[bytes, _Peer] = {}
         self._fd_peer: dict[int, bytes] = {}
         self._disconnected: list[bytes] = []  # identities whose connection closed
-        # Per slot, the item it holds: [layout_id, layout, meta, seq, gen, sent_ns, full READY
-        # frame, short READY frame (without the layout) or None until first needed].
+        # Per slot, the item it holds: [layout_id, meta, seq, gen, sent_ns, full READY frame
+        # or None until first needed, short READY frame (without the layout), forwarding
+        # (foreign arena, region offset, region bytes) or None].
         self._items: list[list[Any] | None] = [None] * self.slots
+        # Zero-copy forwarding (see the module docstring): per slot, the forwarded item it
+        # holds; slots whose downstream release events are still polled (wait="host"); the
+        # foreign arenas by key and by id.
+        self._fwd: list[_Forward | None] = [None] * self.slots
+        self._fwd_pending: dict[int, list[tuple[_Peer, Event]]] = {}
+        self._foreign: dict[Any, _Foreign] = {}
+        self._foreign_ids: list[_Foreign] = []
+        self._foreign_clock = 0
+        self._reach: dict[tuple[Any, Any], bool] = {}
+        self._forwarded_total = 0
         self._plans: dict[Any, Plan] = {}
         self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
         self._next_layout_id = 1
@@ -350,6 +407,8 @@ class Producer(_Endpoint):
                 consumers_attached=self._attached_total,
                 consumers_lost=self._lost_total,
                 bad_frames=self._bad_frames,
+                forwarded=self._forwarded_total,
+                forwarded_held=sum(f is not None for f in self._fwd),
             )
 
     def close(self, timeout: float | None = None) -> None:
@@ -368,10 +427,12 @@ class Producer(_Endpoint):
                 for peer in list(self._peers.values()):
                     self._say_bye(peer, "producer closed")
                 self._wait_until(
-                    lambda: not self._ring.busy() and not self._peers, _remaining(deadline)
+                    lambda: not self._ring.busy() and not self._peers and not self._fwd_pending,
+                    _remaining(deadline),
                 )
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
+            self._abandon_forwards()
             if self._ring.busy():
                 log.warning(
                     "ipcsync producer %r closing with items not released by consumers "
@@ -406,11 +467,14 @@ class Producer(_Endpoint):
             return acq
         cause = "consumer" if not self._ring.consumers() else "slot"
         if not self._wait_until(lambda: self._ring.free_slots > 0, t, cause, self._stats.waited, pumped=True):
+            forwarded = sum(f is not None for f in self._fwd)
             raise self._timeout_error(
                 "no free slot", t,
                 f"all {self.slots} slots are held ({self._ring.occupancy()}) by "
                 f"{len(self._ring.consumers())} consumer(s); consumers must release items "
-                "(or connect), or raise timeout/slots",
+                "(or connect), or raise timeout/slots"
+                + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
+                   "their upstream slots until released" if forwarded else ""),
             )
         acq = self._ring.acquire()
         assert acq is not None
@@ -423,6 +487,8 @@ class Producer(_Endpoint):
         (pumping, so deaths are noticed) and enqueue only completed events. A holder lost
         meanwhile is skipped: no wait is ever enqueued on an event a lost peer recorded.
         """
+        if self._fwd_pending and acq.slot in self._fwd_pending:
+            self._complete_forward(acq.slot)
         for cid in acq.last_holders:
             peer = self._peers.get(cid)  # type: ignore[call-overload]
             if peer is None or not peer.release_events:
@@ -470,7 +536,8 @@ class Producer(_Endpoint):
             self._plans[key] = plan
         return plan
 
-    def _commit(self, acq: Acquired, plan: Plan, meta: Any) -> int:
+    def _commit(self, acq: Acquired, plan: Plan, meta: Any, fwd: tuple[_Foreign, int, int] | None = None) -> int:
+        """``fwd``: (foreign arena, region offset, region bytes) of a zero-copy forward."""
         ring = self._ring
         seq = ring.next_seq
         slot, gen = acq.slot, acq.gen
@@ -479,7 +546,11 @@ class Producer(_Endpoint):
         try:
             # Cached layouts: encode the short frame now (what consumers that know the
             # layout get); the full one only if a consumer needs it (see _dispatch).
-            frame = self._enc.ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout, meta)
+            if fwd is None:
+                frame = self._enc.ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout, meta)
+            else:
+                frame = self._enc.forward_ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout,
+                                                meta, fwd[0].fid, fwd[1], fwd[2])
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
         size = len(frame) + (plan.layout_size if lid else 0)  # bounds the full frame
@@ -495,7 +566,7 @@ class Producer(_Endpoint):
                 raise ConfigError(f"bad meta: {exc}") from None
         committed = ring.commit(slot)
         assert committed == seq
-        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None]
+        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd]
         stats = self._stats
         stats.handoffs += 1
         stats.bytes += plan.data_bytes
@@ -513,16 +584,210 @@ class Producer(_Endpoint):
             item = self._items[slot]
             assert item is not None
             lid = item[0]
+            fwd = item[7]
+            if fwd is not None:  # forwarded zero-copy: the consumer must know the arena first
+                foreign = fwd[0]
+                if peer.foreign.get(foreign.fid) != foreign.version:
+                    peer.foreign[foreign.fid] = foreign.version
+                    self._send(peer, foreign.frame)
             if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
                 frame = item[6]
             else:
                 frame = item[5]
                 if frame is None:
                     layout = self._layouts[lid]
-                    frame = item[5] = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
+                    if fwd is None:
+                        frame = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
+                    else:
+                        frame = self._enc.forward_ready(item[2], slot, item[3], item[4], lid, layout, item[1],
+                                                        fwd[0].fid, fwd[1], fwd[2])
+                    item[5] = frame
                 if lid:
                     peer.layouts.add(lid)
             self._send(peer, frame)
+
+    # ------------------------------------------------------------------ zero-copy forwarding
+    def _forward_zero_copy(self, item: Any, message: Any, meta: Any, timeout: float | None,
+                           stream: Any) -> int:
+        """Send ``message`` (views of received ``item``) without a copy; returns its seq.
+        Raises CannotForward (nothing sent, the item untouched) when zero-copy is not
+        possible, and what send() raises otherwise."""
+        src = item._consumer
+        info = src._forward_take(item, self)  # ownership moves; undone below if we do not send
+        try:
+            placed = place_views(message, info.region)
+            if type(placed) is str:
+                raise CannotForward(placed)
+            layout, data_bytes = placed  # type: ignore[misc]
+            with self._lock:
+                if self._closed or self._closing:
+                    self._refuse_send()
+                try:
+                    self._forward_check(src, info)
+                    plan = self._forward_plan(layout, data_bytes)
+                    foreign = self._foreign_for(info)
+                    acq = self._ring.acquire() or self._acquire(timeout)
+                    slot = acq.slot
+                    try:
+                        s = stream if stream is not None else self._stream
+                        if s is None:
+                            s = self._backend.current_stream()
+                        # Nothing is written to our slot, but its previous holders' release
+                        # events are waited on as for a send: they re-record them for this
+                        # item, perhaps on another stream, and a later send to the slot waits
+                        # only on their latest record.
+                        if acq.last_holders:
+                            self._prepare_slot(acq, s)
+                        elif self._fwd_pending and slot in self._fwd_pending:
+                            self._complete_forward(slot)
+                        # The downstream ready wait covers the upstream write through ours.
+                        info.ready_event.wait(s)
+                        self._ready_events[slot].record(s)
+                        self._fwd[slot] = _Forward(item, src, s, foreign)
+                        seq = self._commit(acq, plan, meta, (foreign, info.offset, info.nbytes))
+                    except BaseException:
+                        self._fwd[slot] = None
+                        self._ring.abort(slot)
+                        raise
+                    foreign.outstanding += 1
+                    self._forwarded_total += 1
+                    return seq
+                finally:
+                    self._last_call = time.monotonic()
+        except BaseException:
+            src._forward_undo(item)
+            raise
+
+    def _forward_check(self, src: Any, info: Any) -> None:
+        """CannotForward unless the consumers of this producer can open ``info``'s memory."""
+        if info.backend != self._backend.name:
+            raise CannotForward(f"the item is in {info.backend} memory and this producer is on {self.device}")
+        if self._backend.name == "cuda":
+            if src.device != self.device:
+                raise CannotForward(
+                    f"the item was received on {src.device} and this producer is on {self.device}; "
+                    "forward on the device the item was received on")
+            for peer in self._peers.values():
+                key = (peer.hello.device, info.device)
+                ok = self._reach.get(key)
+                if ok is None:
+                    ok = self._reach[key] = self._backend.can_reach(peer.hello.device, info.device)
+                if not ok:
+                    raise CannotForward(
+                        f"{peer.label} runs on GPU {peer.hello.device}, which cannot read (or this "
+                        f"process cannot tell whether it can read) the item's GPU {info.device}")
+
+    def _forward_plan(self, layout: list[Any], data_bytes: int) -> Plan:
+        key = ("forward", msgpack.packb(layout, use_bin_type=True))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._new_plan(key, Placement(layout, [], data_bytes))
+        return plan
+
+    def _foreign_for(self, info: Any) -> _Foreign:
+        """The foreign arena entry (and id) for ``info``'s arena, made on first use."""
+        self._foreign_clock += 1
+        key = _forward_key(info)
+        f = self._foreign.get(key)
+        if f is not None:
+            f.used = self._foreign_clock
+            return f
+        if len(self._foreign_ids) < self._limits.max_foreign:
+            fid, version = len(self._foreign_ids), 0
+        else:
+            idle = [f for f in self._foreign_ids if f.outstanding == 0]
+            if not idle:
+                raise CannotForward(
+                    f"items of {self._limits.max_foreign} other arenas are in flight already")
+            old = min(idle, key=lambda f: f.used)
+            del self._foreign[old.key]
+            fid, version = old.fid, old.version + 1
+        frame = P.encode(P.Foreign(fid, info.backend, info.device, info.pid, info.start_time,
+                                   info.handle, info.arena_bytes))
+        f = _Foreign(fid, version, key, frame, self._foreign_clock)
+        if fid == len(self._foreign_ids):
+            self._foreign_ids.append(f)
+        else:
+            self._foreign_ids[fid] = f
+        self._foreign[key] = f
+        return f
+
+    def _forward_freed(self, slot: int) -> None:
+        """Every downstream holder of forwarded slot ``slot`` has released it or is gone:
+        release the upstream item now (wait="host": once their release events are
+        complete). Lock held."""
+        if self._fwd[slot] is None:  # abandoned at close already
+            return
+        waits = []
+        for cid in self._ring.released_by(slot):
+            peer = self._peers.get(cid)  # type: ignore[call-overload]
+            if peer is not None and peer.release_events:
+                waits.append((peer, peer.release_events[slot]))
+        if self.wait_mode == "host" and not all(ev.query() for _, ev in waits):
+            self._fwd_pending[slot] = waits
+            return
+        self._finish_forward(slot, waits)
+
+    def _finish_forward(self, slot: int, waits: list[tuple[_Peer, Event]]) -> None:
+        fwd = self._fwd[slot]
+        self._fwd[slot] = None
+        self._fwd_pending.pop(slot, None)
+        if fwd is None:
+            return
+        for peer, ev in waits:
+            if self._peers.get(peer.identity) is peer:  # never wait on a lost peer's event
+                ev.wait(fwd.stream)
+        fwd.foreign.outstanding -= 1
+        fwd.source._forward_done(fwd.item, fwd.stream)
+
+    def _poll_forwards(self) -> None:
+        """wait="host": release upstream the forwarded items whose downstream release
+        events have completed (lost holders no longer count). Lock held."""
+        for slot, waits in list(self._fwd_pending.items()):
+            live = [(p, ev) for p, ev in waits if self._peers.get(p.identity) is p]
+            if all(ev.query() for _, ev in live):
+                self._finish_forward(slot, live)
+            else:
+                self._fwd_pending[slot] = live
+
+    def _complete_forward(self, slot: int) -> None:
+        """Slot ``slot`` is acquired again while its forwarded item still waits for
+        downstream release events (wait="host"): finish that first, since its holders
+        re-record those events only for a later item of this slot. Lock held."""
+        def done() -> bool:
+            self._poll_forwards()
+            return slot not in self._fwd_pending
+
+        t = self._timeout
+        if not self._wait_until(done, t, "release_event", self._stats.waited, poll_event=True):
+            raise self._timeout_error(
+                f"downstream consumers did not finish with forwarded slot {slot}", t,
+                "their GPU work on the item is still running (or wedged)")
+
+    def _abandon_forwards(self) -> None:
+        """close()/teardown: release upstream every forwarded item still here. Holders that
+        released it are waited on as usual (wait="host": only events already complete,
+        never wedging the close); holders still holding it are warned about. Lock held."""
+        left = [slot for slot, f in enumerate(self._fwd) if f is not None]
+        if not left:
+            return
+        held = 0
+        for slot in left:
+            waits = []
+            for cid in self._ring.released_by(slot):
+                peer = self._peers.get(cid)  # type: ignore[call-overload]
+                if peer is not None and peer.release_events:
+                    ev = peer.release_events[slot]
+                    if self.wait_mode == "gpu" or ev.query():
+                        waits.append((peer, ev))
+            if self._ring.holders[slot] or slot in self._fwd_pending:
+                held += 1
+            self._finish_forward(slot, waits)
+        if held:
+            log.warning(
+                "ipcsync producer %r closing with %d forwarded item(s) still held by consumers; "
+                "released upstream anyway: the upstream producer may now overwrite memory they read",
+                self.endpoint.name, held)
 
     # ------------------------------------------------------------------ I/O
     def _send(self, peer: _Peer, frame: bytes) -> None:
@@ -566,6 +831,8 @@ class Producer(_Endpoint):
             peer = self._peers.get(self._disconnected.pop())
             if peer is not None:
                 self._lose(peer, "disconnected")
+        if self._fwd_pending:
+            self._poll_forwards()
         self._dispatch()
         self._flush_outboxes()
         now = time.monotonic()
@@ -759,6 +1026,8 @@ class Producer(_Endpoint):
                 self._items[slot] = None
                 if item is not None:
                     latencies.append((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
+                    if item[7] is not None:
+                        self._forward_freed(slot)
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
         if not peer.bye_sent:
@@ -777,6 +1046,10 @@ class Producer(_Endpoint):
         freed = self._ring.remove_consumer(peer.identity)
         for slot in freed:
             self._items[slot] = None
+            if self._fwd[slot] is not None:
+                self._forward_freed(slot)  # never waits on the departed peer's events
+        if self._fwd_pending:
+            self._poll_forwards()  # it may have been the one a forward still waited for
         peer.release_events = []
         self._bad_by_peer.pop(peer.identity, None)
         self._backend.collect()
@@ -808,6 +1081,10 @@ class Producer(_Endpoint):
 
     def _teardown(self) -> None:
         """Free everything. Lock held (or the object is being collected)."""
+        try:
+            self._abandon_forwards()
+        except Exception as exc:
+            log.debug("ipcsync producer teardown: %s", exc)
         self._peers.clear()
         self._fd_peer.clear()
         for closer in (self._chan.close, self._arena.close, self._backend.collect, self._backend.close):
@@ -815,6 +1092,10 @@ class Producer(_Endpoint):
                 closer()
             except Exception as exc:
                 log.debug("ipcsync producer teardown: %s", exc)
+
+
+def _forward_key(src: Any) -> tuple[Any, ...]:
+    return (src.backend, src.pid, src.start_time, src.handle)
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -13,11 +13,21 @@ Conversation (one consumer connection)::
                                <-    SETUP{slots, arena handles, ready-event handles}
     ATTACH{release-event handles} ->
                                <-    READY{seq, slot, gen, layout_id, [layout], meta}
+                               <-    FOREIGN{id, another producer's arena}   (zero-copy forwarding:
+                               <-    FREADY{READY's fields, id, offset, nbytes}  see below)
     RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
     HEARTBEAT                  <->   HEARTBEAT                                (when idle)
     BYE{reason}                <->   BYE{reason}              (either side; a consumer's BYE is
                                                                always acknowledged with a BYE)
     ERROR{code, message}       <->   ERROR{code, message}                     (then close)
+
+Zero-copy forwarding (``ipcsync.forward``): a middle stage hands on memory it received from
+an upstream producer. FOREIGN describes that upstream arena (its export handle as the
+upstream SETUP carried it, size, device, owner) under a small id, once per consumer, before
+the first FREADY naming the id; a later FOREIGN with the same id replaces it (sent only once
+no item of the old one is held). FREADY is a READY (same slot, generation, layout cache and
+release) whose tensors lie in ``nbytes`` bytes at ``offset`` of foreign arena ``id``
+instead of in the slot. Ordinary items keep the plain READY (and its fast path).
 
 The per-connection state machine is ``TRANSITIONS``: for each role and state, which
 received message types are allowed and which state they lead to.
@@ -45,6 +55,8 @@ __all__ = [
     "Heartbeat",
     "Bye",
     "Error",
+    "Foreign",
+    "ForwardReady",
     "Message",
     "encode",
     "decode",
@@ -57,7 +69,9 @@ __all__ = [
     "check_meta",
 ]
 
-PROTOCOL_VERSION: Final = 1
+# 2: FOREIGN and FREADY (zero-copy forwarding). A peer of version 1 would fail on them
+# mid-stream; the version makes the mismatch explicit at HELLO/SETUP instead.
+PROTOCOL_VERSION: Final = 2
 
 # Largest integer accepted in any integer field (sequence numbers, offsets, sizes, pids).
 _MAX_INT: Final = 2**62
@@ -80,6 +94,7 @@ class Limits:
     max_tensors: int = 4096  # tensors in one message
     max_slots: int = 4096  # slots in one ring
     max_release_batch: int = 4096  # entries in one RELEASE
+    max_foreign: int = 64  # foreign arena ids (FOREIGN.fid < this)
 
 
 DEFAULT_LIMITS: Final = Limits()
@@ -150,6 +165,12 @@ def _slot_desc(v: Any, lim: Limits) -> tuple[int, int, int]:
     if type(v) is not list or len(v) != 3:
         raise _fail(f"a slot descriptor is [arena, offset, nbytes], got {_describe(v)}")
     return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+
+def _foreign_id(v: Any, lim: Limits) -> int:
+    if type(v) is not int or not 0 <= v < lim.max_foreign:
+        raise _fail(f"expected a foreign arena id below {lim.max_foreign}, got {_describe(v)}")
+    return v
 
 
 def _release_entry(v: Any, lim: Limits) -> tuple[int, int, int]:
@@ -356,7 +377,41 @@ class Error:
     message: str
 
 
-Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error]
+@dataclass(frozen=True, slots=True)
+class Foreign:
+    """Producer -> consumer: another producer's arena, which FREADY items reference (zero-copy
+    forwarding). Sent once per consumer and ``fid`` before the first FREADY naming it."""
+
+    TYPE: ClassVar[int] = 10
+    fid: int  # below Limits.max_foreign; reused only once no item of the old arena is held
+    backend: str  # "cpu" or "cuda": the arena's owner's backend
+    device: str | None  # GPU UUID of the arena (None on the CPU backend)
+    pid: int  # the arena's owner (the upstream producer)
+    start_time: int
+    handle: bytes | str  # the arena handle exactly as the owner's SETUP carried it
+    nbytes: int  # the arena's size
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardReady:
+    """Producer -> consumer (FREADY): a READY whose tensors lie in ``nbytes`` bytes at
+    ``offset`` of foreign arena ``fid`` (layout offsets are relative to that region). The
+    slot and generation are the sender's, released as for READY."""
+
+    TYPE: ClassVar[int] = 11
+    seq: int
+    slot: int
+    gen: int
+    sent_ns: int
+    layout_id: int
+    layout: Any
+    meta: Any
+    fid: int
+    offset: int
+    nbytes: int
+
+
+Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady]
 
 # The schema of each message type, as data: field validators in wire order.
 SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
@@ -380,6 +435,8 @@ SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
     Heartbeat: (),
     Bye: (_text,),
     Error: (_text, _text),
+    Foreign: (_foreign_id, _text, _opt_text, _uint, _uint, _handle, _uint),
+    ForwardReady: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta, _foreign_id, _uint, _uint),
 }
 _BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
 _FIELDS: Final[dict[type, tuple[str, ...]]] = {
@@ -425,6 +482,17 @@ class Encoder:
             return self._pack([4, seq, slot, gen, sent_ns, layout_id, layout, meta])
         except BaseException:
             # Never reuse a Packer after a failed pack: some msgpack versions keep its bytes.
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+    def forward_ready(
+        self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any,
+        fid: int, offset: int, nbytes: int,
+    ) -> bytes:
+        """``encode(ForwardReady(...))``."""
+        try:
+            return self._pack([11, seq, slot, gen, sent_ns, layout_id, layout, meta, fid, offset, nbytes])
+        except BaseException:
             self._pack = msgpack.Packer(use_bin_type=True).pack
             raise
 
@@ -582,6 +650,8 @@ TRANSITIONS: Final[dict[tuple[str, str], dict[type, str]]] = {
     },
     ("consumer", "active"): {
         Ready: "active",
+        Foreign: "active",
+        ForwardReady: "active",
         Heartbeat: "active",
         Bye: "ending",
         Error: "closed",

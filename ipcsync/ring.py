@@ -237,6 +237,11 @@ class Ring:
     def consumers(self) -> list[Hashable]:
         return list(self._consumers)
 
+    def released_by(self, slot: int) -> frozenset[Hashable]:
+        """The consumers that released the item in ``slot`` (since its commit), attached
+        or not. (``acquire`` reports those still attached as ``last_holders``.)"""
+        return self._last_holders[slot]
+
     def held_by(self, cid: Hashable) -> set[int]:
         c = self._consumers.get(cid)
         return set(c.held) if c else set()

@@ -78,8 +78,12 @@ RELEASE = Release(entries=[(0, 0, 1), (1, 1, 1), (2**62, 4095, 2**62)])
 HEARTBEAT = Heartbeat()
 BYE = Bye(reason="producer closed")
 ERROR = Error(code="protocol", message="RELEASE of a slot you do not hold")
+FOREIGN = P.Foreign(fid=3, backend="cpu", device=None, pid=17, start_time=99, handle="ipcsync-17-00",
+                    nbytes=8192)
+FREADY = P.ForwardReady(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout=LAYOUT, meta=META,
+                        fid=63, offset=4096, nbytes=2048)
 
-ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR]
+ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY]
 IDS = [type(m).__name__ for m in ALL]
 
 # Some edge-value variants that must also round trip.
@@ -96,6 +100,9 @@ VARIANTS = [
     Release([]),
     Bye(""),
     Error("", ""),
+    P.Foreign(0, "cuda", "GPU-ü", 2**62, 0, b"h" * 4096, 2**62),
+    P.ForwardReady(0, 0, 0, 0, 0, [0, [["int64", [], [], 0]]], None, 0, 2**62, 0),
+    P.ForwardReady(1, 2, 3, 4, 1, None, {"": ""}, 1, 0, 0),
 ]
 
 
@@ -118,7 +125,7 @@ def test_wire_format_is_type_then_fields(msg: Any) -> None:
 
 
 def test_type_codes_are_distinct_and_fixed() -> None:
-    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
     assert raw_fields(HEARTBEAT) == [6]
     assert raw_fields(BYE) == [7, "producer closed"]
 
@@ -244,6 +251,8 @@ _BAD_RELEASES = [None, 5, {}, "x", [[1, 1]], [[1, 1, 1, 1]], [[1, -1, 1]], [[1.0
 _BAD_LAYOUTS = [None, 0, "x", [], [0], [0, [], []], {"tree": 0}, [0, {}],
                 [0, [["float32", [1], [1]]]]]
 _BAD_META = [{b"bytes-key": 1}, {"ok": {b"k": 1}}, [{"a": {b"\x00": None}}]]
+_BAD_FID = [-1, 64, 2**62, 1.0, "1", None, True, [1]]
+_BAD_HANDLE = [None, 1, 1.5, True, b"x" * 4097, "x" * 4097, [b"h"], {"h": b"h"}]
 
 _KINDS = {
     "uint": _BAD_UINT,
@@ -255,6 +264,8 @@ _KINDS = {
     "releases": _BAD_RELEASES,
     "opt_layout": [b for b in _BAD_LAYOUTS if b is not None],
     "meta": _BAD_META,
+    "fid": _BAD_FID,
+    "handle": _BAD_HANDLE,
 }
 FIELD_KINDS: dict[type, list[str]] = {
     Hello: ["uint", "uint", "uint", "text", "text", "text", "opt_text", "uint", "uint"],
@@ -266,6 +277,8 @@ FIELD_KINDS: dict[type, list[str]] = {
     Heartbeat: [],
     Bye: ["text"],
     Error: ["text", "text"],
+    P.Foreign: ["fid", "text", "opt_text", "uint", "uint", "handle", "uint"],
+    P.ForwardReady: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta", "fid", "uint", "uint"],
 }
 
 
@@ -689,7 +702,7 @@ def test_version_mismatch_even_with_other_fields(cls_code: int, rest: list[Any])
 
 def test_setup_version_mismatch() -> None:
     fields = raw_fields(SETUP)
-    fields[1] = 2
+    fields[1] = PROTOCOL_VERSION + 1
     with pytest.raises(VersionMismatch):
         decode(pack(fields))
 
@@ -700,7 +713,7 @@ def test_hello_without_version() -> None:
     assert info.value.peer_version is None
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", 1.5, None, [1], 2**64 - 1, -1])
+@pytest.mark.parametrize("version", [0, 1, 3, "1", 1.5, None, [1], 2**64 - 1, -1])
 def test_odd_versions(version: Any) -> None:
     fields = raw_fields(HELLO)
     fields[1] = version
@@ -815,7 +828,7 @@ def test_fuzz_single_bit_flips(msg: Any, pos: int, bit: int) -> None:
 
 
 # --------------------------------------------------------------------------- conversation
-TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error]
+TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady]
 SAMPLE = {type(m): m for m in ALL}
 
 

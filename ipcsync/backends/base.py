@@ -80,6 +80,20 @@ class Backend(abc.ABC):
         """Map a peer's arena (``where``: the local device it lives on, from ``locate``).
         Raises BackendError if it cannot be opened."""
 
+    def open_borrowed_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> Arena:
+        """Map an arena whose handle another process received and passed on (zero-copy
+        forwarding): like ``open_arena``, but the import takes none of the owner's
+        per-export references, which belong to the process the handle was exported to
+        (CUDA). The owner's memory stays valid while the forwarding process holds its
+        import and the forwarded items."""
+        return self.open_arena(handle, nbytes, where)
+
+    def can_reach(self, reader: str | None, memory: str | None) -> bool:
+        """Whether a process on device ``reader`` (a ``device_identity()``) can open and
+        read memory on device ``memory``, as far as this process can tell (False when it
+        cannot tell). CPU: always."""
+        return True
+
     @abc.abstractmethod
     def create_event(self) -> Event:
         """A new event this process records."""

@@ -39,7 +39,9 @@ __all__ = ["CudaBackend", "IpcEvent", "CudaArena", "current_stream", "export_ten
 _ARENA_MAGIC = "ipcsync-cuda-arena"
 _TENSOR_MAGIC = "ipcsync-cuda-tensor"
 # Arenas and events created in this process, by handle: their own process cannot open them.
-_LOCAL_ARENAS: "weakref.WeakValueDictionary[bytes, CudaArena]" = weakref.WeakValueDictionary()
+# Keyed by (block handle, offset): the caching allocator places small arenas in one
+# cudaMalloc block, which has one IPC handle, so the handle alone names several arenas.
+_LOCAL_ARENAS: "weakref.WeakValueDictionary[tuple[bytes, int], CudaArena]" = weakref.WeakValueDictionary()
 # (Values are our own wrappers: a weakref to a torch.cuda.Event itself segfaults in torch 2.11.)
 _LOCAL_EVENTS: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
 _STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -175,14 +177,14 @@ class CudaArena(Arena):
         self.nbytes = tensor.numel()
         self.owner = owner
         self.handle = handle or b""
-        self._key: bytes | None = None
+        self._key: tuple[bytes, int] | None = None
 
     def export(self) -> bytes:
         """A handle for one connection (each export takes one torch IPC reference)."""
         storage = self.tensor.untyped_storage()
         with torch.cuda.device(self.tensor.device):
             dev, mem, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
-        self._key = bytes(mem)
+        self._key = (bytes(mem), int(offset))
         _LOCAL_ARENAS[self._key] = self
         return msgpack.packb(
             [_ARENA_MAGIC, os.getpid(), bytes(mem), int(size), int(offset), bytes(ref),
@@ -247,7 +249,16 @@ class CudaBackend(Backend):
             "that holds it, so make that GPU visible here too"
         )
 
-    def open_arena(self, handle: bytes | str, nbytes: int, where: int | None = None) -> CudaArena:
+    def open_arena(self, handle: bytes | str, nbytes: int, where: int | None = None,
+                   borrowed: bool = False) -> CudaArena:
+        """``borrowed``: the handle was exported to another process, which passed it on
+        (zero-copy forwarding). torch's import then gets a reference-counter name that does
+        not exist, so dropping the import decrements nothing (the export's one reference
+        belongs to the process it was made for, which drops it itself; decrementing it
+        twice could free the owner's block, or another block's counter, early), and no
+        export event (the data of every item is ordered by its ready events instead, and
+        the export event was recorded by a process that may be gone). A borrowed import in
+        the owner's own process is the owner's tensor, as for ``open_arena``."""
         try:
             fields = msgpack.unpackb(handle, raw=False, max_bin_len=4096, max_str_len=64, max_array_len=16)
             magic, pid, mem, size, offset, ref, ref_off, ev, sync = fields
@@ -260,11 +271,14 @@ class CudaBackend(Backend):
         if size - offset < nbytes and size < nbytes:
             raise BackendError(f"CUDA arena has {size} bytes, the producer announced {nbytes}")
         if pid == os.getpid():
-            local = _LOCAL_ARENAS.get(mem)
+            local = _LOCAL_ARENAS.get((mem, offset))
             if local is None:
                 raise BackendError("arena handle names this process but no such arena is alive")
             return CudaArena(local.tensor[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
         index = self.index if where is None else where  # the memory lives on the producer's GPU
+        if borrowed:
+            # (The event handle stays: torch wants bytes there even when it does not sync.)
+            ref, ref_off, sync = b"/ipcsync-noref-" + os.urandom(8).hex().encode(), 0, False
         try:
             with torch.cuda.device(index):
                 storage = torch.UntypedStorage._new_shared_cuda(
@@ -280,6 +294,23 @@ class CudaBackend(Backend):
         if t.numel() < nbytes:
             raise BackendError(f"CUDA arena has {t.numel()} bytes, the producer announced {nbytes}")
         return CudaArena(t[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+
+    def open_borrowed_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> CudaArena:
+        return self.open_arena(handle, nbytes, where, borrowed=True)
+
+    def can_reach(self, reader: str | None, memory: str | None) -> bool:
+        if reader is None or memory is None:
+            return False
+        if reader == memory:
+            return True
+        found = {}
+        for i in range(torch.cuda.device_count()):
+            u = device_uuid(i)
+            if u in (reader, memory):
+                found[u] = i
+        if len(found) != 2:
+            return False  # a GPU hidden from us: cannot tell
+        return bool(torch.cuda.can_device_access_peer(found[reader], found[memory]))
 
     def create_event(self) -> IpcEvent:
         return IpcEvent(self.index)
