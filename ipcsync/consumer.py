@@ -727,7 +727,7 @@ class Consumer(_Endpoint):
         try:
             self._arenas = [self._backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self._slot_views = [self._arenas[a].tensor[off : off + n] for a, off, n in s.slots]
-            self._ready_events = [self._backend.open_event(h, where) for h in s.ready_events]
+            self._ready_events = [self._backend.open_event(h) for h in s.ready_events]
             self._release_events = [self._backend.create_event() for _ in s.slots]
         except IpcSyncError as exc:
             self._fail(exc if isinstance(exc, BackendError) else BackendError(str(exc)), "backend")

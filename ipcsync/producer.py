@@ -995,10 +995,9 @@ class Producer(_Endpoint):
                 f"ATTACH carries {len(msg.release_events)} release events for {self.slots} slots"))
             return
         try:
-            # Opened on the consumer's GPU where we can see it (else on ours); our streams
-            # may wait on an event of another GPU.
-            where = self._backend.locate(peer.hello.device, need_access=False)
-            peer.release_events = [self._backend.open_event(h, where) for h in msg.release_events]
+            # Opened on our GPU, whichever GPU the consumer records them on (see
+            # CudaBackend.open_event).
+            peer.release_events = [self._backend.open_event(h) for h in msg.release_events]
         except Exception as exc:
             self._bad_frame(peer.identity, peer, ProtocolError(f"cannot open release events: {exc}"))
             return

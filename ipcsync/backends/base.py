@@ -99,8 +99,9 @@ class Backend(abc.ABC):
         """A new event this process records."""
 
     @abc.abstractmethod
-    def open_event(self, handle: bytes | str, where: Any = None) -> Event:
-        """A peer's event, from its handle (``where``: the peer's device, from ``locate``)."""
+    def open_event(self, handle: bytes | str) -> Event:
+        """A peer's event, from its handle, opened on this backend's device: the one whose
+        streams wait on it, whatever device the peer records it on."""
 
     def locate(self, identity: str | None, need_access: bool) -> Any:
         """Where a peer's device (its ``device_identity()``) is in this process: None for

@@ -159,5 +159,5 @@ class CpuBackend(Backend):
     def create_event(self) -> CpuEvent:
         return CpuEvent()
 
-    def open_event(self, handle: bytes | str, where: Any = None) -> CpuEvent:
+    def open_event(self, handle: bytes | str) -> CpuEvent:
         return CpuEvent.from_handle(handle)

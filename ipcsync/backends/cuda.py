@@ -315,13 +315,11 @@ class CudaBackend(Backend):
     def create_event(self) -> IpcEvent:
         return IpcEvent(self.index)
 
-    def open_event(self, handle: bytes | str, where: int | None = None) -> IpcEvent:
-        # Opened on OUR GPU whatever GPU the peer recorded it on (``where`` is ignored):
-        # measured on two H200s (torch 2.11), a stream of cuda:0 waiting on an IPC event
+    def open_event(self, handle: bytes | str) -> IpcEvent:
+        # Opened on OUR GPU whatever GPU the peer records it on: measured on two H200s (torch 2.11), a stream of cuda:0 waiting on an IPC event
         # opened on cuda:1 segfaults in cudaStreamWaitEvent, while the same event opened on
         # cuda:0 orders that stream after the peer's work on cuda:1 correctly. Our streams
         # are the only ones that wait on peer events.
-        del where
         return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]
 
     def collect(self) -> None:
