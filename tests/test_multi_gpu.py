@@ -76,3 +76,47 @@ def test_consumer_that_cannot_see_the_producer_gpu_gets_a_clear_error(runtime_di
         assert "CONFIG" in r.stdout, r.stdout + r.stderr
         assert "not visible to this process" in r.stdout and "CUDA_VISIBLE_DEVICES=1" in r.stdout
         assert p.stats()["consumers_attached"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_zero_copy_forward_to_a_consumer_on_another_gpu(procs: Any, runtime_dir: Path) -> None:
+    """upstream (cuda:0, its own process) -> middle (cuda:0, here; forward(copy=False))
+    -> sink on cuda:1 (its own process): the sink reads the upstream producer's memory over
+    peer access, every item intact and in order."""
+    n, size = 100, 4096
+    up = procs.start("produce", endpoint="mgf-up", n=n, size=size, device="cuda:0", slots=4)
+    up.read_until(lambda l: l.get("event") == "bound")
+    code = (
+        "import sys, torch, ipcsync\n"
+        "torch.cuda.set_device(1)\n"
+        "bad, got = [], 0\n"
+        "with ipcsync.Consumer('mgf-down', device='cuda:1', timeout=60) as inp:\n"
+        "    for item in inp:\n"
+        "        i = item.meta['i']\n"
+        "        local = item['a'].to('cuda:1', non_blocking=True)\n"
+        "        item.release(torch.cuda.current_stream(1))\n"
+        f"        want = torch.arange({size}, dtype=torch.int64, device='cuda:1') * 7 + i\n"
+        "        if i != got or not torch.equal(local, want):\n"
+        "            bad.append(i)\n"
+        "        got += 1\n"
+        "print('SINK', got, bad, flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with ipcsync.Producer("mgf-down", slots=4, slot_bytes=1 << 16, device="cuda:0", timeout=60) as down:
+        sink = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            down.wait_for_consumers(1, timeout=60)
+            with ipcsync.Consumer("mgf-up", device="cuda:0", timeout=60) as mid:
+                for item in mid:
+                    ipcsync.forward(item, down, lambda t: {"a": t["a"]}, copy=False)
+                down.flush(timeout=60)
+                assert down.stats()["forwarded"] == n
+                down.close(timeout=60)
+            out, _ = sink.communicate(timeout=90)
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+                sink.wait()
+    assert f"SINK {n} []" in out, out
+    assert up.result()["sent"] == n
