@@ -117,8 +117,12 @@ def test_producer_outlives_twenty_killed_consumers_without_growing_gpu_memory(pr
     reserved = {m["reserved"] for m in marks}
     allocated = {m["allocated"] for m in marks}
     assert len(reserved) == 1 and len(allocated) == 1, marks
-    # Device-wide free memory comes back once the killed consumers' contexts are gone.
-    assert marks[-1]["free"] >= marks[0]["free"] - (256 << 20), (marks[0]["free"], marks[-1]["free"])
+    # Device-wide free memory comes back once the killed consumers' contexts are gone. It
+    # only says something when this test has the GPU to itself: under pytest-xdist other
+    # workers' CUDA tests allocate and free on the same GPU meanwhile (on two H200s it once
+    # read 1.9 GB lower at the end, with the producer's own figures above constant).
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        assert marks[-1]["free"] >= marks[0]["free"] - (256 << 20), (marks[0]["free"], marks[-1]["free"])
 
 
 def test_cpu_consumer_of_cuda_producer_is_refused_clearly():

@@ -114,6 +114,18 @@ def rss_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+def rss_parts(pid: int | str = "self") -> dict[str, float]:
+    """RssAnon / RssFile / RssShmem in MB: a leak grows anon (or shmem); a library mapped
+    on first use grows file."""
+    parts = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                k, v = line.split()[:2]
+                parts[k[3:-1].lower()] = int(v) / 1024
+    return parts
+
+
 def segments(pid: int) -> list[str]:
     prefix = f"ipcsync-{pid}-"
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
@@ -151,9 +163,10 @@ _IPC_WARM = False
 
 def warm_up(device: str) -> None:
     """Create this process's once-only resources (the ZeroMQ context and its threads, the
-    CUDA context, the first CUDA IPC import) before a baseline is taken, so the baseline is
-    not charged for them. (On the H200 the first import of another process's memory grew
-    the importer's RSS by ~70 MB once, whichever fault row happened to do it first.)"""
+    CUDA context, the first CUDA IPC import, the kernels that check items) before a
+    baseline is taken, so the baseline is not charged for them. (On the H200 the first row
+    to check received items grew the process's anonymous RSS by ~68 MB once, and by
+    0.0-0.1 MB in every later row: CUDA loads kernel modules lazily.)"""
     global _IPC_WARM
     zmq.Context.instance().socket(zmq.DEALER).close(linger=0)
     if device != "cpu":
@@ -174,13 +187,23 @@ def warm_up(device: str) -> None:
                     del t
                     gc.collect()
                     torch.cuda.synchronize()
-                    _IPC_WARM = True
                 finally:
                     child.stdin.close()  # type: ignore[union-attr]
                     try:
                         child.wait(timeout=30)
                     except subprocess.TimeoutExpired:
                         child.kill()
+            # The kernels a row runs on received items (CUDA loads each module on first use,
+            # ~70 MB of host memory once on the H200, charged to whichever row came first).
+            ep = f"warm-{os.getpid()}"
+            with ipcsync.Producer(ep, slots=2, slot_bytes=1 << 16, device=device, heartbeat=None) as p, \
+                    ipcsync.Consumer(ep, device=device, heartbeat=None, timeout=10) as c:
+                p.send(fault_msg(0, device=device), meta={"i": 0})
+                item = c.get(timeout=10)
+                assert item is not None and fault_check(item, 0, device=device) is None
+                item.release()
+            gc.collect()
+            _IPC_WARM = True
 
 
 def report(**row: Any) -> None:
@@ -482,7 +505,7 @@ def test_producer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
     victim = start_role(procs, role, endpoint=ep, device=device, slots=SLOTS, heartbeat=HB, **pargs)
     victim.read_until(event("bound"), timeout=30)
     warm_up(device)
-    fd0, rss0 = fd_count(), rss_mb()
+    fd0, rss0, parts0 = fd_count(), rss_mb(), rss_parts()
     cons: ipcsync.Consumer | None = None
     successor: ipcsync.Producer | None = None
     held: list[Any] = []
@@ -653,8 +676,10 @@ def test_producer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
         gc.collect()
         fd_delta = settle_fds(fd0)
         rss_delta = rss_mb() - rss0
+        parts = rss_parts()
         stale = wait_for(lambda: not [f for f in os.listdir(runtime_dir) if f.startswith(ep)], 3) is None
-        row.update(fd_delta=fd_delta, rss_delta_mb=round(rss_delta, 1), stale_socket_files=stale)
+        row.update(fd_delta=fd_delta, rss_delta_mb=round(rss_delta, 1), stale_socket_files=stale,
+                   rss_parts_delta_mb={k: round(v - parts0.get(k, 0.0), 1) for k, v in parts.items()})
         report(**row)
         assert fd_delta <= FD_SLACK, f"{fd_delta} more fds than before the consumer"
         assert rss_delta < RSS_SLACK_MB, f"consumer RSS grew {rss_delta:.1f} MB"
