@@ -52,17 +52,21 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="model weights and activations (answers are returned as float32)")
     args = ap.parse_args()
 
     me = stage.info()
     torch.manual_seed(args.seed)  # every replica builds the same model
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.max_seq).to(me.device).eval()
+    if args.dtype != "float32":
+        model = model.to(getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())
     batches = requests = 0
     busy = 0.0
     with stage.input("frontend") as inp, stage.output("frontend") as out:
         print(f"worker {me.replica}/{me.replicas} on {me.device}: model of {params} parameters "
-              f"({args.layers} layers, dim {args.dim}, vocab {args.vocab})", flush=True)
+              f"({args.layers} layers, dim {args.dim}, vocab {args.vocab}, {args.dtype})", flush=True)
         t0 = time.monotonic()
         with torch.inference_mode():
             for item in inp:
