@@ -200,19 +200,55 @@ def _sync(device: str) -> None:
 
 
 # ------------------------------------------------------------------ runners
+def _await(what: str, get: Callable[[float], Any], procs: list[Any], timeout: float) -> Any:
+    """``get(step)`` until it returns, polling in steps; BenchError at once if one of
+    ``procs`` exits early (a crashed child, not a ten-minute wait), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return get(0.2)
+        except queue.Empty:
+            pass
+        for p in procs:
+            if p.exitcode not in (None, 0):
+                raise BenchError(f"{what}: {p.name} exited with {p.exitcode} (its traceback is above)")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{what}: nothing after {timeout:.0f} s")
+
+
+def _finish(procs: list[Any]) -> None:
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+def _event_get(ev: Any) -> Callable[[float], Any]:
+    def get(step: float) -> Any:
+        if not ev.wait(step):
+            raise queue.Empty
+        return True
+    return get
+
+
 def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str) -> tuple[float, list[float]]:
     ctx = mp.get_context("spawn")
     endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}"
     results, ready = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready))
-    p.start()
-    ready.wait(120)
-    c = ctx.Process(target=_ipc_consumer, args=(endpoint, n, device, wait, results))
-    c.start()
-    rate = results.get(timeout=600)
-    lat = results.get(timeout=60)
-    c.join(60)
-    p.join(60)
+    p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready),
+                    name="ipcsync producer")
+    c = ctx.Process(target=_ipc_consumer, args=(endpoint, n, device, wait, results), name="ipcsync consumer")
+    try:
+        p.start()
+        _await("ipcsync producer start", _event_get(ready), [p], 120)
+        c.start()
+        rate = _await("ipcsync handoffs", lambda t: results.get(timeout=t), [p, c], 600)
+        lat = _await("ipcsync latencies", lambda t: results.get(timeout=t), [p, c], 60)
+    finally:
+        _finish([c, p])
     return rate, lat
 
 
@@ -221,15 +257,16 @@ def run_mpq(nbytes: int, n: int, slots: int, device: str) -> tuple[float, list[f
 
     ctx = tmp.get_context("spawn")
     q, results, done = ctx.Queue(maxsize=slots), ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_mpq_producer, args=(q, nbytes, n, device, done))
-    c = ctx.Process(target=_mpq_consumer, args=(q, n, device, results))
-    p.start()
-    c.start()
-    rate = results.get(timeout=600)
-    lat = results.get(timeout=60)
-    done.set()
-    c.join(60)
-    p.join(60)
+    p = ctx.Process(target=_mpq_producer, args=(q, nbytes, n, device, done), name="mp.Queue producer")
+    c = ctx.Process(target=_mpq_consumer, args=(q, n, device, results), name="mp.Queue consumer")
+    try:
+        p.start()
+        c.start()
+        rate = _await("mp.Queue handoffs", lambda t: results.get(timeout=t), [p, c], 600)
+        lat = _await("mp.Queue latencies", lambda t: results.get(timeout=t), [p, c], 60)
+    finally:
+        done.set()
+        _finish([c, p])
     return rate, lat
 
 

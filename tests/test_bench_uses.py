@@ -154,3 +154,13 @@ def test_size_options_real_quick_and_explicit() -> None:
     # Slots hold a batch: each tensor 256-byte aligned, rounded up to 64 KiB.
     assert bench._slot_bytes([256 * 3 * 224 * 224, 256 * 8, 256 * 8]) >= 256 * 3 * 224 * 224 + 2 * 256 * 8
     assert bench._slot_bytes([1]) == 64 << 10
+
+
+@pytest.mark.timeout(120)
+def test_handoff_runner_reports_a_crashed_child_at_once(runtime_dir: Path) -> None:
+    """A child that dies (here: a producer on a device ipcsync refuses) ends the handoff
+    run with a BenchError within seconds, not after the runner's 10-minute wait."""
+    t0 = time.monotonic()
+    with pytest.raises(bench.BenchError, match="ipcsync producer exited with 1"):
+        bench.run_ipcsync(4096, 10, 4, "send", "meta", "gpu")
+    assert time.monotonic() - t0 < 60
