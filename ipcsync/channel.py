@@ -288,10 +288,6 @@ class _Channel:
         """Block up to ``timeout`` seconds for a frame or a monitor event."""
         return bool(self.poller.poll(max(0, int(timeout * 1000))))
 
-    def readable(self) -> bool:
-        """A frame is waiting (cheaper than a non-blocking recv that raises zmq.Again)."""
-        return bool(self._get(_EVENTS) & _POLLIN)
-
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon

@@ -306,10 +306,7 @@ class Consumer(_Endpoint):
             if self._closed:
                 self._check_open()
             try:
-                cur = self._current
-                if cur is not None and self.auto_release and not cur.released:
-                    self._release_locked(cur, None)
-                self._current = None
+                self._release_current()
                 ready = self._ready
                 pumped = not ready and not self._bye_received and self._error is None
                 if pumped:
@@ -395,10 +392,7 @@ class Consumer(_Endpoint):
 
     def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:
         """``pumped``: the caller has just pumped (nothing is buffered)."""
-        cur = self._current
-        if cur is not None and self.auto_release and not cur.released:
-            self._release_locked(cur, None)
-        self._current = None
+        self._release_current()
         if not self._ready and not self._bye_received and self._error is None:
             self._wait_until(
                 lambda: bool(self._ready) or self._bye_received or self._error is not None,
@@ -416,6 +410,13 @@ class Consumer(_Endpoint):
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
             "it is alive but sent nothing (pass a larger timeout, or None to wait)"
         )
+
+    def _release_current(self) -> None:
+        """The iteration moves on: release the previous item (``auto_release``). Lock held."""
+        cur = self._current
+        if cur is not None and self.auto_release and not cur.released:
+            self._release_locked(cur, None)
+        self._current = None
 
     def _poll(self) -> tuple[bool, Item | None]:
         """Without waiting for the producer: (True, item), (True, None) at the end of the

@@ -407,10 +407,8 @@ class Recipe:
         caching them: for memory that is not one of our own slots (forwarded items)."""
         if region.numel() < self.extent:
             raise ProtocolError(f"layout reaches byte {self.extent} of a {region.numel()}-byte region")
-        views = [region[o:e].view(dt).as_strided(shape, stride) for o, e, dt, shape, stride in self.specs]
-        if self._only_key is not None:
-            return {self._only_key: views[0]}
-        return self._assemble(views)
+        return self._assemble([region[o:e].view(dt).as_strided(shape, stride)
+                               for o, e, dt, shape, stride in self.specs])
 
 
 def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:

@@ -718,15 +718,20 @@ class Producer(_Endpoint):
         complete). Lock held."""
         if self._fwd[slot] is None:  # abandoned at close already
             return
+        waits = self._downstream_waits(slot)
+        if self.wait_mode == "host" and not all(ev.query() for _, ev in waits):
+            self._fwd_pending[slot] = waits
+            return
+        self._finish_forward(slot, waits)
+
+    def _downstream_waits(self, slot: int) -> list[tuple[_Peer, Event]]:
+        """The release event of each connected consumer that released forwarded ``slot``."""
         waits = []
         for cid in self._ring.released_by(slot):
             peer = self._peers.get(cid)  # type: ignore[call-overload]
             if peer is not None and peer.release_events:
                 waits.append((peer, peer.release_events[slot]))
-        if self.wait_mode == "host" and not all(ev.query() for _, ev in waits):
-            self._fwd_pending[slot] = waits
-            return
-        self._finish_forward(slot, waits)
+        return waits
 
     def _finish_forward(self, slot: int, waits: list[tuple[_Peer, Event]]) -> None:
         fwd = self._fwd[slot]
@@ -773,13 +778,8 @@ class Producer(_Endpoint):
             return
         held = 0
         for slot in left:
-            waits = []
-            for cid in self._ring.released_by(slot):
-                peer = self._peers.get(cid)  # type: ignore[call-overload]
-                if peer is not None and peer.release_events:
-                    ev = peer.release_events[slot]
-                    if self.wait_mode == "gpu" or ev.query():
-                        waits.append((peer, ev))
+            waits = [(peer, ev) for peer, ev in self._downstream_waits(slot)
+                     if self.wait_mode == "gpu" or ev.query()]
             if self._ring.holders[slot] or slot in self._fwd_pending:
                 held += 1
             self._finish_forward(slot, waits)

@@ -31,12 +31,13 @@ from typing import Any
 from .consumer import Consumer
 from .errors import ConfigError
 from .fanin import FanIn
+from .launch.plan import ENV_WIRING, WIRING_VERSION
 from .producer import Producer
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
-_ENV = "IPCSYNC_WIRING"
-_WIRING_VERSION = 1
+_ENV = ENV_WIRING
+_WIRING_VERSION = WIRING_VERSION
 _MAX_WIRING = 1 << 20
 
 
@@ -75,16 +76,24 @@ def info() -> StageInfo:
     )
 
 
+def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
+    """This stage's edge from (``"inputs"``) or to (``"outputs"``) stage ``name``."""
+    edge = w[direction].get(name)
+    if edge is None:
+        stage = w["stage"]
+        src, dst, word = (name, stage, "input from") if direction == "inputs" else (stage, name, "output to")
+        raise ConfigError(
+            f"stage {stage!r} has no {word} {name!r}; its {direction}: "
+            f"{sorted(w[direction]) or 'none'} (add an edge from = {src!r}, to = {dst!r})"
+        )
+    return edge  # type: ignore[no-any-return]
+
+
 def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the natural name
     """The items of upstream stage ``name``: a Consumer if it has one replica, else a FanIn
     over all of them. ``options`` override the edge's (wait, timeout, idle_timeout, ...)."""
     w = _wiring(f"ipcsync.stage.input({name!r})")
-    edge = w["inputs"].get(name)
-    if edge is None:
-        raise ConfigError(
-            f"stage {w['stage']!r} has no input from {name!r}; its inputs: "
-            f"{sorted(w['inputs']) or 'none'} (add an edge from = {name!r}, to = {w['stage']!r})"
-        )
+    edge = _edge(w, "inputs", name)
     kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "timeout": edge["timeout"]}
     kw.update(options)
     if len(edge["endpoints"]) == 1:
@@ -103,12 +112,7 @@ def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any)
     could deadlock against the stage it answers) or with ``wait_for_consumers=False``.
     ``options`` override the edge's (slots, slot_bytes, policy, timeout, ...)."""
     w = _wiring(f"ipcsync.stage.output({name!r})")
-    edge = w["outputs"].get(name)
-    if edge is None:
-        raise ConfigError(
-            f"stage {w['stage']!r} has no output to {name!r}; its outputs: "
-            f"{sorted(w['outputs']) or 'none'} (add an edge from = {w['stage']!r}, to = {name!r})"
-        )
+    edge = _edge(w, "outputs", name)
     kw: dict[str, Any] = {
         "device": w["device"], "slots": edge["slots"], "slot_bytes": edge["slot_bytes"],
         "policy": edge["policy"], "timeout": edge["timeout"],

@@ -413,9 +413,11 @@ def _example(name: str) -> Any:
 
 
 def _slot_bytes(tensor_bytes: list[int]) -> int:
-    """A slot for tensors of these sizes: each placed at a 256-byte boundary, plus slack,
-    rounded up to 64 KiB."""
-    n = sum((b + 255) // 256 * 256 for b in tensor_bytes) + 4096
+    """A slot for tensors of these sizes: each placed at ipcsync's alignment (as its layout
+    places them), plus slack, rounded up to 64 KiB."""
+    from ipcsync.layout import ALIGN
+
+    n = sum((b + ALIGN - 1) // ALIGN * ALIGN for b in tensor_bytes) + 4096
     return (n + (64 << 10) - 1) // (64 << 10) * (64 << 10)
 
 
@@ -701,8 +703,6 @@ class _QItem:
     """An answer from the torch.multiprocessing queue, shaped like an ipcsync Item for the
     example's Receiver."""
 
-    source = "worker"
-
     def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
         self.tensors, self.meta = tensors, meta
 
@@ -961,8 +961,9 @@ def _command(argv: list[str] | None) -> str:
     return shlex.join(["python3", script, *args])
 
 
-def _header(suite: str, device: str, command: str, extra: str = "") -> None:
-    print(f"\nipcsync bench: {suite}: device={device} ({_hardware(device)}){extra}, torch {torch.__version__}, "
+def _header(suite: str | None, device: str, command: str, extra: str = "") -> None:
+    name = f"{suite}: " if suite else ""
+    print(f"\nipcsync bench: {name}device={device} ({_hardware(device)}){extra}, torch {torch.__version__}, "
           f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}")
     print(f"command: {command}")
 
@@ -1103,9 +1104,7 @@ def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
 
 
 def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command: str) -> None:
-    print(f"\nipcsync bench: device={device} ({_hardware(device)}), slots={slots}, torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}")
-    print(f"command: {command}")
+    _header(None, device, command, f", slots={slots}")
     head = ("size", "method", "handoffs/s", "p50 ms", "p99 ms", "x mp.Queue", "host copy/s")
     widths = (5, 32, 12, 9, 9, 10, 12)
     print(_row(head, widths, left=2))

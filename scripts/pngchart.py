@@ -232,10 +232,6 @@ class Canvas:
         self.height = max(1, min(self.height, height))
         del self.pixels[self.width * self.height * 3:]
 
-    def get(self, x: int, y: int) -> Color:
-        i = (y * self.width + x) * 3
-        return (self.pixels[i], self.pixels[i + 1], self.pixels[i + 2])
-
     def png(self) -> bytes:
         return encode_png(self.width, self.height, self.pixels)
 

@@ -30,7 +30,7 @@ import torch
 from ..errors import BackendError, IpcTimeoutError
 from .base import Arena, Backend, Event
 
-__all__ = ["CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX", "remove_run_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ipcsync-"
@@ -132,6 +132,22 @@ class CpuArena(Arena):
             self._unlink()
         # Drop our view; the mapping goes when the last tensor viewing it goes.
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def remove_run_segments(run_id: str) -> None:
+    """Unlink every segment that arenas of ipcsync-run run ``run_id`` left (``create_arena``
+    tags their names with it), whichever process made them."""
+    tag = f"-r{run_id}-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(SHM_PREFIX) and tag in name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
 
 
 class CpuBackend(Backend):

@@ -17,13 +17,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..channel import _IPC_PATH_MAX
 from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = ["Instance", "Plan", "resolve", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX"]
 
 WIRING_VERSION = 1
 ENV_WIRING = "IPCSYNC_WIRING"
-IPC_PATH_MAX = 107
+IPC_PATH_MAX = _IPC_PATH_MAX
 
 
 @dataclass(frozen=True)

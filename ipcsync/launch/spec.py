@@ -44,7 +44,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from .._endpoint import WAIT_MODES
 from ..errors import ConfigError
+from ..ring import POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,8 +69,7 @@ __all__ = [
 DEFAULT_SLOT_BYTES = 8 << 20
 MAX_REPLICAS = 256
 MAX_RESTART = 1000
-POLICIES = ("shard", "broadcast")
-WAITS = ("gpu", "host")
+WAITS = WAIT_MODES
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]{1,3})?)$")
 _VISIBLE_RE = re.compile(r"^[A-Za-z0-9,:-]*$")
@@ -214,7 +215,7 @@ def from_cli(
         data["stages"][name] = {"cmd": cmd}
     for opt, items in (("replicas", replicas), ("device", devices)):
         for arg in items:
-            name, value = _split_pair(where, f"--{opt if opt == 'replicas' else 'device'}", arg, f"NAME={opt.upper()}")
+            name, value = _split_pair(where, f"--{opt}", arg, f"NAME={opt.upper()}")
             if name not in data["stages"]:
                 raise where.error(f"--{opt} {arg}", f"unknown stage {name!r}; stages: {sorted(data['stages'])}")
             if opt == "replicas":

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from .. import _host
+from ..backends.cpu import remove_run_segments
 from .plan import Instance, Plan
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of"]
 
 _READ_CHUNK = 65536
 _MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
-_SHM_DIR = "/dev/shm"
 _PR_SET_PDEATHSIG = 1
 _OWNER = "owner.json"
 
@@ -365,17 +365,7 @@ def _die_with_parent(parent: int) -> None:
 def _remove_run(run_dir: str, run_id: str) -> None:
     """Remove the run directory (sockets, locks, reports) and the run's shm segments."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    tag = f"-r{run_id}-"
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith("ipcsync-") and tag in name:
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-            except OSError:
-                pass
+    remove_run_segments(run_id)
 
 
 def sweep_abandoned(base: str) -> list[str]:
