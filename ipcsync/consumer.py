@@ -196,7 +196,7 @@ class Consumer(_Endpoint):
         endpoint: the producer's endpoint (bare name, ``ipc://...`` or ``tcp://...``).
         device: must be the same kind of device as the producer's (``cpu`` / ``cuda[:N]``).
         wait: ``"gpu"`` (the stream waits on the producer's event at once) or ``"host"``
-            (poll until complete, then enqueue: never wedges if the producer dies).
+            (poll until complete: never wedges if the producer dies).
         timeout: default for blocking calls, and how long the handshake waits for a
             producer to appear (seconds; None or inf: forever).
         idle_timeout: how long iteration waits for the next item; None: as long as the
@@ -434,12 +434,16 @@ class Consumer(_Endpoint):
         seq, slot, gen, sent_ns, meta, recipe = entry
         tensors = recipe.build(slot, self._slot_views[slot])
         ev = self._ready_events[slot]
-        if self.wait_mode == "host" and not ev.query():
-            if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
-                                    self._stats.waited, poll_event=True):
-                raise AssertionError("unreachable")
-            self._raise_if_broken()
-        ev.wait(self._stream)  # on the consumer's stream; no host block
+        # Complete already: the data is written, no wait to enqueue (see Producer._prepare_slot;
+        # the producer re-records this event only after we release the slot).
+        if not ev.query():
+            if self.wait_mode == "host":
+                if not self._wait_until(lambda: self._error is not None or ev.query(), None, "event",
+                                        self._stats.waited, poll_event=True):
+                    raise AssertionError("unreachable")
+                self._raise_if_broken()  # complete now: nothing to enqueue
+            else:
+                ev.wait(self._stream)  # on the consumer's stream; no host block
         nbytes = recipe.nbytes
         item = Item(self, seq, slot, gen, meta, tensors, nbytes)
         self._held[seq] = item
