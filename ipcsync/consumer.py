@@ -334,7 +334,7 @@ class Consumer(_Endpoint):
     @property
     def slots(self) -> int:
         """Number of slots in the producer's ring."""
-        return len(self._slot_views)
+        return len(self._setup.slots) if self._setup else 0
 
     @property
     def producer_pid(self) -> int | None:
@@ -483,9 +483,29 @@ class Consumer(_Endpoint):
             del self._pending[:n]
 
     def _say_bye(self) -> None:
+        """Nothing is held (every caller releases first). Items that arrive after our BYE
+        are dropped: the producer frees their slots when it reads the BYE."""
         if not self._bye_sent:
             self._bye_sent = True
+            self._let_go_of_memory()
             self._send_frame(P.encode(P.Bye("consumer closed")))
+
+    def _let_go_of_memory(self) -> None:
+        """Drop our references to the producer's memory (slot views, the recipes' cached
+        views, the arena imports, foreign arenas) before our BYE, after which the producer
+        may free its arena and exit: with CUDA, torch then drops its IPC reference to the
+        arena now, instead of the producer exiting first and torch warning there ("Producer
+        process has been terminated before all shared CUDA tensors released"). Tensors the
+        user still holds keep their memory mapped until they go. Lock held."""
+        self._recipes.clear()
+        self._slot_views = []
+        arenas, self._arenas = self._arenas, []
+        for arena in arenas:
+            try:
+                arena.close()
+            except Exception as exc:  # best effort: teardown would do the same
+                log.debug("ipcsync consumer: closing an arena: %s", exc)
+        self._close_foreign()
 
     def _send_frame(self, frame: bytes) -> bool:
         ok = self._chan.send(frame)
@@ -673,6 +693,8 @@ class Consumer(_Endpoint):
     def _on_ready(self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int,
                   layout: Any, meta: Any) -> None:
         """Buffer a READY: ``layout`` is None when it travelled earlier under ``layout_id``."""
+        if self._bye_sent:
+            return  # we are leaving (see _say_bye)
         if slot >= len(self._slot_views):
             self._fail(ProtocolError(f"READY names slot {slot}; the ring has {len(self._slot_views)}"), "protocol")
             return
@@ -819,6 +841,8 @@ class Consumer(_Endpoint):
 
     def _on_forward_ready(self, m: P.ForwardReady) -> None:
         """Buffer an item whose tensors lie in a foreign arena's region."""
+        if self._bye_sent:
+            return  # we are leaving (see _say_bye)
         entry = self._foreign.get(m.fid)
         problem = None
         if entry is None:

@@ -124,6 +124,9 @@ def consume(a: dict[str, Any]) -> None:
     except ipcsync.PeerLostError as exc:
         end = "peer-lost"
         say(event="peer-lost", message=str(exc), after=time.monotonic() - t0)
+    if a.get("stay"):  # the stream has ended; live on without closing (as a trainer fed by others)
+        say(event="ended", received=len(got))
+        time.sleep(a["stay"])
     stats = inp.stats()
     inp.close()
     say(event="done", end=end, received=len(got), first=got[:1], last=got[-1:],

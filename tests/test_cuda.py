@@ -100,6 +100,21 @@ def test_steady_state_hot_path_makes_no_host_sync(procs, wait):
     assert c["value"] == 50 + 500  # every item's ones were added on the GPU
 
 
+def test_producer_exits_before_a_consumer_that_stays_without_torch_ipc_warning(procs):
+    """A producer finishes and exits while its consumer process lives on (a trainer fed by
+    several loaders). The consumer lets go of the producer's memory before its BYE, so
+    torch's IPC reference is dropped before the producer exits: no "Producer process has
+    been terminated before all shared CUDA tensors released" on the producer's stderr."""
+    prod = procs.start("produce", endpoint="stay", n=20, device="cuda", slots=4)
+    cons = procs.start("consume", endpoint="stay", device="cuda", stay=3.0)
+    cons.read_until(lambda l: l.get("event") == "ended", timeout=120)
+    p = prod.result(timeout=60)  # exits while the consumer stays
+    assert p["sent"] == 20
+    c = cons.result(timeout=60)
+    assert c["received"] == 20 and not c["errors"], c
+    assert "terminated before all shared CUDA tensors released" not in prod.stderr(), prod.stderr()[-2000:]
+
+
 def test_producer_outlives_twenty_killed_consumers_without_growing_gpu_memory(procs, runtime_dir):
     stop = os.path.join(runtime_dir, "stop")
     prod = procs.start("cuda_serve", endpoint="serve", stop_file=stop)
