@@ -61,6 +61,7 @@ def main() -> int:
             item.release()  # after the step's work is queued: the slot goes back at once
             steps += 1
             samples += images.shape[0]
+            del images, labels, marks  # views of the slot: keep none past release (see README)
             if steps % args.log_every == 0:
                 rate = samples / (time.monotonic() - t0)
                 print(f"train: step {steps}, loss {loss.item():.3f}, {rate:.0f} samples/s", flush=True)

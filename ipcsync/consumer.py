@@ -150,7 +150,8 @@ class Item:
     ``tensors``.
 
     The tensors are valid until ``release()``: after it the producer may overwrite the
-    slot. Clone what you need to keep.
+    slot, ``item[key]`` raises ClosedError and ``tensors`` is None. Clone what you need to
+    keep; views you keep past release() keep the producer's memory mapped in this process.
     """
 
     __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
@@ -463,6 +464,9 @@ class Consumer(_Endpoint):
         if item.released:
             return
         item.released = True
+        # The item stops viewing the slot: a leftover reference to it (the loop variable
+        # after a loop) must not keep the producer's memory mapped (see _let_go_of_memory).
+        item.tensors = None
         self._held.pop(item.seq, None)
         if self._foreign_seqs:
             self._foreign_seqs.pop(item.seq, None)

@@ -139,8 +139,7 @@ def _ipc_consumer(endpoint: str, n: int, device: str, wait: str, results: Any) -
     with ipcsync.Consumer(endpoint, device=device, wait=wait, heartbeat=None, timeout=60) as inp:
         t0 = None
         for k, item in enumerate(inp):
-            x = item["x"]
-            _touch(x)
+            _touch(item["x"])  # (no view kept past the loop: see Consumer._let_go_of_memory)
             now = time.monotonic_ns()
             if t0 is None:
                 t0 = time.perf_counter()

@@ -77,6 +77,7 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            del batch  # views of the slot: keep none past the next iteration (see README)
             steps += 1
             samples += x.shape[0]
             if steps % args.log_every == 0:
