@@ -55,7 +55,7 @@ from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .consumer import CannotForward
-from .errors import ConfigError, ProtocolError
+from .errors import ClosedError, ConfigError, ProtocolError
 from .layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
 from .ring import POLICIES, Acquired, Ring
 from .stats import Stats
@@ -118,17 +118,21 @@ class _Forward:
 
 class SlotWriter:
     """What ``Producer.slot()`` yields: the slot's tensors by name, to fill in place, and
-    ``meta`` to send with them."""
+    ``meta`` to send with them. Once the block exits the slot is sent (or given back):
+    ``tensors`` is then None and ``writer[name]`` raises ClosedError, so a leftover
+    reference can neither write into an item in flight nor keep the arena alive."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
-        self.tensors = tensors
+        self.tensors: dict[str, torch.Tensor] | None = tensors
         self.meta = meta
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self.tensors is None:
+            raise ClosedError("this slot was sent (or given back) when its with-block exited")
         return self.tensors[name]
 
     def keys(self) -> Any:
-        return self.tensors.keys()
+        return self.tensors.keys() if self.tensors is not None else {}.keys()
 
 
 class _SlotContext:
@@ -356,6 +360,7 @@ class Producer(_Endpoint):
 
     def _slot_exit(self, ctx: "_SlotContext", ok: bool) -> None:
         acq = ctx.acq
+        ctx.writer.tensors = None
         with self._lock:
             if not ok:  # the block raised: nothing is sent
                 self._ring.abort(acq.slot)
@@ -1091,6 +1096,12 @@ class Producer(_Endpoint):
             log.debug("ipcsync producer teardown: %s", exc)
         self._peers.clear()
         self._fd_peer.clear()
+        # Every view of the arena goes (the plans' cached destinations and slot() views
+        # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
+        # export is settled here, not left for the interpreter's exit, where torch would
+        # warn "Producer process has been terminated before all shared CUDA tensors released".
+        self._plans.clear()
+        self._slot_views = []
         for closer in (self._chan.close, self._arena.close, self._backend.collect, self._backend.close):
             try:
                 closer()

@@ -244,6 +244,35 @@ def test_released_item_refuses_access_and_release_is_idempotent(device: str) -> 
         item.release()
         with pytest.raises(ipcsync.ClosedError, match="released"):
             item["x"]
+        assert item.tensors is None  # it no longer views the slot
+
+
+def test_no_view_of_the_arena_outlives_the_stream_and_close(device: str) -> None:
+    """Leftovers the user holds (the loop variable, the slot writer) stop viewing the slot
+    once released or sent, the consumer lets go of the producer's memory at the end of the
+    stream, and close() frees the arena at once (not at interpreter exit, where torch would
+    warn about shared CUDA tensors still in use)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = producer("letgo", device, slots=4)
+    arena = StorageWeakRef(out._arena.tensor.untyped_storage())
+    with consumer("letgo", device) as inp:
+        def send_then_close() -> None:
+            out.send({"x": torch.full((2,), 1, device=device)})
+            with out.slot(x=((2,), torch.float32)) as s:
+                s["x"].fill_(2)
+            with pytest.raises(ipcsync.ClosedError, match="sent"):
+                s["x"]
+            out.close(timeout=10)
+
+        closer = Background(send_then_close)
+        got = []
+        for item in inp:
+            got.append(float(item["x"][0]))
+        closer.result()
+        assert got == [1.0, 2.0]
+        assert item.tensors is None  # the loop variable, left over
+        assert arena.expired(), "something still views the producer's arena"
 
 
 def test_auto_release_at_next_iteration(device: str) -> None:
