@@ -433,7 +433,12 @@ class Consumer(_Endpoint):
 
     def _make_item(self, entry: tuple[int, int, int, int, Any, Recipe]) -> Item:
         seq, slot, gen, sent_ns, meta, recipe = entry
-        tensors = recipe.build(slot, self._slot_views[slot])
+        nbytes = recipe.nbytes
+        item = Item(self, seq, slot, gen, meta, recipe.build(slot, self._slot_views[slot]), nbytes)
+        # Held before any wait below: a host-mode wait pumps, and a pump that saw the
+        # producer's BYE with nothing held would say BYE under this item (the producer
+        # would then close and free the arena while we read it).
+        self._held[seq] = item
         ev = self._ready_events[slot]
         # Complete already: the data is written, no wait to enqueue (see Producer._prepare_slot;
         # the producer re-records this event only after we release the slot).
@@ -445,9 +450,6 @@ class Consumer(_Endpoint):
                 self._raise_if_broken()  # complete now: nothing to enqueue
             else:
                 ev.wait(self._stream)  # on the consumer's stream; no host block
-        nbytes = recipe.nbytes
-        item = Item(self, seq, slot, gen, meta, tensors, nbytes)
-        self._held[seq] = item
         stats = self._stats
         stats.handoffs += 1
         stats.bytes += nbytes

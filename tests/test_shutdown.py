@@ -117,3 +117,38 @@ def test_close_from_another_thread_while_send_blocks() -> None:
     finally:
         c.close()
         p.close(timeout=1)
+
+
+@pytest.mark.timeout(60)
+def test_consumer_polling_the_last_items_event_does_not_say_bye_early(monkeypatch: Any) -> None:
+    """wait="host": the consumer polls the last item's ready event (the producer's GPU
+    write is still running) and pumps meanwhile, receiving the producer's BYE. It must not
+    answer BYE before that item is held and released: the producer would take it as gone,
+    finish close() and free the arena under the item, and the item's RELEASE would arrive
+    from an unknown peer (seen on the H200 at 64 MiB and 256 MiB, `send` with wait="host",
+    as "RELEASE from a peer that has not sent HELLO")."""
+    from ipcsync.backends import cpu
+
+    out = ipcsync.Producer("byepoll", slots=2, slot_bytes=4096, device="cpu", timeout=10)
+    inp = ipcsync.Consumer("byepoll", device="cpu", wait="host", timeout=10)
+    try:
+        out.wait_for_consumers(1, timeout=10)
+        ready_at = time.monotonic() + 0.3  # the write "completes" 0.3 s from now
+        monkeypatch.setattr(cpu.CpuEvent, "query", lambda self: time.monotonic() >= ready_at)
+        out.send({"x": torch.arange(4)})
+        closer = threading.Thread(target=out.close, kwargs={"timeout": 10})
+        closer.start()  # BYE goes out at once: the item is already dispatched
+        item = inp.get(timeout=10)
+        assert item is not None and item["x"].tolist() == [0, 1, 2, 3]
+        time.sleep(0.3)
+        assert closer.is_alive(), "the producer closed while the consumer held an item"
+        assert out.consumers == 1
+        item.release()
+        assert inp.get(timeout=5) is None  # the stream ends after it, cleanly
+        closer.join(15)
+        assert not closer.is_alive()
+        assert out.stats()["bad_frames"] == 0
+        assert out.stats()["consumers_lost"] == 0
+    finally:
+        inp.close()
+        out.close(timeout=0)
