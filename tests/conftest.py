@@ -24,7 +24,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = Path(__file__).resolve().parent / "peers.py"
+TESTS = Path(__file__).resolve().parent
+_LAUNCH = ("import importlib, json, sys; "
+           "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
 SHM_DIR = "/dev/shm"
 
@@ -194,14 +196,18 @@ class Procs:
     def __init__(self) -> None:
         self.peers: list[Peer] = []
 
-    def start(self, role: str, **args: Any) -> Peer:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["PYTHONUNBUFFERED"] = "1"
+    def start(self, role: str, *, module: str = "peers", env: dict[str, str] | None = None,
+              **args: Any) -> Peer:
+        """Run ``<module>.<role>(args)`` (a module of tests/, peers.py by default) in a child
+        with ``env`` added to the environment."""
+        full = dict(os.environ)
+        full.update(env or {})
+        full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
+        full["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, str(PEERS), role, json.dumps(args)],
+            [sys.executable, "-c", _LAUNCH, module, role, json.dumps(args)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            env=full, start_new_session=True,
         )
         peer = Peer(proc, role)
         self.peers.append(peer)

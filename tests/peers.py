@@ -316,19 +316,7 @@ def _plain(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-if __name__ == "__main__":
-    role, args = sys.argv[1], json.loads(sys.argv[2])
-    roles = {"produce": produce, "consume": consume, "race_produce": race_produce,
-             "race_consume": race_consume, "cuda_profile": cuda_profile, "cuda_serve": cuda_serve,
-             "cuda_consume_and_die": cuda_consume_and_die}
-    roles[role](args)
-
-
-# --------------------------------------------------------------------------- appended roles
-# The dispatch table above is closed (``roles[role](args)`` runs before anything defined
-# below exists when this file is run as a script), so these roles are started by importing
-# this module instead: ``python3 -c "import peers; peers.<role>(args)"`` with tests/ on
-# PYTHONPATH (see ``start_role`` in tests/test_fanin.py and tests/test_stage.py).
+# --------------------------------------------------------------------------- more roles
 def tagged_produce(a: dict[str, Any]) -> None:
     """Send ``n`` items whose contents encode (tag, i): ``x = [tag, i]``, ``y = i`` repeated,
     meta ``{"src": label, "i": i}``; then close (which waits for the consumer's releases)."""
@@ -645,3 +633,7 @@ def raw_producer(a: dict[str, Any]) -> None:
         time.sleep(3600)
     finally:
         sock.close(linger=0)
+
+
+if __name__ == "__main__":  # by hand: python3 tests/peers.py ROLE JSON-ARGS (tests use conftest's Procs)
+    globals()[sys.argv[1]](json.loads(sys.argv[2]))

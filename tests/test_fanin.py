@@ -10,14 +10,10 @@ joined with a timeout and endpoints closed in ``finally``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -30,28 +26,6 @@ from ipcsync.errors import ClosedError, ConfigError, IpcTimeoutError, PeerLostEr
 from ipcsync.fanin import FanIn
 
 pytestmark = pytest.mark.timeout(60)
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-# Roles appended to tests/peers.py are started by importing it (its __main__ table is closed).
-LAUNCH = "import json, sys, peers; getattr(peers, sys.argv[1])(json.loads(sys.argv[2]))"
-
-
-def start_role(procs: Any, role: str, **args: Any) -> Any:
-    """Start ``peers.<role>(args)`` in a child process tracked by the ``procs`` fixture
-    (its own process group; killed and checked for leaked segments at teardown)."""
-    peer_cls = sys.modules[type(procs).__module__].Peer
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, role, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True,
-    )
-    peer = peer_cls(proc, role)
-    procs.peers.append(peer)
-    return peer
 
 
 def msg(tag: int, i: int) -> dict[str, torch.Tensor]:
@@ -145,7 +119,7 @@ def check_exactly_once(got: list[tuple[str, int, int, int]], counts: dict[str, i
 def test_three_child_producers_exactly_once_in_order_labelled(procs, runtime_dir):
     counts = {"alpha": 50, "beta": 120, "gamma": 7}
     tags = {"alpha": 1, "beta": 2, "gamma": 3}
-    peers = {label: start_role(procs, "tagged_produce", endpoint=f"fi-{label}", n=n, tag=tags[label],
+    peers = {label: procs.start("tagged_produce", endpoint=f"fi-{label}", n=n, tag=tags[label],
                                label=label, slots=4)
              for label, n in counts.items()}
     got: list[tuple[str, int, int, int]] = []
@@ -267,7 +241,7 @@ def test_busy_source_does_not_starve_one_with_fewer_items(runtime_dir):
 
 # --------------------------------------------------------------------------- peer loss
 def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, runtime_dir):
-    victim = start_role(procs, "tagged_produce", endpoint="kill-v", n=1_000_000, tag=9, label="v",
+    victim = procs.start("tagged_produce", endpoint="kill-v", n=1_000_000, tag=9, label="v",
                         slots=4, heartbeat=1.0)
     prods = [producer("kill-a", heartbeat=1.0), producer("kill-b", heartbeat=1.0)]
     feeders = [Feeder(p, k, 1_000_000, close=False).begin() for k, p in enumerate(prods)]

@@ -64,31 +64,11 @@ RSS_SLACK_MB = 64.0
 SHM_WAIT = 5.0  # the dead process's resource tracker unlinks its segment within this
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-# Roles appended to tests/peers.py are started by importing it (its __main__ table is closed).
-LAUNCH = "import json, sys, peers; getattr(peers, sys.argv[1])(json.loads(sys.argv[2]))"
 
 pytestmark = pytest.mark.timeout(60)
 
 
 # --------------------------------------------------------------------------- helpers
-def start_role(procs: Any, role: str, **args: Any) -> Any:
-    """Start ``peers.<role>(args)`` in a child tracked by the ``procs`` fixture (own
-    process group; killed and checked for leaked segments at teardown)."""
-    peer_cls = sys.modules[type(procs).__module__].Peer
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, role, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True,
-    )
-    peer = peer_cls(proc, role)
-    procs.peers.append(peer)
-    return peer
-
-
 def event(name: str) -> Callable[[dict[str, Any]], bool]:
     return lambda line: line.get("event") == name
 
@@ -342,7 +322,7 @@ def test_consumer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
         feeder = Feeder(prod, device)
         assert wait_for(lambda: len(reader.seqs) >= 20, 10), "the real consumer gets nothing"
         rss0 = rss_mb()
-        victim = start_role(procs, role, endpoint=ep, device=device, heartbeat=HB, **args)
+        victim = procs.start(role, endpoint=ep, device=device, heartbeat=HB, **args)
         # Baseline: producer, real consumer, the victim's pipes; not yet its connection (the
         # child is still importing torch).
         fd0 = fd_count()
@@ -502,7 +482,7 @@ PRODUCER_ROWS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 def test_producer_killed(procs: Any, runtime_dir: Path, phase: str, device: str) -> None:
     role, pargs, cargs = PRODUCER_ROWS[phase]
     ep = "pk-" + phase
-    victim = start_role(procs, role, endpoint=ep, device=device, slots=SLOTS, heartbeat=HB, **pargs)
+    victim = procs.start(role, endpoint=ep, device=device, slots=SLOTS, heartbeat=HB, **pargs)
     victim.read_until(event("bound"), timeout=30)
     warm_up(device)
     fd0, rss0, parts0 = fd_count(), rss_mb(), rss_parts()
@@ -736,7 +716,7 @@ def _gpu_works(timeout: float = 20.0) -> bool:
 
 # --------------------------------------------------------------------------- close after a loss
 def test_close_after_peer_lost_is_prompt(procs: Any, runtime_dir: Path) -> None:
-    victim = start_role(procs, "fault_produce", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
+    victim = procs.start("fault_produce", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
     victim.read_until(event("bound"), timeout=30)
     cons = ipcsync.Consumer("pk-close", device="cpu", heartbeat=HB, timeout=10)
     try:

@@ -12,14 +12,10 @@ the test must watch an endpoint closely, in the test process itself (endpoints c
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,9 +26,6 @@ import peers
 
 pytestmark = pytest.mark.timeout(90)
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-LAUNCH = "import json, sys, test_forward as t; getattr(t, sys.argv[1])(json.loads(sys.argv[2]))"
 SIZE = 16  # peers.expected(i, SIZE): the upstream's item i
 
 
@@ -43,18 +36,7 @@ def device(request: pytest.FixtureRequest) -> str:
 
 def start_role(procs: Any, role: str, **args: Any) -> Any:
     """Start ``role_<role>(args)`` of this module in a child tracked by ``procs``."""
-    peer_cls = sys.modules[type(procs).__module__].Peer
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, "role_" + role, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True,
-    )
-    peer = peer_cls(proc, role)
-    procs.peers.append(peer)
-    return peer
+    return procs.start("role_" + role, module="test_forward", **args)
 
 
 def part(t: Any) -> dict[str, Any]:

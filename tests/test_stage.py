@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,30 +30,7 @@ from ipcsync.launch.spec import loads
 
 pytestmark = pytest.mark.timeout(60)
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-# Roles appended to tests/peers.py are started by importing it (its __main__ table is closed).
-LAUNCH = "import json, sys, peers; getattr(peers, sys.argv[1])(json.loads(sys.argv[2]))"
 RUN_ID = "0badcafe"
-
-
-def start_role(procs: Any, role: str, env: dict[str, str] | None = None, **args: Any) -> Any:
-    """Start ``peers.<role>(args)`` with ``env`` added to the environment, in a child
-    process tracked by the ``procs`` fixture."""
-    peer_cls = sys.modules[type(procs).__module__].Peer
-    full = dict(os.environ)
-    full.pop(ENV_WIRING, None)
-    full.update(env or {})
-    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    full["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, role, json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        env=full, start_new_session=True,
-    )
-    peer = peer_cls(proc, role)
-    procs.peers.append(peer)
-    return peer
 
 
 def spec_text(src_replicas: int = 1, timeout: float = 20, slots: int = 2) -> str:
@@ -377,10 +352,10 @@ def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, ru
 def test_item_flows_between_stage_processes_and_stats_are_reported(procs, runtime_dir, src_replicas):
     n = 30
     plan = make_plan(runtime_dir, src_replicas)
-    srcs = [start_role(procs, "stage_src", env=instance(plan, f"src/{r}").env, to="sink", n=n)
+    srcs = [procs.start("stage_src", env=instance(plan, f"src/{r}").env, to="sink", n=n)
             for r in range(src_replicas)]
     sink_inst = instance(plan, "sink/0")
-    sink = start_role(procs, "stage_sink", env=sink_inst.env, frm="src")
+    sink = procs.start("stage_sink", env=sink_inst.env, frm="src")
     for peer, inst in [(p, instance(plan, f"src/{r}")) for r, p in enumerate(srcs)] + [(sink, sink_inst)]:
         line = peer.read_until(lambda l: l.get("event") == "info", timeout=30)
         w = inst.wiring
