@@ -509,7 +509,7 @@ class Consumer(_Endpoint):
         for arena in arenas:
             try:
                 arena.close()
-            except Exception as exc:  # best effort: teardown would do the same
+            except Exception as exc:  # best effort
                 log.debug("ipcsync consumer: closing an arena: %s", exc)
         self._close_foreign()
 
@@ -790,17 +790,15 @@ class Consumer(_Endpoint):
         if isinstance(self._error, PeerLostError):
             self._remove_stale_endpoint(wait=0.5)
         self._ready.clear()
-        self._close_foreign()
+        self._let_go_of_memory()
         self._wake = None  # (closed when collected; see _Wake)
         self._ready_events = []
         self._release_events = []
-        self._slot_views = []
-        for closer in [self._chan.close, *(a.close for a in self._arenas), self._backend.collect]:
+        for closer in (self._chan.close, self._backend.collect):
             try:
                 closer()
             except Exception as exc:
                 log.debug("ipcsync consumer teardown: %s", exc)
-        self._arenas = []
 
 
     # ------------------------------------------------------------------ forwarding: downstream
