@@ -24,6 +24,7 @@ from .errors import (
     IpcSyncError,
     IpcTimeoutError,
     PeerLostError,
+    ProducerFailedError,
     ProtocolError,
 )
 from .fanin import FanIn
@@ -47,6 +48,7 @@ __all__ = [
     "IpcSyncError",
     "ProtocolError",
     "PeerLostError",
+    "ProducerFailedError",
     "ClosedError",
     "IpcTimeoutError",
     "ConfigError",

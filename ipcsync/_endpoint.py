@@ -1,13 +1,29 @@
 """What Producer and Consumer share: the endpoint lock, the service thread, option checks,
-timeouts.
+timeouts, and the endpoints' life across exit and fork.
 
-Threading model. All protocol work happens in ``_pump`` under ``_lock``; the socket is
+Threading model. All protocol work happens in ``_pump`` under ``_lock``; the sockets are
 only ever used by the thread holding the lock (ZeroMQ sockets may move between threads
 behind a full memory barrier, which the lock provides). The user's thread pumps inside
 every call. While the user's thread is away (no call for ``_tick`` seconds) the service
 thread pumps instead, so handshakes are answered, releases and heartbeats flow and dead
 peers are noticed even when the user computes for minutes between calls. The hot path
 therefore costs one uncontended lock, not a thread handoff.
+
+Blocking never holds the lock: a call that must wait pumps under the lock, then releases
+it and sleeps in ``select`` on the OS file descriptors behind its sockets (ZeroMQ's
+``ZMQ_FD``, safe to wait on from any thread), at most one tick at a time. So ``stats()``
+and ``close()`` from another thread answer at once, and ``close()`` from another thread
+makes a blocked call raise ClosedError within a tick (close waits until every such call
+has left before it frees anything).
+
+Thread rules, for every public method: any method may be called from any thread. Calls
+are serialized by the lock; waits are not. Iterating one Consumer from several threads
+is safe: each thread's ``next()`` releases only that thread's previous item.
+
+Exit and fork. One ``atexit`` hook closes every endpoint still open (bounded). A process
+forked while endpoints exist gets none of them: in the child they are marked as
+belonging to the parent, every call raises ClosedError, and nothing is closed, unlinked
+or said on the parent's behalf (``os.register_at_fork``).
 """
 
 from __future__ import annotations
@@ -15,11 +31,13 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
+import select
 import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, IpcTimeoutError
 
@@ -51,6 +69,39 @@ def check_wait(value: str) -> str:
     return value
 
 
+class RateLimitedLog:
+    """Log lines a peer can trigger, bounded: the first ``first`` per key, then one line
+    per ``every`` seconds saying how many were suppressed. Never raises."""
+
+    __slots__ = ("first", "every", "_seen")
+
+    def __init__(self, first: int = 3, every: float = 30.0) -> None:
+        self.first, self.every = first, every
+        self._seen: dict[str, list[float]] = {}  # key -> [count, suppressed, last time]
+
+    def __call__(self, level: int, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        st = self._seen.get(key)
+        if st is None:
+            if len(self._seen) >= 256:  # bounded under a flood of keys
+                self._seen.clear()
+            st = self._seen[key] = [0, 0, now]
+        st[0] += 1
+        if st[0] <= self.first:
+            st[2] = now
+            log.log(level, msg, *args)
+        elif now - st[2] >= self.every:
+            suppressed = int(st[1])
+            st[1], st[2] = 0, now
+            log.log(level, msg + " (%d similar line(s) suppressed)", *args, suppressed)
+        else:
+            st[1] += 1
+
+
+# Every endpoint open in this process, for the one atexit hook and for fork.
+_open_endpoints: "weakref.WeakSet[_Endpoint]" = weakref.WeakSet()
+
+
 class _Endpoint:
     """Base of Producer and Consumer: lock, service thread, closed state."""
 
@@ -64,12 +115,17 @@ class _Endpoint:
         self._heartbeat = hb or 0.0
         self._tick = min(0.05, self._heartbeat / 4) if self._heartbeat else 0.05
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._closed = False
         self._last_call = time.monotonic()
         self._next_tick = 0.0
         self._stop = threading.Event()
         self._service: threading.Thread | None = None
         self._endpoint_name = endpoint
+        self._owner_pid = os.getpid()  # a forked child is not the owner (see _forget_in_child)
+        self._waiters = 0  # calls blocked in _unlocked() right now (lock released)
+        self._closer: int | None = None  # thread ident running close(), once it started
+        self._ratelog = RateLimitedLog()
 
     # ------------------------------------------------------------------ to implement
     def _pump(self) -> None:
@@ -81,8 +137,23 @@ class _Endpoint:
         self._pump()
 
     def _wait_io(self, timeout: float) -> None:
-        """Block up to ``timeout`` for socket activity. Lock held."""
+        """Block up to ``timeout`` for socket activity, the lock held throughout (only for
+        short waits that must keep other endpoints' locks; see ``_block``). Lock held."""
         raise NotImplementedError
+
+    def _io_fds(self) -> Sequence[int]:
+        """OS file descriptors that become readable on socket activity (``ZMQ_FD`` of
+        each ZeroMQ socket, edge-triggered). Lock held."""
+        raise NotImplementedError
+
+    def _io_pending(self) -> bool:
+        """True if a socket has something to read now (``ZMQ_EVENTS``): then its fd may
+        not signal again until it is read, so do not block. Lock held."""
+        raise NotImplementedError
+
+    def _locked_wait(self) -> bool:
+        """True when the wait must keep the lock (see ``_wait_io``). Lock held."""
+        return False
 
     def _raise_if_broken(self) -> None:
         """Raise the pending error (peer lost, protocol error), if any. Lock held."""
@@ -98,8 +169,9 @@ class _Endpoint:
         self.close()
 
     def __del__(self) -> None:
-        # Unreferenced without close(): free what we hold, without saying goodbye.
-        if not getattr(self, "_closed", True):
+        # Unreferenced without close(): free what we hold, without saying goodbye. Never
+        # in a forked child: what it inherited is the parent's.
+        if not getattr(self, "_closed", True) and getattr(self, "_owner_pid", None) == os.getpid():
             try:
                 self._closed = True
                 self._teardown()
@@ -114,10 +186,11 @@ class _Endpoint:
             name=f"ipcsync-{self._role}-{self._endpoint_name}", daemon=True,
         )
         self._service.start()
-        atexit.register(_close_at_exit, ref)
+        _open_endpoints.add(self)
 
     def _stop_service(self) -> None:
         self._stop.set()
+        _open_endpoints.discard(self)
         t = self._service
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
@@ -135,8 +208,59 @@ class _Endpoint:
     def _check_open(self) -> None:
         """Refuse a call on a closed endpoint; note that the user's thread is here. Lock held."""
         if self._closed:
+            if self._owner_pid != os.getpid():
+                raise ClosedError(
+                    f"this {self._role} belongs to process {self._owner_pid}; a forked child "
+                    "cannot use its parent's endpoints: create new ones in the child"
+                )
             raise ClosedError(f"this {self._role} is closed; create a new one")
         self._last_call = time.monotonic()
+
+    def _check_not_closing(self) -> None:
+        """Inside a wait: another thread's close() ends it with ClosedError. Lock held."""
+        closer = self._closer
+        if closer is not None and closer != threading.get_ident():
+            raise ClosedError(f"this {self._role} was closed by another thread while this call waited")
+
+    def _begin_close(self, timeout: float = 2.0) -> None:
+        """close(): mark it started, then wait (up to ``timeout``) until every call blocked
+        in another thread has left; they raise ClosedError. Lock held."""
+        self._closer = threading.get_ident()
+        if self._waiters:
+            self._cond.wait_for(lambda: self._waiters == 0, timeout)
+
+    def _unlocked(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a blocking wait) with the lock released; take it back however ``fn``
+        ends (a KeyboardInterrupt included) before returning or raising. Lock held."""
+        self._waiters += 1
+        self._last_call = time.monotonic()
+        self._lock.release()
+        try:
+            return fn()
+        finally:
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    self._lock.acquire()
+                    break
+                except BaseException as exc:  # a signal handler raised: retry, then re-raise
+                    interrupted = interrupted or exc
+            self._waiters -= 1
+            self._last_call = time.monotonic()
+            if self._closer is not None:
+                self._cond.notify_all()
+            if interrupted is not None:
+                raise interrupted
+
+    def _block(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for socket activity, without the lock. Lock held."""
+        if self._locked_wait():
+            self._wait_io(timeout)
+            return
+        if self._io_pending():
+            return
+        fds = self._io_fds()
+        self._unlocked(lambda: select.select(fds, (), (), max(0.0, timeout)))
 
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         t = self._timeout if timeout is None else check_timeout("timeout", timeout)
@@ -174,15 +298,20 @@ class _Endpoint:
                         return True
             while True:
                 self._raise_if_broken()
+                self._check_not_closing()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
                 step = self._tick if deadline is None else min(self._tick, deadline - now)
                 if poll_event and backoff < 1e-3:
-                    time.sleep(min(backoff, step))
+                    pause = min(backoff, step)
+                    self._unlocked(lambda: time.sleep(pause))
                     backoff *= 2
                 else:
-                    self._wait_io(min(step, 1e-3) if poll_event else step)
+                    self._block(min(step, 1e-3) if poll_event else step)
+                self._check_not_closing()
+                if self._closed:
+                    raise ClosedError(f"this {self._role} was closed while this call waited")
                 self._pump()
                 if done():
                     return True
@@ -205,7 +334,9 @@ def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: fl
         if ep is None:
             return
         try:
-            if time.monotonic() - ep._last_call < tick or not ep._lock.acquire(blocking=False):
+            # A call blocked in another thread pumps for itself (at least once a tick).
+            if (ep._waiters or time.monotonic() - ep._last_call < tick
+                    or not ep._lock.acquire(blocking=False)):
                 continue
             try:
                 if not ep._closed:
@@ -218,10 +349,32 @@ def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: fl
             del ep
 
 
-def _close_at_exit(ref: "weakref.ref[_Endpoint]") -> None:
-    ep = ref()
-    if ep is not None and not ep._closed:
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Close every endpoint this process still has open, each bounded to a second."""
+    for ep in list(_open_endpoints):
+        if not ep._closed and ep._owner_pid == os.getpid():
+            try:
+                ep.close(timeout=1.0)
+            except BaseException:
+                pass
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the inherited endpoints are the parent's. Mark them closed
+    without touching anything (their sockets, memory and peers stay the parent's), so no
+    call, no collection and no exit hook of the child acts on them."""
+    for ep in list(_open_endpoints):
+        ep._closed = True
+        ep._service = None
         try:
-            ep.close(timeout=1.0)
+            # The parent's lock may have been held by one of its threads at the fork.
+            ep._lock = threading.Lock()
+            ep._cond = threading.Condition(ep._lock)
         except Exception:
             pass
+    _open_endpoints.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -6,10 +6,13 @@ peers are always local: a peer is named by (pid, start time), which survives pid
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import select
 
-__all__ = ["boot_id", "pid_namespace", "start_time", "process_alive"]
+__all__ = ["boot_id", "pid_namespace", "start_time", "read_start_time", "process_alive",
+           "ProcessWatch", "GONE", "peer_credentials"]
 
 
 @functools.cache
@@ -31,26 +34,120 @@ def pid_namespace() -> str:
         return ""
 
 
-def start_time(pid: int) -> int:
-    """Start time of process ``pid`` in clock ticks since boot; -1 if it does not exist."""
+#: What ``read_start_time`` returns for a process that provably does not exist (no /proc
+#: entry, or a zombie: it has exited and only waits to be reaped).
+GONE = -1
+
+
+def read_start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot; ``GONE`` if it provably
+    does not exist; None if /proc could not say (EMFILE, EACCES, a torn read, ...).
+
+    Only "no such process" counts as proof: an error reading /proc is never death (a
+    process that briefly has no free fd must not declare its live peers dead).
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-    except OSError:
-        return -1
+    except (FileNotFoundError, ProcessLookupError):
+        return GONE
+    except OSError as exc:
+        return GONE if exc.errno == errno.ESRCH else None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = data[data.rfind(b")") + 2 :].split()
     try:
-        if fields[0] == b"Z":  # a zombie has exited
-            return -1
+        if fields[0] in (b"Z", b"X"):  # a zombie (or dead) has exited
+            return GONE
         return int(fields[19])
     except (IndexError, ValueError):
-        return -1
+        return None
+
+
+def start_time(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot; -1 if it does not exist or
+    /proc cannot say (use ``read_start_time`` where the difference matters)."""
+    t = read_start_time(pid)
+    return GONE if t is None else t
 
 
 def process_alive(pid: int, started: int) -> bool:
-    """True while the process (pid, start time) exists and has not exited."""
-    return start_time(pid) == started
+    """False only when the process (pid, start time) provably no longer exists: its pid is
+    gone, or now names another process. An error reading /proc counts as alive."""
+    t = read_start_time(pid)
+    return t is None or t == started
+
+
+class ProcessWatch:
+    """Tells whether one process of this PID namespace has exited, without false deaths.
+
+    Uses a pidfd (Linux 5.3+: readable once the process has exited, immune to pid reuse)
+    where it can get one, else ``(pid, start time)`` read from /proc. ``gone()`` is True
+    only on proof; failing to open or read anything means "still alive". Not thread-safe;
+    owned by one endpoint, used under its lock.
+    """
+
+    __slots__ = ("pid", "started", "_pidfd", "_gone")
+
+    def __init__(self, pid: int, started: int | None = None) -> None:
+        self.pid = pid
+        self._pidfd: int | None = None
+        self._gone = False
+        if started is None:
+            started = read_start_time(pid)
+            if started is None:
+                started = GONE  # unknown: fall back to the pidfd alone, or to nothing
+            elif started == GONE:
+                self._gone = True
+        self.started = started
+        if self._gone or pid <= 0:
+            return
+        try:
+            fd = os.pidfd_open(pid)  # type: ignore[attr-defined]
+        except ProcessLookupError:
+            self._gone = True
+            return
+        except (AttributeError, OSError):  # no pidfds here, or no free fd: use /proc
+            return
+        # The pid may have been reused between the identity we were given and the
+        # pidfd_open: the pidfd counts only if it names the same process.
+        now = read_start_time(pid)
+        if now == GONE or (now is not None and started != GONE and now != started):
+            os.close(fd)
+            self._gone = True
+            return
+        os.set_inheritable(fd, False)
+        self._pidfd = fd
+
+    def gone(self) -> bool:
+        """True once the process has provably exited (cached: death is final)."""
+        if self._gone:
+            return True
+        if self._pidfd is not None:
+            try:
+                readable, _, _ = select.select([self._pidfd], [], [], 0)
+            except (OSError, ValueError):
+                return False
+            if readable:
+                self._gone = True
+                self.close()
+            return self._gone
+        if self.started == GONE:
+            return False  # no identity to compare with: cannot prove anything
+        t = read_start_time(self.pid)
+        if t is not None and t != self.started:
+            self._gone = True
+        return self._gone
+
+    def close(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def peer_credentials(fd: int) -> tuple[int, int, int] | None:

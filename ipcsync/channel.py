@@ -288,6 +288,22 @@ class _Channel:
         """Block up to ``timeout`` seconds for a frame or a monitor event."""
         return bool(self.poller.poll(max(0, int(timeout * 1000))))
 
+    def fds(self) -> list[int]:
+        """The OS file descriptors (``ZMQ_FD``) that signal activity on the socket and its
+        monitor: edge-triggered, safe to ``select`` on from a thread that does not own
+        the socket. Check ``pending()`` before blocking on them."""
+        out = [self.sock.getsockopt(zmq.FD)]
+        if self.mon is not None:
+            out.append(self.mon.getsockopt(zmq.FD))
+        return out
+
+    def pending(self) -> bool:
+        """True if the socket or its monitor has something to read now."""
+        if self._get(_EVENTS) & _POLLIN:
+            return True
+        mon = self.mon
+        return mon is not None and bool(mon.getsockopt(_EVENTS) & _POLLIN)
+
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon
@@ -327,7 +343,7 @@ class _Channel:
                 pass
             self.mon.close(linger=0)
             self.mon = None
-        sock.close(linger=0)
+        sock.close()  # with its LINGER option: 0 unless set for a last word (an abort's ERROR)
 
 
 class ProducerChannel(_Channel):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections import deque
 from typing import Any, Iterator, NamedTuple
@@ -44,6 +45,7 @@ import torch
 import zmq
 
 from . import _host
+from . import limits
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
@@ -55,6 +57,7 @@ from .errors import (
     IpcSyncError,
     IpcTimeoutError,
     PeerLostError,
+    ProducerFailedError,
     ProtocolError,
 )
 from .layout import Recipe
@@ -198,12 +201,16 @@ class Consumer(_Endpoint):
         device: must be the same kind of device as the producer's (``cpu`` / ``cuda[:N]``).
         wait: ``"gpu"`` (the stream waits on the producer's event at once) or ``"host"``
             (poll until complete: never wedges if the producer dies).
-        timeout: default for blocking calls, and how long the handshake waits for a
-            producer to appear (seconds; None or inf: forever).
+        timeout: default for blocking calls (``get``, ``close``'s wait for forwarded
+            items); None (the default) or inf: as long as the producer lives.
+        connect_timeout: how long the handshake waits for a producer to appear and answer
+            (seconds, default 30; None or inf: forever).
         idle_timeout: how long iteration waits for the next item; None: as long as the
             producer is alive.
-        heartbeat: seconds between liveness messages when idle; None disables silence
-            detection (disconnects and process exits are still detected).
+        heartbeat: seconds between liveness messages when idle. A producer silent for
+            1.5x its heartbeat is reported as stalled (logged, ``stats()["producer_stalled"]``)
+            and waited for; it is lost only when its process is provably gone or its
+            connection closed without goodbye.
         credits: most items held at once (buffered + unreleased); default: all slots.
         auto_release: release the previous item at the next iteration.
         stream: CUDA stream for waits and release events (default: current at each call).
@@ -220,9 +227,10 @@ class Consumer(_Endpoint):
         *,
         device: str | torch.device | None = None,
         wait: str = "gpu",
-        timeout: float | None = 30.0,
+        timeout: float | None = limits.DEFAULT_TIMEOUT,
+        connect_timeout: float | None = limits.DEFAULT_CONNECT_TIMEOUT,
         idle_timeout: float | None = None,
-        heartbeat: float | None = 1.0,
+        heartbeat: float | None = limits.DEFAULT_HEARTBEAT,
         credits: int | None = None,
         auto_release: bool = True,
         stream: Any = None,
@@ -233,6 +241,7 @@ class Consumer(_Endpoint):
         super().__init__(endpoint, timeout, heartbeat)
         self.wait_mode = check_wait(wait)
         self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
+        connect = check_timeout("connect_timeout", connect_timeout)
         self._credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)
         self.device = resolve_device(device)
@@ -250,7 +259,9 @@ class Consumer(_Endpoint):
         self._recipes: dict[int, Recipe] = {}  # layout id -> validated layout
         self._held: dict[int, Item] = {}
         self._pending: list[tuple[int, int, int]] = []
-        self._current: Item | None = None
+        # Per iterating thread, its current item (auto-released at that thread's next
+        # next()): one thread never releases another's item.
+        self._current: dict[int, Item] = {}
         self._error: IpcSyncError | None = None
         self._bye_received = False
         self._bye_sent = False
@@ -273,11 +284,15 @@ class Consumer(_Endpoint):
         self._fwd_outs: list[Any] = []  # the Producers that forwarded items of ours
         self._last_recv = time.monotonic()
         self._last_send = 0.0
+        self._producer_watch: _host.ProcessWatch | None = None  # set at SETUP
+        self._stalled = False  # the producer is silent past 1.5 heartbeats but alive
+        self._stalled_total = 0
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         try:
+            self._fds = self._chan.fds()
             with self._lock:
                 self._send_frame(P.encode(self._hello()))
-                t = self._resolve_timeout(None)
+                t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: self._conv.state != "await_setup", t):
                     raise IpcTimeoutError(
                         f"no producer answered on endpoint {self.endpoint.name!r} "
@@ -313,7 +328,7 @@ class Consumer(_Endpoint):
                 if pumped:
                     self._pump()  # (no socket work when an item is already buffered)
                 if ready and self._error is None:
-                    item = self._current = self._make_item(ready.popleft())
+                    item = self._current[threading.get_ident()] = self._make_item(ready.popleft())
                     return item
                 t = self._idle_timeout
                 item = self._next_item(None if t is None or math.isinf(t) else t, pumped)
@@ -330,6 +345,7 @@ class Consumer(_Endpoint):
             return self._stats.snapshot(
                 role="consumer", held=len(self._held), buffered=len(self._ready),
                 forwarded_out=len(self._forwarded), forwarded_lost=self._foreign_lost,
+                producer_stalled=self._stalled, producer_stalled_total=self._stalled_total,
             )
 
     @property
@@ -342,11 +358,21 @@ class Consumer(_Endpoint):
         return self._setup.pid if self._setup else None
 
     def close(self, timeout: float | None = None) -> None:
-        """Release everything held, say goodbye and disconnect. Idempotent; bounded by
-        ``timeout`` (default: min(the consumer's timeout, 1 s)) for the goodbye."""
+        """Release everything held, say goodbye and disconnect. Idempotent. The goodbye
+        waits at most ``min(timeout, 1 s)``; items this consumer forwarded zero-copy are
+        waited for up to ``timeout`` (default: the consumer's; None: while their holders
+        live). A call blocked in another thread raises ClosedError."""
+        self._close(timeout, forwarded_wait=True)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # An exception (Ctrl-C included) leaves at once: no wait for forwarded items.
+        self._close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)
+
+    def _close(self, timeout: float | None, forwarded_wait: bool) -> None:
         with self._lock:
             if self._closed:
                 return
+            self._begin_close(timeout=1.0)
             try:
                 for item in list(self._held.values()):
                     self._release_locked(item, None)
@@ -355,11 +381,12 @@ class Consumer(_Endpoint):
                     self._pending.append((seq, slot, gen))
                 self._flush_releases()
                 if self._forwarded:
-                    self._close_forwarded(timeout)
+                    self._close_forwarded(timeout if forwarded_wait else 0.0)
                 if self._conv.state in ("active", "ending") and self._error is None and not self._bye_acked:
                     self._say_bye()
                     t = self._resolve_timeout(timeout)
                     t = 1.0 if t is None else min(t, 1.0)
+                    t = max(t, 0.2)  # the ack is a round trip away: never drop our last frames
                     # Our RELEASE and BYE frames are delivered once the producer acks the
                     # BYE; only then may the socket close (linger 0 drops unsent frames).
                     self._wait_until(
@@ -402,7 +429,7 @@ class Consumer(_Endpoint):
         self._raise_if_broken()
         if self._ready:
             item = self._make_item(self._ready.popleft())
-            self._current = item
+            self._current[threading.get_ident()] = item
             return item
         if self._bye_received:
             self._pump()  # answers BYE once nothing is held
@@ -413,11 +440,11 @@ class Consumer(_Endpoint):
         )
 
     def _release_current(self) -> None:
-        """The iteration moves on: release the previous item (``auto_release``). Lock held."""
-        cur = self._current
+        """This thread's iteration moves on: release its previous item (``auto_release``).
+        Lock held."""
+        cur = self._current.pop(threading.get_ident(), None) if self._current else None
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
-        self._current = None
 
     def _poll(self) -> tuple[bool, Item | None]:
         """Without waiting for the producer: (True, item), (True, None) at the end of the
@@ -612,10 +639,9 @@ class Consumer(_Endpoint):
             time.sleep(0.01)
 
     def _producer_alive(self) -> bool:
-        s = self._setup
-        if s is None or s.pid_ns != _host.pid_namespace():
-            return True  # cannot tell from here
-        return _host.process_alive(s.pid, s.start_time)
+        """False only when the producer's process is provably gone."""
+        w = self._producer_watch
+        return w is None or not w.gone()  # None: cannot tell from here
 
     def _pump(self) -> None:
         if self._wake is not None:
@@ -724,8 +750,15 @@ class Consumer(_Endpoint):
         self._ready.append((seq, slot, gen, sent_ns, meta, recipe))
 
     def _on_error(self, msg: P.Error) -> None:
-        text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"
         err: IpcSyncError
+        if msg.code == "failed" and self._setup is not None:
+            # The producer's with-block raised (or it called abort()): never a clean end.
+            self._fail(ProducerFailedError(
+                f"producer (pid {self._setup.pid}) on endpoint {self.endpoint.name!r} failed: "
+                f"{msg.message}; its stream ended early and items it had sent but this consumer "
+                "had not yet received are dropped"), None)
+            return
+        text = f"producer on {self.endpoint.name!r} refused this consumer ({msg.code}): {msg.message}"
         if msg.code in ("backend", "host", "credits", "device"):
             err = ConfigError(text)
         elif msg.code == "closing":
@@ -766,6 +799,8 @@ class Consumer(_Endpoint):
             self._fail(exc if isinstance(exc, BackendError) else BackendError(str(exc)), "backend")
             return
         self._setup = s
+        if s.pid_ns == _host.pid_namespace():
+            self._producer_watch = _host.ProcessWatch(s.pid, s.start_time)
         self._release_batch = max(1, len(s.slots) // 4)
         self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
 
@@ -774,24 +809,50 @@ class Consumer(_Endpoint):
         if s is None or self._error is not None:
             return
         if not self._bye_received:  # after its BYE the producer only waits for our releases
-            hb = s.heartbeat_ms / 1000
-            if hb and now - self._last_recv > 1.5 * hb:
-                self._lost(f"was silent for {now - self._last_recv:.2f} s (heartbeat {hb} s)")
-                return
             if not self._producer_alive():
                 self._lost("exited")
                 return
+            # Liveness rule: a silent producer whose process lives is stalled (paused, a
+            # long GC, SIGSTOP), not lost: waited for, reported.
+            hb = s.heartbeat_ms / 1000
+            silent = now - self._last_recv
+            if hb and silent > 1.5 * hb:
+                if not self._stalled:
+                    self._stalled = True
+                    self._stalled_total += 1
+                    self._ratelog(logging.WARNING, "stalled",
+                                  "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
+                                  "(heartbeat %.2f s) but its process is alive: stalled, waiting",
+                                  self.endpoint.name, s.pid, silent, hb)
+            elif self._stalled:
+                self._stalled = False
+                log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, s.pid)
         # Heartbeats go on until our BYE: a consumer still holding items after the
         # producer's BYE must not look dead to the closing producer.
         if self._heartbeat and not self._bye_sent and now - self._last_send > self._heartbeat / 4:
             self._send_frame(P.encode(P.Heartbeat()))
 
+    def _io_fds(self) -> list[int]:
+        if self._wake is not None:
+            return [*self._fds, self._wake.fd]
+        return self._fds
+
+    def _io_pending(self) -> bool:
+        return self._chan.pending()
+
+    def _locked_wait(self) -> bool:
+        # Waiting with forwarded items out polls the forwarding Producers' sockets under
+        # their locks (see _wait_io_forwarding): keep ours too, a tick at a time.
+        return bool(self._forwarded and self._fwd_outs)
+
     def _teardown(self) -> None:
-        if isinstance(self._error, PeerLostError):
+        if isinstance(self._error, PeerLostError) and not isinstance(self._error, ProducerFailedError):
             self._remove_stale_endpoint(wait=0.5)
         self._ready.clear()
         self._let_go_of_memory()
         self._wake = None  # (closed when collected; see _Wake)
+        if self._producer_watch is not None:
+            self._producer_watch.close()
         self._ready_events = []
         self._release_events = []
         for closer in (self._chan.close, self._backend.collect):
@@ -929,8 +990,9 @@ class Consumer(_Endpoint):
             item.released = True
             del self._held[item.seq]
             self._forwarded[item.seq] = item
-            if self._current is item:
-                self._current = None
+            for tid, cur in list(self._current.items()):
+                if cur is item:
+                    del self._current[tid]
             return src
 
     def _forward_undo(self, item: Item) -> None:

@@ -11,6 +11,7 @@ __all__ = [
     "IpcSyncError",
     "ProtocolError",
     "PeerLostError",
+    "ProducerFailedError",
     "ClosedError",
     "IpcTimeoutError",
     "ConfigError",
@@ -28,8 +29,16 @@ class ProtocolError(IpcSyncError):
 
 
 class PeerLostError(IpcSyncError):
-    """The peer process went away (it died, closed its socket, or fell silent past the
-    heartbeat timeout). Items it had not yet delivered are gone; restart or reconnect."""
+    """The peer process went away: it died, or closed its connection without goodbye.
+    (Silence alone never means lost while the peer's process lives: a paused peer is
+    waited for.) Items it had not yet delivered are gone; restart or reconnect."""
+
+
+class ProducerFailedError(PeerLostError):
+    """The producer ended its stream as failed: its ``with`` block exited by an exception
+    (Ctrl-C included) or it called ``abort()``. The message carries the producer's
+    exception type and text. Never a clean end of the stream: items it had sent but that
+    were not yet received are dropped."""
 
 
 class ClosedError(IpcSyncError):

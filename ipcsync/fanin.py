@@ -10,19 +10,19 @@ Rules:
   it sent was received); a source whose producer dies raises PeerLostError from the
   FanIn, like a single Consumer would, and again on every later call (the merged stream
   never goes on silently without a source);
-- waiting for the next item polls all sources' sockets at once (each source's lock held
-  for the poll, so no service thread uses a socket meanwhile).
+- waiting for the next item pumps every live source (under its lock), then sleeps in
+  one ``select`` on all their sockets' file descriptors with no lock held, so a source's
+  ``stats()`` or ``close()`` from another thread is never blocked by the wait.
 """
 
 from __future__ import annotations
 
 import math
+import select
 import time
-from contextlib import ExitStack
 from typing import Any, Iterator, Sequence
 
-import zmq
-
+from . import limits
 from ._endpoint import check_timeout
 from .channel import resolve_endpoint
 from .consumer import Consumer, Item
@@ -39,7 +39,8 @@ class FanIn:
     Args:
         endpoints: the producers' endpoints (at least one).
         sources: labels for ``item.source``, one per endpoint (default: the endpoints).
-        timeout: default for blocking calls and for each source's handshake.
+        timeout: default for blocking calls (None, the default: as long as a source lives).
+        connect_timeout: how long each source's handshake waits for its producer (30 s).
         idle_timeout: how long iteration waits for the next item (None: as long as a
             source lives).
         auto_release: release the previous item at the next iteration.
@@ -51,7 +52,8 @@ class FanIn:
         endpoints: Sequence[str],
         *,
         sources: Sequence[str] | None = None,
-        timeout: float | None = 30.0,
+        timeout: float | None = limits.DEFAULT_TIMEOUT,
+        connect_timeout: float | None = limits.DEFAULT_CONNECT_TIMEOUT,
         idle_timeout: float | None = None,
         auto_release: bool = True,
         **options: Any,
@@ -71,7 +73,8 @@ class FanIn:
         self._consumers: list[Consumer] = []
         try:
             for ep, label in zip(endpoints, labels):
-                c = Consumer(ep, timeout=timeout, auto_release=False, **options)
+                c = Consumer(ep, timeout=timeout, connect_timeout=connect_timeout, auto_release=False,
+                             **options)
                 c.source = label
                 self._consumers.append(c)
         except BaseException:
@@ -191,15 +194,15 @@ class FanIn:
         return None
 
     def _wait(self, timeout: float) -> None:
-        """Block until any live source's socket is readable, or ``timeout``."""
-        poller = zmq.Poller()
-        with ExitStack() as stack:
-            for i in self._live:
-                c = self._consumers[i]
-                stack.enter_context(c._lock)
+        """Block until any live source's socket is readable, or ``timeout``, holding no
+        source's lock while blocked (their fds are ZMQ_FDs, safe to select on)."""
+        fds: list[int] = []
+        for i in self._live:
+            c = self._consumers[i]
+            with c._lock:
                 if c.closed:
                     raise ClosedError("a FanIn source was closed directly; close the FanIn instead")
-                poller.register(c._chan.sock, zmq.POLLIN)
-                if c._chan.mon is not None:  # disconnects wake us too
-                    poller.register(c._chan.mon, zmq.POLLIN)
-            poller.poll(max(0, int(timeout * 1000)))
+                if c._io_pending():
+                    return  # something to read already: an edge-triggered fd may not signal
+                fds.extend(c._io_fds())
+        select.select(fds, (), (), max(0.0, timeout))

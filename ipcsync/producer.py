@@ -50,6 +50,7 @@ import torch
 import zmq
 
 from . import _host
+from . import limits
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
@@ -64,10 +65,14 @@ __all__ = ["Producer", "SlotWriter"]
 
 log = logging.getLogger("ipcsync")
 
-DEFAULT_SLOT_BYTES = 16 << 20
+DEFAULT_SLOT_BYTES = limits.DEFAULT_SLOT_BYTES
 _MAX_PLANS = 256  # distinct message signatures cached (then the cache starts over)
 _MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
-_MAX_SLOTS = 1024
+_MAX_SLOTS = limits.MAX_SLOTS
+# A consumer that said HELLO must ATTACH within this long (nothing is held before ATTACH).
+_HANDSHAKE_S = 30.0
+# close() says what it is still waiting for after this long, then every _CLOSE_NAG_S.
+_CLOSE_NAG_S = 5.0
 _BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
 _PLAIN_META = (int, float, str, bool)  # metas msgpack itself fully checks
 
@@ -81,6 +86,14 @@ class _Peer:
     hello: P.Hello
     conv: P.Conversation
     last_recv: float
+    # The consumer's process, as the kernel named it where it can (SO_PEERCRED), else as
+    # its HELLO claims it when that process exists; None where this producer cannot see
+    # it (another PID namespace over tcp). Liveness rule: a peer whose process this
+    # watch shows alive is never declared lost; silence only makes it "stalled".
+    watch: _host.ProcessWatch | None = None
+    hello_at: float = 0.0
+    stalled: bool = False  # silent past 1.5 heartbeats, process alive
+    disconnected: bool = False  # connection closed without BYE, process alive: holds stay
     last_send: float = 0.0
     release_events: list[Event] = field(default_factory=list)
     outbox: deque[bytes] = field(default_factory=deque)
@@ -175,10 +188,13 @@ class Producer(_Endpoint):
             (CUDA): ``"host"`` (default: poll until complete; a consumer that
             dies mid-record can never wedge the producer's stream; free in steady state,
             since a slot is reused long after its release) or ``"gpu"`` (enqueue at once).
-        timeout: default for every blocking call (seconds; None or inf: wait forever).
-        heartbeat: seconds between liveness messages when idle; a consumer silent for 1.5x
-            its heartbeat is declared lost. None disables silence detection (disconnects
-            and process exits are still detected).
+        timeout: default for every blocking call (seconds). None (the default) or inf:
+            wait as long as the consumers being waited for live, as ``mp.Queue.put``
+            does; a consumer whose process is gone ends the wait.
+        heartbeat: seconds between liveness messages when idle. A consumer silent for
+            1.5x its heartbeat is reported as stalled (logged, ``stats()["consumers_stalled"]``)
+            but keeps its slots while its process lives: a consumer is lost only when its
+            process is provably gone, or it closed its connection and cannot be watched.
         stream: CUDA stream for copies and events (default: the current stream at each call).
         curve: CURVE keys (``ipcsync.CurveKeys``) for a ``tcp://`` endpoint; a tcp endpoint
             without them is refused unless ``insecure=True``. ipc endpoints need neither:
@@ -192,13 +208,13 @@ class Producer(_Endpoint):
         self,
         endpoint: str,
         *,
-        slots: int = 4,
+        slots: int = limits.DEFAULT_SLOTS,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         device: str | torch.device | None = None,
         policy: str = "shard",
         wait: str = "host",
-        timeout: float | None = 30.0,
-        heartbeat: float | None = 1.0,
+        timeout: float | None = limits.DEFAULT_TIMEOUT,
+        heartbeat: float | None = limits.DEFAULT_HEARTBEAT,
         stream: Any = None,
         curve: CurveKeys | None = None,
         insecure: bool = False,
@@ -242,7 +258,8 @@ class Producer(_Endpoint):
         self._enc = P.Encoder()  # used under the lock
         self._bad_frames = 0
         self._attached_total = 0  # consumers that completed the handshake, ever
-        self._lost_total = 0  # consumers that died or went silent, ever
+        self._lost_total = 0  # consumers that died, ever
+        self._stalled_total = 0  # times a live consumer fell silent past 1.5 heartbeats
         self._bad_by_peer: dict[bytes, int] = {}
         self._closing = False
         self._stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
@@ -260,6 +277,7 @@ class Producer(_Endpoint):
                 self._arena.close()
             raise
         self._pid = os.getpid()
+        self._fds = self._chan.fds()
         self._start_service()
 
     # ------------------------------------------------------------------ public API
@@ -403,7 +421,8 @@ class Producer(_Endpoint):
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
-        by cause, slot occupancy, consumers, rejected frames."""
+        by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
+        but alive), rejected frames."""
         with self._lock:
             return self._stats.snapshot(
                 role="producer",
@@ -411,29 +430,35 @@ class Producer(_Endpoint):
                 consumers=len(self._ring.consumers()),
                 consumers_attached=self._attached_total,
                 consumers_lost=self._lost_total,
+                consumers_stalled=sum(p.stalled for p in self._peers.values()),
+                consumers_stalled_total=self._stalled_total,
                 bad_frames=self._bad_frames,
                 forwarded=self._forwarded_total,
                 forwarded_held=sum(f is not None for f in self._fwd),
             )
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish and shut down. Items already sent are delivered to consumers (who end
-        their iteration after the last one); waits up to ``timeout`` (default: the
-        producer's) for them to be released, then frees the slots and the endpoint.
-        Idempotent; never raises for peers that are gone."""
+        """Finish and shut down: a successful end of the stream. Items already sent (and
+        queued ones, to a consumer that attaches meanwhile) are delivered; consumers end
+        their iteration cleanly after the last one. Waits up to ``timeout`` (default: the
+        producer's; None: as long as the consumers holding items live) for them to be
+        released, saying on whom it waits every few seconds, then frees the slots and the
+        endpoint. Idempotent; never raises for peers that are gone. A call blocked in
+        another thread raises ClosedError."""
         with self._lock:
             if self._closed:
                 return
             self._closing = True
+            self._begin_close()
             t = self._resolve_timeout(timeout)
             deadline = None if t is None else time.monotonic() + t
             try:
-                self._wait_until(lambda: self._ring.queued == 0, _remaining(deadline))
+                self._wait_nagging(lambda: self._ring.queued == 0, deadline, self._queued_words)
                 for peer in list(self._peers.values()):
                     self._say_bye(peer, "producer closed")
-                self._wait_until(
+                self._wait_nagging(
                     lambda: not self._ring.busy() and not self._peers and not self._fwd_pending,
-                    _remaining(deadline),
+                    deadline, self._held_words,
                 )
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
@@ -446,6 +471,63 @@ class Producer(_Endpoint):
             self._closed = True
             self._teardown()
         self._stop_service()
+
+    def abort(self, error: BaseException | str | None = None) -> None:
+        """End the stream as failed, at once: no wait for items in flight. Consumers get
+        ``ProducerFailedError`` (a ``PeerLostError``) carrying ``error`` (an exception's
+        type and message, or a text) instead of a clean end; items they hold stay
+        readable, items not yet received are dropped. What a ``with`` block does when
+        it exits by an exception (Ctrl-C included). Idempotent, bounded (< 1 s)."""
+        if isinstance(error, BaseException):
+            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        else:
+            text = error or "aborted"
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = True
+            self._begin_close(timeout=1.0)
+            frame = P.encode(P.Error("failed", text[:1000]))
+            for peer in list(self._peers.values()):
+                if not peer.bye_received and not peer.disconnected:
+                    try:
+                        self._chan.send(peer.identity, frame)
+                    except zmq.ZMQError:
+                        pass
+            self._closed = True
+            self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+        self._stop_service()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def _wait_nagging(self, done: Any, deadline: float | None, words: Any) -> None:
+        """``_wait_until(done)`` until ``deadline``, logging ``words()`` (what close is
+        waiting for) after _CLOSE_NAG_S and then every _CLOSE_NAG_S. Lock held."""
+        nag = time.monotonic() + _CLOSE_NAG_S
+        while True:
+            step_end = nag if deadline is None else min(nag, deadline)
+            if self._wait_until(done, max(0.0, step_end - time.monotonic())):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
+                        "this; abort() ends the stream at once)", self.endpoint.name, words())
+            nag = time.monotonic() + _CLOSE_NAG_S
+
+    def _queued_words(self) -> str:
+        n = self._ring.queued
+        if not self._ring.consumers():
+            return f"{n} item(s) sent but no consumer is attached to take them"
+        return f"{n} item(s) queued for consumers whose credits are all in use"
+
+    def _held_words(self) -> str:
+        held = [f"{p.label} holds {len(self._ring.held_by(p.identity))} item(s)"
+                + (" (stalled)" if p.stalled else "") for p in self._peers.values()]
+        return "; ".join(held) or f"slot states {self._ring.occupancy()}"
 
     def __enter__(self) -> "Producer":
         return self
@@ -805,10 +887,12 @@ class Producer(_Endpoint):
             peer.outbox.append(frame)
 
     def _try_send(self, peer: _Peer, frame: bytes) -> bool:
+        if peer.disconnected:
+            return True  # nothing reaches it any more; its holds wait for its exit
         try:
             ok = self._chan.send(peer.identity, frame)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
-            self._lose(peer, f"unreachable ({exc})")
+            self._on_disconnect(peer, f"unreachable ({exc})")
             return True
         if ok:
             peer.last_send = time.monotonic()
@@ -840,7 +924,7 @@ class Producer(_Endpoint):
         while self._disconnected:
             peer = self._peers.get(self._disconnected.pop())
             if peer is not None:
-                self._lose(peer, "disconnected")
+                self._on_disconnect(peer, "disconnected")
         if self._fwd_pending:
             self._poll_forwards()
         self._dispatch()
@@ -934,14 +1018,16 @@ class Producer(_Endpoint):
         problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem
-            log.warning("ipcsync producer %r refused consumer pid %d: %s", self.endpoint.name, hello.pid, text)
+            self._ratelog(logging.WARNING, f"refused:{code}", "ipcsync producer %r refused consumer pid %d: %s",
+                          self.endpoint.name, hello.pid, text)
             try:
                 self._chan.send(identity, P.encode(P.Error(code, text)))
             except zmq.ZMQError:
                 pass
             return
         now = time.monotonic()
-        peer = _Peer(identity, fd, hello, P.Conversation("producer"), last_recv=now)
+        peer = _Peer(identity, fd, hello, P.Conversation("producer"), last_recv=now,
+                     watch=self._watch_for(hello, fd), hello_at=now)
         peer.conv.receive(hello)
         self._peers[identity] = peer
         if fd >= 0:
@@ -963,8 +1049,11 @@ class Producer(_Endpoint):
 
     def _credentials_problem(self, hello: P.Hello, fd: int) -> tuple[str, str] | None:
         """On ipc endpoints the kernel says who connected (SO_PEERCRED): only our own
-        user, and only the process the HELLO names. (The socket file is 0600 in a 0700
-        directory already; this also holds for ipc:// paths the user chose.)"""
+        user, and only the process the HELLO names: in our PID namespace its pid must be
+        the kernel's; a HELLO claiming another namespace must name the one the kernel
+        shows that process in. Only the kernel's word is trusted: liveness watches the
+        kernel's pid, whatever the HELLO says (see _watch_for). (The socket file is 0600
+        in a 0700 directory already; this also holds for ipc:// paths the user chose.)"""
         if self.endpoint.path is None:
             return None
         cred = _host.peer_credentials(fd)
@@ -973,13 +1062,32 @@ class Producer(_Endpoint):
         pid, uid, _gid = cred
         if uid != os.getuid():
             return "uid", f"connection from uid {uid}; this producer accepts only its own user ({os.getuid()})"
-        if hello.pid_ns == _host.pid_namespace() and pid != hello.pid:
-            return "identity", f"HELLO claims pid {hello.pid} but the connection belongs to pid {pid}"
+        ours = _host.pid_namespace()
+        if hello.pid_ns == ours:
+            if pid != hello.pid:
+                return "identity", f"HELLO claims pid {hello.pid} but the connection belongs to pid {pid}"
+        elif pid > 0:
+            try:
+                theirs = os.readlink(f"/proc/{pid}/ns/pid")
+            except OSError:
+                theirs = None  # cannot tell; the watch still uses the kernel's pid
+            if theirs is not None and theirs != hello.pid_ns:
+                return "identity", (f"HELLO claims PID namespace {hello.pid_ns!r} but the connecting "
+                                    f"process (pid {pid} here) runs in {theirs!r}")
+        return None
+
+    def _watch_for(self, hello: P.Hello, fd: int) -> _host.ProcessWatch | None:
+        """How to tell when this consumer's process has exited: the kernel's pid for the
+        connection where there is one (ipc), else the HELLO's (pid, start time) if that
+        process exists in our PID namespace; None if we cannot see it."""
+        cred = _host.peer_credentials(fd) if self.endpoint.path is not None else None
+        if cred is not None and cred[0] > 0:
+            return _host.ProcessWatch(cred[0])
+        if hello.pid_ns == _host.pid_namespace() and _host.read_start_time(hello.pid) == hello.start_time:
+            return _host.ProcessWatch(hello.pid, hello.start_time)
         return None
 
     def _hello_problem(self, hello: P.Hello) -> tuple[str, str] | None:
-        if self._closing:
-            return "closing", "the producer is closing and accepts no new consumers"
         if hello.boot_id != _host.boot_id():
             return "host", (
                 "consumer runs on another host or boot; shared memory and CUDA IPC need "
@@ -1060,6 +1168,8 @@ class Producer(_Endpoint):
         if self._fwd_pending:
             self._poll_forwards()  # it may have been the one a forward still waited for
         peer.release_events = []
+        if peer.watch is not None:
+            peer.watch.close()
         self._bad_by_peer.pop(peer.identity, None)
         self._backend.collect()
         self._dispatch()
@@ -1071,31 +1181,81 @@ class Producer(_Endpoint):
         held = len(self._ring.held_by(peer.identity))
         if not peer.bye_received and peer.conv.state != "closed":
             self._lost_total += 1
-            log.warning("ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
-                        self.endpoint.name, peer.label, why, held)
+            self._ratelog(logging.WARNING, "lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
+                          self.endpoint.name, peer.label, why, held)
         self._drop(peer)
 
+    def _on_disconnect(self, peer: _Peer, why: str) -> None:
+        """The consumer's connection closed without BYE. Liveness rule: memory a consumer
+        can still read is never reused while its process lives, so a consumer whose
+        process we watch is lost only once it has exited (at once if it already has;
+        else its holds stay and nothing more is sent to it until the tick sees it gone).
+        One we cannot watch is lost now: a closed connection is all we can know."""
+        if peer.identity not in self._peers:
+            return
+        if peer.watch is None or peer.watch.gone() or peer.conv.state != "active":
+            self._lose(peer, why if peer.watch is None else "process exited")
+            return
+        if not peer.disconnected:
+            peer.disconnected = True
+            self._ring.suspend(peer.identity)
+            held = len(self._ring.held_by(peer.identity))
+            log.warning("ipcsync producer %r: %s closed its connection without goodbye (%s) but its "
+                        "process still runs; its %d slot(s) stay held until it exits",
+                        self.endpoint.name, peer.label, why, held)
+
     def _tick_peers(self, now: float) -> None:
-        same_ns = _host.pid_namespace()
+        """Liveness, once a tick: a consumer is lost only when its process is provably
+        gone; one silent past 1.5 heartbeats is "stalled" (paused, a long GC, SIGSTOP):
+        logged, counted, waited for through backpressure, never reclaimed. A peer that
+        said HELLO but never ATTACHed (it holds nothing) is dropped after _HANDSHAKE_S."""
         for peer in list(self._peers.values()):
-            hb = peer.hello.heartbeat_ms / 1000
-            if hb and now - peer.last_recv > 1.5 * hb:
-                self._lose(peer, f"silent for {now - peer.last_recv:.2f} s")
-                continue
-            if peer.hello.pid_ns == same_ns and not _host.process_alive(peer.hello.pid, peer.hello.start_time):
+            if peer.watch is not None and peer.watch.gone():
                 self._lose(peer, "process exited")
                 continue
+            if peer.conv.state == "await_attach" and now - peer.hello_at > _HANDSHAKE_S:
+                self._lose(peer, f"no ATTACH within {_HANDSHAKE_S:.0f} s of its HELLO")
+                continue
+            hb = peer.hello.heartbeat_ms / 1000
+            silent = now - peer.last_recv
+            if hb and silent > 1.5 * hb and not peer.disconnected:
+                if not peer.stalled:
+                    peer.stalled = True
+                    self._stalled_total += 1
+                    self._ratelog(
+                        logging.WARNING, "stalled",
+                        "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
+                        "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
+                        self.endpoint.name, peer.label, silent, hb, len(self._ring.held_by(peer.identity)))
+            elif peer.stalled and silent <= 1.5 * hb:
+                peer.stalled = False
+                log.info("ipcsync producer %r: %s is answering again", self.endpoint.name, peer.label)
             if self._heartbeat and not peer.outbox and now - peer.last_send > self._heartbeat / 4:
                 self._try_send(peer, P.encode(P.Heartbeat()))
 
-    def _teardown(self) -> None:
-        """Free everything. Lock held (or the object is being collected)."""
+    def _io_fds(self) -> list[int]:
+        return self._fds
+
+    def _io_pending(self) -> bool:
+        return self._chan.pending()
+
+    def _teardown(self, linger_ms: int = 0) -> None:
+        """Free everything. Lock held (or the object is being collected). ``linger_ms``:
+        how long frames already sent may still go out after the socket is closed."""
         try:
             self._abandon_forwards()
         except Exception as exc:
             log.debug("ipcsync producer teardown: %s", exc)
+        for peer in self._peers.values():
+            if peer.watch is not None:
+                peer.watch.close()
         self._peers.clear()
         self._fd_peer.clear()
+        if linger_ms:
+            try:
+                self._chan.sock.setsockopt(zmq.LINGER, linger_ms)
+            except zmq.ZMQError:
+                pass
         # Every view of the arena goes (the plans' cached destinations and slot() views
         # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
         # export is settled here, not left for the interpreter's exit, where torch would

@@ -70,6 +70,7 @@ _new_tuple = tuple.__new__
 class _Consumer:
     credits: int
     held: set[int] = field(default_factory=set)
+    suspended: bool = False  # gets no new items; what it holds stays held
 
     @property
     def free_credits(self) -> int:
@@ -165,8 +166,9 @@ class Ring:
             ((cid, c),) = cons.items()
             return [cid] if c.free_credits > 0 else []
         if self.policy == "broadcast":
-            if all(c.free_credits > 0 for c in cons.values()):
-                return list(cons)
+            live = [cid for cid, c in cons.items() if not c.suspended]
+            if live and all(cons[cid].free_credits > 0 for cid in live):
+                return live
             return []
         # shard: most free credits; ties go to the first in rotation order.
         ids = list(cons)
@@ -189,6 +191,14 @@ class Ring:
         if credits < 1:
             raise ValueError(f"a consumer needs at least one credit, got {credits}")
         self._consumers[cid] = _Consumer(credits)
+
+    def suspend(self, cid: Hashable) -> None:
+        """Give ``cid`` no new items (its connection is gone but its process lives): what
+        it holds stays held until it is removed. Broadcast goes on without it."""
+        c = self._consumers.get(cid)
+        if c is not None:
+            c.suspended = True
+            c.credits = 0
 
     def remove_consumer(self, cid: Hashable) -> list[int]:
         """Detach a consumer (closed or lost): drop its holds. Returns the slots this freed."""
