@@ -198,6 +198,34 @@ def test_kept_batches_keep_their_values_after_their_slots_are_reused() -> None:
         closing(inp, out)()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current-stream", "consumer-stream"])
+def test_cuda_kept_batches_keep_their_values(side_stream: bool) -> None:
+    """On CUDA: the clones are queued on the stream the consumer waits on (a side stream
+    given as ``stream=``, or the current one), and the slot is reused only after them."""
+    n = 20
+    src = [{"x": torch.full((256, 64), float(i)), "i": torch.tensor(i)} for i in range(n)]
+    out = ipcsync.Producer("d-cuda-kept", device="cuda", slots=2, slot_bytes=1 << 20, timeout=20.0)
+    stream = torch.cuda.Stream() if side_stream else None
+    inp = ipcsync.Consumer("d-cuda-kept", device="cuda", timeout=20, stream=stream)
+    server = None
+    try:
+        server = Server(out, src)
+        kept = []
+        for batch in batches(inp):
+            assert inp.stats()["held"] == 0
+            kept.append(batch)
+        assert server.join() == n
+        torch.cuda.synchronize()
+        for i, batch in enumerate(kept):
+            assert batch["x"].is_cuda and owns_its_elements(batch["x"])
+            assert int(batch["i"]) == i and bool((batch["x"] == i).all()), f"batch {i}"
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
 @pytest.mark.parametrize("source", ["consumer", "fanin"])
 def test_copy_releases_each_slot_before_the_batch_is_yielded(source: str) -> None:
     n = 10
