@@ -22,7 +22,24 @@ Train stage::
 Every batch is a nested dict/list/tuple of tensors; ``serve`` sends it with
 ``meta={"epoch": e, "batch": i, ...}``; ``send()`` copies it into a slot on the
 producer's device (a host-to-device copy for CPU batches into a CUDA producer, which
-pinned memory speeds up). ``batches`` releases each slot when the next batch is asked for.
+pinned memory speeds up).
+
+What ``batches`` yields (the rule a trainer relies on):
+
+- default (``copy=True``): tensors the caller owns, as a DataLoader's. Each tensor of the
+  item is cloned on the consumer's device, then the item is released at once, so the
+  batch may be kept (appended to a list, stored in a replay buffer) for as long as the
+  caller likes, and a trainer that keeps batches still frees the producer's slots at
+  every step. Cost: one copy of the batch per step (on CUDA a device-to-device copy on
+  the stream the consumer waits on, queued after that wait; the release event is
+  recorded on the same stream after the copy, so the producer reuses the slot only
+  once the copy has run).
+- ``copy=False``: zero-copy. The tensors are views of the producer's slot, valid until
+  the next batch is asked for (or the generator ends): clone what you keep. For a step
+  that reads the batch and keeps nothing of it (the usual training step).
+- ``keep=True``: ``(views, item)`` pairs, never released by ``batches``: the caller
+  releases each item (``item.release()``) when done with its views. Implies zero-copy;
+  ``copy=True`` with it is a ConfigError.
 """
 
 from __future__ import annotations
@@ -156,36 +173,66 @@ def serve(
     return sent
 
 
-def batches(inp: Consumer | FanIn, *, keep: bool = False) -> Iterator[Any]:
+def batches(inp: Consumer | FanIn, *, copy: bool | None = None, keep: bool = False) -> Iterator[Any]:
     """Yield the tensors (the nested structure sent) of each item of ``inp``.
 
-    ``inp`` is a Consumer or FanIn (e.g. ``ipcsync.stage.input("loader")``). The tensors
-    are views of the producer's slot on the consumer's device; each item is released when
-    the next one is asked for (or when the generator ends or is closed), so finish (or
-    queue, on CUDA) the step's work on a batch before asking for the next. With
-    ``keep=True`` it yields ``(tensors, item)`` pairs and never releases: call
-    ``item.release()`` yourself (holding every slot stalls the producers). Example::
+    ``inp`` is a Consumer or FanIn (e.g. ``ipcsync.stage.input("loader")``); the tensors
+    are on the consumer's device.
+
+    Args:
+        copy: ``True`` (the default, unless ``keep=True``): yield tensors the caller owns,
+            which may be kept indefinitely. Each tensor is ``clone()``d (a dense tensor,
+            contiguous, transposed or channels-last, keeps its strides; a gapped or
+            expanded one comes back contiguous) and the dict/list/tuple structure rebuilt
+            around the clones; then the item is released before the batch is yielded, so
+            no slot is held between steps. On CUDA the clones are made on the stream the
+            consumer waits on (its ``stream=``, default the current one), after that wait,
+            and the release is recorded there after them: use the batch on that stream
+            (or synchronize with it). ``False``: zero-copy: the tensors are views of the
+            producer's slot, valid until the next batch is asked for (or the generator
+            ends or is closed); clone what you keep. Finish (or, on CUDA, queue) the step's
+            work on a batch before asking for the next.
+        keep: yield ``(tensors, item)`` pairs and never release: the tensors are views
+            of the slot until you call ``item.release()`` (holding every slot stalls the
+            producers). Zero-copy only: ``copy`` must be left out or False.
+
+    Raises ConfigError for an ``inp`` that is not a Consumer/FanIn, a ``copy``/``keep``
+    that is not a bool, or ``keep=True`` with ``copy=True``. Example::
 
         with ipcsync.Consumer("batches", device="cpu") as inp:
-            for batch in batches(inp):
+            for batch in batches(inp):      # owned tensors: keeping them is fine
+                history.append(batch)
                 train_step(batch["x"], batch["y"])
+
+    and zero-copy, for a step that keeps nothing of the batch::
+
+            for batch in batches(inp, copy=False):
+                train_step(batch["x"], batch["y"])   # done with the views before the next
     """
     if not isinstance(inp, (Consumer, FanIn)):
         raise ConfigError(f"batches() reads an ipcsync.Consumer or FanIn, got {type(inp).__name__}")
     if not isinstance(keep, bool):
         raise ConfigError(f"keep must be True or False, got {keep!r}")
-    return _iter_batches(inp, keep)
+    if copy is not None and not isinstance(copy, bool):
+        raise ConfigError(f"copy must be True or False, got {copy!r}")
+    if keep and copy:
+        raise ConfigError(
+            "batches(keep=True) yields the slot's views with their item for you to release, so it "
+            "cannot also copy; pass copy=False (or leave copy out) with keep=True, or drop keep=True "
+            "to get owned copies that need no release"
+        )
+    return _iter_batches(inp, not keep if copy is None else copy, keep)
 
 
 # ---------------------------------------------------------------------------- internals
-def _iter_batches(inp: Consumer | FanIn, keep: bool) -> Iterator[Any]:
+def _iter_batches(inp: Consumer | FanIn, copy: bool, keep: bool) -> Iterator[Any]:
     auto = inp.auto_release
     if keep:
         inp.auto_release = False  # the caller releases
-    prev: Item | None = None
+    prev: Item | None = None  # copy=False: the item whose views were yielded last
     try:
         while True:
-            if prev is not None and not keep:
+            if prev is not None:
                 prev.release()
             prev = None
             try:
@@ -194,6 +241,15 @@ def _iter_batches(inp: Consumer | FanIn, keep: bool) -> Iterator[Any]:
                 return
             if keep:
                 yield item.tensors, item
+            elif copy:
+                # The stream the item's ready-event wait went on (None: the current one).
+                stream = item._consumer._stream
+                try:
+                    owned = _owned(item.tensors, stream)
+                finally:
+                    item.release(stream)  # recorded after the clones on that stream
+                yield owned
+                owned = None  # the generator keeps no reference to a yielded batch
             else:
                 prev = item
                 yield item.tensors
@@ -201,6 +257,27 @@ def _iter_batches(inp: Consumer | FanIn, keep: bool) -> Iterator[Any]:
         if prev is not None and not inp.closed:
             prev.release()
         inp.auto_release = auto
+
+
+def _owned(tensors: Any, stream: Any) -> Any:
+    """``tensors`` with every tensor cloned, on ``stream`` when one is given (CUDA)."""
+    if stream is None:
+        return _clone(tensors)
+    with torch.cuda.stream(stream):
+        return _clone(tensors)
+
+
+def _clone(node: Any) -> Any:
+    # preserve_format: a dense view keeps its strides; any other comes back contiguous.
+    if isinstance(node, torch.Tensor):
+        return node.clone(memory_format=torch.preserve_format)
+    if isinstance(node, dict):
+        return {k: _clone(v) for k, v in node.items()}
+    if isinstance(node, tuple):
+        return tuple(_clone(v) for v in node)
+    if isinstance(node, list):
+        return [_clone(v) for v in node]
+    return node
 
 
 def _check_shard(shard: Any) -> tuple[int, int]:

@@ -31,7 +31,12 @@ train     The training loop of examples/dataloader (its SyntheticImages dataset:
           - ipcsync: N loader processes, each ``ipcsync.data.serve(dataset, Producer,
             shard=(i, N))`` (a DataLoader with num_workers=0 inside, pin_memory on CUDA;
             send() puts the batch on the GPU in the loader), and a trainer reading
-            ``ipcsync.data.batches(ipcsync.FanIn(...))``: batches arrive on its device.
+            ``ipcsync.data.batches(ipcsync.FanIn(...))``: batches arrive on its device,
+            as tensors the trainer owns (the default, copy=True: one clone of each batch
+            on the trainer's device, then the slot is released at once).
+          - ipcsync copy=False: the same with ``batches(..., copy=False)``: the trainer
+            steps on views of the loader's slot (zero-copy; the step keeps nothing of
+            the batch). The difference between the two rows is the clone's cost.
           - DataLoader: the trainer iterates ``torch.utils.data.DataLoader(dataset,
             batch_size=B, num_workers=N, pin_memory=True)`` and moves each batch with
             ``.cuda(non_blocking=True)``; on the CPU backend without pin_memory and .cuda().
@@ -474,9 +479,9 @@ class _Meter:
       while the GPU starves; hence the GPU column).
     - GPU idle (CUDA): a timing event is recorded on the trainer's stream right before each
       step's first kernel is queued (after the batch is on the stream: for ipcsync after
-      the wait on the loader's ready event, for the DataLoader after the
-      ``.cuda(non_blocking=True)`` copies, which so count as idle: the stream is not
-      training) and another right after ``opt.step()``; busy = the sum of the GPU time
+      the wait on the loader's ready event and, by default, batches()' clone of the batch,
+      for the DataLoader after the ``.cuda(non_blocking=True)`` copies; those copies so
+      count as idle: the stream is not training) and another right after ``opt.step()``; busy = the sum of the GPU time
       between each pair, idle = 1 - busy / wall. A gap inside a step (the host late to
       queue a kernel) counts as busy, so this understates idleness a little, the same for
       both methods. No host sync on the hot path: the events are read after the last step.
@@ -524,6 +529,10 @@ class _Meter:
         return out
 
 
+# The train suite's ipcsync methods: method -> batches(copy=...).
+IPCSYNC_TRAIN = {"ipcsync": True, "ipcsync-views": False}
+
+
 def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: list[str],
                    timeout: float) -> dict[str, Any]:
     """The trainer: the same step on batches from ipcsync loaders or from a DataLoader."""
@@ -568,12 +577,12 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
         meter.stop()
         return loss
 
-    if method == "ipcsync":
+    if method in IPCSYNC_TRAIN:  # batches(copy=True) clones each batch; copy=False steps on views
         import ipcsync
         from ipcsync.data import batches
 
         with ipcsync.FanIn(endpoints, device=str(dev), timeout=timeout) as inp:
-            it = batches(inp)
+            it = batches(inp, copy=IPCSYNC_TRAIN[method])
             try:
                 loss = loop(it, False)
             finally:
@@ -620,7 +629,7 @@ def run_train(method: str, cfg: dict[str, Any], device: str, slots: int, timeout
     B, S, N = cfg["batch"], cfg["image"], cfg["loaders"]
     with _Procs(what, timeout) as procs:
         endpoints: list[str] = []
-        if method == "ipcsync":
+        if method in IPCSYNC_TRAIN:
             sb = _slot_bytes([B * 3 * S * S, B * 8, B * 8])  # image, label, index
             endpoints = [f"bench-train-{os.getpid()}-{i}" for i in range(N)]
             for i, ep in enumerate(endpoints):
@@ -630,7 +639,7 @@ def run_train(method: str, cfg: dict[str, Any], device: str, slots: int, timeout
                     timeout=timeout)
         got = procs.wait()
     res = got["trainer"]
-    if method == "ipcsync":
+    if method in IPCSYNC_TRAIN:
         sent = sum(got[f"loader/{i}"]["sent"] for i in range(N))
         if sent != cfg["batches"]:
             raise BenchError(f"{what}: the loaders sent {sent} batches, expected {cfg['batches']}")
@@ -974,6 +983,8 @@ def _row(cells: tuple[str, ...], widths: tuple[int, ...], left: int = 1) -> str:
 def train_label(method: str, cfg: dict[str, Any], device: str) -> str:
     if method == "ipcsync":
         return f"ipcsync serve/batches, {cfg['loaders']} loaders"
+    if method == "ipcsync-views":
+        return f"ipcsync batches(copy=False), {cfg['loaders']} loaders"
     pin = ", pin_memory" if device.startswith("cuda") else ""
     return f"DataLoader(num_workers={cfg['loaders']}{pin})"
 
@@ -988,8 +999,8 @@ def print_train(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str
           f"per method, the first {cfg['warmup']} not timed; ipcsync slots={slots} per loader")
     if cuda:
         print("GPU idle: share of trainer wall time its stream was not running a training step (CUDA events "
-              "around each step; the DataLoader's H2D copy counts as idle); waiting: share of trainer wall "
-              "time the host spent waiting for the next batch")
+              "around each step; the DataLoader's H2D copy and batches()' clone count as idle); waiting: share "
+              "of trainer wall time the host spent waiting for the next batch")
     else:
         print("CPU backend: the DataLoader runs without pin_memory and without .cuda(); no GPU idle column: "
               "waiting = share of trainer wall time spent waiting for the next batch")
@@ -1052,14 +1063,15 @@ def save_plot(path: str, device: str, command: str, handoff: list[tuple[Any, ...
         panels.append(pc.Panel("handoff: handoffs/s, higher is better", list(groups.values())))
     if train:
         res, cfg = train
-        bars = [pc.Bar(train_label(m, cfg, device), r["samples_per_s"], color(m), f"{r['samples_per_s']:,.0f}")
-                for m, r in res.items()]
+        shade = {m: k for k, m in enumerate(IPCSYNC_TRAIN)}  # one colour per ipcsync row
+        bars = [pc.Bar(train_label(m, cfg, device), r["samples_per_s"], color(m, shade.get(m, 0)),
+                       f"{r['samples_per_s']:,.0f}") for m, r in res.items()]
         panels.append(pc.Panel(f"training: samples/s, higher is better ({cfg['loaders']} loaders, batch "
                                f"{cfg['batch']}, {cfg['image']}x{cfg['image']})", [pc.Group("", bars)]))
         key, what = (("gpu_idle", "GPU idle") if device.startswith("cuda") else
                      ("wait_frac", "trainer waiting for data"))
-        bars = [pc.Bar(train_label(m, cfg, device), 100 * r[key], color(m), f"{100 * r[key]:.1f}%")
-                for m, r in res.items()]
+        bars = [pc.Bar(train_label(m, cfg, device), 100 * r[key], color(m, shade.get(m, 0)),
+                       f"{100 * r[key]:.1f}%") for m, r in res.items()]
         panels.append(pc.Panel(f"training: {what} %, lower is better", [pc.Group("", bars)]))
     if infer:
         res, cfg = infer
@@ -1185,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
             handoff_rows = run_handoff(args)
             print_handoff(handoff_rows, device, args.slots, command)
         if train_cfg is not None:
-            for method in ("ipcsync", "dataloader"):
+            for method in (*IPCSYNC_TRAIN, "dataloader"):
                 _progress(f"train {method}: {train_cfg['batches']} batches of {train_cfg['batch']} "
                           f"x 3x{train_cfg['image']}x{train_cfg['image']}, {train_cfg['loaders']} loaders")
                 train_res[method] = run_train(method, train_cfg, device, args.slots, args.timeout)

@@ -1,7 +1,8 @@
 """scripts/bench.py's "real uses" suites end to end on the CPU backend, at tiny sizes:
-``--suite train,infer --quick --plot`` prints a train table (ipcsync loaders vs a
-torch DataLoader) and an infer table (ipcsync vs torch.multiprocessing queues) with
-positive numbers, and writes a valid PNG chart. The bench runs in its own session; every
+``--suite train,infer --quick --plot`` prints a train table (ipcsync loaders, with
+``batches()``' default copy and with copy=False, vs a torch DataLoader) and an infer
+table (ipcsync vs torch.multiprocessing queues) with positive numbers, and writes a valid
+PNG chart. The bench runs in its own session; every
 process it started (the pids it reports on stderr, its whole process group) must be gone
 after it, and no shared-memory segment of theirs left; everything is SIGKILLed at the end,
 pass or fail. Plus the bench's process runner (a failing process is reported with its
@@ -71,7 +72,7 @@ def pid_running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)  # 3 train runs and 2 infer runs, each spawning fresh processes
 def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "uses.png"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
@@ -79,12 +80,14 @@ def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> N
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=env, cwd=str(ROOT), start_new_session=True)
     try:
-        out_b, err_b = proc.communicate(timeout=200)
+        out_b, err_b = proc.communicate(timeout=300)
         out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
         dump = f"rc {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
         assert proc.returncode == 0, dump
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", err)]
-        assert len(pids) == 3 + 1 + 2 + 2, dump  # 2 loaders + trainer, trainer, 2 x (worker + front end)
+        # 2 x (2 loaders + trainer): batches() with copy and without; the DataLoader trainer;
+        # 2 x (worker + front end).
+        assert len(pids) == 3 + 3 + 1 + 2 + 2, dump
         # Everything the bench started is gone, with its shared memory.
         assert group_gone(proc.pid, 15.0), f"processes left in the bench's group\n{dump}"
         assert not [p for p in pids if pid_running(p)], dump
@@ -103,7 +106,8 @@ def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> N
     assert re.search(r"^command: python3 \S*bench\.py --suite train,infer --quick --plot ", out, re.M), dump
     assert "without pin_memory and without .cuda()" in out, dump
     rows = {}
-    for label in ("ipcsync serve/batches, 2 loaders", "DataLoader(num_workers=2)"):
+    for label in ("ipcsync serve/batches, 2 loaders", "ipcsync batches(copy=False), 2 loaders",
+                  "DataLoader(num_workers=2)"):
         m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}x\s+{NUM}%\s+{NUM}$", out, re.M)
         assert m, f"no train row for {label}\n{dump}"
         rows[label] = [num(g) for g in m.groups()]

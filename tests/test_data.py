@@ -167,6 +167,173 @@ def test_sharding_over_two_producers_covers_every_batch_once(kind: str) -> None:
         closing(fan, *prods)()
 
 
+def test_kept_batches_keep_their_values_after_their_slots_are_reused() -> None:
+    """A trainer that appends every batch (and pieces of it) to a list, as DataLoader users
+    do, finds each one as it was sent at the end of the epoch, though 2 slots carried 20."""
+    n = 20
+    src = [{"x": torch.full((3, 4), float(i)), "y": [torch.tensor(i), (torch.arange(i, i + 5),)]}
+           for i in range(n)]
+    out = producer("d-kept", slots=2)
+    inp = ipcsync.Consumer("d-kept", device="cpu", timeout=20)
+    server = None
+    try:
+        server = Server(out, src)
+        kept: list[Any] = []
+        xs: list[torch.Tensor] = []
+        aranges: list[torch.Tensor] = []
+        for batch in batches(inp):
+            kept.append(batch)
+            xs.append(batch["x"])
+            aranges.append(batch["y"][1][0])
+        assert server.join() == n
+        assert len(kept) == n
+        for i, batch in enumerate(kept):
+            assert torch.equal(batch["x"], src[i]["x"]), f"batch {i}: x holds {batch['x'][0, 0]}"
+            assert torch.equal(batch["y"][0], src[i]["y"][0]), f"batch {i}: y[0] holds {batch['y'][0]}"
+            assert torch.equal(batch["y"][1][0], src[i]["y"][1][0]), f"batch {i}"
+            assert torch.equal(xs[i], src[i]["x"]) and torch.equal(aranges[i], src[i]["y"][1][0]), f"batch {i}"
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current-stream", "consumer-stream"])
+def test_cuda_kept_batches_keep_their_values(side_stream: bool) -> None:
+    """On CUDA: the clones are queued on the stream the consumer waits on (a side stream
+    given as ``stream=``, or the current one), and the slot is reused only after them."""
+    n = 20
+    src = [{"x": torch.full((256, 64), float(i)), "i": torch.tensor(i)} for i in range(n)]
+    out = ipcsync.Producer("d-cuda-kept", device="cuda", slots=2, slot_bytes=1 << 20, timeout=20.0)
+    stream = torch.cuda.Stream() if side_stream else None
+    inp = ipcsync.Consumer("d-cuda-kept", device="cuda", timeout=20, stream=stream)
+    server = None
+    try:
+        server = Server(out, src)
+        kept = []
+        for batch in batches(inp):
+            assert inp.stats()["held"] == 0
+            kept.append(batch)
+        assert server.join() == n
+        torch.cuda.synchronize()
+        for i, batch in enumerate(kept):
+            assert batch["x"].is_cuda and owns_its_elements(batch["x"])
+            assert int(batch["i"]) == i and bool((batch["x"] == i).all()), f"batch {i}"
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
+@pytest.mark.parametrize("source", ["consumer", "fanin"])
+def test_copy_releases_each_slot_before_the_batch_is_yielded(source: str) -> None:
+    n = 10
+    out = producer("d-early", slots=2)
+    inp: Any = (ipcsync.Consumer("d-early", device="cpu", timeout=20) if source == "consumer"
+                else FanIn(["d-early"], device="cpu", timeout=20))
+    consumer = inp if source == "consumer" else inp.consumers[0]
+    server = None
+    try:
+        server = Server(out, [{"x": torch.tensor([i])} for i in range(n)])
+        got = []
+        for batch in batches(inp, copy=True):
+            assert consumer.stats()["held"] == 0  # released before the yield
+            got.append(int(batch["x"]))
+        assert got == list(range(n))
+        assert server.join() == n
+        assert inp.auto_release is True
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
+def owns_its_elements(t: torch.Tensor) -> bool:
+    """``t`` has a storage of its own, exactly its elements (not a view of a slot)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_copy_rebuilds_the_structure_with_dtypes_shapes_and_strides() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    nchw = torch.arange(2 * 3 * 4 * 5, dtype=torch.float16).reshape(2, 3, 4, 5)
+    msg = {
+        "contiguous": base.clone(),
+        "transposed": base.t(),  # dense, not contiguous: keeps its strides
+        "channels_last": nchw.contiguous(memory_format=torch.channels_last),
+        "gapped": torch.arange(20, dtype=torch.int64)[::4],  # not dense: made contiguous
+        "expanded": torch.tensor([7], dtype=torch.int16).expand(5),  # overlapping: made contiguous
+        "list": [torch.tensor(3, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.bool),
+                 (torch.tensor([True, False]), torch.tensor([1 + 2j], dtype=torch.complex64))],
+        "tuple": (torch.tensor([1, 2, 3], dtype=torch.uint8), [torch.ones(2, 2, dtype=torch.bfloat16)]),
+    }
+    out = producer("d-struct", slots=2)
+    inp = ipcsync.Consumer("d-struct", device="cpu", timeout=20)
+    server = None
+    try:
+        server = Server(out, [msg, msg])
+        got = list(batches(inp))
+        assert server.join() == 2
+        assert len(got) == 2
+
+        def same(a: Any, b: Any, path: str) -> None:
+            assert type(a) is type(b), path
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, path
+                assert torch.equal(a, b), path
+                assert owns_its_elements(a), path
+            elif isinstance(b, dict):
+                assert list(a) == list(b), path
+                for k in b:
+                    same(a[k], b[k], f"{path}[{k!r}]")
+            else:
+                assert len(a) == len(b), path
+                for j, (x, y) in enumerate(zip(a, b)):
+                    same(x, y, f"{path}[{j}]")
+
+        for batch in got:
+            same(batch, msg, "batch")
+            assert batch["contiguous"].is_contiguous()
+            assert batch["transposed"].stride() == base.t().stride()
+            assert batch["channels_last"].is_contiguous(memory_format=torch.channels_last)
+            assert batch["channels_last"].stride() == msg["channels_last"].stride()
+            assert batch["gapped"].is_contiguous() and batch["expanded"].is_contiguous()
+        assert got[0]["contiguous"].data_ptr() != got[1]["contiguous"].data_ptr()
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
+def test_copy_false_yields_views_of_the_slot_released_at_the_next_batch() -> None:
+    n = 6
+    src = [{"x": torch.tensor([i])} for i in range(n)]
+    out = producer("d-views", slots=8)
+    inp = ipcsync.Consumer("d-views", device="cpu", timeout=20)
+    server = None
+    try:
+        server = Server(out, src, close=False)
+        assert server.join() == n  # everything is in the slots before we read
+        gen = batches(inp, copy=False)
+        first = next(gen)
+        assert int(first["x"]) == 0 and inp.stats()["held"] == 1
+        assert not owns_its_elements(first["x"])  # a view of the producer's slot
+        second = next(gen)
+        assert int(second["x"]) == 1 and inp.stats()["held"] == 1  # the first was released
+        gen.close()  # stopping early releases the current one
+        assert inp.stats()["held"] == 0
+        assert inp.auto_release is True
+        # The default (copy) afterwards on the same consumer: owned, nothing held.
+        gen = batches(inp)
+        third = next(gen)
+        assert int(third["x"]) == 2 and owns_its_elements(third["x"]) and inp.stats()["held"] == 0
+        gen.close()
+    finally:
+        if server is not None:
+            server.thread.join(JOIN)
+        closing(inp, out)()
+
+
 def test_release_semantics_keep_false_and_keep_true() -> None:
     n = 6
     src = [{"x": torch.tensor([i])} for i in range(n)]
@@ -177,7 +344,7 @@ def test_release_semantics_keep_false_and_keep_true() -> None:
         server = Server(out, src, close=False)
         assert server.join() == n  # everything is in the slots before we read
         # keep=False: one item held at a time, the previous released when the next is asked for.
-        gen = batches(inp)
+        gen = batches(inp, copy=False)
         first = next(gen)
         assert int(first["x"]) == 0 and inp.stats()["held"] == 1
         second = next(gen)
@@ -185,11 +352,13 @@ def test_release_semantics_keep_false_and_keep_true() -> None:
         gen.close()  # stopping early releases the current one
         assert inp.stats()["held"] == 0
         assert inp.auto_release is True
-        # keep=True: nothing released until the caller does it.
+        # keep=True (zero-copy, with or without an explicit copy=False): nothing released
+        # until the caller does it.
         items = []
-        gen = batches(inp, keep=True)
+        gen = batches(inp, keep=True, copy=False)
         for tensors, item in gen:
             assert int(tensors["x"]) == item.meta["batch"]
+            assert not owns_its_elements(tensors["x"])  # views of the slot
             items.append(item)
             assert inp.stats()["held"] == len(items)
             if len(items) == n - 2:
@@ -280,6 +449,16 @@ def test_batches_rejects_wrong_argument_types(out: ipcsync.Producer) -> None:
     try:
         with pytest.raises(ConfigError, match="keep"):
             batches(inp, keep="yes")  # type: ignore[arg-type]
+        for copy in ("yes", 1, 0, 1.0):
+            with pytest.raises(ConfigError, match="copy must be True or False"):
+                batches(inp, copy=copy)  # type: ignore[arg-type]
+        # keep=True hands out the slot's views for the caller to release: it cannot copy.
+        with pytest.raises(ConfigError, match=r"keep=True.*copy=False"):
+            batches(inp, keep=True, copy=True)
+        for ok in ({}, {"copy": True}, {"copy": False}, {"keep": True}, {"keep": True, "copy": False},
+                   {"keep": False, "copy": None}):
+            batches(inp, **ok).close()  # accepted (nothing is read before the first next())
+        assert inp.stats()["held"] == 0 and inp.auto_release is True
     finally:
         inp.close(timeout=1)
 

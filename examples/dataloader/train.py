@@ -5,6 +5,12 @@ Batches arrive on the stage's device (merged from every loader replica). Each on
 checked once: its indices form one whole batch of the dataset, its labels match the
 indices, and no batch comes twice; at the end every batch must have come. Exits 1 on a
 mismatch.
+
+The step keeps nothing of a batch (the net reads a float copy of the images, the labels
+are used within the step), so it reads them zero-copy, ``batches(inp, copy=False)``:
+views of the loader's slot, no clone per step (on CUDA a device-to-device copy saved).
+A trainer that keeps batches, or tensors of them, past the next one uses the default,
+``batches(inp)``, which yields tensors it owns.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ def main() -> int:
     steps, samples, loss = 0, 0, torch.zeros(())
     t0 = time.monotonic()
     with stage.input("loader") as inp:
-        for batch in batches(inp):
+        # Views of the loader's slot, valid until the next batch is asked for: the step
+        # queues all its work on them before that, and keeps none of them.
+        for batch in batches(inp, copy=False):
             problem = check(batch, args)
             if problem is None:
                 b = int(batch["index"][0]) // args.batch_size
@@ -77,7 +85,7 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            del batch  # views of the slot: keep none past the next iteration (see README)
+            del batch  # views of the slot: none is kept past the next iteration
             steps += 1
             samples += x.shape[0]
             if steps % args.log_every == 0:
