@@ -11,7 +11,9 @@
 one, a FanIn merging them for several); ``output(name)`` binds this replica's endpoint
 towards the downstream stage ``name`` and waits until all its replicas are attached, so
 no item goes to a partial set of consumers. Options in the spec's edge (slots,
-slot_bytes, policy, wait, timeout) apply; keyword arguments override them.
+slot_bytes, policy, wait) apply; the edge's ``timeout`` bounds how long stages wait for
+each other to appear (the handshake), while data calls wait as long as the peer lives.
+Keyword arguments override them.
 
 The launcher passes the wiring as JSON in ``IPCSYNC_WIRING``. Outside ``ipcsync-run`` these
 functions raise ConfigError: create ``ipcsync.Producer``/``Consumer`` with an endpoint.
@@ -94,7 +96,9 @@ def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the na
     over all of them. ``options`` override the edge's (wait, timeout, idle_timeout, ...)."""
     w = _wiring(f"ipcsync.stage.input({name!r})")
     edge = _edge(w, "inputs", name)
-    kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "timeout": edge["timeout"]}
+    # The edge's timeout bounds the handshake (stages wait for each other to appear);
+    # data calls wait as long as the peer lives.
+    kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "connect_timeout": edge["timeout"]}
     kw.update(options)
     if len(edge["endpoints"]) == 1:
         c = Consumer(edge["endpoints"][0], **kw)
@@ -115,7 +119,7 @@ def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any)
     edge = _edge(w, "outputs", name)
     kw: dict[str, Any] = {
         "device": w["device"], "slots": edge["slots"], "slot_bytes": edge["slot_bytes"],
-        "policy": edge["policy"], "timeout": edge["timeout"],
+        "policy": edge["policy"],
     }
     kw.update(options)
     p = Producer(edge["endpoint"], **kw)

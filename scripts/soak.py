@@ -11,6 +11,11 @@ gives handoffs, rate, RSS and open fds of the producer and of the current consum
 ipcsync segments in /dev/shm and, on CUDA, the device memory in use (all processes, from
 cudaMemGetInfo) and the producer's allocated/reserved memory.
 
+Every `--pause-every` handoffs the current consumer is paused (SIGSTOP) for
+`--pause-seconds`, far past its heartbeat, at a random point of its receive/check loop:
+the producer must wait for it (stalled, never lost: its held item stays intact), so the
+run fails if any consumer was declared lost or any item's contents were wrong.
+
 At the end the samples after warm-up (the first `--warmup` fraction of the run) are
 compared with the first sample after warm-up: the run fails (exit 1) if RSS grew by more
 than 5% + 16 MiB, if fds or /dev/shm entries grew, or if device memory grew by more than
@@ -24,8 +29,10 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -68,7 +75,7 @@ def consumer_main(endpoint: str, device: str) -> int:
     """Receive and check until the producer says goodbye; print a JSON result."""
     checked = 0
     bad = 0
-    with ipcsync.Consumer(endpoint, device=device, timeout=60) as inp:
+    with ipcsync.Consumer(endpoint, device=device) as inp:
         print(json.dumps({"event": "consumer-ready", "pid": os.getpid()}), flush=True)
         for item in inp:
             x = item["x"]
@@ -122,12 +129,12 @@ def producer_main(args: argparse.Namespace) -> int:
     next_report = t0
     # Reusable sources of every size we send (the soak is about ipcsync, not the allocator).
     pool = torch.zeros(SLOT_BYTES // 4, dtype=torch.float32, device=device)
-    with ipcsync.Producer(endpoint, slots=args.slots, slot_bytes=SLOT_BYTES, device=device,
-                          timeout=60) as out:
+    with ipcsync.Producer(endpoint, slots=args.slots, slot_bytes=SLOT_BYTES, device=device) as out:
         cons, cons_pid = start_consumer(endpoint, device)
         out.wait_for_consumers(1, timeout=60)
         seq = 0
         since_reconnect = 0
+        pauses = 0
         while True:
             elapsed = time.monotonic() - t0
             done = seq >= args.handoffs and elapsed >= args.min_seconds
@@ -161,6 +168,12 @@ def producer_main(args: argparse.Namespace) -> int:
             since_reconnect += 1
             if rng.random() < 1 / 2000:
                 time.sleep(rng.uniform(0, 0.3))
+            if args.pause_every and seq % args.pause_every == args.pause_every // 2:
+                # The consumer stops wherever it is (often holding an item); the next
+                # sends block on backpressure until the timer resumes it.
+                os.kill(cons_pid, signal.SIGSTOP)
+                threading.Timer(args.pause_seconds, os.kill, (cons_pid, signal.SIGCONT)).start()
+                pauses += 1
             if last:  # this consumer stops after this item; a fresh one takes over
                 out.flush(timeout=60)
                 r = finish_consumer(cons)
@@ -180,11 +193,15 @@ def producer_main(args: argparse.Namespace) -> int:
         bad += r.get("bad", 0)
         stats = out.stats()
     failures += check_flat(samples, args.warmup)
+    if stats["consumers_lost"]:
+        failures.append(f"{stats['consumers_lost']} consumer(s) declared lost (paused ones must only stall)")
     if bad:
         failures.append(f"{bad} items had wrong contents")
     summary = {
         "event": "soak-done", "device": device, "handoffs": seq, "checked": checked, "bad": bad,
         "seconds": round(time.monotonic() - t0, 1), "consumers": seq // args.reconnect_every + 1,
+        "pauses": pauses, "pause_s": args.pause_seconds, "stalls_seen": stats["consumers_stalled_total"],
+        "consumers_lost": stats["consumers_lost"],
         "producer_latency_p50_ms": round((stats["latency_s"]["p50"] or 0) * 1e3, 3),
         "first_after_warmup": samples[max(1, int(len(samples) * args.warmup))] if len(samples) > 1 else None,
         "last": samples[-1], "flat": not failures, "failures": failures,
@@ -227,6 +244,9 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--warmup", type=float, default=0.1, help="fraction of samples ignored")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pause-every", type=int, default=50_000,
+                    help="SIGSTOP the consumer once every N handoffs (0: never)")
+    ap.add_argument("--pause-seconds", type=float, default=3.0, help="how long each pause lasts")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.role == "consumer":
