@@ -71,6 +71,16 @@ _MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 
 _LOST_LOG_FIRST = 5  # dropped forwarded items logged one by one, then every 1000th
 
 
+class _Unset:
+    """The type of a keyword argument's "not given" default (where None means forever)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET = _Unset()
+
+
 class CannotForward(Exception):
     """Internal: why an item cannot be forwarded without a copy (forward() then copies, or
     raises ConfigError with this reason for copy=False)."""
@@ -204,7 +214,8 @@ class Consumer(_Endpoint):
         timeout: default for blocking calls (``get``, ``close``'s wait for forwarded
             items); None (the default) or inf: as long as the producer lives.
         connect_timeout: how long the handshake waits for a producer to appear and answer
-            (seconds, default 30; None or inf: forever).
+            (seconds; None or inf: forever). Default: ``timeout`` when that is given,
+            else 30 s.
         idle_timeout: how long iteration waits for the next item; None: as long as the
             producer is alive.
         heartbeat: seconds between liveness messages when idle. A producer silent for
@@ -228,7 +239,7 @@ class Consumer(_Endpoint):
         device: str | torch.device | None = None,
         wait: str = "gpu",
         timeout: float | None = limits.DEFAULT_TIMEOUT,
-        connect_timeout: float | None = limits.DEFAULT_CONNECT_TIMEOUT,
+        connect_timeout: float | None | _Unset = _UNSET,
         idle_timeout: float | None = None,
         heartbeat: float | None = limits.DEFAULT_HEARTBEAT,
         credits: int | None = None,
@@ -241,6 +252,8 @@ class Consumer(_Endpoint):
         super().__init__(endpoint, timeout, heartbeat)
         self.wait_mode = check_wait(wait)
         self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
+        if isinstance(connect_timeout, _Unset):
+            connect_timeout = limits.DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
         connect = check_timeout("connect_timeout", connect_timeout)
         self._credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 from . import limits
 from ._endpoint import check_timeout
 from .channel import resolve_endpoint
-from .consumer import Consumer, Item
+from .consumer import _UNSET, Consumer, Item
 from .errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProtocolError
 
 __all__ = ["FanIn"]
@@ -40,7 +40,8 @@ class FanIn:
         endpoints: the producers' endpoints (at least one).
         sources: labels for ``item.source``, one per endpoint (default: the endpoints).
         timeout: default for blocking calls (None, the default: as long as a source lives).
-        connect_timeout: how long each source's handshake waits for its producer (30 s).
+        connect_timeout: how long each source's handshake waits for its producer
+            (default: ``timeout`` when given, else 30 s).
         idle_timeout: how long iteration waits for the next item (None: as long as a
             source lives).
         auto_release: release the previous item at the next iteration.
@@ -53,7 +54,7 @@ class FanIn:
         *,
         sources: Sequence[str] | None = None,
         timeout: float | None = limits.DEFAULT_TIMEOUT,
-        connect_timeout: float | None = limits.DEFAULT_CONNECT_TIMEOUT,
+        connect_timeout: Any = _UNSET,
         idle_timeout: float | None = None,
         auto_release: bool = True,
         **options: Any,

@@ -66,6 +66,11 @@ class Feeder:
                     return
             if self.close:
                 self.prod.close(timeout=10)
+        except ClosedError as exc:
+            # The test closed the producer from its own thread while a send() waited:
+            # that send raises ClosedError (a wait never holds the endpoint).
+            if not self.stop.is_set():
+                self.error = exc
         except BaseException as exc:  # reported by join()
             self.error = exc
 

@@ -406,6 +406,12 @@ def test_consumer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
         assert not (got_r & got_v or got_r & got_l or got_v & got_l), "an item was delivered twice"
         assert set(range(mark2, sent)) <= got_r
         lost_items = set(range(sent)) - got_r - got_v - got_l
+        # The newcomer (credits=1) closes while the feeder keeps sending: an item handed to
+        # it after its last get() and before its BYE reached the producer dies with its
+        # close (at most once; its one credit). Not the victim's doing: set it apart.
+        late_drop = {i for i in lost_items if late_got and late_got[-1] < i < mark2}
+        assert len(late_drop) <= 1, sorted(late_drop)
+        lost_items -= late_drop
         # At most once: what was in flight to the victim (at most its credits) is gone.
         assert len(lost_items) <= SLOTS, sorted(lost_items)
         if "hold" in args:
