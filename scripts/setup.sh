@@ -76,7 +76,7 @@ if [ -z "$active" ] && [ ! -e .venv ]; then
         fi
     fi
 fi
-PY=.venv/bin/python
+PY=$ROOT/.venv/bin/python
 [ -n "$active" ] && PY=$active/bin/python
 "$PY" -c '' 2>/dev/null || die "$PY does not run; remove .venv and run this again"
 
@@ -135,4 +135,4 @@ fi
 installed_at=$(cd / && "$PY" -c "import $needs, os; print(os.path.dirname(os.path.dirname(ipcsync.__file__)))" 2>/dev/null || true)
 [ "$installed_at" = "$ROOT" ] || die "ipcsync from $ROOT does not import in $PY (got '$installed_at')"
 
-say "ok: $PY ($("$PY" --version 2>&1), torch $(torch_version)); run things with the environment active: . .venv/bin/activate"
+say "ok: ${PY#"$ROOT"/} ($("$PY" --version 2>&1), torch $(torch_version)); run things with the environment active: . .venv/bin/activate"
