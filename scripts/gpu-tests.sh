@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Run the `cuda` tests (and the whole suite's CUDA parameters) on a GPU machine.
+# Run the `cuda` tests (and the whole suite's CUDA parameters) on a GPU machine, from the
+# checkout root: `bash scripts/gpu-tests.sh [pytest arguments]`.
 #
-# Through the device tool, from the checkout root:
-#   run(command="bash scripts/gpu-tests.sh", carry=[".whl"])
-# where .whl holds a pyzmq wheel for the machine's Python (see README, "GPU tests"): the
-# GPU machine has torch and msgpack but no pyzmq and no network. Extra arguments go to
-# pytest. It then runs the demo pipeline through ipcsync-run (DEMO=0 skips it); with
-# BENCH=1 it also prints the CUDA benchmark table (BENCH_SUITE=all adds the training and
-# inference comparisons, PLOT=path.png saves the chart); with TWO_GPU=1 (on two GPUs, e.g. the
-# device tool's nvidia-h200-x2) the two-GPU pipeline against each stage alone.
+# Needs torch with CUDA, msgpack and pyzmq. Where pyzmq is missing and there is no network,
+# put a pyzmq wheel for the machine's Python in .whl/ of the checkout (README, "Tests"); it
+# is installed from there with `pip install --no-index`. After the tests it runs the demo
+# pipeline through ipcsync-run (DEMO=0 skips it); with BENCH=1 it also prints the CUDA
+# benchmark table (BENCH_SUITE=all adds the training and inference comparisons,
+# PLOT=path.png saves the chart); with TWO_GPU=1 (on a machine with two GPUs) the two-GPU
+# pipeline against each stage alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import zmq" 2>/dev/null; then

@@ -1,4 +1,4 @@
-"""Several GPUs (run on a machine with two: the device tool's nvidia-h200-x2): a producer
+"""Several GPUs (run on a machine with two, e.g. two H200s of one host): a producer
 on cuda:0 and a consumer on cuda:1 over CUDA IPC with peer access; a consumer that cannot
 see the producer's GPU gets a clear error."""
 
