@@ -10,13 +10,18 @@ not the host; the control channel is ZeroMQ with msgpack messages, never pickle.
     with ipcsync.Consumer("frames") as inp:
         for item in inp:
             use(item["x"], item.meta)
+
+Importing ``ipcsync`` is cheap: the public names load their modules (torch, zmq) on first
+use (PEP 562), so ``ipcsync.__version__`` and the launcher's command line load neither.
 """
 
 from __future__ import annotations
 
-from .backends.cuda import IpcEvent, export_tensor, import_tensor
-from .channel import CurveKeys
-from .consumer import Consumer, Item
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BackendError,
     ClosedError,
@@ -27,10 +32,15 @@ from .errors import (
     ProducerFailedError,
     ProtocolError,
 )
-from .fanin import FanIn
-from .forward import forward
-from .producer import Producer, SlotWriter
-from .protocol import PROTOCOL_VERSION
+
+if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __getattr__
+    from .backends.cuda import IpcEvent, export_tensor, import_tensor
+    from .channel import CurveKeys
+    from .consumer import Consumer, Item
+    from .fanin import FanIn
+    from .forward import forward
+    from .producer import Producer, SlotWriter
+    from .protocol import PROTOCOL_VERSION
 
 __version__ = "0.1.0"
 
@@ -56,3 +66,44 @@ __all__ = [
     "PROTOCOL_VERSION",
     "__version__",
 ]
+
+# public name -> the submodule that defines it (loaded on first access)
+_LAZY = {
+    "IpcEvent": ".backends.cuda",
+    "export_tensor": ".backends.cuda",
+    "import_tensor": ".backends.cuda",
+    "CurveKeys": ".channel",
+    "Consumer": ".consumer",
+    "Item": ".consumer",
+    "FanIn": ".fanin",
+    "forward": ".forward",
+    "Producer": ".producer",
+    "SlotWriter": ".producer",
+    "PROTOCOL_VERSION": ".protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``ipcsync.forward`` stays the function even after the submodule of the same name is
+    imported (the import system sets a package attribute per loaded submodule)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if _LAZY.get(name) == f".{name}" and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

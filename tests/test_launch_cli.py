@@ -226,7 +226,8 @@ class Launcher:
         self.runs: list[Run] = []
 
     # ------------------------------------------------------------------ running
-    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def env(self, extra: dict[str, str | None] | None = None) -> dict[str, str]:
+        """The launcher's environment; ``extra`` sets variables (None: removes one)."""
         env = dict(os.environ)
         for k in ("IPCSYNC_WIRING", "IPCSYNC_RUN_ID", "IPCSYNC_STAGE", "IPCSYNC_REPLICA", "IPCSYNC_DEVICE"):
             env.pop(k, None)
@@ -236,10 +237,15 @@ class Launcher:
         env["TEST_STAGE_DIR"] = str(self.state)
         env["IPCSYNC_TEST_TOKEN"] = self.token
         env["IPCSYNC_RUNTIME_DIR"] = str(self.runtime_dir)
-        env.update(extra or {})
+        for k, v in (extra or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         return env
 
-    def start(self, *args: Any, cwd: Path = ROOT, pipe_stdout: bool = False) -> Run:
+    def start(self, *args: Any, cwd: Path = ROOT, pipe_stdout: bool = False,
+              env: dict[str, str | None] | None = None) -> Run:
         """Start the launcher; its stdout goes to a file, or to a pipe (``run.proc.stdout``)."""
         n = len(self.runs)
         out_path, err_path = self.tmp / f"launcher{n}.out", self.tmp / f"launcher{n}.err"
@@ -249,14 +255,15 @@ class Launcher:
             proc = subprocess.Popen(
                 [PY, "-m", "ipcsync.launch", *argv], stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if pipe_stdout else out, stderr=err, cwd=str(cwd),
-                env=self.env(), start_new_session=True,
+                env=self.env(env), start_new_session=True,
             )
         run = Run(proc, out_path, err_path, argv)
         self.runs.append(run)
         return run
 
-    def run(self, *args: Any, cwd: Path = ROOT, timeout: float = RUN_TIMEOUT) -> Run:
-        run = self.start(*args, cwd=cwd)
+    def run(self, *args: Any, cwd: Path = ROOT, timeout: float = RUN_TIMEOUT,
+            env: dict[str, str | None] | None = None) -> Run:
+        run = self.start(*args, cwd=cwd, env=env)
         run.wait(timeout)
         return run
 
@@ -609,9 +616,12 @@ def test_signal_to_launcher_stops_all_stages(launcher: Launcher, signum: int) ->
     assert rc == 128 + signum, run.dump()
     name = signal.Signals(signum).name
     assert f"interrupted by {name}" in run.err, run.dump()
-    # The signal was forwarded to the stages (the sleepers record it); nothing restarts.
+    # SIGTERM was sent to the stages whichever signal the launcher got (a Python stage
+    # ends on it without a KeyboardInterrupt traceback); nothing restarts.
+    assert f"ipcsync-run: interrupted ({name}); stopping 4 stages" in run.err, run.dump()
     for label in ("sleepy/0", "sleepy/1"):
-        assert launcher.markers(f"sig-{name}", label), (label, os.listdir(launcher.state))
+        assert launcher.markers("sig-SIGTERM", label), (label, os.listdir(launcher.state))
+        assert not launcher.markers("sig-SIGINT", label), (label, os.listdir(launcher.state))
     assert len(run.started_lines) == 1, run.dump()
     assert "restarting" not in run.err
     launcher.assert_nothing_left()
@@ -642,6 +652,10 @@ def test_stage_ignoring_sigterm_is_killed_after_stop_timeout(launcher: Launcher,
         assert rc == 143, run.dump()
     # It got SIGTERM, ignored it, and was SIGKILLed once the stop timeout had passed.
     assert launcher.markers("sig-SIGTERM", "stubborn/0"), os.listdir(launcher.state)
+    stubborn = launcher.pid_of("stubborn/0")
+    assert (f"ipcsync-run: stage stubborn/0 (pid {stubborn.pid}) did not exit within 1.0 s of SIGTERM; "
+            "sending SIGKILL") in run.err, run.dump()
+    assert "ipcsync-run: stage stubborn/0 stopped (SIGKILL)" in run.err, run.dump()
     assert elapsed >= 0.9, elapsed
     launcher.assert_nothing_left()
 
@@ -732,7 +746,7 @@ def test_spec_error_in_file(launcher: Launcher, case: str) -> None:
     make, key, phrase = SPEC_ERRORS[case]
     path = launcher.spec_file(make(), name="bad.toml")
     run = launcher.run(path, timeout=50)
-    assert run.proc.returncode == 2, run.dump()
+    assert run.proc.returncode == 125, run.dump()
     err_lines = run.err.strip().splitlines()
     assert len(err_lines) == 1, run.dump()
     assert err_lines[0].startswith(f"ipcsync-run: error: {path}: {key}: "), run.dump()
@@ -758,7 +772,7 @@ def test_spec_error_on_command_line(launcher: Launcher, case: str) -> None:
     extra, key, phrase = CLI_ERRORS[case]
     sleeper = shlex.join(stage("sleeper.py"))
     run = launcher.run("--stage", f"a={sleeper}", "--stage", f"b={sleeper}", *extra, timeout=50)
-    assert run.proc.returncode == 2, run.dump()
+    assert run.proc.returncode == 125, run.dump()
     assert run.err.startswith(f"ipcsync-run: error: <command line>: {key}: "), run.dump()
     assert phrase in run.err, run.dump()
     assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
@@ -769,7 +783,7 @@ def test_spec_error_on_command_line(launcher: Launcher, case: str) -> None:
 def test_missing_spec_file(launcher: Launcher, tmp_path: Path) -> None:
     path = tmp_path / "absent.toml"
     run = launcher.run(path, timeout=50)
-    assert run.proc.returncode == 2, run.dump()
+    assert run.proc.returncode == 125, run.dump()
     assert run.err.startswith(f"ipcsync-run: error: {path}: cannot read the spec"), run.dump()
     launcher.assert_nothing_left()
 
@@ -946,7 +960,7 @@ def test_signal_during_failure_teardown_does_not_restart(launcher: Launcher, tmp
 def test_cli_rejects_infinite_stop_timeout(launcher: Launcher) -> None:
     run = launcher.run("--stage", f"a={shlex.join(stage('sleeper.py'))}", "--stop-timeout", "inf",
                        "--dry-run", timeout=50)
-    assert run.proc.returncode == 2, run.dump()
+    assert run.proc.returncode == 125, run.dump()
     assert run.err.startswith("ipcsync-run: error: <command line>: --stop-timeout"), run.dump()
 
 
@@ -954,7 +968,7 @@ def test_cli_rejects_infinite_stop_timeout(launcher: Launcher) -> None:
 def test_cli_rejects_restart_over_the_limit(launcher: Launcher) -> None:
     run = launcher.run("--stage", f"a={shlex.join(stage('sleeper.py'))}", "--restart", "5000",
                        "--dry-run", timeout=50)
-    assert run.proc.returncode == 2, run.dump()
+    assert run.proc.returncode == 125, run.dump()
     assert run.err.startswith("ipcsync-run: error: <command line>: --restart"), run.dump()
 
 
@@ -975,3 +989,265 @@ def test_closed_stdout_pipe_still_tears_down(launcher: Launcher) -> None:
     launcher.assert_nothing_left(timeout=3)
     assert rc != 0, run.dump()
     assert "Traceback" not in run.err, run.dump()
+
+
+# ---------------------------------------------------------------------------- the interpreter, threads, output
+def _fake_python(tmp_path: Path) -> str:
+    """A directory whose ``python3`` and ``python`` are shell scripts exiting 97; the
+    PATH to give the launcher with it first."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    for name in ("python3", "python"):
+        fake = bin_dir / name
+        fake.write_text("#!/bin/sh\necho 'fake python ran' >&2\nexit 97\n")
+        fake.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("word", ["python3", "python", f"python{sys.version_info[0]}.{sys.version_info[1]}"])
+def test_python_command_runs_under_the_launchers_interpreter(launcher: Launcher, tmp_path: Path, word: str) -> None:
+    """`python3 ...` in a stage means the launcher's own interpreter (as with torchrun),
+    not whatever python3 comes first on PATH."""
+    path = _fake_python(tmp_path)
+    cmd = f"{word} -c 'import sys; print(\"exe\", sys.executable)'"
+    run = launcher.run("--stage", f"p={cmd}", "--stop-timeout", "2", env={"PATH": path})
+    assert run.proc.returncode == 0, run.dump()
+    assert f"exe {PY}" in run.lines_of("p/0"), run.dump()
+    assert "fake python ran" not in run.out, run.dump()
+    dry = launcher.run("--stage", f"p={cmd}", "--dry-run", env={"PATH": path})
+    assert dry.proc.returncode == 0, dry.dump()
+    assert re.search(rf"^\s+p/0\s+device cpu\s+cmd: {re.escape(PY)} -c ", dry.out, re.M), dry.dump()
+
+
+OMP_NOTE = "ipcsync-run: setting OMP_NUM_THREADS=1 for each stage"
+PRINT_OMP = shlex.join([PY, "-c", "import os; print('omp', os.environ.get('OMP_NUM_THREADS'))"])
+
+
+@pytest.mark.timeout(120)
+def test_omp_num_threads_is_one_unless_set(launcher: Launcher) -> None:
+    spec = launcher.spec_file(toml_spec(
+        {"plain": {"cmd": PRINT_OMP}, "own": {"cmd": PRINT_OMP, "env": {"OMP_NUM_THREADS": "4"}}},
+        stop_timeout=2,
+    ))
+    run = launcher.run(spec, env={"OMP_NUM_THREADS": None})
+    assert run.proc.returncode == 0, run.dump()
+    assert run.lines_of("plain/0") == ["omp 1"], run.dump()
+    assert run.lines_of("own/0") == ["omp 4"], run.dump()
+    assert run.err.count(OMP_NOTE) == 1, run.dump()
+    assert "set it yourself to change that" in run.err, run.dump()
+    # Set in the launcher's environment: every stage inherits it, and nothing is said.
+    run = launcher.run(spec, env={"OMP_NUM_THREADS": "3"})
+    assert run.proc.returncode == 0, run.dump()
+    assert (run.lines_of("plain/0"), run.lines_of("own/0")) == (["omp 3"], ["omp 4"]), run.dump()
+    assert OMP_NOTE not in run.err, run.dump()
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_carriage_return_progress_reaches_the_output_live(launcher: Launcher, tmp_path: Path) -> None:
+    """tqdm-style `\\r` updates are relayed as they come (prefixed), not as one line at exit."""
+    go = tmp_path / "go"
+    run = launcher.start("--stage", f"bar={shlex.join(stage('progress.py', '--exit-when', go))}",
+                         "--stop-timeout", "2")
+    wait_until(lambda: b"[bar/0] progress 1/3\r" in run.out_path.read_bytes(), START_TIMEOUT,
+               "the first progress segment while the stage runs")
+    assert run.proc.poll() is None, run.dump()
+    launcher.wait_markers("drawn", ["bar/0"], run)
+    wait_until(lambda: b"[bar/0] progress 3/3\r" in run.out_path.read_bytes(), LEFT_TIMEOUT, "the last segment")
+    assert run.proc.poll() is None and not go.exists()  # still running: relayed live
+    go.touch()
+    assert run.wait() == 0, run.dump()
+    assert run.out_path.read_bytes() == (
+        b"[bar/0] progress 1/3\r[bar/0] progress 2/3\r[bar/0] progress 3/3\r[bar/0] \n"), run.dump()
+    launcher.assert_nothing_left()
+
+
+# ---------------------------------------------------------------------------- the command line itself
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    e.update(env or {})
+    return subprocess.run([PY, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=e, cwd=str(ROOT), timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_help_loads_neither_torch_nor_zmq() -> None:
+    proc = _run_cli("-X", "importtime", "-m", "ipcsync.launch", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: ipcsync-run" in proc.stdout and "125" in proc.stdout and "128+N" in proc.stdout, proc.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "ipcsync.launch.cli" in imported, proc.stderr[-2000:]
+    assert not imported & {"torch", "zmq", "ipcsync.launch.supervisor"}, sorted(imported & {"torch", "zmq"})
+    check = ("import sys, ipcsync, ipcsync.launch.cli, ipcsync.launch.spec, ipcsync.launch.plan, ipcsync.launch; "
+             "print(sorted(m for m in ('torch', 'zmq', 'msgpack') if m in sys.modules), ipcsync.__version__)")
+    proc = _run_cli("-c", check)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "[]", proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_package_names_load_on_first_use() -> None:
+    check = ("import sys, ipcsync; assert 'torch' not in sys.modules; "
+             "assert set(ipcsync.__all__) <= set(dir(ipcsync)); "
+             "from ipcsync import Producer, forward; import ipcsync.forward; "
+             "assert ipcsync.forward is forward and callable(forward), ipcsync.forward; "
+             "assert 'torch' in sys.modules and ipcsync.Producer is Producer; "
+             "print(ipcsync.PROTOCOL_VERSION)")
+    proc = _run_cli("-c", check)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_version() -> None:
+    import ipcsync
+
+    proc = _run_cli("-m", "ipcsync.launch", "--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"ipcsync-run {ipcsync.__version__}", proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["--bogus"], ["--restart", "many", "x.toml"], ["--stop-timeout"]],
+                         ids=["unknown-option", "bad-int", "missing-value"])
+def test_usage_errors_exit_125(launcher: Launcher, args: list[str]) -> None:
+    run = launcher.run(*args, timeout=50)
+    assert run.proc.returncode == 125, run.dump()
+    assert "usage: ipcsync-run" in run.err and "ipcsync-run: error: " in run.err, run.dump()
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_spec_file_values_overridden_from_the_command_line(launcher: Launcher) -> None:
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py"), "device": "cpu"}, "sink": {"cmd": stage("sink.py"), "device": "cpu"}},
+        [{"from": "src", "to": "sink", "slots": 2}],
+        stop_timeout=5,
+    ))
+    run = launcher.run(spec, "--replicas", "sink=3", "--device", "src=auto", "--edge-option", "src:sink:slots=7",
+                       "--edge-option", "src:sink:timeout=4", "--restart", "2", "--stop-timeout", "3", "--dry-run",
+                       timeout=50)
+    assert run.proc.returncode == 0, run.dump()
+    assert "2 stages, 4 processes, restart up to 2, stop timeout 3 s" in run.out, run.out
+    assert "src -> sink: 1 producer(s) x 3 consumer(s), policy shard, slots 7" in run.out, run.out
+    assert "timeout 4 s" in run.out, run.out
+    assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra,phrase", [
+    (["--replicas", "nope=2"], "<command line>: --replicas nope=2: unknown stage 'nope'"),
+    (["--device", "nope=cpu"], "<command line>: --device nope=cpu: unknown stage 'nope'"),
+    (["--edge-option", "sink:src:slots=2"], "<command line>: --edge-option sink:src:slots=2: no edge sink:src"),
+    (["--edge", "src:sink"], "<command line>: --edge only goes with --stage"),
+], ids=["replicas", "device", "edge-option", "edge"])
+def test_overrides_naming_what_the_spec_lacks(launcher: Launcher, extra: list[str], phrase: str) -> None:
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py")}, "sink": {"cmd": stage("sink.py")}}, [{"from": "src", "to": "sink"}]))
+    run = launcher.run(spec, *extra, "--dry-run", timeout=50)
+    assert run.proc.returncode == 125, run.dump()
+    assert run.err.startswith(f"ipcsync-run: error: {phrase}"), run.dump()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["missing-cwd", "missing-program", "missing-script-path", "not-executable"])
+def test_dry_run_checks_cwd_and_command(launcher: Launcher, tmp_path: Path, case: str) -> None:
+    plain = tmp_path / "plain.txt"
+    plain.write_text("not a program\n")
+    body: dict[str, Any] = {
+        "missing-cwd": {"cmd": stage("sleeper.py"), "cwd": str(tmp_path / "nowhere")},
+        "missing-program": {"cmd": ["ipcsync-no-such-program-xyz", "--flag"]},
+        "missing-script-path": {"cmd": ["./bin/absent.sh"], "cwd": str(tmp_path)},
+        "not-executable": {"cmd": ["./plain.txt"], "cwd": str(tmp_path)},
+    }[case]
+    spec = launcher.spec_file(toml_spec({"good": {"cmd": stage("sleeper.py")}, "bad": body}))
+    run = launcher.run(spec, "--dry-run", timeout=50)
+    assert run.proc.returncode == 125, run.dump()
+    assert "ipcsync-run: error: the dry run found stages that cannot start" in run.err, run.dump()
+    problems = [l.strip() for l in run.err.splitlines() if f"{spec}: stages." in l]
+    assert len(problems) == 1 and problems[0].startswith(f"{spec}: stages.bad."), run.dump()
+    assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
+
+
+@pytest.mark.timeout(60)
+def test_dry_run_finds_commands_on_path_and_relative_to_cwd(launcher: Launcher, tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "tool.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    spec = launcher.spec_file(toml_spec({
+        "rel": {"cmd": ["./bin/tool.sh"], "cwd": str(tmp_path)},
+        "onpath": {"cmd": ["sh", "-c", "true"]},
+        "py": {"cmd": ["python3", "-c", "pass"]},
+    }))
+    run = launcher.run(spec, "--dry-run", timeout=50)
+    assert run.proc.returncode == 0, run.dump()
+
+
+# ---------------------------------------------------------------------------- Ctrl-C, daemons, killed launchers
+@pytest.mark.timeout(200)
+def test_ctrl_c_prints_one_line_per_stage_and_no_traceback(launcher: Launcher) -> None:
+    spec = launcher.spec_file(toml_spec(
+        {"train": {"cmd": stage("loop.py")}, "load": {"cmd": stage("loop.py")}}, stop_timeout=20))
+    run = launcher.start(spec)
+    launcher.wait_markers("ready", ["train/0", "load/0"], run)
+    os.kill(run.proc.pid, signal.SIGINT)
+    assert run.wait(STOP_TIMEOUT) == 130, run.dump()
+    both = run.out + run.err
+    assert "Traceback" not in both and "KeyboardInterrupt" not in both, run.dump()
+    assert "ipcsync-run: interrupted (SIGINT); stopping 2 stages" in run.err, run.dump()
+    for label in ("train/0", "load/0"):
+        assert run.err.count(f"ipcsync-run: stage {label} stopped (SIGTERM)") == 1, run.dump()
+    assert run.err.count(" stopped (") == 2, run.dump()
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_daemon_of_a_stage_does_not_outlive_a_successful_run(launcher: Launcher) -> None:
+    run = launcher.run("--stage", f"d={shlex.join(stage('daemonize.py'))}", "--stop-timeout", "2")
+    assert run.proc.returncode == 0, run.dump()
+    assert "daemon started; leader done" in run.lines_of("d/0"), run.dump()
+    names = launcher.markers("daemon", "d/0")
+    assert len(names) == 1, names
+    daemon = int(names[0].rsplit("-", 1)[1])
+    try:
+        wait_until(lambda: not pid_alive(daemon), LEFT_TIMEOUT, f"the daemon pid {daemon} to be gone")
+        assert re.search(rf"killed 1 process\(es\) that the stages left running .*pid {daemon} \(sleep\)", run.err), \
+            run.dump()
+        launcher.assert_nothing_left()
+    finally:
+        if pid_alive(daemon):
+            os.kill(daemon, signal.SIGKILL)
+
+
+@pytest.mark.timeout(200)
+def test_sweep_kills_a_killed_launchers_stage_before_removing_its_run(launcher: Launcher, tmp_path: Path) -> None:
+    """A stage that ignores SIGTERM outlives a SIGKILLed launcher; the next launcher kills
+    it first, and only then removes its run directory."""
+    spec = launcher.spec_file(toml_spec(
+        {"stubborn": {"cmd": stage("sleeper.py", "--ignore-term", "--watch-run-dir")}}, stop_timeout=2))
+    first = launcher.start(spec)
+    launcher.wait_markers("ready", ["stubborn/0"], first)
+    run_id = first.run_ids[0]
+    stubborn = launcher.pid_of("stubborn/0")
+    try:
+        os.kill(first.proc.pid, signal.SIGKILL)
+        assert first.wait(STOP_TIMEOUT) == -signal.SIGKILL
+        wait_until(lambda: launcher.markers("sig-SIGTERM", "stubborn/0"), STOP_TIMEOUT, "the parent-death SIGTERM")
+        assert stubborn.alive(), "the stage ignores SIGTERM: it must still run"
+        done = tmp_path / "done"
+        done.touch()
+        second = launcher.run("--stage", f"quick={shlex.join(stage('sleeper.py', '--exit-when', done))}",
+                              "--stop-timeout", "2")
+        assert second.proc.returncode == 0, second.dump()
+        assert re.search(rf"killed 1 process\(es\) still running of run {run_id} .*pid {stubborn.pid} ",
+                         second.err), second.dump()
+        assert f"removed what an earlier launcher (killed) left of run {run_id}" in second.err, second.dump()
+        assert not stubborn.alive(), second.dump()
+        # Killed before its run directory went: it never saw the directory gone.
+        assert not launcher.markers("run-dir-gone"), os.listdir(launcher.state)
+        launcher.assert_nothing_left()
+    finally:
+        if stubborn.alive():
+            os.kill(stubborn.pid, signal.SIGKILL)

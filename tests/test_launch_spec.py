@@ -21,12 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ipcsync
+from ipcsync import limits
 from ipcsync.launch.spec import (
     DEFAULT_SLOT_BYTES,
     EdgeSpec,
     PipelineSpec,
+    Overrides,
     SpecError,
     StageSpec,
+    apply_overrides,
     from_cli,
     from_mapping,
     load,
@@ -227,9 +230,10 @@ class TestDefaults:
 
     def test_edge_defaults(self) -> None:
         edge = parse(base()).edges[0]
-        assert edge == EdgeSpec(src="a", dst="b", slots=4, slot_bytes=DEFAULT_SLOT_BYTES, policy="shard",
-                                wait="gpu", timeout=60.0)
-        assert DEFAULT_SLOT_BYTES == 8 << 20
+        assert edge == EdgeSpec(src="a", dst="b", slots=limits.DEFAULT_SLOTS, slot_bytes=limits.DEFAULT_SLOT_BYTES,
+                                policy="shard", wait="gpu", timeout=limits.DEFAULT_CONNECT_TIMEOUT)
+        assert DEFAULT_SLOT_BYTES == limits.DEFAULT_SLOT_BYTES == 8 << 20
+        assert edge.timeout == 30.0  # the connect timeout, as the endpoints' default
 
     def test_from_mapping_default_source(self) -> None:
         assert from_mapping(base()).source == "<spec>"
@@ -444,13 +448,14 @@ class TestReplicas:
 
 
 class TestSlots:
-    @pytest.mark.parametrize("n", [1, 8, 4096])
+    @pytest.mark.parametrize("n", [1, 8, 1024])
     def test_valid(self, n: int) -> None:
         assert parse(with_edge(slots=n)).edges[0].slots == n
 
-    @pytest.mark.parametrize("n", [0, -4, 4097, "4", 4.0, True])
+    @pytest.mark.parametrize("n", [0, -4, 1025, 4096, "4", 4.0, True])
     def test_invalid(self, n: Any) -> None:
-        with spec_error("edges[0].slots", f"must be an integer from 1 to 4096, got {n!r}"):
+        # The producer's own limit (limits.MAX_SLOTS): a spec it would refuse is refused here.
+        with spec_error("edges[0].slots", f"must be an integer from 1 to 1024, got {n!r}"):
             parse(with_edge(slots=n))
 
 
@@ -1158,3 +1163,43 @@ class TestReplyEdges:
         spec = from_cli(["front=x", "worker=y"], ["front:worker", "worker:front"],
                         edge_options=["worker:front:reply=true"])
         assert [e.reply for e in spec.edges] == [False, True]
+
+
+class TestOverrides:
+    """Command-line values applied to a spec file (``loads(..., overrides=...)``)."""
+
+    TEXT = toml({"a": 'cmd = "x"\nreplicas = 2', "b": 'cmd = "y"'}, edges=[("a", "b")])
+
+    def test_values_replace_the_files(self) -> None:
+        spec = loads(self.TEXT, source=SRC, overrides=Overrides(
+            replicas=("b=3",), devices=("a=cpu",), edge_options=("a:b:slots=7", "a:b:wait=host", "a:b:timeout=2.5")))
+        assert (spec.stage("a").replicas, spec.stage("b").replicas, spec.stage("a").device) == (2, 3, "cpu")
+        edge = spec.edges[0]
+        assert (edge.slots, edge.wait, edge.timeout) == (7, "host", 2.5)
+
+    def test_no_overrides_is_the_file(self) -> None:
+        assert loads(self.TEXT, source=SRC, overrides=Overrides()) == loads(self.TEXT, source=SRC)
+
+    def test_the_mapping_given_is_not_changed(self) -> None:
+        data = {"stages": {"a": {"cmd": "x"}}, "edges": []}
+        before = copy.deepcopy(data)
+        apply_overrides(data, Overrides(replicas=("a=4",)))
+        assert data == before
+
+    @pytest.mark.parametrize("overrides,key,phrase", [
+        (Overrides(replicas=("c=2",)), "--replicas c=2", "unknown stage 'c'"),
+        (Overrides(devices=("zz=cpu",)), "--device zz=cpu", "unknown stage 'zz'"),
+        (Overrides(replicas=("a=two",)), "--replicas a=two", "'two' is not an integer"),
+        (Overrides(edge_options=("b:a:slots=2",)), "--edge-option b:a:slots=2", "no edge b:a was given with the spec"),
+        (Overrides(edge_options=("a:b",)), "--edge-option a:b", "expected FROM:TO:KEY=VALUE"),
+        (Overrides(edge_options=("a:b:from=b",)), "--edge-option a:b:from=b", "set by --edge"),
+    ])
+    def test_unknown_names_and_bad_forms(self, overrides: Overrides, key: str, phrase: str) -> None:
+        with spec_error(key, phrase, source=CLI):
+            loads(self.TEXT, source=SRC, overrides=overrides)
+
+    def test_overridden_values_are_validated(self) -> None:
+        with spec_error("edges[0].slots", "from 1 to 1024"):
+            loads(self.TEXT, source=SRC, overrides=Overrides(edge_options=("a:b:slots=5000",)))
+        with spec_error("stages.b.replicas", "got 0"):
+            loads(self.TEXT, source=SRC, overrides=Overrides(replicas=("b=0",)))

@@ -20,24 +20,20 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import secrets
 from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
+from .._shm import NAME_RE as _NAME_RE
+from .._shm import RUN_ID_RE as _RUN_ID_RE
+from .._shm import SHM_DIR, SHM_PREFIX, remove_run_segments
 from ..errors import BackendError, IpcTimeoutError
 from .base import Arena, Backend, Event
 
 __all__ = ["CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX", "remove_run_segments"]
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "ipcsync-"
-# ipcsync-<pid>-[<run id>-]<token>: the run id (IPCSYNC_RUN_ID, set by ipcsync-run) lets
-# the launcher sweep what a killed process group left behind, resource tracker included.
-_NAME_RE = re.compile(r"^ipcsync-[0-9]+-(r[0-9a-f]{8}-)?[0-9a-f]{16}$")
-_RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
 _EVENT_HANDLE = b"ipcsync-cpu-event"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -132,22 +128,6 @@ class CpuArena(Arena):
             self._unlink()
         # Drop our view; the mapping goes when the last tensor viewing it goes.
         self.tensor = torch.empty(0, dtype=torch.uint8)
-
-
-def remove_run_segments(run_id: str) -> None:
-    """Unlink every segment that arenas of ipcsync-run run ``run_id`` left (``create_arena``
-    tags their names with it), whichever process made them."""
-    tag = f"-r{run_id}-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(SHM_PREFIX) and tag in name:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
 
 
 class CpuBackend(Backend):

@@ -3,7 +3,11 @@
     ipcsync-run pipeline.toml
     ipcsync-run --stage loader="python3 loader.py" --stage train="python3 train.py" \\
                 --edge loader:train --replicas loader=2
-    ipcsync-run pipeline.toml --dry-run
+    ipcsync-run pipeline.toml --replicas loader=4 --dry-run
+
+Importing this module loads neither torch nor zmq (``--help`` and ``--version`` answer
+at once); the supervisor, the runtime directory and torch (to count GPUs) are loaded
+only when a pipeline is resolved or run.
 """
 
 from __future__ import annotations
@@ -11,21 +15,51 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
-from typing import Sequence
+import traceback
+from dataclasses import replace
+from typing import NoReturn, Sequence
 
-from .plan import Plan, resolve
+from .. import __version__
 from ..errors import ConfigError
-from .spec import MAX_RESTART, PipelineSpec, SpecError, from_cli, load
+from .plan import OMP_THREADS, Plan, resolve
+from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
-__all__ = ["main", "parse_args", "config_from_args", "run"]
+__all__ = ["main", "parse_args", "config_from_args", "check_plan", "run", "EXIT_LAUNCHER_ERROR"]
+
+EXIT_LAUNCHER_ERROR = 125  # as docker run: the launcher itself failed; no stage can be blamed
+
+_EPILOG = """\
+exit status:
+  0        every stage exited 0
+  N        the first failing stage's own exit code
+  125      ipcsync-run itself failed: bad arguments, bad spec, --dry-run check
+           failed, or an internal error (no stage ran, or none is to blame)
+  127      a stage's command could not be started
+  128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
+           signal N (130 for Ctrl-C)
+
+Spec format: see the README (ipcsync-run) or ipcsync/launch/spec.py. With a spec file,
+--replicas, --device, --edge-option, --restart and --stop-timeout override its values.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit with the launcher's own code (125), not 2: a
+    stage may exit 2 itself."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_LAUNCHER_ERROR, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="ipcsync-run",
         description="Launch and supervise a pipeline of ipcsync stage processes.",
-        epilog="Spec format: see the README (ipcsync-run) or ipcsync/launch/spec.py.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("spec", nargs="?", help="pipeline spec (TOML); or give --stage/--edge instead")
     ap.add_argument("--stage", action="append", default=[], metavar="NAME=CMD",
@@ -33,17 +67,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--edge", action="append", default=[], metavar="FROM:TO",
                     help="stage FROM feeds stage TO; repeatable")
     ap.add_argument("--replicas", action="append", default=[], metavar="NAME=N",
-                    help="processes of a stage (default 1)")
+                    help="processes of a stage (default 1; overrides the spec)")
     ap.add_argument("--device", action="append", default=[], metavar="NAME=DEVICE",
                     help="device of a stage: auto (default), cpu, cuda, cuda:N, cuda:{replica}")
     ap.add_argument("--edge-option", action="append", default=[], metavar="FROM:TO:KEY=VALUE",
-                    help="an edge option (slots, slot_bytes, policy, wait, timeout)")
+                    help="an edge option (slots, slot_bytes, policy, wait, timeout, reply)")
     ap.add_argument("--restart", type=int, default=None, metavar="N",
                     help="restart the whole group up to N times after a failure (overrides the spec)")
     ap.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
                     help="between SIGTERM and SIGKILL when stopping (overrides the spec)")
-    ap.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the resolved plan, check every stage's cwd and command, and exit")
     ap.add_argument("--no-summary", action="store_true", help="do not print the per-edge summary")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return ap.parse_args(argv)
 
 
@@ -52,16 +88,17 @@ def config_from_args(args: argparse.Namespace) -> PipelineSpec:
     if args.spec and args.stage:
         raise SpecError("<command line>: give a spec file or --stage options, not both")
     if args.spec:
-        extra = [f for f, v in (("--edge", args.edge), ("--replicas", args.replicas), ("--device", args.device),
-                                ("--edge-option", args.edge_option)) if v]
-        if extra:
-            raise SpecError(f"<command line>: {extra[0]} only goes with --stage; put it in {args.spec}")
-        spec = load(args.spec)
+        if args.edge:
+            raise SpecError(
+                f"<command line>: --edge only goes with --stage; put the edge in {args.spec} "
+                "(--edge-option FROM:TO:KEY=VALUE changes an edge of the spec)"
+            )
+        spec = load(args.spec, Overrides(tuple(args.replicas), tuple(args.device), tuple(args.edge_option)))
     elif args.stage:
         spec = from_cli(args.stage, args.edge, args.replicas, args.device, edge_options=args.edge_option)
     else:
         raise SpecError("<command line>: give a pipeline spec file, or at least one --stage NAME=CMD")
-    changes = {}
+    changes: dict[str, object] = {}
     if args.restart is not None:
         if not 0 <= args.restart <= MAX_RESTART:
             raise SpecError(f"<command line>: --restart must be from 0 to {MAX_RESTART}, got {args.restart}")
@@ -71,9 +108,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineSpec:
             raise SpecError(f"<command line>: --stop-timeout must be positive, got {args.stop_timeout}")
         changes["stop_timeout"] = args.stop_timeout
     if changes:
-        from dataclasses import replace
-
-        spec = replace(spec, **changes)
+        spec = replace(spec, **changes)  # type: ignore[arg-type]
     return spec
 
 
@@ -87,24 +122,68 @@ def visible_gpus() -> int:
         return 0
 
 
+def check_plan(plan: Plan) -> list[str]:
+    """What would stop a stage from starting: a missing ``cwd``, a command that is not
+    an executable file (a path, taken from the stage's cwd) or not found on the stage's
+    PATH. One line per problem; empty when every stage can start."""
+    problems = []
+    seen: set[str] = set()
+    for inst in plan.instances:
+        if inst.stage in seen:  # replicas share cwd and command
+            continue
+        seen.add(inst.stage)
+        key = f"{plan.spec.source}: stages.{inst.stage}"
+        cwd = inst.cwd or os.getcwd()
+        if not os.path.isdir(cwd):
+            problems.append(f"{key}.cwd: {cwd!r} is not a directory")
+            continue
+        prog = inst.cmd[0]
+        path = os.path.join(cwd, prog)  # prog itself if absolute
+        if os.sep in prog:
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                why = "is not executable" if os.path.isfile(path) else "does not exist"
+                problems.append(f"{key}.cmd: {prog!r} {why} (from directory {cwd})")
+            continue
+        search = inst.env.get("PATH", os.environ.get("PATH", os.defpath))
+        dirs = [d if os.path.isabs(d) else os.path.join(cwd, d or ".") for d in search.split(os.pathsep)]
+        if shutil.which(prog, path=os.pathsep.join(dirs)) is None:
+            problems.append(f"{key}.cmd: {prog!r} is not found on PATH (from directory {cwd})")
+    return problems
+
+
+def _say(line: str) -> None:
+    print(f"ipcsync-run: {line}", file=sys.stderr, flush=True)
+
+
 def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True) -> int:
-    from ..channel import runtime_dir
-    from .supervisor import Supervisor
+    from ..channel import runtime_dir  # zmq: only once a pipeline is resolved
 
     base = runtime_dir()
     gpus = visible_gpus()
+    omp_default = OMP_THREADS not in os.environ
 
     def make_plan(run_id: str, run_dir: str, attempt: int) -> Plan:
-        return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt)
+        return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default)
 
     # Resolved once up front, so that a bad device or path fails before anything starts.
     # Run ids are 8 hex digits, one per attempt; "xxxxxxxx" stands for them here.
     plan = make_plan("xxxxxxxx", os.path.join(base, "run-xxxxxxxx"), 0)
+    if omp_default and any(dict(s.env).get(OMP_THREADS) is None for s in spec.stages):
+        _say(
+            f"setting {OMP_THREADS}=1 for each stage (so that stages do not overload the machine with "
+            f"one thread per core each); set it yourself to change that"
+        )
     if dry_run:
         print(plan.describe())
+        problems = check_plan(plan)
+        if problems:
+            raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
         return 0
+    from .supervisor import Supervisor
+
     return Supervisor(
-        make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary
+        make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary,
+        contain=True,
     ).run()
 
 
@@ -114,8 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = config_from_args(args)
         return run(spec, dry_run=args.dry_run, summary=not args.no_summary)
     except ConfigError as exc:  # SpecError included
-        print(f"ipcsync-run: error: {exc}", file=sys.stderr)
-        return 2
+        _say(f"error: {exc}")
+        return EXIT_LAUNCHER_ERROR
+    except Exception:  # a bug of the launcher: say so, and do not pass for a stage's code
+        traceback.print_exc()
+        _say("internal error (above); please report it with the command line and spec")
+        return EXIT_LAUNCHER_ERROR
 
 
 if __name__ == "__main__":

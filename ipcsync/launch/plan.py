@@ -8,23 +8,38 @@ to every upstream replica of the edge, so an edge from m replicas to n replicas 
 producers with n consumers each (``policy`` decides shard or broadcast among the n) and
 n consumers merging m sources (fair fan-in). Each process gets its part as JSON in
 ``IPCSYNC_WIRING`` (read by ``ipcsync.stage``); JSON, not pickle, since stage code parses it.
+
+Commands. A command whose first word is ``python``, ``python3`` or ``python3.N`` runs
+under the launcher's own interpreter (``python=``, ``sys.executable`` by default), as
+torchrun does: the stages see the same environment (virtualenv) as ``ipcsync-run``.
+
+Threads. Every stage gets ``OMP_NUM_THREADS=1`` unless its ``env`` sets it, or the caller
+says the launcher's environment does (``omp_default=False``): N stages each running one
+OpenMP thread per core would oversubscribe the machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..channel import _IPC_PATH_MAX
+from ..limits import IPC_PATH_MAX
 from .spec import PipelineSpec, SpecError, StageSpec
 
-__all__ = ["Instance", "Plan", "resolve", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX"]
+__all__ = [
+    "Instance", "Plan", "resolve", "resolve_command", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX",
+    "OMP_THREADS", "OMP_DEFAULT",
+]
 
 WIRING_VERSION = 1
 ENV_WIRING = "IPCSYNC_WIRING"
-IPC_PATH_MAX = _IPC_PATH_MAX
+OMP_THREADS = "OMP_NUM_THREADS"
+OMP_DEFAULT = "1"
+_PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
 
 
 @dataclass(frozen=True)
@@ -88,10 +103,24 @@ def endpoint_url(run_dir: str, src: str, replica: int, dst: str) -> str:
     return "ipc://" + os.path.join(run_dir, f"{src}.{replica}-{dst}.sock")
 
 
-def resolve(spec: PipelineSpec, *, run_id: str, run_dir: str, gpus: int, restart: int = 0) -> Plan:
+def resolve_command(cmd: tuple[str, ...], python: str) -> tuple[str, ...]:
+    """``cmd`` with a first word ``python``/``python3``/``python3.N`` replaced by ``python``."""
+    if cmd and python and _PYTHON_RE.fullmatch(cmd[0]):
+        return (python, *cmd[1:])
+    return cmd
+
+
+def resolve(
+    spec: PipelineSpec, *, run_id: str, run_dir: str, gpus: int, restart: int = 0,
+    python: str | None = None, omp_default: bool = True,
+) -> Plan:
     """The processes of ``spec``. ``gpus``: CUDA devices visible to the launcher.
-    ``restart``: which attempt this is (0 first). SpecError for a device that cannot be
-    had, or an endpoint path over the OS limit."""
+    ``restart``: which attempt this is (0 first). ``python``: the interpreter for
+    ``python``/``python3`` commands (default ``sys.executable``). ``omp_default``: give
+    stages whose ``env`` does not set it ``OMP_NUM_THREADS=1`` (pass False when the
+    launcher's environment sets it). SpecError for a device that cannot be had, or an
+    endpoint path over the OS limit."""
+    python = sys.executable if python is None else python
     devices = {
         (s.name, r): _device(spec, s, r, gpus) for s in spec.stages for r in range(s.replicas)
     }
@@ -117,6 +146,8 @@ def resolve(spec: PipelineSpec, *, run_id: str, run_dir: str, gpus: int, restart
         for r in range(s.replicas):
             wiring = _wiring(spec, s, r, devices[(s.name, r)], run_id, run_dir, restart)
             env = dict(s.env)
+            if omp_default and OMP_THREADS not in env:
+                env[OMP_THREADS] = OMP_DEFAULT
             if s.visible_devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = s.visible_devices
             env.update({
@@ -129,7 +160,7 @@ def resolve(spec: PipelineSpec, *, run_id: str, run_dir: str, gpus: int, restart
             })
             instances.append(Instance(
                 stage=s.name, replica=r, replicas=s.replicas, device=devices[(s.name, r)],
-                cmd=s.cmd, env=env, cwd=s.cwd, wiring=wiring,
+                cmd=resolve_command(s.cmd, python), env=env, cwd=s.cwd, wiring=wiring,
             ))
     return Plan(spec=spec, run_id=run_id, run_dir=run_dir, instances=tuple(instances))
 

@@ -23,15 +23,28 @@ A spec::
     [[edges]]
     from = "loader"
     to = "train"
-    slots = 4
+    slots = 4                   # 1 to 1024 (limits.MAX_SLOTS)
     slot_bytes = "8MiB"         # an integer, or a string with B, KiB, MiB, GiB
     policy = "shard"            # or "broadcast" (with several consumer replicas)
     wait = "gpu"                # how the consumer waits on the producer's events
+    timeout = 30                # seconds the two ends wait for each other to appear
+                                # (the handshake); see below
 
     [[edges]]                   # a reply edge: answers going back upstream (the only
     from = "train"              # kind of edge allowed to close a cycle); its output()
     to = "loader"               # does not wait for consumers, so no order of input()
     reply = true                # and output() calls can deadlock
+
+An edge's ``timeout`` is its connect timeout: how long a stage waits at ``input()`` /
+``output()`` for the stage at the other end to appear (default
+``limits.DEFAULT_CONNECT_TIMEOUT``, 30 s). Once connected, data calls wait as long as the
+peer process lives, and end with ``PeerLostError`` when it is gone; no data call times
+out by default.
+
+Every value but ``cmd``, ``env``, ``cwd`` and ``visible_devices`` can be overridden from
+the command line together with a spec file (``apply_overrides``): ``--replicas NAME=N``,
+``--device NAME=DEVICE``, ``--edge-option FROM:TO:KEY=VALUE``, ``--restart``,
+``--stop-timeout``.
 """
 
 from __future__ import annotations
@@ -44,8 +57,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .._endpoint import WAIT_MODES
+from .._endpoint import WAIT_MODES  # torch-free, zmq-free (as is ring)
 from ..errors import ConfigError
+from ..limits import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MAX_SLOTS
 from ..ring import POLICIES
 
 if sys.version_info >= (3, 11):
@@ -63,10 +77,11 @@ __all__ = [
     "from_mapping",
     "from_cli",
     "parse_bytes",
+    "apply_overrides",
+    "Overrides",
     "DEFAULT_SLOT_BYTES",
 ]
 
-DEFAULT_SLOT_BYTES = 8 << 20
 MAX_REPLICAS = 256
 MAX_RESTART = 1000
 WAITS = WAIT_MODES
@@ -110,11 +125,11 @@ class EdgeSpec:
 
     src: str
     dst: str
-    slots: int = 4
+    slots: int = DEFAULT_SLOTS
     slot_bytes: int = DEFAULT_SLOT_BYTES
     policy: str = "shard"
     wait: str = "gpu"
-    timeout: float = 60.0
+    timeout: float = DEFAULT_CONNECT_TIMEOUT  # the handshake: how long the ends wait to meet
     reply: bool = False  # a back edge (answers to an upstream stage): exempt from the cycle check
 
     @property
@@ -147,19 +162,22 @@ class PipelineSpec:
 
 
 # ---------------------------------------------------------------------------- entry points
-def load(path: str) -> PipelineSpec:
-    """Read and validate a TOML spec file."""
+def load(path: str, overrides: Overrides | None = None) -> PipelineSpec:
+    """Read and validate a TOML spec file, with command-line ``overrides`` applied."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the spec: {exc.strerror or exc}") from None
-    return loads(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+    return loads(raw, source=path, base_dir=os.path.dirname(os.path.abspath(path)), overrides=overrides)
 
 
-def loads(text: str | bytes, source: str = "<spec>", base_dir: str | None = None) -> PipelineSpec:
+def loads(
+    text: str | bytes, source: str = "<spec>", base_dir: str | None = None, overrides: Overrides | None = None
+) -> PipelineSpec:
     """Validate a TOML spec given as text. A relative ``cwd`` of a stage is taken relative
-    to ``base_dir`` (for a file: the file's directory)."""
+    to ``base_dir`` (for a file: the file's directory). ``overrides`` (from the command
+    line) are applied before validation, so overridden values are checked like the rest."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -169,6 +187,8 @@ def loads(text: str | bytes, source: str = "<spec>", base_dir: str | None = None
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    if overrides is not None:
+        data = apply_overrides(data, overrides)
     return from_mapping(data, source, base_dir)
 
 
@@ -213,38 +233,71 @@ def from_cli(
         if name in data["stages"]:
             raise where.error(f"--stage {name}", "stage given twice")
         data["stages"][name] = {"cmd": cmd}
-    for opt, items in (("replicas", replicas), ("device", devices)):
-        for arg in items:
-            name, value = _split_pair(where, f"--{opt}", arg, f"NAME={opt.upper()}")
-            if name not in data["stages"]:
-                raise where.error(f"--{opt} {arg}", f"unknown stage {name!r}; stages: {sorted(data['stages'])}")
-            if opt == "replicas":
-                try:
-                    data["stages"][name][opt] = int(value)
-                except ValueError:
-                    raise where.error(f"--replicas {arg}", f"{value!r} is not an integer") from None
-            else:
-                data["stages"][name][opt] = value
-    by_pair: dict[tuple[str, str], dict[str, Any]] = {}
     for arg in edges:
         parts = arg.split(":")
         if len(parts) != 2 or not all(parts):
             raise where.error(f"--edge {arg}", "expected FROM:TO, e.g. --edge loader:train")
-        edge = {"from": parts[0], "to": parts[1]}
-        by_pair[(parts[0], parts[1])] = edge
-        data["edges"].append(edge)
-    for arg in edge_options:
+        data["edges"].append({"from": parts[0], "to": parts[1]})
+    data = apply_overrides(data, Overrides(tuple(replicas), tuple(devices), tuple(edge_options)), edges_from="--edge")
+    return from_mapping(data, "<command line>")
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Spec values given on the command line: ``NAME=N`` replicas, ``NAME=DEVICE``
+    devices, ``FROM:TO:KEY=VALUE`` edge options."""
+
+    replicas: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    edge_options: tuple[str, ...] = ()
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Overrides, edges_from: str = "the spec") -> dict[str, Any]:
+    """A copy of the spec mapping ``data`` with ``overrides`` applied (not yet validated).
+    SpecError (source ``<command line>``) for a malformed override or one that names a
+    stage or edge the spec does not have."""
+    where = _Where("<command line>")
+    out = dict(data)
+    raw_stages = out.get("stages")
+    stages: dict[str, Any] = {}
+    if isinstance(raw_stages, Mapping):
+        stages = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw_stages.items()}
+        out["stages"] = stages
+    raw_edges = out.get("edges", [])
+    edges: list[Any] = []
+    if isinstance(raw_edges, list):
+        edges = [dict(e) if isinstance(e, Mapping) else e for e in raw_edges]
+        out["edges"] = edges
+    for opt, items in (("replicas", overrides.replicas), ("device", overrides.devices)):
+        for arg in items:
+            name, value = _split_pair(where, f"--{opt}", arg, f"NAME={opt.upper()}")
+            body = stages.get(name)
+            if not isinstance(body, dict):
+                raise where.error(f"--{opt} {arg}", f"unknown stage {name!r}; stages: {sorted(stages)}")
+            if opt == "replicas":
+                try:
+                    body[opt] = int(value)
+                except ValueError:
+                    raise where.error(f"--replicas {arg}", f"{value!r} is not an integer") from None
+            else:
+                body[opt] = value
+    for arg in overrides.edge_options:
         parts = arg.split(":", 2)
         if len(parts) != 3 or "=" not in parts[2]:
             raise where.error(f"--edge-option {arg}", "expected FROM:TO:KEY=VALUE, e.g. loader:train:slots=8")
-        edge = by_pair.get((parts[0], parts[1]))
-        if edge is None:
-            raise where.error(f"--edge-option {arg}", f"no edge {parts[0]}:{parts[1]} was given with --edge")
+        found = [e for e in edges if isinstance(e, dict) and e.get("from") == parts[0] and e.get("to") == parts[1]]
+        if not found:
+            known = [f"{e.get('from')}:{e.get('to')}" for e in edges if isinstance(e, dict)]
+            raise where.error(
+                f"--edge-option {arg}",
+                f"no edge {parts[0]}:{parts[1]} was given with {edges_from}; edges: {', '.join(known) or '(none)'}",
+            )
         key, value = parts[2].split("=", 1)
         if key in ("from", "to"):
             raise where.error(f"--edge-option {arg}", "the ends of an edge are set by --edge FROM:TO")
-        edge[key] = _cli_value(value)
-    return from_mapping(data, "<command line>")
+        for edge in found:
+            edge[key] = _cli_value(value)
+    return out
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -339,11 +392,11 @@ def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
     return EdgeSpec(
         src=ends[0],
         dst=ends[1],
-        slots=_int(where, f"{key}.slots", body.get("slots", 4), 1, 4096),
+        slots=_int(where, f"{key}.slots", body.get("slots", DEFAULT_SLOTS), 1, MAX_SLOTS),
         slot_bytes=parse_bytes(body.get("slot_bytes", DEFAULT_SLOT_BYTES), where, f"{key}.slot_bytes"),
         policy=policy,
         wait=wait,
-        timeout=_seconds(where, f"{key}.timeout", body.get("timeout", 60.0)),
+        timeout=_seconds(where, f"{key}.timeout", body.get("timeout", DEFAULT_CONNECT_TIMEOUT)),
         reply=_bool(where, f"{key}.reply", body.get("reply", False)),
     )
 

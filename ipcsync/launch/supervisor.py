@@ -2,19 +2,28 @@
 
 Lifecycle of one attempt (torchrun's elastic agent is the model):
 
-1. start: the run directory (0700) holds every endpoint socket and the stats reports;
+1. start: the run directory (0700) holds every endpoint socket, the stats reports and
+   ``owner.json`` (the launcher's and every stage's pid, start time and process group);
    each process starts in its own session and process group, stdin from /dev/null,
    stdout+stderr into a pipe; on Linux it also gets SIGTERM if the launcher dies;
-2. poll: every line a process writes is printed as ``[stage/replica] line``; a process
-   exiting 0 is done; the first one exiting non-zero (or killed) is the root cause;
-   SIGINT/SIGTERM to the launcher is forwarded to every process group;
+2. poll: every line a process writes is printed as ``[stage/replica] line`` (a partial
+   line up to its last ``\r`` at once: progress bars stay live); a process exiting 0 is
+   done; the first one exiting non-zero (or killed) is the root cause; SIGINT or SIGTERM
+   to the launcher sends SIGTERM to every process group (SIGTERM, not SIGINT: a Python
+   stage then ends without a KeyboardInterrupt traceback);
 3. close: SIGTERM to every group still running, up to ``stop_timeout`` for them to exit,
-   then SIGKILL to every group (stragglers such as resource trackers included), then the
-   run directory and every shared-memory segment tagged with the run id are removed.
+   then SIGKILL to every group (stragglers such as resource trackers included); with
+   ``contain`` (the launcher), SIGKILL to every remaining descendant of the launcher
+   (daemons that left their group: the launcher is a child subreaper, so they are its
+   descendants); then the run directory and every shared-memory segment tagged with the
+   run id are removed.
 
-Invariants: nothing of an attempt outlives ``close`` (no process in its groups, no socket
-file, no /dev/shm segment of its run id); the launcher's exit code is the root cause's
-(128 + signal for a killed process or an interrupted launcher, 0 when all exited 0).
+Invariants: nothing of an attempt outlives ``close`` (no process in its groups, with
+``contain`` no descendant at all, no socket file, no /dev/shm segment of its run id); a
+run directory is removed only once no process of its run lives (``sweep_abandoned``
+kills what a SIGKILLed launcher left before removing its directory); the launcher's exit
+code is the root cause's (128 + signal for a killed process or an interrupted launcher,
+0 when all exited 0).
 ``restart = N`` in the spec starts the whole group again, up to N times, after a failure
 (not after an interrupt): a stage that died mid-record may have wedged its partners'
 GPU streams, so partners are restarted too, never reconnected.
@@ -36,15 +45,18 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from .. import _host
-from ..backends.cpu import remove_run_segments
+from .._shm import remove_run_segments
 from .plan import Instance, Plan
 
-__all__ = ["Supervisor", "Outcome", "exit_code_of"]
+__all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
 
 _READ_CHUNK = 65536
 _MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _OWNER = "owner.json"
+_KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be gone
+_ORPHAN_REAP_INTERVAL = 1.0  # seconds between reaping orphans re-parented to the launcher
 
 
 @dataclass
@@ -105,7 +117,11 @@ class Supervisor:
         out: IO[bytes] | None = None,
         err: IO[str] | None = None,
         summary: bool = True,
+        contain: bool = False,
     ) -> None:
+        """``contain``: this process does nothing but supervise (the launcher): it becomes
+        a child subreaper, and at the end of every attempt kills every descendant it
+        has, whichever group or session it moved to."""
         self._make_plan = make_plan
         self._base = runtime_base
         self._restart = restart
@@ -113,6 +129,7 @@ class Supervisor:
         self._out = out if out is not None else sys.stdout.buffer
         self._err = err if err is not None else sys.stderr
         self._summary = summary
+        self._contain = contain
         self._signal: int | None = None  # the last signal the launcher got
         self._signals = 0  # how many
         self._out_broken = False  # our stdout's reader is gone
@@ -127,8 +144,11 @@ class Supervisor:
         os.set_blocking(wfd, False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        if self._contain and not _set_child_subreaper():
+            self._say("cannot become a child subreaper here (not Linux?): processes that a stage "
+                      "daemonizes are not stopped with it")
         try:
-            for run_id in sweep_abandoned(self._base):
+            for run_id in sweep_abandoned(self._base, say=self._say):
                 self._say(f"removed what an earlier launcher (killed) left of run {run_id}")
             attempt = 0
             while True:
@@ -158,9 +178,8 @@ class Supervisor:
         run_dir = os.path.join(self._base, f"run-{run_id}")
         os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
         os.chmod(run_dir, 0o700)
-        me = os.getpid()
-        with open(os.path.join(run_dir, _OWNER), "w") as f:  # for sweep_abandoned
-            json.dump({"pid": me, "start_time": _host.start_time(me)}, f)
+        owner: dict[str, Any] = {"pid": os.getpid(), "start_time": _host.start_time(os.getpid()), "stages": []}
+        _write_owner(run_dir, owner)  # for sweep_abandoned
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
@@ -174,6 +193,12 @@ class Supervisor:
             for inst in plan.instances:
                 proc = self._start(inst)
                 self._procs.append(proc)
+                if proc.popen is not None:
+                    pid = proc.popen.pid
+                    owner["stages"].append(
+                        {"label": inst.label, "pid": pid, "start_time": _host.start_time(pid), "pgid": pid}
+                    )
+                    _write_owner(run_dir, owner)
                 if proc.popen is None:  # could not even start: that is the root cause
                     cause, code = f"stage {inst.label} could not start: {proc.partial.decode()}", 127
                     proc.partial = b""
@@ -185,15 +210,23 @@ class Supervisor:
                     f"started {len(plan.instances)} processes of pipeline {plan.spec.name!r} "
                     f"(run {run_id}{f', restart {attempt}' if attempt else ''})"
                 )
+            next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
             while cause is None and interrupted is None and any(p.running for p in self._procs):
                 self._pump(sel, 0.1)
+                if self._contain and time.monotonic() >= next_orphan_reap:
+                    _reap_orphans(self._popen_pids())
+                    next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
                 if self._signal is not None:
                     interrupted = self._signal
-                    cause = f"interrupted by {signal.Signals(interrupted).name}"
+                    name = signal.Signals(interrupted).name
+                    cause = f"interrupted by {name}"
                     code = 128 + interrupted
-                    # Forwarded as is (close() escalates); a closed output pipe is not the
-                    # stages' business: they get SIGTERM.
-                    self._signal_all(signal.SIGTERM if interrupted == signal.SIGPIPE else interrupted)
+                    running = sum(p.running for p in self._procs)
+                    self._say(f"interrupted ({name}); stopping {running} stage{'s' if running != 1 else ''}")
+                    # SIGTERM whatever the launcher got (close() escalates): a Python
+                    # stage ends on it without a KeyboardInterrupt traceback, and a
+                    # closed output pipe is not the stages' business.
+                    self._signal_all(signal.SIGTERM)
                     break
                 for p in self._procs:
                     if p.running and _reap(p):
@@ -203,10 +236,17 @@ class Supervisor:
                                 f"after {time.monotonic() - p.started:.1f} s"
                             )
                             code = exit_code_of(p.returncode)
-            if cause is not None:
+            if cause is not None and interrupted is None:
                 self._say(f"root cause: {cause}; stopping the other stages")
         finally:
             self._close(sel, forwarded=interrupted is not None)
+            if self._contain:
+                left = _kill_descendants(self._popen_pids())
+                if left:
+                    self._say(
+                        f"killed {len(left)} process(es) that the stages left running outside their "
+                        f"process groups: {', '.join(f'pid {pid} ({comm})' for pid, comm in left)}"
+                    )
             if interrupted is None and self._signals != signals_before:
                 # Interrupted while stopping a failed attempt: no restart; the failure
                 # stays the root cause and sets the exit code.
@@ -259,16 +299,25 @@ class Supervisor:
                 self._emit(proc)
 
     def _emit(self, proc: _Proc, final: bool = False) -> None:
-        data = proc.partial
-        lines = data.split(b"\n")
-        proc.partial = lines.pop()
-        if len(proc.partial) > _MAX_PARTIAL or (final and proc.partial):
-            lines.append(proc.partial)
-            proc.partial = b""
-        if lines and not self._out_broken:
-            prefix = f"[{proc.inst.label}] ".encode()
+        """Write the complete lines of ``proc.partial``, each prefixed; of the rest, a part
+        up to its last ``\r`` (a progress bar's update) is written at once, without a
+        newline; the rest waits for more (all of it if ``final`` or too long)."""
+        lines = proc.partial.split(b"\n")
+        rest = lines.pop()
+        prefix = f"[{proc.inst.label}] ".encode()
+        pieces = [prefix + line + b"\n" for line in lines]
+        if len(rest) > _MAX_PARTIAL or (final and rest):
+            pieces.append(prefix + rest + b"\n")
+            rest = b""
+        else:
+            cr = rest.rfind(b"\r")
+            if cr >= 0:
+                pieces.append(prefix + rest[: cr + 1])
+                rest = rest[cr + 1 :]
+        proc.partial = rest
+        if pieces and not self._out_broken:
             try:
-                self._out.write(b"".join(prefix + line + b"\n" for line in lines))
+                self._out.write(b"".join(pieces))
                 self._out.flush()
             except (BrokenPipeError, ValueError, OSError):
                 # Nobody reads our output (``| head`` exited): stop as if by SIGPIPE.
@@ -281,27 +330,38 @@ class Supervisor:
                 _killpg(p.popen.pid, signum)
 
     def _close(self, sel: selectors.BaseSelector, forwarded: bool) -> None:
-        """Stop every process: SIGTERM (unless a signal was just forwarded), up to
-        stop_timeout, then SIGKILL to every group; relay their last output."""
+        """Stop every process: SIGTERM (unless just sent), up to stop_timeout, then
+        SIGKILL to every group; relay their last output. One line per stage stopped."""
         if not forwarded:
             self._signal_all(signal.SIGTERM)
+        stopping = [p for p in self._procs if p.running]
         deadline = time.monotonic() + self._stop_timeout
         signals_before = self._signals
+        again = False
         while True:
-            for p in self._procs:
-                if p.running:
-                    _reap(p)
+            for p in stopping:
+                if p.running and _reap(p):
+                    self._stopped(p)
             if not any(p.running for p in self._procs) or time.monotonic() >= deadline:
                 break
             if self._signals != signals_before:
+                again = True
                 break  # interrupted (again) while stopping: kill now
             self._pump(sel, 0.05)
         for p in self._procs:
             if p.running and p.popen is not None:
+                if again:
+                    self._say(f"stage {p.inst.label} (pid {p.popen.pid}) is still running after a second "
+                              "signal; sending SIGKILL")
+                else:
+                    self._say(f"stage {p.inst.label} (pid {p.popen.pid}) did not exit within "
+                              f"{self._stop_timeout:.1f} s of SIGTERM; sending SIGKILL")
                 _killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
                 deadline = time.monotonic() + 5
                 while not _reap(p) and time.monotonic() < deadline:
                     time.sleep(0.01)
+                if not p.running:
+                    self._stopped(p)
         # Last output: pipes reach EOF once every holder is dead.
         end = time.monotonic() + 1.0
         while any(p.pipe_open for p in self._procs) and time.monotonic() < end:
@@ -312,6 +372,24 @@ class Supervisor:
                     self._emit(p, final=True)
                 p.popen.stdout.close()
                 p.pipe_open = False
+
+    def _stopped(self, p: _Proc) -> None:
+        """Say how a stage that was told to stop ended."""
+        rc = p.returncode
+        if rc is None:
+            return
+        if rc < 0:
+            try:
+                how = signal.Signals(-rc).name
+            except ValueError:
+                how = f"signal {-rc}"
+        else:
+            how = f"exit code {rc}"
+        self._say(f"stage {p.inst.label} stopped ({how})")
+
+    def _popen_pids(self) -> set[int]:
+        """Stage leaders not reaped yet: their status belongs to their Popen."""
+        return {p.popen.pid for p in self._procs if p.popen is not None and p.popen.returncode is None}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
@@ -368,9 +446,176 @@ def _remove_run(run_dir: str, run_id: str) -> None:
     remove_run_segments(run_id)
 
 
-def sweep_abandoned(base: str) -> list[str]:
-    """Remove run directories (and their shm segments) of launchers that died without
-    cleaning up (SIGKILL); their stages got SIGTERM when they died. Returns the run ids."""
+def _write_owner(run_dir: str, owner: dict[str, Any]) -> None:
+    """Replace the run's owner.json atomically (a reader sees the old or the new one)."""
+    path = os.path.join(run_dir, _OWNER)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(owner, f)
+    os.replace(tmp, path)
+
+
+def _set_child_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process instead of init (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class _PStat:
+    pid: int
+    state: str
+    ppid: int
+    pgrp: int
+    start: int
+    comm: str
+
+
+def _proc_table() -> dict[int, _PStat]:
+    """Every process this process can see, from /proc/<pid>/stat."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        close = data.rfind(b")")
+        fields = data[close + 2 :].split()
+        try:
+            table[int(entry)] = _PStat(
+                int(entry), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]),
+                data[data.find(b"(") + 1 : close].decode(errors="replace"),
+            )
+        except (IndexError, ValueError):
+            continue
+    return table
+
+
+def _descendants(root: int, table: dict[int, _PStat]) -> list[_PStat]:
+    children: dict[int, list[_PStat]] = {}
+    for st in table.values():
+        children.setdefault(st.ppid, []).append(st)
+    found, todo = [], [root]
+    while todo:
+        for st in children.get(todo.pop(), []):
+            if st.pid != root:
+                found.append(st)
+                todo.append(st.pid)
+    return found
+
+
+def _reap_orphans(keep: set[int]) -> None:
+    """Reap zombie children of this process that are no stage leader (orphans re-parented
+    to the subreaper), so that they do not pile up during a long run."""
+    me = os.getpid()
+    for st in _proc_table().values():
+        if st.ppid == me and st.state == "Z" and st.pid not in keep:
+            try:
+                os.waitpid(st.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _kill_descendants(keep: set[int]) -> list[tuple[int, str]]:
+    """SIGKILL every descendant of this process but the unreaped stage leaders ``keep``
+    (their Popen reaps them) and reap those re-parented to it; wait up to _KILL_WAIT s
+    until none is left. Returns (pid, command name) of those killed."""
+    me = os.getpid()
+    killed: dict[int, str] = {}
+    deadline = time.monotonic() + _KILL_WAIT
+    while True:
+        left = [st for st in _descendants(me, _proc_table()) if st.pid not in keep]
+        if not left:
+            break
+        for st in left:
+            if st.state != "Z":
+                try:
+                    os.kill(st.pid, signal.SIGKILL)
+                    killed.setdefault(st.pid, st.comm)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if st.ppid == me:
+                try:
+                    os.waitpid(st.pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    return sorted(killed.items())
+
+
+def _environ_has(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return needle in env.split(b"\0")
+
+
+def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
+    """Live processes of a run whose launcher is gone: every member of a recorded stage
+    process group whose leader (pid and start time) still runs, and every process whose
+    environment carries the run's IPCSYNC_RUN_ID (members of groups whose leader died,
+    daemons that left their group). Only this user's processes are looked at."""
+    uid = os.getuid()
+    table = {
+        pid: st for pid, st in _proc_table().items()
+        if st.state not in ("Z", "X") and _owned_by(pid, uid) and pid != os.getpid()
+    }
+    groups = set()
+    for rec in owner.get("stages") or []:
+        try:
+            pid, started, pgid = int(rec["pid"]), int(rec["start_time"]), int(rec["pgid"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if _host.process_alive(pid, started):  # the group id cannot have been reused
+            groups.add(pgid)
+    needle = f"IPCSYNC_RUN_ID={run_id}".encode()
+    return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
+
+
+def _owned_by(pid: int, uid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == uid
+    except OSError:
+        return False
+
+
+def _kill_run(owner: dict[str, Any], run_id: str) -> tuple[list[_PStat], list[_PStat]]:
+    """SIGKILL what lives of a dead launcher's run; wait until it is gone. Returns
+    (killed, still alive after _KILL_WAIT seconds)."""
+    victims = _processes_of_run(owner, run_id)
+    for st in victims:
+        try:
+            os.kill(st.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + _KILL_WAIT
+    while True:
+        alive = [st for st in victims if _host.process_alive(st.pid, st.start)]
+        if not alive or time.monotonic() >= deadline:
+            return victims, alive
+        time.sleep(0.02)
+
+
+def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list[str]:
+    """Clean up after launchers that died without doing it (SIGKILL): for each run
+    directory whose launcher is gone, kill every process of that run still alive (a stage
+    that ignored the parent-death SIGTERM, its helpers), then remove the directory and
+    the run's shm segments. A directory whose processes cannot all be killed is left
+    (and reported through ``say``). Returns the run ids removed."""
     removed = []
     try:
         names = os.listdir(base)
@@ -382,13 +627,25 @@ def sweep_abandoned(base: str) -> list[str]:
         path = os.path.join(base, name)
         try:
             with open(os.path.join(path, _OWNER), "rb") as f:
-                owner = json.loads(f.read(4096))
+                owner = json.loads(f.read(1 << 20))
             pid, started = int(owner["pid"]), int(owner["start_time"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours, or being created right now
-        if not _host.process_alive(pid, started):
-            _remove_run(path, name[4:])
-            removed.append(name[4:])
+        if _host.process_alive(pid, started):
+            continue
+        run_id = name[4:]
+        killed, alive = _kill_run(owner, run_id)
+        if killed and say is not None:
+            say(f"killed {len(killed)} process(es) still running of run {run_id} (its launcher was killed): "
+                + ", ".join(f"pid {st.pid} ({st.comm})" for st in killed))
+        if alive:
+            if say is not None:
+                say(f"cannot kill process(es) of run {run_id}: "
+                    + ", ".join(f"pid {st.pid} ({st.comm})" for st in alive)
+                    + f"; leaving {path} in place (remove it once they are gone)")
+            continue
+        _remove_run(path, run_id)
+        removed.append(run_id)
     return removed
 
 

@@ -4,7 +4,9 @@
 On SIGTERM/SIGINT it writes a ``sig-<NAME>`` marker and exits with 128+N, or with
 ``--ignore-term`` keeps sleeping (only SIGKILL stops it; ``--ignore-term-on-restart R``:
 only on attempt R). ``--exit-when FILE --code C``:
-exit with code C once FILE exists. ``--chatty``: print a line every 10 ms. Writes a ``ready`` marker once its handlers are set.
+exit with code C once FILE exists. ``--chatty``: print a line every 10 ms.
+``--watch-run-dir``: write a ``run-dir-gone`` marker if its run directory disappears
+while it runs. Writes a ``ready`` marker once its handlers are set.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ def main() -> int:
     ap.add_argument("--exit-when", default=None, metavar="FILE")
     ap.add_argument("--code", type=int, default=0)
     ap.add_argument("--chatty", action="store_true", help="print a line every 10 ms")
+    ap.add_argument("--watch-run-dir", action="store_true",
+                    help="mark run-dir-gone if the run directory is removed while this process lives")
     args = ap.parse_args()
+    run_dir = None
+    if args.watch_run_dir:
+        import json
+
+        stats_path = json.loads(os.environ["IPCSYNC_WIRING"])["stats_path"]
+        run_dir = os.path.dirname(os.path.dirname(stats_path))
     if args.ignore_term_on_restart is not None and args.ignore_term_on_restart == stagelib.ident()[2]:
         args.ignore_term = True
 
@@ -49,6 +59,9 @@ def main() -> int:
             n += 1
             time.sleep(0.01)
             continue
+        if run_dir is not None and not os.path.isdir(run_dir):
+            stagelib.mark("run-dir-gone")
+            run_dir = None
         if args.exit_when and os.path.exists(args.exit_when):
             stagelib.say(event="exiting", code=args.code)
             return args.code

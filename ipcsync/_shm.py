@@ -1,0 +1,37 @@
+"""Names of the CPU backend's shared-memory segments, and their removal by run id.
+
+Torch-free (the launcher's supervisor imports it): ``ipcsync.backends.cpu`` creates the
+segments and re-exports these names.
+
+A segment is ``/dev/shm/ipcsync-<pid>-[r<run id>-]<token>``: the run id (IPCSYNC_RUN_ID,
+set by ipcsync-run) lets the launcher sweep what a killed process group left behind,
+resource tracker included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["SHM_DIR", "SHM_PREFIX", "NAME_RE", "RUN_ID_RE", "remove_run_segments"]
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "ipcsync-"
+NAME_RE = re.compile(r"^ipcsync-[0-9]+-(r[0-9a-f]{8}-)?[0-9a-f]{16}$")
+RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
+
+
+def remove_run_segments(run_id: str) -> None:
+    """Unlink every segment that arenas of ipcsync-run run ``run_id`` left (``create_arena``
+    tags their names with it), whichever process made them."""
+    tag = f"-r{run_id}-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(SHM_PREFIX) and tag in name:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
