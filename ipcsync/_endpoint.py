@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import select
+import sys
 import threading
 import time
 import weakref
@@ -351,11 +352,19 @@ def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: fl
 
 @atexit.register
 def _close_all_at_exit() -> None:
-    """Close every endpoint this process still has open, each bounded to a second."""
+    """Close every endpoint this process still has open, each bounded to a second. If the
+    program is ending by an unhandled exception (the interpreter printed it and kept it
+    in ``sys.last_value``), a producer aborts with it instead: its consumers must not
+    see a clean end of a stream whose program failed."""
+    failed = getattr(sys, "last_value", None)
     for ep in list(_open_endpoints):
         if not ep._closed and ep._owner_pid == os.getpid():
             try:
-                ep.close(timeout=1.0)
+                abort = getattr(ep, "abort", None)
+                if failed is not None and abort is not None:
+                    abort(failed)
+                else:
+                    ep.close(timeout=1.0)
             except BaseException:
                 pass
 

@@ -79,6 +79,7 @@ class _Unset:
 
 
 _UNSET = _Unset()
+_DEFAULT_CONNECT_TIMEOUT = limits.DEFAULT_CONNECT_TIMEOUT  # (``limits`` is also a parameter name)
 
 
 class CannotForward(Exception):
@@ -253,7 +254,7 @@ class Consumer(_Endpoint):
         self.wait_mode = check_wait(wait)
         self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
         if isinstance(connect_timeout, _Unset):
-            connect_timeout = limits.DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
+            connect_timeout = _DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
         connect = check_timeout("connect_timeout", connect_timeout)
         self._credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)

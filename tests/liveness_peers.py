@@ -150,3 +150,14 @@ def fork_child_exit(a: dict[str, Any]) -> None:
     inp.close()
     out.close()
     say(event="done", child_status=status, child_s=child_s, metas=metas)
+
+
+def produce_unmanaged(a: dict[str, Any]) -> None:
+    """A producer made without a with-block whose program dies of an exception: the exit
+    hook must end its consumers with an error, not cleanly."""
+    out = ipcsync.Producer(a["endpoint"], slots=8, slot_bytes=8192)
+    say(event="bound", pid=os.getpid())
+    out.wait_for_consumers(1, timeout=30)
+    for i in range(3):
+        out.send({"x": content(i, 16, "cpu")}, meta=i)
+    raise RuntimeError("unhandled in the loader")

@@ -176,6 +176,16 @@ def test_a_producer_that_raises_ends_its_consumers_with_an_error(procs: Any, kin
 
 
 @pytest.mark.timeout(60)
+def test_a_program_dying_of_an_exception_without_a_with_block_is_no_clean_end(procs: Any) -> None:
+    prod = procs.start("produce_unmanaged", module="liveness_peers", endpoint="live-unm")
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-unm"], kind="consumer")
+    res = cons.read_until(_event("done"), timeout=30)
+    assert res["error"] is not None and "RuntimeError: unhandled in the loader" in res["error"], res
+    assert prod.proc.wait(timeout=20) == 1
+
+
+@pytest.mark.timeout(60)
 def test_abort_and_exception_close_at_once_and_propagate() -> None:
     """An exception inside the with-block (items in flight, a consumer that will never
     release them) closes within a second and propagates unchanged."""
