@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
-__all__ = ["boot_id", "pid_namespace", "start_time", "process_alive"]
+__all__ = ["boot_id", "pid_namespace", "start_time", "process_alive", "owner_gone", "peer_credentials"]
 
 
 @functools.cache
@@ -75,3 +75,23 @@ def peer_credentials(fd: int) -> tuple[int, int, int] | None:
         return None
     finally:
         sock.close()
+
+
+def owner_gone(pid: int, started: int) -> bool | None:
+    """True only with proof that the process (pid, start time) no longer exists: no
+    /proc/<pid> (ENOENT, ESRCH), a zombie, or another process under that pid. False while
+    it exists; None when /proc cannot tell (any other error): never treat that as death."""
+    import errno
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return True if exc.errno in (errno.ENOENT, errno.ESRCH) else None
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        if fields[0] in (b"Z", b"X"):
+            return True
+        return int(fields[19]) != started
+    except (IndexError, ValueError):
+        return None

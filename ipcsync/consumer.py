@@ -47,6 +47,7 @@ from . import _host
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
+from .backends.cpu import reclaim_dead_segments
 from .channel import ConsumerChannel, CurveKeys, check_transport, remove_stale, resolve_endpoint
 from .errors import (
     BackendError,
@@ -592,6 +593,7 @@ class Consumer(_Endpoint):
         except zmq.ZMQError:
             pass
         self._remove_stale_endpoint(wait=0.0)
+        reclaim_dead_segments()  # a dead producer's /dev/shm arena, whoever tracks it
 
     def _remove_stale_endpoint(self, wait: float) -> None:
         """Whoever notices a dead producer removes its stale socket files. A killed process
