@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from . import _host
 from .errors import ConfigError
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "remove_stale",
     "CurveKeys",
     "check_transport",
+    "producer_identity_problem",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -402,6 +404,44 @@ class _Channel:
         sock.close(linger=0)
 
 
+def producer_identity_problem(
+    endpoint: Endpoint, connection_fd: int, pid: int, pid_ns: str, *,
+    lstat: Any = os.lstat, credentials: Any = None, uid: int | None = None,
+) -> str | None:
+    """Why the producer that answered on an ipc ``endpoint`` is not to be trusted, or None.
+
+    Its SETUP says it is process ``pid`` (in pid namespace ``pid_ns``). Checked: the socket
+    file is owned by this user (lstat: a symlink is judged, not followed), and the kernel's
+    peer credentials of our connection (SO_PEERCRED) name this user and, where that pid is
+    visible in our namespace, the same pid. Whoever binds an ipc path first gets the
+    connections: without this, another user's process could feed us data. tcp endpoints
+    are not checked here (CURVE authenticates them). ``lstat``, ``credentials`` and
+    ``uid`` are for tests."""
+    if endpoint.path is None:
+        return None
+    me = os.getuid() if uid is None else uid
+    creds = _host.peer_credentials if credentials is None else credentials
+    try:
+        st = lstat(endpoint.path)
+    except FileNotFoundError:
+        st = None  # removed since (a closing producer): the credentials still speak
+    except OSError as exc:
+        return f"cannot examine the socket {endpoint.path}: {exc}; refusing its data"
+    if st is not None and st.st_uid != me:
+        return (f"the producer on {endpoint.path} runs as uid {st.st_uid} (owner of the socket "
+                f"file), not as this user (uid {me}); refusing its data")
+    cred = creds(connection_fd) if connection_fd >= 0 else None
+    if cred is not None:
+        cpid, cuid, _gid = cred
+        if cuid != me:
+            return (f"the producer on {endpoint.path} runs as uid {cuid}, not as this user "
+                    f"(uid {me}); refusing its data")
+        if cpid and pid_ns == _host.pid_namespace() and cpid != pid:
+            return (f"the producer on {endpoint.path} says it is pid {pid} but the connection "
+                    f"belongs to pid {cpid}; refusing its data")
+    return None
+
+
 class ProducerChannel(_Channel):
     """The producer's bound ROUTER."""
 
@@ -485,6 +525,29 @@ class ConsumerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+
+    connection_fd = -1  # our end of the current connection (monitor: CONNECTED), -1 if none
+    _held_events: list[tuple[int, int]] | None = None
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
+        held, self._held_events = self._held_events, None
+        got = super().events()
+        out = held + list(got) if held else got
+        for ev, fd in out:
+            if ev == zmq.EVENT_CONNECTED:
+                self.connection_fd = fd
+            elif ev == zmq.EVENT_DISCONNECTED and fd == self.connection_fd:
+                self.connection_fd = -1
+        return out
+
+    def current_connection_fd(self) -> int:
+        """``connection_fd`` after the monitor events already queued (they are kept for the
+        next ``events()`` call, so nothing is lost to the caller)."""
+        pending = self.events()
+        if pending:
+            self._held_events = list(pending)
+        return self.connection_fd
 
     def recv(self) -> list[bytes] | None:
         return self._recv_parts(True)

@@ -47,8 +47,9 @@ from . import _host
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
-from .backends.cpu import reclaim_dead_segments
-from .channel import ConsumerChannel, CurveKeys, check_transport, remove_stale, resolve_endpoint
+from .backends.cpu import reclaim_dead_segments, segment_owner
+from .channel import (ConsumerChannel, CurveKeys, check_transport, producer_identity_problem, remove_stale,
+                      resolve_endpoint)
 from .errors import (
     BackendError,
     ClosedError,
@@ -737,7 +738,10 @@ class Consumer(_Endpoint):
         self._fail(err, None)
 
     def _on_setup(self, s: P.Setup) -> None:
-        problem = None
+        problem = self._producer_identity_problem(s)
+        if problem is not None:
+            self._fail(ConfigError(problem), "identity")
+            return
         if s.backend != self._backend.name:
             problem = f"producer uses the {s.backend} backend, this consumer {self._backend.name}"
         elif not s.slots or len(s.slots) != len(s.ready_events):
@@ -770,6 +774,19 @@ class Consumer(_Endpoint):
         self._setup = s
         self._release_batch = max(1, len(s.slots) // 4)
         self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
+
+    def _producer_identity_problem(self, s: P.Setup) -> str | None:
+        """Who answered must be the producer the SETUP describes, of this user (see
+        ``channel.producer_identity_problem``); on the CPU backend its arenas must be named
+        after its pid (the segment's owner uid is checked when it is opened)."""
+        problem = producer_identity_problem(self.endpoint, self._chan.current_connection_fd(), s.pid, s.pid_ns)
+        if problem is None and self._backend.name == "cpu":
+            for handle in s.arenas:
+                owner = segment_owner(handle) if type(handle) is str else None
+                if owner is not None and owner.pid != s.pid:
+                    return (f"the producer on {self.endpoint.name!r} (pid {s.pid}) names shared memory "
+                            f"{handle} of pid {owner.pid}; refusing it")
+        return problem
 
     def _tick_producer(self, now: float) -> None:
         s = self._setup
