@@ -46,6 +46,7 @@ __all__ = [
     "CurveKeys",
     "check_transport",
     "producer_identity_problem",
+    "diagnose_unanswered",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -439,6 +440,46 @@ def producer_identity_problem(
         if cpid and pid_ns == _host.pid_namespace() and cpid != pid:
             return (f"the producer on {endpoint.path} says it is pid {pid} but the connection "
                     f"belongs to pid {cpid}; refusing its data")
+    return None
+
+
+def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
+    """Why nobody answered on an ipc endpoint, as far as the socket file tells:
+    (permission problem?, reason), or None when it says nothing (no file yet, or a
+    listener that accepts but is silent). A raw AF_UNIX connect shows what ZeroMQ's
+    silent retries hide (EACCES, ECONNREFUSED)."""
+    import socket
+
+    path = endpoint.path
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False, f"there is no socket {path} (no producer has bound it)"
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EPERM), f"cannot examine {path}: {exc}"
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISSOCK(st.st_mode):
+        return False, f"{path} is not a socket (mode {mode:o}, owner uid {st.st_uid})"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return True, (
+                f"permission denied connecting to {path}: it belongs to uid {st.st_uid} with mode "
+                f"{mode:o}, and this process runs as uid {os.getuid()}; run the consumer as the "
+                "producer's user (ipc endpoints accept only their own user)"
+            )
+        if exc.errno == errno.ECONNREFUSED:
+            return False, f"nothing listens on {path} (a socket left by a producer that died?)"
+        return False, f"connecting to {path} failed: {exc}"
+    finally:
+        s.close()
+    if st.st_uid != os.getuid():
+        return False, f"{path} belongs to uid {st.st_uid} (mode {mode:o}), not to this user"
     return None
 
 

@@ -48,8 +48,8 @@ from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
 from .backends.cpu import reclaim_dead_segments, segment_owner
-from .channel import (ConsumerChannel, CurveKeys, check_transport, producer_identity_problem, remove_stale,
-                      resolve_endpoint)
+from .channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
+                      remove_stale, resolve_endpoint)
 from .errors import (
     BackendError,
     ClosedError,
@@ -281,10 +281,7 @@ class Consumer(_Endpoint):
                 self._send_frame(P.encode(self._hello()))
                 t = self._resolve_timeout(None)
                 if not self._wait_until(lambda: self._conv.state != "await_setup", t):
-                    raise IpcTimeoutError(
-                        f"no producer answered on endpoint {self.endpoint.name!r} "
-                        f"({self.endpoint.url}) within {t} s; is it running, with the same name?"
-                    )
+                    self._raise_unanswered(t)
                 self._raise_if_broken()
         except BaseException:
             self._closed = True
@@ -774,6 +771,16 @@ class Consumer(_Endpoint):
         self._setup = s
         self._release_batch = max(1, len(s.slots) // 4)
         self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
+
+    def _raise_unanswered(self, t: float | None) -> None:
+        """The handshake timed out: say why where the socket file can tell."""
+        text = f"no producer answered on endpoint {self.endpoint.name!r} ({self.endpoint.url}) within {t} s"
+        why = diagnose_unanswered(self.endpoint)
+        if why is not None and why[0]:
+            raise ConfigError(f"{text}: {why[1]}")
+        if why is not None:
+            raise IpcTimeoutError(f"{text}: {why[1]}; is it running, with the same name?")
+        raise IpcTimeoutError(f"{text}; is it running, with the same name?")
 
     def _producer_identity_problem(self, s: P.Setup) -> str | None:
         """Who answered must be the producer the SETUP describes, of this user (see

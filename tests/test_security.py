@@ -303,3 +303,48 @@ class TestProducerIdentity:
         assert check(1000, (43, 1000, 1000), pid_ns="pid:[1]") is None  # another namespace
         tcp = Endpoint("tcp://127.0.0.1:1", "tcp://127.0.0.1:1", None)
         assert producer_identity_problem(tcp, 7, 42, ns, uid=1000) is None
+
+
+# ---------------------------------------------------------------------------- why nobody answered
+def consumer_as(a: dict) -> None:
+    """Child role: as uid ``a["uid"]``, connect a Consumer to ``a["url"]`` and report the
+    error it raised."""
+    import json
+
+    os.setgid(a["uid"])
+    os.setuid(a["uid"])
+    try:
+        ipcsync.Consumer(a["url"], device="cpu", timeout=a.get("timeout", 2.0)).close()
+        out = {"event": "done", "error": None}
+    except ipcsync.IpcSyncError as exc:
+        out = {"event": "done", "error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(out), flush=True)
+
+
+class TestWhyNobodyAnswered:
+    @pytest.mark.timeout(60)
+    def test_cross_uid_connect_names_the_permission_problem(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+        """Before: 'no producer answered ... is it running?' while the producer ran."""
+        if os.getuid() != 0:
+            pytest.skip("needs root to run a process as another uid")
+        url = "ipc://" + os.path.join(shared_dir, "mine.sock")
+        with ipcsync.Producer(url, slots=1, slot_bytes=4096, device="cpu"):
+            peer = procs.start("consumer_as", module="test_security", url=url, uid=65534)
+            out = peer.result(timeout=40)
+        assert out["error"] == "ConfigError", out
+        msg = out["message"]
+        assert "permission denied" in msg and "uid 0" in msg and "mode 600" in msg and "uid 65534" in msg, msg
+
+    def test_stale_socket_is_named(self, shared_dir: str) -> None:
+        path = os.path.join(shared_dir, "stale.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)  # bound, never listening: as a killed producer leaves it
+        try:
+            with pytest.raises(ipcsync.IpcTimeoutError, match="nothing listens on .*stale.sock"):
+                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=0.5)
+        finally:
+            s.close()
+
+    def test_missing_socket_is_named(self, shared_dir: str) -> None:
+        with pytest.raises(ipcsync.IpcTimeoutError, match="there is no socket .*none.sock.*is it running"):
+            ipcsync.Consumer("ipc://" + os.path.join(shared_dir, "none.sock"), device="cpu", timeout=0.3)
