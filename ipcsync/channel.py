@@ -47,6 +47,7 @@ __all__ = [
     "check_transport",
     "producer_identity_problem",
     "diagnose_unanswered",
+    "raise_fd_limit",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -483,11 +484,72 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     return None
 
 
+_HALF_OPEN_MAX = 256  # connections without a HELLO kept at most (less under a low fd limit)
+HANDSHAKE_DEADLINE = 10.0  # seconds a connection may stay without a HELLO
+_SHED_LOG_EVERY = 10.0  # seconds between warnings about shed connections
+_fd_limit_raised_in: int | None = None  # pid of the process that raised it
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, once per process (never lowers it;
+    a failure is ignored). Every connection costs the producer a descriptor, and libzmq
+    aborts the process when it cannot accept one. Returns the soft limit now in force."""
+    global _fd_limit_raised_in
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    if _fd_limit_raised_in == os.getpid() or soft == hard:
+        return soft
+    _fd_limit_raised_in = os.getpid()
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (OSError, ValueError):
+            pass
+    return soft
+
+
+def _shutdown_fd(fd: int) -> bool:
+    """Shut down the connection on ``fd`` without closing the descriptor (libzmq owns it:
+    it sees EOF and closes it itself). No new descriptor is needed, so this works with a
+    full fd table."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # never close: the descriptor stays libzmq's
+
+
 class ProducerChannel(_Channel):
-    """The producer's bound ROUTER."""
+    """The producer's bound ROUTER.
+
+    Half-open connections (accepted, no HELLO yet: ``greeted`` was not called for their
+    fd) are bounded: above ``half_open_max`` (256, or a quarter of the fd limit) the oldest
+    are shut down, and so is any older than ``HANDSHAKE_DEADLINE``. A same-user process
+    holding silent connections can then no longer fill the fd table, where libzmq would
+    abort the process."""
 
     def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        limit = raise_fd_limit()
+        self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 4))
+        self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
+        self.shed_total = 0
+        self._shed_logged = 0
+        self._shed_log_at = 0.0
         self.lock: BindLock | None = None
         if endpoint.path is not None:
             self.lock = BindLock(endpoint)
@@ -518,6 +580,61 @@ class ProducerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
+        out = super().events()
+        half = self.half_open
+        for ev, fd in out:
+            if ev == zmq.EVENT_ACCEPTED:
+                half.pop(fd, None)
+                try:
+                    ino = os.fstat(fd).st_ino
+                except OSError:
+                    continue  # gone already
+                half[fd] = (time.monotonic(), ino)
+            elif ev == zmq.EVENT_DISCONNECTED:
+                half.pop(fd, None)
+        if half:
+            self.shed_half_open()
+        return out
+
+    def greeted(self, fd: int) -> None:
+        """The connection on ``fd`` sent a HELLO: it is no longer half-open."""
+        self.half_open.pop(fd, None)
+
+    def shed_half_open(self, now: float | None = None) -> int:
+        """Shut down half-open connections over the bound or past the deadline, oldest
+        first; return how many."""
+        half = self.half_open
+        now = time.monotonic() if now is None else now
+        shed = 0
+        while half:
+            fd, (since, ino) = next(iter(half.items()))
+            if len(half) <= self.half_open_max and now - since < HANDSHAKE_DEADLINE:
+                break
+            del half[fd]
+            try:
+                same = os.fstat(fd).st_ino == ino  # not a later connection on a reused fd
+            except OSError:
+                same = False
+            if same and _shutdown_fd(fd):
+                shed += 1
+        if shed:
+            self.shed_total += shed
+            self._shed_logged += shed
+            if now - self._shed_log_at >= _SHED_LOG_EVERY:
+                self._shed_log_at = now
+                import logging
+
+                logging.getLogger("ipcsync").warning(
+                    "ipcsync producer %r closed %d connection(s) that sent no HELLO (over %d "
+                    "half-open or older than %.0f s; %d in all): a process of this user is "
+                    "opening connections and staying silent",
+                    self.endpoint.name, self._shed_logged, self.half_open_max, HANDSHAKE_DEADLINE,
+                    self.shed_total)
+                self._shed_logged = 0
+        return shed
 
     def recv(self) -> tuple[bytes, list[bytes], int] | None:
         """One message as (identity, payload frames, connection fd), or None if none is
@@ -554,6 +671,7 @@ class ConsumerChannel(_Channel):
     def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int,
                  curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        raise_fd_limit()
         self.sock = _context().socket(zmq.DEALER)
         try:
             _configure(self.sock, max_frame)

@@ -934,6 +934,7 @@ class Producer(_Endpoint):
         # not be applied to this one.
         for ev, efd in self._chan.events():
             self._on_monitor(ev, efd)
+        self._chan.greeted(fd)  # no longer half-open (see ProducerChannel)
         problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem
