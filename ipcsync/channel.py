@@ -537,7 +537,7 @@ class ProducerChannel(_Channel):
     """The producer's bound ROUTER.
 
     Half-open connections (accepted, no HELLO yet: ``greeted`` was not called for their
-    fd) are bounded: above ``half_open_max`` (256, or a quarter of the fd limit) the oldest
+    fd) are bounded: above ``half_open_max`` (256, or an eighth of the fd limit) the oldest
     are shut down, and so is any older than ``HANDSHAKE_DEADLINE``. A same-user process
     holding silent connections can then no longer fill the fd table, where libzmq would
     abort the process."""
@@ -545,7 +545,7 @@ class ProducerChannel(_Channel):
     def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         limit = raise_fd_limit()
-        self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 4))
+        self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 8))
         self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
         self.shed_total = 0
         self._shed_logged = 0
