@@ -12,7 +12,7 @@ import os
 import select
 
 __all__ = ["boot_id", "pid_namespace", "start_time", "read_start_time", "process_alive",
-           "ProcessWatch", "GONE", "peer_credentials"]
+           "ProcessWatch", "GONE", "owner_gone", "peer_credentials"]
 
 
 @functools.cache
@@ -172,3 +172,13 @@ def peer_credentials(fd: int) -> tuple[int, int, int] | None:
         return None
     finally:
         sock.close()
+
+
+def owner_gone(pid: int, started: int) -> bool | None:
+    """True only with proof that the process (pid, start time) no longer exists: no
+    /proc/<pid> (ENOENT, ESRCH), a zombie, or another process under that pid. False while
+    it exists; None when /proc cannot tell (any other error): never treat that as death."""
+    t = read_start_time(pid)
+    if t is None:
+        return None
+    return t == GONE or t != started

@@ -3,9 +3,11 @@
 Torch-free (the launcher's supervisor imports it): ``ipcsync.backends.cpu`` creates the
 segments and re-exports these names.
 
-A segment is ``/dev/shm/ipcsync-<pid>-[r<run id>-]<token>``: the run id (IPCSYNC_RUN_ID,
-set by ipcsync-run) lets the launcher sweep what a killed process group left behind,
-resource tracker included.
+A segment is ``/dev/shm/ipcsync-<pid>-[r<run id>-]<start time>-<pid ns>-<token>``: the
+run id (IPCSYNC_RUN_ID, set by ipcsync-run) lets the launcher sweep what a killed process
+group left behind, resource tracker included; the owner's start time and pid namespace
+prove it gone (``backends.cpu.reclaim_dead_segments``). Names without them
+(``ipcsync-<pid>-[r<run id>-]<token>``) are still opened, never reclaimed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ __all__ = ["SHM_DIR", "SHM_PREFIX", "NAME_RE", "RUN_ID_RE", "remove_run_segments
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ipcsync-"
-NAME_RE = re.compile(r"^ipcsync-[0-9]+-(r[0-9a-f]{8}-)?[0-9a-f]{16}$")
+NAME_RE = re.compile(
+    r"^ipcsync-(?P<pid>[0-9]{1,10})-(?:r[0-9a-f]{8}-)?"
+    r"(?:(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-)?[0-9a-f]{16}$"
+)
 RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
 
 

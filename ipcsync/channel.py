@@ -2,8 +2,9 @@
 
 - A bare name maps to ``ipc://<runtime dir>/<name>.sock``. The runtime dir is
   ``$IPCSYNC_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``;
-  it is created 0700 and refused if another user owns it or others can read it. Sockets
-  are chmod 0600. ``ipc://`` and ``tcp://`` endpoints are taken as given.
+  it is created 0700, never followed through a symlink, and refused if another user owns
+  it or others can read it (a squatted default falls back to ``<default>-alt``: see
+  ``runtime_dir``). Sockets are chmod 0600. ``ipc://`` and ``tcp://`` endpoints are taken as given.
 - The producer binds a ROUTER; consumers connect DEALERs. ZeroMQ alone lets a second bind
   of an ipc path silently take it over, so a producer first takes an exclusive ``flock`` on
   ``<path>.lock`` and holds it while it lives: a second producer gets a ConfigError and
@@ -24,12 +25,14 @@ import os
 import re
 import stat
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from . import _host
 from .errors import ConfigError
 
 __all__ = [
@@ -42,6 +45,9 @@ __all__ = [
     "remove_stale",
     "CurveKeys",
     "check_transport",
+    "producer_identity_problem",
+    "diagnose_unanswered",
+    "raise_fd_limit",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -65,28 +71,98 @@ def _backend_method(sock: zmq.Socket, name: str) -> Any:
     return fn.__get__(sock) if fn is not None else getattr(sock, name)
 
 
+_FALLBACK_SUFFIX = "-alt"
+_warned_fallback: set[str] = set()
+
+
 def runtime_dir() -> str:
-    """The private directory for bare endpoint names; created 0700 if missing."""
-    base = os.environ.get("IPCSYNC_RUNTIME_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_RUNTIME_DIR")
-        base = os.path.join(xdg, "ipcsync") if xdg and os.path.isdir(xdg) else f"/tmp/ipcsync-{os.getuid()}"
+    """The private directory for bare endpoint names; created 0700 if missing.
+
+    ``$IPCSYNC_RUNTIME_DIR`` if set (missing parents are created), else
+    ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``. The directory itself must be
+    a real directory (never a symlink: it is opened with O_NOFOLLOW | O_DIRECTORY and
+    checked on that descriptor), owned by this user, with no access for others.
+
+    - ``$IPCSYNC_RUNTIME_DIR`` that fails this is a ConfigError that says why.
+    - A default path that is ours but open to others is made 0700 (only we could have
+      made it so).
+    - A default path taken by someone else (another owner, a symlink, not a directory)
+      makes every process of this user use ``<default>-alt`` instead, checked the same
+      way, with a warning once per process. It is deterministic, so producers and
+      consumers still meet there; if it is taken too, that is a ConfigError telling the
+      user to set IPCSYNC_RUNTIME_DIR. Nothing is ever used that another user controls.
+    """
+    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
+    if explicit:
+        try:
+            parent = os.path.dirname(explicit.rstrip("/"))
+            if parent:
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the runtime directory {explicit}: {exc}") from None
+        problem = _private_dir(explicit, fix_mode=False)
+        if problem is not None:
+            raise ConfigError(f"runtime directory {explicit} (IPCSYNC_RUNTIME_DIR) {problem}")
+        return explicit
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(xdg, "ipcsync") if xdg and os.path.isdir(xdg) else f"/tmp/ipcsync-{os.getuid()}"
+    problem = _private_dir(base, fix_mode=True)
+    if problem is None:
+        return base
+    alt = base + _FALLBACK_SUFFIX
+    alt_problem = _private_dir(alt, fix_mode=True)
+    if alt_problem is not None:
+        raise ConfigError(
+            f"the runtime directory {base} {problem}, and the fallback {alt} {alt_problem}; "
+            "set IPCSYNC_RUNTIME_DIR to a directory of your own (mode 0700), the same for "
+            "producers and consumers"
+        )
+    if base not in _warned_fallback:
+        _warned_fallback.add(base)
+        warnings.warn(
+            f"ipcsync: the runtime directory {base} {problem}; using {alt} instead. Set "
+            "IPCSYNC_RUNTIME_DIR to choose the directory (the same for producers and consumers)",
+            RuntimeWarning, stacklevel=3,
+        )
+    return alt
+
+
+def _private_dir(path: str, fix_mode: bool) -> str | None:
+    """Create ``path`` (0700) if missing and check it without following a symlink: None if
+    it is a directory of this user that others cannot access, else what is wrong (a
+    phrase that follows the path in a message)."""
     try:
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        st = os.stat(base)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
     except OSError as exc:
-        raise ConfigError(f"cannot create the runtime directory {base}: {exc}") from None
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"runtime directory {base} belongs to uid {st.st_uid}, not to this user; "
-            "set IPCSYNC_RUNTIME_DIR to a directory of your own"
-        )
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ConfigError(
-            f"runtime directory {base} is accessible to other users (mode "
-            f"{stat.S_IMODE(st.st_mode):o}); run chmod 700 {base}"
-        )
-    return base
+        return f"cannot be created: {exc}"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be examined: {exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link; refusing to follow it"
+    if not stat.S_ISDIR(st.st_mode):
+        return "exists and is not a directory"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot be opened: {exc}"
+    try:
+        st = os.fstat(fd)  # the directory we opened, whatever happened to the path since
+        if st.st_uid != os.getuid():
+            return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            if not fix_mode:
+                return f"is accessible to other users (mode {mode:o}); run chmod 700 {path}"
+            os.fchmod(fd, 0o700)
+    except OSError as exc:
+        return f"cannot be made private: {exc}"
+    finally:
+        os.close(fd)
+    return None
 
 
 @dataclass(frozen=True)
@@ -142,7 +218,7 @@ class BindLock:
         assert path is not None
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except OSError as exc:
                 raise ConfigError(f"cannot open the bind lock {path}: {exc}") from None
             try:
@@ -346,11 +422,150 @@ class _Channel:
         sock.close()  # with its LINGER option: 0 unless set for a last word (an abort's ERROR)
 
 
+def producer_identity_problem(
+    endpoint: Endpoint, connection_fd: int, pid: int, pid_ns: str, *,
+    lstat: Any = os.lstat, credentials: Any = None, uid: int | None = None,
+) -> str | None:
+    """Why the producer that answered on an ipc ``endpoint`` is not to be trusted, or None.
+
+    Its SETUP says it is process ``pid`` (in pid namespace ``pid_ns``). Checked: the socket
+    file is owned by this user (lstat: a symlink is judged, not followed), and the kernel's
+    peer credentials of our connection (SO_PEERCRED) name this user and, where that pid is
+    visible in our namespace, the same pid. Whoever binds an ipc path first gets the
+    connections: without this, another user's process could feed us data. tcp endpoints
+    are not checked here (CURVE authenticates them). ``lstat``, ``credentials`` and
+    ``uid`` are for tests."""
+    if endpoint.path is None:
+        return None
+    me = os.getuid() if uid is None else uid
+    creds = _host.peer_credentials if credentials is None else credentials
+    try:
+        st = lstat(endpoint.path)
+    except FileNotFoundError:
+        st = None  # removed since (a closing producer): the credentials still speak
+    except OSError as exc:
+        return f"cannot examine the socket {endpoint.path}: {exc}; refusing its data"
+    if st is not None and st.st_uid != me:
+        return (f"the producer on {endpoint.path} runs as uid {st.st_uid} (owner of the socket "
+                f"file), not as this user (uid {me}); refusing its data")
+    cred = creds(connection_fd) if connection_fd >= 0 else None
+    if cred is not None:
+        cpid, cuid, _gid = cred
+        if cuid != me:
+            return (f"the producer on {endpoint.path} runs as uid {cuid}, not as this user "
+                    f"(uid {me}); refusing its data")
+        if cpid and pid_ns == _host.pid_namespace() and cpid != pid:
+            return (f"the producer on {endpoint.path} says it is pid {pid} but the connection "
+                    f"belongs to pid {cpid}; refusing its data")
+    return None
+
+
+def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
+    """Why nobody answered on an ipc endpoint, as far as the socket file tells:
+    (permission problem?, reason), or None when it says nothing (no file yet, or a
+    listener that accepts but is silent). A raw AF_UNIX connect shows what ZeroMQ's
+    silent retries hide (EACCES, ECONNREFUSED)."""
+    import socket
+
+    path = endpoint.path
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False, f"there is no socket {path} (no producer has bound it)"
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EPERM), f"cannot examine {path}: {exc}"
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISSOCK(st.st_mode):
+        return False, f"{path} is not a socket (mode {mode:o}, owner uid {st.st_uid})"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return True, (
+                f"permission denied connecting to {path}: it belongs to uid {st.st_uid} with mode "
+                f"{mode:o}, and this process runs as uid {os.getuid()}; run the consumer as the "
+                "producer's user (ipc endpoints accept only their own user)"
+            )
+        if exc.errno == errno.ECONNREFUSED:
+            return False, f"nothing listens on {path} (a socket left by a producer that died?)"
+        return False, f"connecting to {path} failed: {exc}"
+    finally:
+        s.close()
+    if st.st_uid != os.getuid():
+        return False, f"{path} belongs to uid {st.st_uid} (mode {mode:o}), not to this user"
+    return None
+
+
+_HALF_OPEN_MAX = 256  # connections without a HELLO kept at most (less under a low fd limit)
+HANDSHAKE_DEADLINE = 10.0  # seconds a connection may stay without a HELLO
+_SHED_LOG_EVERY = 10.0  # seconds between warnings about shed connections
+_fd_limit_raised_in: int | None = None  # pid of the process that raised it
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, once per process (never lowers it;
+    a failure is ignored). Every connection costs the producer a descriptor, and libzmq
+    aborts the process when it cannot accept one. Returns the soft limit now in force."""
+    global _fd_limit_raised_in
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    if _fd_limit_raised_in == os.getpid() or soft == hard:
+        return soft
+    _fd_limit_raised_in = os.getpid()
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (OSError, ValueError):
+            pass
+    return soft
+
+
+def _shutdown_fd(fd: int) -> bool:
+    """Shut down the connection on ``fd`` without closing the descriptor (libzmq owns it:
+    it sees EOF and closes it itself). No new descriptor is needed, so this works with a
+    full fd table."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # never close: the descriptor stays libzmq's
+
+
 class ProducerChannel(_Channel):
-    """The producer's bound ROUTER."""
+    """The producer's bound ROUTER.
+
+    Half-open connections (accepted, no HELLO yet: ``greeted`` was not called for their
+    fd) are bounded: above ``half_open_max`` (256, or an eighth of the fd limit) the oldest
+    are shut down, and so is any older than ``HANDSHAKE_DEADLINE``. A same-user process
+    holding silent connections can then no longer fill the fd table, where libzmq would
+    abort the process."""
 
     def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        limit = raise_fd_limit()
+        self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 8))
+        self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
+        self.shed_total = 0
+        self._shed_logged = 0
+        self._shed_log_at = 0.0
         self.lock: BindLock | None = None
         if endpoint.path is not None:
             self.lock = BindLock(endpoint)
@@ -381,6 +596,61 @@ class ProducerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
+        out = super().events()
+        half = self.half_open
+        for ev, fd in out:
+            if ev == zmq.EVENT_ACCEPTED:
+                half.pop(fd, None)
+                try:
+                    ino = os.fstat(fd).st_ino
+                except OSError:
+                    continue  # gone already
+                half[fd] = (time.monotonic(), ino)
+            elif ev == zmq.EVENT_DISCONNECTED:
+                half.pop(fd, None)
+        if half:
+            self.shed_half_open()
+        return out
+
+    def greeted(self, fd: int) -> None:
+        """The connection on ``fd`` sent a HELLO: it is no longer half-open."""
+        self.half_open.pop(fd, None)
+
+    def shed_half_open(self, now: float | None = None) -> int:
+        """Shut down half-open connections over the bound or past the deadline, oldest
+        first; return how many."""
+        half = self.half_open
+        now = time.monotonic() if now is None else now
+        shed = 0
+        while half:
+            fd, (since, ino) = next(iter(half.items()))
+            if len(half) <= self.half_open_max and now - since < HANDSHAKE_DEADLINE:
+                break
+            del half[fd]
+            try:
+                same = os.fstat(fd).st_ino == ino  # not a later connection on a reused fd
+            except OSError:
+                same = False
+            if same and _shutdown_fd(fd):
+                shed += 1
+        if shed:
+            self.shed_total += shed
+            self._shed_logged += shed
+            if now - self._shed_log_at >= _SHED_LOG_EVERY:
+                self._shed_log_at = now
+                import logging
+
+                logging.getLogger("ipcsync").warning(
+                    "ipcsync producer %r closed %d connection(s) that sent no HELLO (over %d "
+                    "half-open or older than %.0f s; %d in all): a process of this user is "
+                    "opening connections and staying silent",
+                    self.endpoint.name, self._shed_logged, self.half_open_max, HANDSHAKE_DEADLINE,
+                    self.shed_total)
+                self._shed_logged = 0
+        return shed
 
     def recv(self) -> tuple[bytes, list[bytes], int] | None:
         """One message as (identity, payload frames, connection fd), or None if none is
@@ -417,6 +687,7 @@ class ConsumerChannel(_Channel):
     def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int,
                  curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        raise_fd_limit()
         self.sock = _context().socket(zmq.DEALER)
         try:
             _configure(self.sock, max_frame)
@@ -429,6 +700,29 @@ class ConsumerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+
+    connection_fd = -1  # our end of the current connection (monitor: CONNECTED), -1 if none
+    _held_events: list[tuple[int, int]] | None = None
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
+        held, self._held_events = self._held_events, None
+        got = super().events()
+        out = held + list(got) if held else got
+        for ev, fd in out:
+            if ev == zmq.EVENT_CONNECTED:
+                self.connection_fd = fd
+            elif ev == zmq.EVENT_DISCONNECTED and fd == self.connection_fd:
+                self.connection_fd = -1
+        return out
+
+    def current_connection_fd(self) -> int:
+        """``connection_fd`` after the monitor events already queued (they are kept for the
+        next ``events()`` call, so nothing is lost to the caller)."""
+        pending = self.events()
+        if pending:
+            self._held_events = list(pending)
+        return self.connection_fd
 
     def recv(self) -> list[bytes] | None:
         return self._recv_parts(True)

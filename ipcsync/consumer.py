@@ -49,7 +49,9 @@ from . import limits
 from . import protocol as P
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
-from .channel import ConsumerChannel, CurveKeys, check_transport, remove_stale, resolve_endpoint
+from .backends.cpu import reclaim_dead_segments, segment_owner
+from .channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
+                      remove_stale, resolve_endpoint)
 from .errors import (
     BackendError,
     ClosedError,
@@ -308,10 +310,7 @@ class Consumer(_Endpoint):
                 self._send_frame(P.encode(self._hello()))
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: self._conv.state != "await_setup", t):
-                    raise IpcTimeoutError(
-                        f"no producer answered on endpoint {self.endpoint.name!r} "
-                        f"({self.endpoint.url}) within {t} s; is it running, with the same name?"
-                    )
+                    self._raise_unanswered(t)
                 self._raise_if_broken()
         except BaseException:
             self._closed = True
@@ -633,6 +632,7 @@ class Consumer(_Endpoint):
         except zmq.ZMQError:
             pass
         self._remove_stale_endpoint(wait=0.0)
+        reclaim_dead_segments()  # a dead producer's /dev/shm arena, whoever tracks it
 
     def _remove_stale_endpoint(self, wait: float) -> None:
         """Whoever notices a dead producer removes its stale socket files. A killed process
@@ -782,7 +782,10 @@ class Consumer(_Endpoint):
         self._fail(err, None)
 
     def _on_setup(self, s: P.Setup) -> None:
-        problem = None
+        problem = self._producer_identity_problem(s)
+        if problem is not None:
+            self._fail(ConfigError(problem), "identity")
+            return
         if s.backend != self._backend.name:
             problem = f"producer uses the {s.backend} backend, this consumer {self._backend.name}"
         elif not s.slots or len(s.slots) != len(s.ready_events):
@@ -817,6 +820,29 @@ class Consumer(_Endpoint):
             self._producer_watch = _host.ProcessWatch(s.pid, s.start_time)
         self._release_batch = max(1, len(s.slots) // 4)
         self._send_frame(P.encode(P.Attach([e.handle() for e in self._release_events])))
+
+    def _raise_unanswered(self, t: float | None) -> None:
+        """The handshake timed out: say why where the socket file can tell."""
+        text = f"no producer answered on endpoint {self.endpoint.name!r} ({self.endpoint.url}) within {t} s"
+        why = diagnose_unanswered(self.endpoint)
+        if why is not None and why[0]:
+            raise ConfigError(f"{text}: {why[1]}")
+        if why is not None:
+            raise IpcTimeoutError(f"{text}: {why[1]}; is it running, with the same name?")
+        raise IpcTimeoutError(f"{text}; is it running, with the same name?")
+
+    def _producer_identity_problem(self, s: P.Setup) -> str | None:
+        """Who answered must be the producer the SETUP describes, of this user (see
+        ``channel.producer_identity_problem``); on the CPU backend its arenas must be named
+        after its pid (the segment's owner uid is checked when it is opened)."""
+        problem = producer_identity_problem(self.endpoint, self._chan.current_connection_fd(), s.pid, s.pid_ns)
+        if problem is None and self._backend.name == "cpu":
+            for handle in s.arenas:
+                owner = segment_owner(handle) if type(handle) is str else None
+                if owner is not None and owner.pid != s.pid:
+                    return (f"the producer on {self.endpoint.name!r} (pid {s.pid}) names shared memory "
+                            f"{handle} of pid {owner.pid}; refusing it")
+        return problem
 
     def _tick_producer(self, now: float) -> None:
         s = self._setup

@@ -109,9 +109,16 @@ def _flatten(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
     )
 
 
+def _not_strided(t: torch.Tensor) -> str:
+    """Why ``t`` (not a plain strided tensor) cannot be sent, and what to send instead."""
+    if t.is_nested:  # a nested tensor reports layout torch.strided (or torch.jagged)
+        return "nested tensors cannot be sent; send its components (t.unbind()) or t.to_padded_tensor(0)"
+    return f"only strided tensors can be sent, got layout {t.layout}"
+
+
 def _check_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
-        raise ConfigError(f"only strided tensors can be sent, got layout {t.layout}")
+        raise ConfigError(_not_strided(t))
     if t.is_quantized:
         raise ConfigError("quantized tensors cannot be sent; dequantize them first")
     if t.device.type == "meta":
@@ -277,7 +284,7 @@ def signature(msg: Any) -> tuple[Any, list[torch.Tensor]]:
                 try:
                     parts.append((k, (v.dtype, v.shape, v.stride(), v.device, v.is_conj(), v.is_neg())))
                 except RuntimeError:  # no strides: sparse and other layouts
-                    raise ConfigError(f"only strided tensors can be sent, got layout {v.layout}") from None
+                    raise ConfigError(_not_strided(v)) from None
             else:
                 parts.append((k, _sig(v, leaves, 2)))
         return tuple(parts), leaves
@@ -294,7 +301,7 @@ def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
             # so one key still means one layout.
             return (msg.dtype, msg.shape, msg.stride(), msg.device, msg.is_conj(), msg.is_neg())
         except RuntimeError:  # no strides: sparse and other layouts
-            raise ConfigError(f"only strided tensors can be sent, got layout {msg.layout}") from None
+            raise ConfigError(_not_strided(msg)) from None
     if isinstance(msg, Mapping):
         return ("d",) + tuple((k, _sig(v, leaves, depth + 1)) for k, v in msg.items())
     if isinstance(msg, tuple):

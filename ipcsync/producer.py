@@ -265,7 +265,10 @@ class Producer(_Endpoint):
         self._stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
         self._chan = ProducerChannel(self.endpoint, limits.max_frame, curve)
         try:
-            self._arena = self._backend.create_arena(self._stride * self.slots)
+            try:
+                self._arena = self._backend.create_arena(self._stride * self.slots)
+            except ConfigError as exc:  # e.g. /dev/shm too small: name the ring that asked
+                raise ConfigError(f"Producer(slots={self.slots}, slot_bytes={self.slot_bytes}): {exc}") from None
             self._slot_views = [
                 self._arena.tensor[i * self._stride : i * self._stride + self.slot_bytes]
                 for i in range(self.slots)
@@ -1015,6 +1018,7 @@ class Producer(_Endpoint):
         # not be applied to this one.
         for ev, efd in self._chan.events():
             self._on_monitor(ev, efd)
+        self._chan.greeted(fd)  # no longer half-open (see ProducerChannel)
         problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem

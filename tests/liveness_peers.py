@@ -55,7 +55,7 @@ def produce(a: dict[str, Any]) -> None:
 def consume(a: dict[str, Any]) -> None:
     """Iterate with default timeouts; hold item ``hold`` for ``hold_s`` seconds (the test
     pauses the process meanwhile), check it is still intact, then go on checking."""
-    dev, elems = a.get("device", "cpu"), a.get("elems", 1024)
+    dev = a.get("device", "cpu")
     got, bad = 0, []
     error = None
     with ipcsync.Consumer(a["endpoint"], device=dev, heartbeat=a.get("heartbeat", 0.2),

@@ -584,3 +584,78 @@ def test_frame_at_the_slack_limit_still_passes(producer: ProducerChannel, endpoi
         assert producer_recv(producer)[:2] == (b"raw", [frame])
     finally:
         raw.close(linger=0)
+
+
+# --------------------------------------------------------------------------- runtime_dir: hostile neighbours
+@pytest.fixture
+def default_base(monkeypatch: pytest.MonkeyPatch, scratch: str) -> str:
+    """The default runtime dir (no IPCSYNC_RUNTIME_DIR), placed under ``scratch`` through
+    XDG_RUNTIME_DIR so a test never touches the real /tmp/ipcsync-<uid>."""
+    monkeypatch.delenv("IPCSYNC_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", scratch)
+    return os.path.join(scratch, "ipcsync")
+
+
+def test_symlink_at_the_default_path_is_not_followed(default_base: str, scratch: str) -> None:
+    target = os.path.join(scratch, "planted")
+    os.mkdir(target, 0o700)  # a perfectly private directory: still not where we go
+    os.symlink(target, default_base)
+    with pytest.warns(RuntimeWarning, match=r"symbolic link.*IPCSYNC_RUNTIME_DIR"):
+        got = ch.runtime_dir()
+    assert got == default_base + "-alt"
+    assert os.path.isdir(got) and not os.path.islink(got) and mode_of(got) == 0o700
+    assert resolve_endpoint("x").path == os.path.join(got, "x.sock")  # the same in every process
+    assert os.listdir(target) == []
+
+
+def test_dangling_symlink_at_the_default_path_falls_back(default_base: str, scratch: str) -> None:
+    os.symlink(os.path.join(scratch, "nowhere"), default_base)
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        got = ch.runtime_dir()  # was: "[Errno 17] File exists"
+    assert got == default_base + "-alt"
+    assert not os.path.exists(os.path.join(scratch, "nowhere"))  # never created through the link
+
+
+def test_default_path_of_another_user_falls_back(default_base: str) -> None:
+    os.mkdir(default_base, 0o700)
+    try:
+        os.chown(default_base, 65534, -1)
+    except PermissionError:
+        pytest.skip("cannot chown to another uid without root")
+    with pytest.warns(RuntimeWarning, match="belongs to uid 65534"):
+        assert ch.runtime_dir() == default_base + "-alt"
+
+
+def test_default_path_of_ours_with_a_wrong_mode_is_made_private(default_base: str) -> None:
+    os.mkdir(default_base)
+    os.chmod(default_base, 0o755)
+    assert ch.runtime_dir() == default_base
+    assert mode_of(default_base) == 0o700
+
+
+def test_default_path_and_fallback_both_taken_is_a_config_error(default_base: str, scratch: str) -> None:
+    os.symlink(scratch, default_base)
+    os.symlink(scratch, default_base + "-alt")
+    with pytest.raises(ConfigError, match="set IPCSYNC_RUNTIME_DIR") as info:
+        ch.runtime_dir()
+    assert default_base in str(info.value) and "symbolic link" in str(info.value)
+
+
+def test_explicit_runtime_dir_that_is_a_symlink_is_an_error(monkeypatch: pytest.MonkeyPatch, scratch: str) -> None:
+    target = os.path.join(scratch, "real")
+    os.mkdir(target, 0o700)
+    link = os.path.join(scratch, "link")
+    os.symlink(target, link)
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", link)
+    with pytest.raises(ConfigError, match="IPCSYNC_RUNTIME_DIR.*symbolic link"):
+        ch.runtime_dir()
+
+
+def test_bind_lock_does_not_follow_a_planted_symlink(endpoint: Endpoint, scratch: str) -> None:
+    victim = os.path.join(scratch, "victim")
+    Path(victim).write_bytes(b"keep")
+    assert endpoint.lock_path is not None
+    os.symlink(victim, endpoint.lock_path)
+    with pytest.raises(ConfigError, match="cannot open the bind lock"):
+        BindLock(endpoint).acquire()
+    assert Path(victim).read_bytes() == b"keep"

@@ -3,9 +3,11 @@ and host/process identity (ipcsync._host)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
+import shutil
 import signal
 import stat
 import subprocess
@@ -25,7 +27,7 @@ from ipcsync.errors import BackendError, ConfigError, IpcTimeoutError
 pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parent.parent
-NAME_RE = re.compile(r"ipcsync-([0-9]+)-[0-9a-f]{16}")
+NAME_RE = re.compile(r"ipcsync-([0-9]+)-([0-9]+)-([0-9]+)-[0-9a-f]{16}")
 NO_SUCH_PID = 2**22 + 12345  # above the largest pid_max Linux allows
 
 
@@ -52,6 +54,9 @@ def test_create_arena_makes_a_private_segment(backend: CpuBackend, arenas: list[
     assert isinstance(a.handle, str)
     m = NAME_RE.fullmatch(a.handle)
     assert m and int(m.group(1)) == os.getpid()
+    # The name proves its owner: start time and pid namespace.
+    assert int(m.group(2)) == _host.start_time(os.getpid())
+    assert _host.pid_namespace() == f"pid:[{m.group(3)}]"
     assert a.path == os.path.join(SHM_DIR, a.handle)
     st = os.stat(a.path)
     assert stat.S_ISREG(st.st_mode)
@@ -433,3 +438,181 @@ def test_start_time_parses_a_command_with_parentheses_and_spaces(tmp_path: Path)
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- exhaustion: a small /dev/shm
+SMALL_SHM = r"""
+import json, os, torch, ipcsync
+out = {}
+try:
+    ipcsync.Producer("big", slots=5, slot_bytes=4 << 20, device="cpu")
+    out["error"] = None
+except ipcsync.ConfigError as exc:
+    out["error"] = str(exc)
+out["left_after_error"] = sorted(os.listdir("/dev/shm"))
+with ipcsync.Producer("small", slots=2, slot_bytes=1 << 20, device="cpu") as p, \
+        ipcsync.Consumer("small", device="cpu", timeout=10) as c:
+    p.send({"x": torch.arange(1 << 17)})  # a full 1 MiB slot
+    item = c.get(timeout=10)
+    out["fits"] = bool(torch.equal(item["x"], torch.arange(1 << 17)))
+    item.release()
+out["left_at_end"] = sorted(os.listdir("/dev/shm"))
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_arena_larger_than_dev_shm_is_a_config_error(tmp_path: Path) -> None:
+    """Docker's 64 MB /dev/shm: an arena that does not fit used to be created anyway and
+    the first write past the free space was a SIGBUS. Here /dev/shm is an 8 MiB tmpfs in a
+    private mount namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    cmd = ["unshare", "-m", "sh", "-c",
+           'mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 77; exec "$0" "$1"', sys.executable, str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=50, stdin=subprocess.DEVNULL)
+    if proc.returncode == 77 or (proc.returncode != 0 and b"unshare failed" in proc.stderr):
+        pytest.skip(f"no private mount namespace here: {proc.stderr.decode(errors='replace')[-300:]}")
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    err = out["error"]
+    assert err is not None, "a 20 MiB arena was created on an 8 MiB /dev/shm"
+    assert "slots=5" in err and "slot_bytes=4194304" in err  # the ring that asked
+    assert "20971520 bytes" in err and "20.0 MiB" in err  # the arena's size
+    assert "8.0 MiB free" in err  # what /dev/shm has
+    assert "--shm-size" in err and "--ipc=host" in err and "fewer/smaller slots" in err
+    assert out["left_after_error"] == []  # no segment left behind
+    assert out["fits"] is True
+    assert out["left_at_end"] == []
+
+
+# --------------------------------------------------------------------------- reclaiming a dead owner's segments
+SPAWN_PARENT = r"""
+import multiprocessing as mp, os, sys, time
+
+
+def child(q, i):
+    import ipcsync
+    p = ipcsync.Producer(f"spawned-{i}", slots=1, slot_bytes=4096, device="cpu")
+    q.put((os.getpid(), p._arena.handle))
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")  # as torch.multiprocessing.spawn: one resource tracker, ours
+    q = ctx.Queue()
+    kids = [ctx.Process(target=child, args=(q, i), daemon=True) for i in range(3)]
+    for k in kids:
+        k.start()
+    for _ in kids:
+        pid, name = q.get(timeout=60)
+        print(pid, name, flush=True)
+    time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_segments_of_killed_spawn_children_are_reclaimed_while_the_parent_lives(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = tmp_path / "spawn_parent.py"
+    script.write_text(SPAWN_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
+                              start_new_session=True)
+    names: list[str] = []
+    try:
+        kids = []
+        for _ in range(3):
+            pid, name = read_line(parent, timeout=60.0).decode().split()
+            kids.append(int(pid))
+            names.append(name)
+            assert name.startswith(f"ipcsync-{pid}-") and os.path.exists(os.path.join(SHM_DIR, name))
+            # read_line keeps no buffer: lines come one per write, each flushed.
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_host.start_time(pid) != -1 for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.02)  # reaped by the parent's multiprocessing (or zombies: gone too)
+        arena = CpuBackend().create_arena(4096)  # a new producer's arena sweeps
+        arena.close()
+        deadline = time.monotonic() + 5
+        while any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert parent.poll() is None, "the parent must still live (its tracker removes nothing yet)"
+        left = [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+        assert not left, f"segments of SIGKILLed spawn children survive while their parent lives: {left}"
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)  # parent, children, resource tracker
+        except ProcessLookupError:
+            pass
+        parent.wait(timeout=10)
+        if parent.stdout is not None:
+            parent.stdout.close()
+        for n in names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except FileNotFoundError:
+                pass
+
+
+def test_reclaim_leaves_live_foreign_and_unprovable_segments_alone(
+        monkeypatch: pytest.MonkeyPatch, backend: CpuBackend, arenas: list[CpuArena]) -> None:
+    from ipcsync.backends import cpu
+
+    mine = backend.create_arena(4096)
+    arenas.append(mine)
+    ns = cpu._pid_ns_inode()
+    made = []
+
+    def make(name: str) -> str:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        made.append(name)
+        return name
+
+    tok = lambda: os.urandom(8).hex()  # noqa: E731
+    dead = make(f"ipcsync-{NO_SUCH_PID}-1-{ns}-{tok()}")
+    reused = make(f"ipcsync-{os.getppid()}-1-{ns}-{tok()}")  # pid alive, other start time
+    other_ns = make(f"ipcsync-{NO_SUCH_PID}-1-{ns + 1}-{tok()}")
+    legacy = make(f"ipcsync-{NO_SUCH_PID}-{tok()}")
+    unprovable = make(f"ipcsync-{NO_SUCH_PID + 1}-1-{ns}-{tok()}")
+    real_gone = _host.owner_gone
+    monkeypatch.setattr(_host, "owner_gone",
+                        lambda pid, st: None if pid == NO_SUCH_PID + 1 else real_gone(pid, st))
+    try:
+        removed = cpu.reclaim_dead_segments()
+        assert dead in removed and reused in removed
+        for keep in (mine.handle, other_ns, legacy, unprovable):
+            assert os.path.exists(os.path.join(SHM_DIR, keep)), keep
+            assert keep not in removed
+    finally:
+        for n in made:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except FileNotFoundError:
+                pass
+
+
+def test_owner_gone_needs_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    me = os.getpid()
+    assert _host.owner_gone(me, _host.start_time(me)) is False
+    assert _host.owner_gone(me, _host.start_time(me) + 1) is True  # pid reused
+    assert _host.owner_gone(NO_SUCH_PID, 1) is True
+    import builtins
+    import errno as _errno
+
+    real_open = builtins.open
+
+    def denied(path, *a, **k):  # type: ignore[no-untyped-def]
+        if str(path).startswith("/proc/"):
+            raise PermissionError(_errno.EACCES, "denied")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    assert _host.owner_gone(NO_SUCH_PID, 1) is None  # an error is not death

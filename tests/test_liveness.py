@@ -28,7 +28,7 @@ import ipcsync
 from ipcsync import _host
 from ipcsync._endpoint import _open_endpoints
 
-from conftest import ROOT, TESTS
+from conftest import ROOT
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -193,3 +193,158 @@ def test_pickle_is_nowhere_on_a_read_path() -> None:
     assert msgpack  # the codec in use
 
 
+
+
+# ---------------------------------------------------------------------------- who the producer is
+def fake_setup_producer(a: dict) -> None:
+    """Child role (``procs.start(..., module="test_security")``): bind ``a["path"]`` as a
+    raw ROUTER, optionally as another uid, and answer the first HELLO with a SETUP naming
+    the arena ``a["arena"]`` (not its own); then keep heartbeating."""
+    import json
+    import time
+
+    from ipcsync.backends import backend_for
+
+    event = backend_for(torch.device("cpu")).create_event().handle()
+    if a.get("uid") is not None:
+        os.setgid(a["uid"])
+        os.setuid(a["uid"])  # after the imports: our modules may lie where it cannot read
+    c = zmq.Context()
+    sock = c.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("ipc://" + a["path"])
+    print(json.dumps({"event": "bound", "uid": os.getuid()}), flush=True)
+    if not sock.poll(30_000):
+        return
+    identity, _frame = sock.recv_multipart()
+    me = os.getpid()
+    setup = P.Setup(
+        version=P.PROTOCOL_VERSION, pid=me, start_time=_host.start_time(me), pid_ns=_host.pid_namespace(),
+        backend="cpu", device=None, arenas=[a["arena"]], arena_bytes=[a["nbytes"]],
+        slots=[(0, 0, a["nbytes"])], ready_events=[event], heartbeat_ms=500,
+    )
+    sock.send_multipart([identity, P.encode(setup)])
+    while True:
+        sock.send_multipart([identity, P.encode(P.Heartbeat())])
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[str]:
+    """A sticky, world-writable directory, like /tmp: anyone may bind a socket there."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ipcsh-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class TestProducerIdentity:
+    @pytest.mark.timeout(60)
+    def test_producer_of_another_uid_is_refused(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+        """Another user binds the path first and names the victim's own segment: before,
+        the consumer attached and read the victim's memory under the stranger's layouts."""
+        if os.getuid() != 0:
+            pytest.skip("needs root to run a process as another uid")
+        from ipcsync.backends.cpu import CpuBackend
+
+        victim = CpuBackend().create_arena(4096)
+        try:
+            path = os.path.join(shared_dir, "evil.sock")
+            fake = procs.start("fake_setup_producer", module="test_security", path=path,
+                               arena=victim.handle, nbytes=4096, uid=65534)
+            assert fake.read_until(lambda l: l.get("event") == "bound")["uid"] == 65534
+            with pytest.raises(ipcsync.ConfigError,
+                               match=r"runs as uid 65534.*not as this user.*refusing its data"):
+                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
+        finally:
+            victim.close()
+
+    @pytest.mark.timeout(60)
+    def test_segment_of_another_pid_is_refused(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+        from ipcsync.backends.cpu import CpuBackend
+
+        other = CpuBackend().create_arena(4096)  # ours: pid of this test process
+        try:
+            path = os.path.join(shared_dir, "named.sock")
+            fake = procs.start("fake_setup_producer", module="test_security", path=path,
+                               arena=other.handle, nbytes=4096)
+            fake.read_until(lambda l: l.get("event") == "bound")
+            with pytest.raises(ipcsync.ConfigError, match=rf"names shared memory {other.handle} of pid {os.getpid()}"):
+                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
+        finally:
+            other.close()
+
+    def test_identity_check_with_fake_file_and_credentials(self) -> None:
+        from types import SimpleNamespace
+
+        from ipcsync.channel import Endpoint, producer_identity_problem
+
+        ep = Endpoint("ipc:///x/p.sock", "ipc:///x/p.sock", "/x/p.sock")
+        ns = _host.pid_namespace()
+
+        def check(file_uid: int, cred: tuple[int, int, int] | None, pid: int = 42, pid_ns: str = ns) -> str | None:
+            return producer_identity_problem(
+                ep, 7, pid, pid_ns, uid=1000,
+                lstat=lambda p: SimpleNamespace(st_uid=file_uid),
+                credentials=lambda fd: cred)
+
+        assert check(1000, (42, 1000, 1000)) is None
+        assert check(1000, None) is None  # the OS cannot say: the file owner spoke
+        msg = check(65534, (42, 1000, 1000))
+        assert msg and "runs as uid 65534" in msg and "/x/p.sock" in msg and "refusing its data" in msg
+        msg = check(1000, (42, 65534, 65534))
+        assert msg and "runs as uid 65534, not as this user (uid 1000)" in msg
+        msg = check(1000, (43, 1000, 1000))
+        assert msg and "says it is pid 42" in msg and "pid 43" in msg
+        assert check(1000, (0, 1000, 1000)) is None  # pid not visible in our namespace
+        assert check(1000, (43, 1000, 1000), pid_ns="pid:[1]") is None  # another namespace
+        tcp = Endpoint("tcp://127.0.0.1:1", "tcp://127.0.0.1:1", None)
+        assert producer_identity_problem(tcp, 7, 42, ns, uid=1000) is None
+
+
+# ---------------------------------------------------------------------------- why nobody answered
+def consumer_as(a: dict) -> None:
+    """Child role: as uid ``a["uid"]``, connect a Consumer to ``a["url"]`` and report the
+    error it raised."""
+    import json
+
+    os.setgid(a["uid"])
+    os.setuid(a["uid"])
+    try:
+        ipcsync.Consumer(a["url"], device="cpu", timeout=a.get("timeout", 2.0)).close()
+        out = {"event": "done", "error": None}
+    except ipcsync.IpcSyncError as exc:
+        out = {"event": "done", "error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(out), flush=True)
+
+
+class TestWhyNobodyAnswered:
+    @pytest.mark.timeout(60)
+    def test_cross_uid_connect_names_the_permission_problem(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+        """Before: 'no producer answered ... is it running?' while the producer ran."""
+        if os.getuid() != 0:
+            pytest.skip("needs root to run a process as another uid")
+        url = "ipc://" + os.path.join(shared_dir, "mine.sock")
+        with ipcsync.Producer(url, slots=1, slot_bytes=4096, device="cpu"):
+            peer = procs.start("consumer_as", module="test_security", url=url, uid=65534)
+            out = peer.result(timeout=40)
+        assert out["error"] == "ConfigError", out
+        msg = out["message"]
+        assert "permission denied" in msg and "uid 0" in msg and "mode 600" in msg and "uid 65534" in msg, msg
+
+    def test_stale_socket_is_named(self, shared_dir: str) -> None:
+        path = os.path.join(shared_dir, "stale.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)  # bound, never listening: as a killed producer leaves it
+        try:
+            with pytest.raises(ipcsync.IpcTimeoutError, match="nothing listens on .*stale.sock"):
+                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=0.5)
+        finally:
+            s.close()
+
+    def test_missing_socket_is_named(self, shared_dir: str) -> None:
+        with pytest.raises(ipcsync.IpcTimeoutError, match="there is no socket .*none.sock.*is it running"):
+            ipcsync.Consumer("ipc://" + os.path.join(shared_dir, "none.sock"), device="cpu", timeout=0.3)

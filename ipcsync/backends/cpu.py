@@ -2,11 +2,19 @@
 
 Arena lifetime:
 
-- the producer creates ``/dev/shm/ipcsync-<pid>-[r<run id>-]<token>`` (mode 0600, O_EXCL), maps it, and
-  registers the name with multiprocessing's resource tracker, a helper process that
-  unlinks it if the producer dies without closing (SIGKILL included);
-- the whole arena (slots x slot_bytes) is faulted in when mapped (MAP_POPULATE), so the
-  memory is committed up front and no send pays page faults;
+- the producer creates ``/dev/shm/ipcsync-<pid>-[r<run id>-]<start time>-<pid ns>-<token>``
+  (mode 0600, O_EXCL), maps it, and registers the name with multiprocessing's resource
+  tracker, a helper process that unlinks it if the producer dies without closing (SIGKILL
+  included);
+- the name says who owns it: pid, start time (clock ticks since boot) and pid namespace
+  (inode of /proc/self/ns/pid). A tracker shared with a living parent (multiprocessing
+  spawn, torch.multiprocessing.spawn) unlinks nothing until that parent exits, so
+  ``reclaim_dead_segments`` also unlinks the segments of this user whose owner provably no
+  longer exists; every producer runs it when it creates an arena, and a consumer when its
+  producer is lost;
+- the whole arena (slots x slot_bytes) is reserved when created (``posix_fallocate``: a
+  full /dev/shm is a ConfigError then, never a SIGBUS at a later write) and faulted in when
+  mapped (MAP_POPULATE), so no send pays page faults;
 - consumers map it by name once per connection; a mapping stays valid after the producer
   unlinks the name, so items already delivered remain readable;
 - ``close()`` on the producer unlinks the name and unregisters it. Mappings are dropped
@@ -18,21 +26,28 @@ Linux only (it needs /dev/shm); so is CUDA IPC.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
 import secrets
+import stat
 from multiprocessing import resource_tracker
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from .. import _host
 from .._shm import NAME_RE as _NAME_RE
 from .._shm import RUN_ID_RE as _RUN_ID_RE
 from .._shm import SHM_DIR, SHM_PREFIX, remove_run_segments
-from ..errors import BackendError, IpcTimeoutError
+from ..errors import BackendError, ConfigError, IpcTimeoutError
 from .base import Arena, Backend, Event
 
-__all__ = ["CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX", "remove_run_segments"]
+__all__ = [
+    "CpuBackend", "CpuEvent", "CpuArena", "SHM_DIR", "SHM_PREFIX", "SegmentOwner",
+    "remove_run_segments", "reclaim_dead_segments", "segment_owner",
+]
 
 _EVENT_HANDLE = b"ipcsync-cpu-event"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -88,6 +103,7 @@ class CpuArena(Arena):
                 # Registered before anything else can fail, so it is unlinked on any exit.
                 resource_tracker.register("/" + name, "shared_memory")
                 os.ftruncate(fd, nbytes)
+                _reserve(fd, nbytes)
             else:
                 st = os.fstat(fd)
                 if st.st_uid != os.getuid():
@@ -130,6 +146,95 @@ class CpuArena(Arena):
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate every page of the segment now. tmpfs allocates a page at its first touch,
+    and a touch that finds /dev/shm full is a SIGBUS (MAP_POPULATE does not report it):
+    reserving makes a full /dev/shm a ConfigError here instead."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return  # a file system without fallocate: MAP_POPULATE is all we have
+            raise
+        try:
+            vfs = os.statvfs(SHM_DIR)
+            free = f"{_mib(vfs.f_bavail * vfs.f_frsize)} free of {_mib(vfs.f_blocks * vfs.f_frsize)}"
+        except OSError:
+            free = "free space unknown"
+        raise ConfigError(
+            f"the arena needs {nbytes} bytes ({_mib(nbytes)}) of shared memory but {SHM_DIR} "
+            f"has {free} ({os.strerror(exc.errno)}); run the container with --shm-size=... "
+            "(at least the arenas of all producers) or --ipc=host, or use fewer/smaller slots"
+        ) from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class SegmentOwner(NamedTuple):
+    """Who created a segment, as its name says: start time and pid namespace are None in
+    names that do not carry them."""
+
+    pid: int
+    start_time: int | None
+    pid_ns: int | None
+
+
+def segment_owner(name: str) -> SegmentOwner | None:
+    """The owner a valid ipcsync segment name records; None for any other name."""
+    m = _NAME_RE.fullmatch(name) if type(name) is str else None
+    if m is None:
+        return None
+    start, ns = m.group("start"), m.group("ns")
+    return SegmentOwner(int(m.group("pid")), None if start is None else int(start),
+                        None if ns is None else int(ns))
+
+
+def _pid_ns_inode() -> int:
+    """Inode of this process's pid namespace; 0 where unknown."""
+    m = re.fullmatch(r"pid:\[([0-9]+)\]", _host.pid_namespace())
+    return int(m.group(1)) if m else 0
+
+
+def reclaim_dead_segments() -> list[str]:
+    """Unlink the segments of this user, in this pid namespace, whose owner (pid, start
+    time) provably no longer exists; return their names.
+
+    Only proof counts: the owner's /proc entry is missing, or it is a zombie, or its pid
+    now belongs to a process started at another time. Any other error reading /proc, a
+    name without start time or namespace, another owner uid or another namespace leaves
+    the segment alone. One listdir of /dev/shm, one /proc read per candidate."""
+    ns = _pid_ns_inode()
+    if not ns:
+        return []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    uid, me = os.getuid(), os.getpid()
+    removed = []
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        who = segment_owner(name)
+        if who is None or who.start_time is None or who.pid_ns != ns or who.pid == me:
+            continue
+        if _host.owner_gone(who.pid, who.start_time) is not True:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
 class CpuBackend(Backend):
     """Shared-memory arenas and trivially complete events."""
 
@@ -144,11 +249,14 @@ class CpuBackend(Backend):
     def create_arena(self, nbytes: int) -> CpuArena:
         run_id = os.environ.get("IPCSYNC_RUN_ID", "")
         tag = f"r{run_id}-" if _RUN_ID_RE.fullmatch(run_id) else ""
-        name = f"{SHM_PREFIX}{os.getpid()}-{tag}{secrets.token_hex(8)}"
+        reclaim_dead_segments()
+        pid = os.getpid()
+        owner = f"{_host.start_time(pid)}-{_pid_ns_inode()}-"
+        name = f"{SHM_PREFIX}{pid}-{tag}{owner}{secrets.token_hex(8)}"
         return CpuArena(name, nbytes, owner=True)
 
     def open_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> CpuArena:
-        if type(handle) is not str or not _NAME_RE.fullmatch(handle):
+        if segment_owner(handle) is None:  # type: ignore[arg-type]
             raise BackendError(f"not an ipcsync shared-memory name: {handle!r:.60}")
         return CpuArena(handle, nbytes, owner=False)
 
