@@ -375,7 +375,7 @@ class _Channel:
 
     def pending(self) -> bool:
         """True if the socket or its monitor has something to read now."""
-        if self._get(_EVENTS) & _POLLIN:
+        if self._get(_EVENTS) & _POLLIN or getattr(self, "_held_events", None):
             return True
         mon = self.mon
         return mon is not None and bool(mon.getsockopt(_EVENTS) & _POLLIN)
