@@ -186,17 +186,17 @@ def test_a_program_dying_of_an_exception_without_a_with_block_is_no_clean_end(pr
 
 
 @pytest.mark.timeout(60)
-def test_abort_and_exception_close_at_once_and_propagate() -> None:
+def test_abort_and_exception_close_at_once_and_propagate(device: str) -> None:
     """An exception inside the with-block (items in flight, a consumer that will never
     release them) closes within a second and propagates unchanged."""
     inp = None
     t0 = time.monotonic()
     with pytest.raises(KeyError, match="mine"):
-        with ipcsync.Producer("live-exc", slots=2, slot_bytes=4096) as out:
-            inp = ipcsync.Consumer("live-exc")
-            out.send({"x": torch.ones(2)}, meta=0)
+        with ipcsync.Producer("live-exc", slots=2, slot_bytes=4096, device=device) as out:
+            inp = ipcsync.Consumer("live-exc", device=device)
+            out.send({"x": torch.ones(2, device=device)}, meta=0)
             inp.get(timeout=10)  # held, never released
-            out.send({"x": torch.ones(2)}, meta=1)
+            out.send({"x": torch.ones(2, device=device)}, meta=1)
             t0 = time.monotonic()
             raise KeyError("mine")
     assert time.monotonic() - t0 < 1.5
@@ -243,13 +243,13 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
 
 
 @pytest.mark.timeout(60)
-def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it() -> None:
-    out = ipcsync.Producer("live-thr-p", slots=1, slot_bytes=4096)
-    inp = ipcsync.Consumer("live-thr-p")
+def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
+    out = ipcsync.Producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
+    inp = ipcsync.Consumer("live-thr-p", device=device)
     try:
-        out.send({"x": torch.ones(2)}, meta=0)
+        out.send({"x": torch.ones(2, device=device)}, meta=0)
         held = inp.get(timeout=10)  # holds the only slot
-        t, caught = _in_thread(lambda: out.send({"x": torch.ones(2)}, meta=1))
+        t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
         time.sleep(0.5)
         assert t.is_alive()  # blocked: backpressure
         t0 = time.monotonic()
@@ -267,9 +267,9 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it() ->
 
 
 @pytest.mark.timeout(60)
-def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it() -> None:
-    out = ipcsync.Producer("live-thr-c", slots=1, slot_bytes=4096)
-    inp = ipcsync.Consumer("live-thr-c")
+def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
+    out = ipcsync.Producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
+    inp = ipcsync.Consumer("live-thr-c", device=device)
     try:
         t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
         time.sleep(0.5)
@@ -288,10 +288,10 @@ def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it
 
 
 @pytest.mark.timeout(60)
-def test_two_threads_iterating_one_consumer_never_release_each_others_items() -> None:
+def test_two_threads_iterating_one_consumer_never_release_each_others_items(device: str) -> None:
     n = 200
-    out = ipcsync.Producer("live-2thr", slots=4, slot_bytes=8192)
-    inp = ipcsync.Consumer("live-2thr")
+    out = ipcsync.Producer("live-2thr", slots=4, slot_bytes=8192, device=device)
+    inp = ipcsync.Consumer("live-2thr", device=device)
     seen: list[int] = []
     bad: list[Any] = []
     lock = threading.Lock()
@@ -313,7 +313,7 @@ def test_two_threads_iterating_one_consumer_never_release_each_others_items() ->
     for t in ts:
         t.start()
     for i in range(n):
-        out.send({"x": torch.full((512,), float(i))}, meta=i)
+        out.send({"x": torch.full((512,), float(i), device=device)}, meta=i)
     out.close(timeout=30)
     for t in ts:
         t.join(20)
@@ -324,13 +324,13 @@ def test_two_threads_iterating_one_consumer_never_release_each_others_items() ->
 
 # --------------------------------------------------------------------------- close, exit, fork
 @pytest.mark.timeout(60)
-def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile() -> None:
-    out = ipcsync.Producer("live-late", slots=2, slot_bytes=4096)
-    out.send({"x": torch.full((4,), 7.0)}, meta=7)
+def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(device: str) -> None:
+    out = ipcsync.Producer("live-late", slots=2, slot_bytes=4096, device=device)
+    out.send({"x": torch.full((4,), 7.0, device=device)}, meta=7)
     t = threading.Thread(target=out.close, kwargs={"timeout": 30}, daemon=True)
     t.start()
     time.sleep(0.3)
-    with ipcsync.Consumer("live-late") as inp:
+    with ipcsync.Consumer("live-late", device=device) as inp:
         items = [(item.meta, float(item["x"][0])) for item in inp]
     t.join(10)
     assert not t.is_alive()
