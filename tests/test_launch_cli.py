@@ -557,6 +557,27 @@ def test_stage_crash_mid_stream_stops_everything(launcher: Launcher, crasher: st
 
 
 @pytest.mark.timeout(200)
+def test_a_loader_that_raises_never_looks_like_a_finished_stream(launcher: Launcher) -> None:
+    """A producer stage whose with-block raises at item 13: its consumer stage must not end
+    its stream cleanly (before: the sink printed its result, 'done 13', while the
+    launcher reported the loader's crash); it fails with ProducerFailedError, or is
+    stopped by the launcher first."""
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py", "--n", 100, "--raise-after", 13, "--delay", 0.01)},
+         "sink": {"cmd": stage("sink.py")}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB"}],
+        stop_timeout=5,
+    ))
+    run = launcher.run(spec)
+    assert run.proc.returncode == 1, run.dump()
+    assert "stage src/0" in root_cause(run), run.dump()
+    assert "RuntimeError: src broke after 13 items" in run.out, run.dump()
+    assert not run.events("sink/0", "result"), run.dump()
+    assert "all stages finished" not in run.err
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("victim_label", ["src/0", "sink/0"])
 def test_stage_killed_by_sigkill(launcher: Launcher, victim_label: str) -> None:
     spec = launcher.spec_file(toml_spec(  # cpu: the producer's arena is in /dev/shm

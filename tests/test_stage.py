@@ -10,6 +10,7 @@ checked for leaked shared memory).
 from __future__ import annotations
 
 import json
+import threading
 import os
 import time
 from pathlib import Path
@@ -387,3 +388,43 @@ def test_item_flows_between_stage_processes_and_stats_are_reported(procs, runtim
     assert sorted(os.listdir(Path(plan.run_dir) / "stats")) == sorted(
         [f"src.{r}.json" for r in range(src_replicas)] + ["sink.0.json"])  # no temporary files left
     assert sorted(os.listdir(plan.run_dir)) == ["stats"]  # every endpoint was released
+
+
+@pytest.mark.timeout(60)
+def test_edge_timeout_bounds_the_handshake_only_data_waits_while_the_peer_lives(fresh, runtime_dir):
+    """An edge timeout of 0.5 s: stage.output() and stage.input() still wait for each
+    other at most that long, but once connected a send() blocked on a full ring and a
+    get() on an idle stream wait past it (before: IpcTimeoutError after the edge timeout,
+    which killed loaders while their trainer checkpointed)."""
+    plan = make_plan(runtime_dir, timeout=0.5, slots=1)
+    src, sink = instance(plan, "src/0"), instance(plan, "sink/0")
+    out = inp = None
+    try:
+        become(fresh, src)
+        out = stage.output("sink", wait_for_consumers=False)
+        become(fresh, sink)
+        inp = stage.input("src")
+        out.wait_for_consumers(1, timeout=5)
+        out.send({"x": torch.tensor([0])}, meta=0)
+        held = inp.get()
+        late = threading.Timer(1.5, held.release)
+        late.start()
+        t0 = time.monotonic()
+        out.send({"x": torch.tensor([1])}, meta=1)  # waits for the release, 1.5 s > 0.5 s
+        assert time.monotonic() - t0 >= 1.0
+        threading.Timer(1.5, lambda: out.send({"x": torch.tensor([2])}, meta=2)).start()
+        assert inp.get().meta == 1
+        t0 = time.monotonic()
+        assert inp.get().meta == 2  # an idle stream for 1.5 s: no IpcTimeoutError
+        assert time.monotonic() - t0 >= 1.0
+        late.join()
+    finally:
+        for ep in (inp, out):
+            if ep is not None:
+                ep.close()
+    # The handshake is still bounded by the edge timeout: nobody on the other side.
+    become(fresh, sink)
+    t0 = time.monotonic()
+    with pytest.raises(ipcsync.IpcSyncError):
+        stage.input("src")
+    assert time.monotonic() - t0 < 5

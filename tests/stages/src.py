@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--delay", type=float, default=0.0, help="seconds between items")
     ap.add_argument("--zero-copy", action="store_true", help="use out.slot() instead of send()")
+    ap.add_argument("--raise-after", type=int, default=None, metavar="K",
+                    help="raise RuntimeError inside the output's with-block once K items were sent")
     stagelib.add_crash_args(ap)
     args = ap.parse_args()
 
@@ -38,6 +40,8 @@ def main() -> int:
         stagelib.mark("ready")
         for i in range(args.n):
             stagelib.maybe_crash(args, i, me.replica, me.restart)
+            if args.raise_after is not None and i == args.raise_after:
+                raise RuntimeError(f"src broke after {i} items")
             value = stagelib.item_value(me.replica, i)
             meta = {"origin": label, "i": i}
             if args.zero_copy:
