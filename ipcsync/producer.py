@@ -69,7 +69,6 @@ _MAX_PLANS = 256  # distinct message signatures cached (then the cache starts ov
 _MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
 _MAX_SLOTS = 1024
 _BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
-_PLAIN_META = (int, float, str, bool)  # metas msgpack itself fully checks
 
 
 @dataclass
@@ -532,12 +531,24 @@ class Producer(_Endpoint):
         return plan, plan.recipe
 
     def _new_plan(self, key: Any, placement: Any) -> Plan:
+        """A plan for ``placement``, cached under ``key`` (None: not cached). ConfigError,
+        and nothing cached, for a layout the consumers' decoder would refuse."""
+        try:
+            encoded = P.sendable_layout(placement.layout, self._limits)
+        except ProtocolError as exc:
+            lim = self._limits
+            raise ConfigError(
+                f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                f"described in at most {lim.max_frame} bytes (ipcsync.protocol.Limits)"
+            ) from None
         lid = 0
         if self._next_layout_id <= _MAX_LAYOUT_IDS:
             lid = self._next_layout_id
             self._next_layout_id += 1
         plan = Plan(placement, lid)
-        plan.layout_size = len(msgpack.packb(plan.layout, use_bin_type=True))
+        plan.layout_size = len(encoded)
         if lid:
             self._layouts[lid] = plan.layout
         if key is not None:
@@ -563,17 +574,18 @@ class Producer(_Endpoint):
                                                 meta, fwd[0].fid, fwd[1], fwd[2])
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
-        size = len(frame) + (plan.layout_size if lid else 0)  # bounds the full frame
-        if size > self._limits.max_frame:
+        try:
+            # What the consumers' decoder accepts, under the same limits (the layout was
+            # checked when its plan was made).
+            P.check_outgoing(frame, meta, plan.layout_size if lid else 0, self._limits)
+        except ProtocolError as exc:
+            lim = self._limits
             raise ConfigError(
-                f"message description (layout + meta) is {size} bytes, over the frame "
-                f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
-            )
-        if meta is not None and type(meta) not in _PLAIN_META:
-            try:
-                P.check_meta(meta, self._limits.max_depth)
-            except ProtocolError as exc:
-                raise ConfigError(f"bad meta: {exc}") from None
+                f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
+                f"at most {lim.max_items} entries in one dict/list and nests at most "
+                f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
+                "bytes (ipcsync.protocol.Limits): send less meta or fewer tensors"
+            ) from None
         committed = ring.commit(slot)
         assert committed == seq
         self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd]
