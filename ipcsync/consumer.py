@@ -45,6 +45,7 @@ import zmq
 
 from . import _host
 from . import protocol as P
+from ._ratelog import RateLog
 from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
 from .channel import ConsumerChannel, CurveKeys, check_transport, remove_stale, resolve_endpoint
@@ -65,7 +66,6 @@ __all__ = ["Consumer", "Item"]
 log = logging.getLogger("ipcsync")
 
 _MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 1024 ids)
-_LOST_LOG_FIRST = 5  # dropped forwarded items logged one by one, then every 1000th
 
 
 class CannotForward(Exception):
@@ -267,6 +267,7 @@ class Consumer(_Endpoint):
         self._frecipes: dict[int, Recipe] = {}  # layout id -> layout validated for FREADY
         self._foreign_seqs: dict[int, _ForeignUse] = {}  # seq -> region, for items from FREADY
         self._foreign_lost = 0  # FREADY items dropped: their memory could not be opened
+        self._ratelog = RateLog(log)  # warnings the producer's frames can trigger
         self._forwarded: dict[int, Item] = {}  # seq -> item handed to a forwarding Producer
         self._fwd_done: deque[Item] = deque()  # forwarded items back (appended by any thread)
         self._wake: _Wake | None = None  # in our poller, made at the first forward
@@ -837,7 +838,8 @@ class Consumer(_Endpoint):
             arena = self._backend.open_borrowed_arena(m.handle, m.nbytes, where)
         except Exception as exc:  # the owner is gone (or closed past its timeout)
             error = str(exc)
-            log.warning(
+            self._ratelog.warning(
+                "foreign",
                 "ipcsync consumer %r: cannot open the memory of producer pid %d that items are "
                 "forwarded from (%s); items forwarded from it will be dropped",
                 self.endpoint.name, m.pid, error)
@@ -883,11 +885,10 @@ class Consumer(_Endpoint):
         if entry.arena is None:
             # The memory is gone: drop the item and give the slot back at once.
             self._foreign_lost += 1
-            n = self._foreign_lost
-            if n <= _LOST_LOG_FIRST or n % 1000 == 0:
-                log.warning("ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
-                            "of producer pid %d it lies in cannot be opened (%s)",
-                            self.endpoint.name, m.seq, n, entry.msg.pid, entry.error)
+            self._ratelog.warning(
+                "foreign_lost", "ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
+                "of producer pid %d it lies in cannot be opened (%s)",
+                self.endpoint.name, m.seq, self._foreign_lost, entry.msg.pid, entry.error)
             self._release_events[m.slot].record(self._stream)
             self._pending.append((m.seq, m.slot, m.gen))
             return

@@ -51,6 +51,7 @@ import zmq
 
 from . import _host
 from . import protocol as P
+from ._ratelog import RateLog
 from ._endpoint import _Endpoint, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
@@ -68,7 +69,6 @@ DEFAULT_SLOT_BYTES = 16 << 20
 _MAX_PLANS = 256  # distinct message signatures cached (then the cache starts over)
 _MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
 _MAX_SLOTS = 1024
-_BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
 
 
 @dataclass
@@ -240,6 +240,7 @@ class Producer(_Endpoint):
         self._stats = Stats()
         self._enc = P.Encoder()  # used under the lock
         self._bad_frames = 0
+        self._ratelog = RateLog(log)  # warnings a peer can trigger
         self._attached_total = 0  # consumers that completed the handshake, ever
         self._lost_total = 0  # consumers that died or went silent, ever
         self._bad_by_peer: dict[bytes, int] = {}
@@ -927,9 +928,8 @@ class Producer(_Endpoint):
         if len(self._bad_by_peer) > 1024:  # bounded memory under a flood of identities
             self._bad_by_peer.clear()
         who = peer.label if peer else f"unknown peer {identity.hex()[:16]}"
-        if n <= _BAD_FRAME_LOG_FIRST or n % 1000 == 0:
-            log.warning("ipcsync producer %r rejected a frame from %s (%d so far): %s",
-                        self.endpoint.name, who, n, exc)
+        self._ratelog.warning("frame", "ipcsync producer %r rejected a frame from %s (%d so far): %s",
+                              self.endpoint.name, who, n, exc)
         code = "version" if isinstance(exc, P.VersionMismatch) else "protocol"
         try:
             self._chan.send(identity, P.encode(P.Error(code, str(exc)[:1000])))
@@ -946,7 +946,8 @@ class Producer(_Endpoint):
         problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem
-            log.warning("ipcsync producer %r refused consumer pid %d: %s", self.endpoint.name, hello.pid, text)
+            self._ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
+                                  self.endpoint.name, hello.pid, text)
             try:
                 self._chan.send(identity, P.encode(P.Error(code, text)))
             except zmq.ZMQError:
@@ -1033,14 +1034,15 @@ class Producer(_Endpoint):
     def _on_release(self, peer: _Peer, entries: list[tuple[int, int, int]]) -> None:
         now_ns = time.monotonic_ns()
         latencies = self._stats.latencies
+        bad: ProtocolError | None = None
+        nbad = 0
         for seq, slot, gen in entries:
             try:
                 freed = self._ring.release(peer.identity, seq, slot, gen)
             except ProtocolError as exc:
                 # Rejected, not fatal: a stale release can never free a newer item.
-                self._bad_frames += 1
-                log.warning("ipcsync producer %r ignored a release from %s: %s",
-                            self.endpoint.name, peer.label, exc)
+                nbad += 1
+                bad = bad or exc
                 continue
             if freed:
                 item = self._items[slot]
@@ -1049,6 +1051,10 @@ class Producer(_Endpoint):
                     latencies.append((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
                     if item[7] is not None:
                         self._forward_freed(slot)
+        if nbad:  # one (rate-limited) line per RELEASE, however many entries it got wrong
+            self._bad_frames += nbad
+            self._ratelog.warning("release", "ipcsync producer %r ignored %d of %d release entries from %s: %s",
+                                  self.endpoint.name, nbad, len(entries), peer.label, bad)
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
         if not peer.bye_sent:
