@@ -65,7 +65,7 @@ __all__ = ["Consumer", "Item"]
 
 log = logging.getLogger("ipcsync")
 
-_MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 1024 ids)
+_MAX_RECIPES = P.MAX_LAYOUT_IDS  # layouts cached per producer (its ids are 1..this, reused)
 
 
 class CannotForward(Exception):

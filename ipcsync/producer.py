@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Mapping, Sequence
@@ -66,8 +66,10 @@ __all__ = ["Producer", "SlotWriter"]
 log = logging.getLogger("ipcsync")
 
 DEFAULT_SLOT_BYTES = 16 << 20
-_MAX_PLANS = 256  # distinct message signatures cached (then the cache starts over)
-_MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
+_MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
+# Layout ids in use at once (least recently used reused; see _layout_id_for). Within what a
+# consumer caches: P.MAX_LAYOUT_IDS.
+_MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
 _MAX_SLOTS = 1024
 
 
@@ -85,7 +87,7 @@ class _Peer:
     outbox: deque[bytes] = field(default_factory=deque)
     bye_sent: bool = False
     bye_received: bool = False
-    layouts: set[int] = field(default_factory=set)  # layout ids this consumer has been sent
+    layouts: dict[int, int] = field(default_factory=dict)  # layout id -> version this consumer has
     foreign: dict[int, int] = field(default_factory=dict)  # foreign id -> version sent (FOREIGN)
 
     @property
@@ -234,9 +236,14 @@ class Producer(_Endpoint):
         self._foreign_clock = 0
         self._reach: dict[tuple[Any, Any], bool] = {}
         self._forwarded_total = 0
-        self._plans: dict[Any, Plan] = {}
-        self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
+        self._plans: OrderedDict[Any, Plan] = OrderedDict()  # LRU: least recently used first
+        # (forwarded, encoded layout) -> layout id, least recently used first; per id, the
+        # version of its current assignment (a consumer whose version differs gets it inline).
+        self._layout_ids: OrderedDict[tuple[bool, bytes], int] = OrderedDict()
+        self._layout_versions = [0] * (P.MAX_LAYOUT_IDS + 1)
+        self._layout_clock = 0
         self._next_layout_id = 1
+        self._layouts_inline = 0  # READY/FREADY frames that carried their layout
         self._stats = Stats()
         self._enc = P.Encoder()  # used under the lock
         self._bad_frames = 0
@@ -414,6 +421,7 @@ class Producer(_Endpoint):
                 bad_frames=self._bad_frames,
                 forwarded=self._forwarded_total,
                 forwarded_held=sum(f is not None for f in self._fwd),
+                layouts_inline=self._layouts_inline,
             )
 
     def close(self, timeout: float | None = None) -> None:
@@ -534,29 +542,66 @@ class Producer(_Endpoint):
     def _new_plan(self, key: Any, placement: Any) -> Plan:
         """A plan for ``placement``, cached under ``key`` (None: not cached). ConfigError,
         and nothing cached, for a layout the consumers' decoder would refuse."""
-        try:
-            encoded = P.sendable_layout(placement.layout, self._limits)
-        except ProtocolError as exc:
-            lim = self._limits
-            raise ConfigError(
-                f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
-                f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
-                f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
-                f"described in at most {lim.max_frame} bytes (ipcsync.protocol.Limits)"
-            ) from None
-        lid = 0
-        if self._next_layout_id <= _MAX_LAYOUT_IDS:
-            lid = self._next_layout_id
-            self._next_layout_id += 1
-        plan = Plan(placement, lid)
+        plan = Plan(placement, 0)
+        encoded = msgpack.packb(plan.layout, use_bin_type=True)
+        # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
+        lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
+        if lkey not in self._layout_ids:  # (every layout that has an id was checked)
+            try:
+                P.sendable_layout(plan.layout, self._limits)
+            except ProtocolError as exc:
+                lim = self._limits
+                raise ConfigError(
+                    f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                    f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                    f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                    f"described in at most {lim.max_frame} bytes (ipcsync.protocol.Limits)"
+                ) from None
         plan.layout_size = len(encoded)
-        if lid:
-            self._layouts[lid] = plan.layout
+        plan.layout_key = lkey
+        plan.cache_key = key
+        self._layout_id_for(plan)
         if key is not None:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
             self._plans[key] = plan
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.popitem(last=False)
         return plan
+
+    def _layout_id_for(self, plan: Plan) -> None:
+        """Give ``plan`` its layout's id: the one the layout has (now most recently used),
+        else a fresh one, else the least recently used id that no slot's item uses, else 0
+        (the layout then travels in every frame).
+
+        Reassigning id k bumps its version. ``_dispatch`` sends a consumer a frame without
+        the layout only when that consumer's recorded version of k is the item's; otherwise
+        the frame carries the layout and the record is updated. Frames to one consumer
+        arrive in order, so every short frame naming k follows the last frame that carried
+        k's layout to it, which is that item's layout: correct whatever is in flight. Ids
+        of items still in a slot (queued, or in flight to consumers that have not released
+        them) are not reassigned anyway, so such frames stay short. Lock held."""
+        ids = self._layout_ids
+        key = plan.layout_key
+        lid = ids.get(key)
+        if lid is not None:
+            ids.move_to_end(key)
+        else:
+            lid = 0
+            if self._next_layout_id <= _MAX_LAYOUT_IDS:
+                lid = self._next_layout_id
+                self._next_layout_id += 1
+            else:
+                in_use = {item[0] for item in self._items if item is not None}
+                for old_key, old in ids.items():  # least recently used first
+                    if old not in in_use:
+                        del ids[old_key]
+                        lid = old
+                        break
+            if lid:
+                ids[key] = lid
+                self._layout_clock += 1
+                self._layout_versions[lid] = self._layout_clock
+        plan.layout_id = lid
+        plan.layout_version = self._layout_versions[lid] if lid else 0
 
     def _commit(self, acq: Acquired, plan: Plan, meta: Any, fwd: tuple[_Foreign, int, int] | None = None) -> int:
         """``fwd``: (foreign arena, region offset, region bytes) of a zero-copy forward."""
@@ -565,6 +610,15 @@ class Producer(_Endpoint):
         slot, gen = acq.slot, acq.gen
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
+        if lid:
+            if self._layout_versions[lid] != plan.layout_version:  # its id went to another layout
+                self._layout_id_for(plan)
+                lid = plan.layout_id
+            else:
+                self._layout_ids.move_to_end(plan.layout_key)
+        ck = plan.cache_key
+        if ck is not None and self._plans.get(ck) is plan:
+            self._plans.move_to_end(ck)
         try:
             # Cached layouts: encode the short frame now (what consumers that know the
             # layout get); the full one only if a consumer needs it (see _dispatch).
@@ -589,7 +643,10 @@ class Producer(_Endpoint):
             ) from None
         committed = ring.commit(slot)
         assert committed == seq
-        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd]
+        # [layout id, meta, seq, gen, sent_ns, frame with the layout (None until needed),
+        #  frame without it, forwarding, layout version, layout]
+        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
+                             plan.layout_version, plan.layout]
         stats = self._stats
         stats.handoffs += 1
         stats.bytes += plan.data_bytes
@@ -613,12 +670,12 @@ class Producer(_Endpoint):
                 if peer.foreign.get(foreign.fid) != foreign.version:
                     peer.foreign[foreign.fid] = foreign.version
                     self._send(peer, foreign.frame)
-            if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
+            if lid and peer.layouts.get(lid) == item[8]:  # it has this layout under lid
                 frame = item[6]
             else:
                 frame = item[5]
                 if frame is None:
-                    layout = self._layouts[lid]
+                    layout = item[9]
                     if fwd is None:
                         frame = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
                     else:
@@ -626,7 +683,8 @@ class Producer(_Endpoint):
                                                         fwd[0].fid, fwd[1], fwd[2])
                     item[5] = frame
                 if lid:
-                    peer.layouts.add(lid)
+                    peer.layouts[lid] = item[8]
+                self._layouts_inline += 1
             self._send(peer, frame)
 
     # ------------------------------------------------------------------ zero-copy forwarding

@@ -67,6 +67,7 @@ __all__ = [
     "Conversation",
     "VersionMismatch",
     "check_meta",
+    "MAX_LAYOUT_IDS",
     "sendable_layout",
     "check_outgoing",
 ]
@@ -82,6 +83,9 @@ _MAX_HANDLE_BYTES: Final = 4096
 _MAX_TEXT: Final = 4096
 # torch tensors have at most 64 dimensions.
 _MAX_NDIM: Final = 64
+# Layout ids are 1..MAX_LAYOUT_IDS (0: "not cached"). A producer reuses them (LRU), so a
+# consumer caches at most this many layouts per producer.
+MAX_LAYOUT_IDS: Final = 4096
 
 
 @dataclass(frozen=True)
