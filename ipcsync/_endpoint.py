@@ -40,6 +40,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+from ._ratelog import RateLog
 from .errors import ClosedError, ConfigError, IpcTimeoutError
 
 log = logging.getLogger("ipcsync")
@@ -70,35 +71,6 @@ def check_wait(value: str) -> str:
     return value
 
 
-class RateLimitedLog:
-    """Log lines a peer can trigger, bounded: the first ``first`` per key, then one line
-    per ``every`` seconds saying how many were suppressed. Never raises."""
-
-    __slots__ = ("first", "every", "_seen")
-
-    def __init__(self, first: int = 3, every: float = 30.0) -> None:
-        self.first, self.every = first, every
-        self._seen: dict[str, list[float]] = {}  # key -> [count, suppressed, last time]
-
-    def __call__(self, level: int, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        st = self._seen.get(key)
-        if st is None:
-            if len(self._seen) >= 256:  # bounded under a flood of keys
-                self._seen.clear()
-            st = self._seen[key] = [0, 0, now]
-        st[0] += 1
-        if st[0] <= self.first:
-            st[2] = now
-            log.log(level, msg, *args)
-        elif now - st[2] >= self.every:
-            suppressed = int(st[1])
-            st[1], st[2] = 0, now
-            log.log(level, msg + " (%d similar line(s) suppressed)", *args, suppressed)
-        else:
-            st[1] += 1
-
-
 # Every endpoint open in this process, for the one atexit hook and for fork.
 _open_endpoints: "weakref.WeakSet[_Endpoint]" = weakref.WeakSet()
 
@@ -126,7 +98,7 @@ class _Endpoint:
         self._owner_pid = os.getpid()  # a forked child is not the owner (see _forget_in_child)
         self._waiters = 0  # calls blocked in _unlocked() right now (lock released)
         self._closer: int | None = None  # thread ident running close(), once it started
-        self._ratelog = RateLimitedLog()
+        self._ratelog = RateLog(log)  # warnings a peer can trigger
 
     # ------------------------------------------------------------------ to implement
     def _pump(self) -> None:

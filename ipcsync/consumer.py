@@ -69,8 +69,7 @@ __all__ = ["Consumer", "Item"]
 
 log = logging.getLogger("ipcsync")
 
-_MAX_RECIPES = 4096  # distinct layouts one producer may send (it sends at most 1024 ids)
-_LOST_LOG_FIRST = 5  # dropped forwarded items logged one by one, then every 1000th
+_MAX_RECIPES = P.MAX_LAYOUT_IDS  # layouts cached per producer (its ids are 1..this, reused)
 
 
 class _Unset:
@@ -860,7 +859,7 @@ class Consumer(_Endpoint):
                 if not self._stalled:
                     self._stalled = True
                     self._stalled_total += 1
-                    self._ratelog(logging.WARNING, "stalled",
+                    self._ratelog.warning("stalled",
                                   "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
                                   "(heartbeat %.2f s) but its process is alive: stalled, waiting",
                                   self.endpoint.name, s.pid, silent, hb)
@@ -938,7 +937,8 @@ class Consumer(_Endpoint):
             arena = self._backend.open_borrowed_arena(m.handle, m.nbytes, where)
         except Exception as exc:  # the owner is gone (or closed past its timeout)
             error = str(exc)
-            log.warning(
+            self._ratelog.warning(
+                "foreign",
                 "ipcsync consumer %r: cannot open the memory of producer pid %d that items are "
                 "forwarded from (%s); items forwarded from it will be dropped",
                 self.endpoint.name, m.pid, error)
@@ -984,11 +984,10 @@ class Consumer(_Endpoint):
         if entry.arena is None:
             # The memory is gone: drop the item and give the slot back at once.
             self._foreign_lost += 1
-            n = self._foreign_lost
-            if n <= _LOST_LOG_FIRST or n % 1000 == 0:
-                log.warning("ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
-                            "of producer pid %d it lies in cannot be opened (%s)",
-                            self.endpoint.name, m.seq, n, entry.msg.pid, entry.error)
+            self._ratelog.warning(
+                "foreign_lost", "ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
+                "of producer pid %d it lies in cannot be opened (%s)",
+                self.endpoint.name, m.seq, self._foreign_lost, entry.msg.pid, entry.error)
             self._release_events[m.slot].record(self._stream)
             self._pending.append((m.seq, m.slot, m.gen))
             return

@@ -329,13 +329,20 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
-    __slots__ = ("layout", "nbytes", "layout_id", "layout_size", "data_bytes", "recipe", "_direct", "_dst")
+    __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
+                 "layout_size", "data_bytes", "recipe", "_direct", "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
         self.nbytes = placement.nbytes
+        # Set by the producer: the layout's id (0: none, sent inline), the version of that
+        # id's assignment (ids are reused), the key the id is assigned under, this plan's
+        # key in the plan cache, and the bytes of the encoded layout.
         self.layout_id = layout_id
-        self.layout_size = 0  # bytes of the encoded layout (set by the producer)
+        self.layout_version = 0
+        self.layout_key: Any = None
+        self.cache_key: Any = None
+        self.layout_size = 0
         self.data_bytes = (sum(t.numel() * t.element_size() for t in placement.tensors)
                            if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
                                                          for sp in self.layout[1]))

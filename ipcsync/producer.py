@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Mapping, Sequence
@@ -66,15 +66,15 @@ __all__ = ["Producer", "SlotWriter"]
 log = logging.getLogger("ipcsync")
 
 DEFAULT_SLOT_BYTES = limits.DEFAULT_SLOT_BYTES
-_MAX_PLANS = 256  # distinct message signatures cached (then the cache starts over)
-_MAX_LAYOUT_IDS = 1024  # layouts sent once per connection; later ones travel inline (id 0)
+_MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
+# Layout ids in use at once (least recently used reused; see _layout_id_for). Within what a
+# consumer caches: P.MAX_LAYOUT_IDS.
+_MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
 _MAX_SLOTS = limits.MAX_SLOTS
 # A consumer that said HELLO must ATTACH within this long (nothing is held before ATTACH).
 _HANDSHAKE_S = 30.0
 # close() says what it is still waiting for after this long, then every _CLOSE_NAG_S.
 _CLOSE_NAG_S = 5.0
-_BAD_FRAME_LOG_FIRST = 5  # per peer, then every 1000th
-_PLAIN_META = (int, float, str, bool)  # metas msgpack itself fully checks
 
 
 @dataclass
@@ -99,7 +99,7 @@ class _Peer:
     outbox: deque[bytes] = field(default_factory=deque)
     bye_sent: bool = False
     bye_received: bool = False
-    layouts: set[int] = field(default_factory=set)  # layout ids this consumer has been sent
+    layouts: dict[int, int] = field(default_factory=dict)  # layout id -> version this consumer has
     foreign: dict[int, int] = field(default_factory=dict)  # foreign id -> version sent (FOREIGN)
 
     @property
@@ -251,9 +251,14 @@ class Producer(_Endpoint):
         self._foreign_clock = 0
         self._reach: dict[tuple[Any, Any], bool] = {}
         self._forwarded_total = 0
-        self._plans: dict[Any, Plan] = {}
-        self._layouts: dict[int, Any] = {}  # layout id -> layout (ids are never reused)
+        self._plans: OrderedDict[Any, Plan] = OrderedDict()  # LRU: least recently used first
+        # (forwarded, encoded layout) -> layout id, least recently used first; per id, the
+        # version of its current assignment (a consumer whose version differs gets it inline).
+        self._layout_ids: OrderedDict[tuple[bool, bytes], int] = OrderedDict()
+        self._layout_versions = [0] * (P.MAX_LAYOUT_IDS + 1)
+        self._layout_clock = 0
         self._next_layout_id = 1
+        self._layouts_inline = 0  # READY/FREADY frames that carried their layout
         self._stats = Stats()
         self._enc = P.Encoder()  # used under the lock
         self._bad_frames = 0
@@ -438,6 +443,7 @@ class Producer(_Endpoint):
                 bad_frames=self._bad_frames,
                 forwarded=self._forwarded_total,
                 forwarded_held=sum(f is not None for f in self._fwd),
+                layouts_inline=self._layouts_inline,
             )
 
     def close(self, timeout: float | None = None) -> None:
@@ -617,19 +623,68 @@ class Producer(_Endpoint):
         return plan, plan.recipe
 
     def _new_plan(self, key: Any, placement: Any) -> Plan:
-        lid = 0
-        if self._next_layout_id <= _MAX_LAYOUT_IDS:
-            lid = self._next_layout_id
-            self._next_layout_id += 1
-        plan = Plan(placement, lid)
-        plan.layout_size = len(msgpack.packb(plan.layout, use_bin_type=True))
-        if lid:
-            self._layouts[lid] = plan.layout
+        """A plan for ``placement``, cached under ``key`` (None: not cached). ConfigError,
+        and nothing cached, for a layout the consumers' decoder would refuse."""
+        plan = Plan(placement, 0)
+        encoded = msgpack.packb(plan.layout, use_bin_type=True)
+        # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
+        lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
+        if lkey not in self._layout_ids:  # (every layout that has an id was checked)
+            try:
+                P.sendable_layout(plan.layout, self._limits)
+            except ProtocolError as exc:
+                lim = self._limits
+                raise ConfigError(
+                    f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                    f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                    f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                    f"described in at most {lim.max_frame} bytes (ipcsync.protocol.Limits)"
+                ) from None
+        plan.layout_size = len(encoded)
+        plan.layout_key = lkey
+        plan.cache_key = key
+        self._layout_id_for(plan)
         if key is not None:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
             self._plans[key] = plan
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.popitem(last=False)
         return plan
+
+    def _layout_id_for(self, plan: Plan) -> None:
+        """Give ``plan`` its layout's id: the one the layout has (now most recently used),
+        else a fresh one, else the least recently used id that no slot's item uses, else 0
+        (the layout then travels in every frame).
+
+        Reassigning id k bumps its version. ``_dispatch`` sends a consumer a frame without
+        the layout only when that consumer's recorded version of k is the item's; otherwise
+        the frame carries the layout and the record is updated. Frames to one consumer
+        arrive in order, so every short frame naming k follows the last frame that carried
+        k's layout to it, which is that item's layout: correct whatever is in flight. Ids
+        of items still in a slot (queued, or in flight to consumers that have not released
+        them) are not reassigned anyway, so such frames stay short. Lock held."""
+        ids = self._layout_ids
+        key = plan.layout_key
+        lid = ids.get(key)
+        if lid is not None:
+            ids.move_to_end(key)
+        else:
+            lid = 0
+            if self._next_layout_id <= _MAX_LAYOUT_IDS:
+                lid = self._next_layout_id
+                self._next_layout_id += 1
+            else:
+                in_use = {item[0] for item in self._items if item is not None}
+                for old_key, old in ids.items():  # least recently used first
+                    if old not in in_use:
+                        del ids[old_key]
+                        lid = old
+                        break
+            if lid:
+                ids[key] = lid
+                self._layout_clock += 1
+                self._layout_versions[lid] = self._layout_clock
+        plan.layout_id = lid
+        plan.layout_version = self._layout_versions[lid] if lid else 0
 
     def _commit(self, acq: Acquired, plan: Plan, meta: Any, fwd: tuple[_Foreign, int, int] | None = None) -> int:
         """``fwd``: (foreign arena, region offset, region bytes) of a zero-copy forward."""
@@ -638,6 +693,15 @@ class Producer(_Endpoint):
         slot, gen = acq.slot, acq.gen
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
+        if lid:
+            if self._layout_versions[lid] != plan.layout_version:  # its id went to another layout
+                self._layout_id_for(plan)
+                lid = plan.layout_id
+            else:
+                self._layout_ids.move_to_end(plan.layout_key)
+        ck = plan.cache_key
+        if ck is not None and self._plans.get(ck) is plan:
+            self._plans.move_to_end(ck)
         try:
             # Cached layouts: encode the short frame now (what consumers that know the
             # layout get); the full one only if a consumer needs it (see _dispatch).
@@ -648,20 +712,24 @@ class Producer(_Endpoint):
                                                 meta, fwd[0].fid, fwd[1], fwd[2])
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
-        size = len(frame) + (plan.layout_size if lid else 0)  # bounds the full frame
-        if size > self._limits.max_frame:
+        try:
+            # What the consumers' decoder accepts, under the same limits (the layout was
+            # checked when its plan was made).
+            P.check_outgoing(frame, meta, plan.layout_size if lid else 0, self._limits)
+        except ProtocolError as exc:
+            lim = self._limits
             raise ConfigError(
-                f"message description (layout + meta) is {size} bytes, over the frame "
-                f"limit of {self._limits.max_frame}; send less meta or fewer tensors"
-            )
-        if meta is not None and type(meta) not in _PLAIN_META:
-            try:
-                P.check_meta(meta, self._limits.max_depth)
-            except ProtocolError as exc:
-                raise ConfigError(f"bad meta: {exc}") from None
+                f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
+                f"at most {lim.max_items} entries in one dict/list and nests at most "
+                f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
+                "bytes (ipcsync.protocol.Limits): send less meta or fewer tensors"
+            ) from None
         committed = ring.commit(slot)
         assert committed == seq
-        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd]
+        # [layout id, meta, seq, gen, sent_ns, frame with the layout (None until needed),
+        #  frame without it, forwarding, layout version, layout]
+        self._items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
+                             plan.layout_version, plan.layout]
         stats = self._stats
         stats.handoffs += 1
         stats.bytes += plan.data_bytes
@@ -685,12 +753,12 @@ class Producer(_Endpoint):
                 if peer.foreign.get(foreign.fid) != foreign.version:
                     peer.foreign[foreign.fid] = foreign.version
                     self._send(peer, foreign.frame)
-            if lid and lid in peer.layouts:  # this consumer has the layout: (slot, gen) only
+            if lid and peer.layouts.get(lid) == item[8]:  # it has this layout under lid
                 frame = item[6]
             else:
                 frame = item[5]
                 if frame is None:
-                    layout = self._layouts[lid]
+                    layout = item[9]
                     if fwd is None:
                         frame = self._enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
                     else:
@@ -698,7 +766,8 @@ class Producer(_Endpoint):
                                                         fwd[0].fid, fwd[1], fwd[2])
                     item[5] = frame
                 if lid:
-                    peer.layouts.add(lid)
+                    peer.layouts[lid] = item[8]
+                self._layouts_inline += 1
             self._send(peer, frame)
 
     # ------------------------------------------------------------------ zero-copy forwarding
@@ -991,7 +1060,8 @@ class Producer(_Endpoint):
             self._send(peer, P.encode(P.Bye("ack")))
             self._drop(peer)
         elif kind is P.Error:
-            log.warning("ipcsync: %s reported an error: %s: %s", peer.label, msg.code, msg.message)  # type: ignore[union-attr]
+            self._ratelog.warning("peer_error", "ipcsync: %s reported an error: %s: %s",
+                                  peer.label, msg.code, msg.message)  # type: ignore[union-attr]
             self._drop(peer)
 
     def _bad_frame(self, identity: bytes, peer: _Peer | None, exc: ProtocolError) -> None:
@@ -1002,9 +1072,8 @@ class Producer(_Endpoint):
         if len(self._bad_by_peer) > 1024:  # bounded memory under a flood of identities
             self._bad_by_peer.clear()
         who = peer.label if peer else f"unknown peer {identity.hex()[:16]}"
-        if n <= _BAD_FRAME_LOG_FIRST or n % 1000 == 0:
-            log.warning("ipcsync producer %r rejected a frame from %s (%d so far): %s",
-                        self.endpoint.name, who, n, exc)
+        self._ratelog.warning("frame", "ipcsync producer %r rejected a frame from %s (%d so far): %s",
+                              self.endpoint.name, who, n, exc)
         code = "version" if isinstance(exc, P.VersionMismatch) else "protocol"
         try:
             self._chan.send(identity, P.encode(P.Error(code, str(exc)[:1000])))
@@ -1022,8 +1091,8 @@ class Producer(_Endpoint):
         problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
         if problem is not None:
             code, text = problem
-            self._ratelog(logging.WARNING, f"refused:{code}", "ipcsync producer %r refused consumer pid %d: %s",
-                          self.endpoint.name, hello.pid, text)
+            self._ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
+                                  self.endpoint.name, hello.pid, text)
             try:
                 self._chan.send(identity, P.encode(P.Error(code, text)))
             except zmq.ZMQError:
@@ -1133,14 +1202,15 @@ class Producer(_Endpoint):
     def _on_release(self, peer: _Peer, entries: list[tuple[int, int, int]]) -> None:
         now_ns = time.monotonic_ns()
         latencies = self._stats.latencies
+        bad: ProtocolError | None = None
+        nbad = 0
         for seq, slot, gen in entries:
             try:
                 freed = self._ring.release(peer.identity, seq, slot, gen)
             except ProtocolError as exc:
                 # Rejected, not fatal: a stale release can never free a newer item.
-                self._bad_frames += 1
-                log.warning("ipcsync producer %r ignored a release from %s: %s",
-                            self.endpoint.name, peer.label, exc)
+                nbad += 1
+                bad = bad or exc
                 continue
             if freed:
                 item = self._items[slot]
@@ -1149,6 +1219,10 @@ class Producer(_Endpoint):
                     latencies.append((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
                     if item[7] is not None:
                         self._forward_freed(slot)
+        if nbad:  # one (rate-limited) line per RELEASE, however many entries it got wrong
+            self._bad_frames += nbad
+            self._ratelog.warning("release", "ipcsync producer %r ignored %d of %d release entries from %s: %s",
+                                  self.endpoint.name, nbad, len(entries), peer.label, bad)
 
     def _say_bye(self, peer: _Peer, reason: str) -> None:
         if not peer.bye_sent:
@@ -1185,7 +1259,7 @@ class Producer(_Endpoint):
         held = len(self._ring.held_by(peer.identity))
         if not peer.bye_received and peer.conv.state != "closed":
             self._lost_total += 1
-            self._ratelog(logging.WARNING, "lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
+            self._ratelog.warning("lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
                           self.endpoint.name, peer.label, why, held)
         self._drop(peer)
 
@@ -1226,8 +1300,7 @@ class Producer(_Endpoint):
                 if not peer.stalled:
                     peer.stalled = True
                     self._stalled_total += 1
-                    self._ratelog(
-                        logging.WARNING, "stalled",
+                    self._ratelog.warning("stalled",
                         "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
                         "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
                         self.endpoint.name, peer.label, silent, hb, len(self._ring.held_by(peer.identity)))

@@ -67,6 +67,9 @@ __all__ = [
     "Conversation",
     "VersionMismatch",
     "check_meta",
+    "MAX_LAYOUT_IDS",
+    "sendable_layout",
+    "check_outgoing",
 ]
 
 # 2: FOREIGN and FREADY (zero-copy forwarding). A peer of version 1 would fail on them
@@ -80,6 +83,9 @@ _MAX_HANDLE_BYTES: Final = 4096
 _MAX_TEXT: Final = 4096
 # torch tensors have at most 64 dimensions.
 _MAX_NDIM: Final = 64
+# Layout ids are 1..MAX_LAYOUT_IDS (0: "not cached"). A producer reuses them (LRU), so a
+# consumer caches at most this many layouts per producer.
+MAX_LAYOUT_IDS: Final = 4096
 
 
 @dataclass(frozen=True)
@@ -502,6 +508,44 @@ class Encoder:
         except BaseException:
             self._pack = msgpack.Packer(use_bin_type=True).pack
             raise
+
+
+# --------------------------------------------------------------------------- sender checks
+# A producer checks what it sends with the decoder its consumers use, under the same
+# Limits, so a message it accepts can never make a consumer fail: the layout once per new
+# layout (sendable_layout), the READY/FREADY frame at each send (check_outgoing).
+
+# Metas that msgpack bounds by itself: packing refuses an int outside 64 bits, and a str or
+# bytes is bounded by the frame size. Any other meta is checked by decoding its frame.
+_BOUNDED_META: Final = (int, float, str, bool, bytes)
+
+
+def sendable_layout(layout: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """``layout`` encoded, once ``decode`` (with ``limits``) accepts a READY carrying it:
+    ProtocolError otherwise (too many tensors or entries in one dict/list, too deep, larger
+    than a frame, ...)."""
+    decode(encode_ready(0, 0, 0, 0, 1, layout, None), limits)
+    return msgpack.packb(layout, use_bin_type=True)
+
+
+def check_outgoing(frame: bytes, meta: Any, layout_bytes: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """ProtocolError unless a consumer decoding with ``limits`` accepts ``frame``, a READY
+    or FREADY just encoded with ``meta``, also once a layout of ``layout_bytes`` bytes
+    (checked by ``sendable_layout``; 0 when ``frame`` carries its layout already) takes the
+    place of its ``None``. Cheap for a scalar meta: only the frame size is checked."""
+    size = len(frame) + layout_bytes
+    if size > limits.max_frame:
+        raise ProtocolError(
+            f"message description (layout + meta) is {size} bytes, over the frame limit of "
+            f"{limits.max_frame}"
+        )
+    if meta is None or type(meta) in _BOUNDED_META:
+        return
+    # The consumer's fast path first (it accepts only what decode accepts), then decode,
+    # which says what is wrong. A frame's parts are checked separately (depth, entries per
+    # container), so the layout checked alone and the meta checked here make the whole.
+    if decode_ready(frame, limits) is None:
+        decode(frame, limits)
 
 
 def _unpack(frame: bytes, limits: Limits) -> Any:
