@@ -424,18 +424,16 @@ def test_live_producer_survives_raw_socket_attacks(runtime_dir: Path) -> None:
                 counts.sync(s)
         stream.advance(50)
 
-        # -- peers that send HELLO and never finish the handshake.
+        # -- peers that send HELLO and never finish the handshake. Their process (this one)
+        # lives, so silence alone never drops them (the liveness rule; the handshake bound
+        # of 30 s is tested in test_liveness.py): they go when their connection closes.
         lost0 = stream.prod.stats()["consumers_lost"]
         with dealer() as silent_hb, dealer() as silent:
-            t0 = time.monotonic()
-            silent_hb.send(hello(heartbeat_ms=500))  # declared lost after 1.5 x 0.5 s of silence
-            silent.send(hello(heartbeat_ms=0))  # no silence detection: kept while connected
+            silent_hb.send(hello(heartbeat_ms=500))  # silent past 1.5 x 0.5 s: kept
+            silent.send(hello(heartbeat_ms=0))  # no heartbeat at all: kept
             counts.add("silent_hello", 2)
-            assert wait_for(lambda: stream.prod.stats()["consumers_lost"] >= lost0 + 1, 5)
-            timing["silent_hello_dropped_s"] = round(time.monotonic() - t0, 3)
-            assert timing["silent_hello_dropped_s"] < 2 * HB + 0.5
-            time.sleep(0.5)
-            assert stream.prod.stats()["consumers_lost"] == lost0 + 1  # the heartbeat-less one stays
+            time.sleep(2 * HB + 0.5)
+            assert stream.prod.stats()["consumers_lost"] == lost0, "a silent but living peer was dropped"
             stream.advance(50)
 
             # -- an attached raw peer RELEASEs what it was never given, the real consumer's
@@ -479,8 +477,10 @@ def test_live_producer_survives_raw_socket_attacks(runtime_dir: Path) -> None:
             assert item_ok(held, held.meta["i"]), "a bogus RELEASE freed the real consumer's slot"
             held.release()
             stream.held = None
-        # The heartbeat-less half-open peer is dropped once its socket is gone.
+        # Both half-open peers are dropped once their sockets are gone.
+        t0 = time.monotonic()
         assert wait_for(lambda: stream.prod.stats()["consumers_lost"] >= lost0 + 2, 5)
+        timing["half_open_dropped_s"] = round(time.monotonic() - t0, 3)
 
         # -- the flood.
         rss["before_flood"] = rss_mb()
