@@ -311,6 +311,8 @@ def consumer_as(a: dict) -> None:
     error it raised."""
     import json
 
+    import ipcsync.consumer  # noqa: F401 (imported before the uid change: ipcsync loads lazily)
+
     os.setgid(a["uid"])
     os.setuid(a["uid"])
     try:
