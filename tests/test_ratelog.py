@@ -24,6 +24,8 @@ import zmq
 import ipcsync
 from ipcsync import protocol as P
 
+from test_fuzz_live import proc_identity
+
 EP = "ratelog"
 
 
@@ -71,18 +73,9 @@ def test_keys_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
     assert len(rl._keys) <= 8
 
 
-def _identity() -> dict[str, Any]:
-    with open("/proc/self/stat", "rb") as f:
-        stat = f.read()
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return {"pid": os.getpid(), "start_time": int(stat[stat.rfind(b")") + 2:].split()[19]),
-            "boot_id": boot, "pid_ns": os.readlink("/proc/self/ns/pid")}
-
-
 def _hello(**over: Any) -> bytes:
     fields = dict(version=P.PROTOCOL_VERSION, backend="cpu", device=None, credits=1, heartbeat_ms=0,
-                  **_identity())
+                  **proc_identity())
     fields.update(over)
     return P.encode(P.Hello(**fields))
 
