@@ -19,6 +19,10 @@ The launcher passes the wiring as JSON in ``IPCSYNC_WIRING``. Outside ``ipcsync-
 functions raise ConfigError: create ``ipcsync.Producer``/``Consumer`` with an endpoint.
 
 At exit, the stats of every endpoint made here are written for the launcher's summary.
+A stage that dies of an unhandled exception leaves a one-line failure report beside them
+(``<stage>.<replica>.error``): its exception, and whether it is only the consequence of a
+peer's failure (a ``PeerLostError``, such as the ``ProducerFailedError`` of a consumer
+whose loader raised), so the launcher names the stage that failed first as the root cause.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .consumer import Consumer
-from .errors import ConfigError
+from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
 from .launch.plan import ENV_WIRING, WIRING_VERSION
 from .producer import Producer
@@ -154,6 +160,7 @@ def _wiring(what: str) -> dict[str, Any]:
             raise ConfigError(f"${_ENV} is not valid wiring JSON: {str(exc)[:200]}") from None
         _check_wiring(w)
         _wiring_cache = w
+        _report_failures(w["stats_path"])
         return w
 
 
@@ -217,3 +224,28 @@ def _write_stats() -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # the run directory is gone (teardown): no summary for this process
+
+
+def failure_report_path(stats_path: str) -> str:
+    """Where a stage whose stats go to ``stats_path`` reports its failure."""
+    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
+
+
+def _report_failures(stats_path: str) -> None:
+    """Chain a ``sys.excepthook`` that writes the failure report, then prints as before."""
+    previous = sys.excepthook
+
+    def hook(kind: Any, exc: Any, tb: Any) -> None:
+        try:
+            report = {"time": time.time(), "type": getattr(kind, "__name__", str(kind)),
+                      "message": str(exc)[:500], "consequence": isinstance(exc, PeerLostError)}
+            path = failure_report_path(stats_path)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, path)
+        except Exception:
+            pass  # the run directory is gone (teardown): nothing to report to
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook

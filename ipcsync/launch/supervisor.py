@@ -55,6 +55,7 @@ _MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _OWNER = "owner.json"
+_PEER_FAILURE_GRACE = 3.0  # seconds to find the stage a consequence-failure came from
 _KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be gone
 _ORPHAN_REAP_INTERVAL = 1.0  # seconds between reaping orphans re-parented to the launcher
 
@@ -231,11 +232,7 @@ class Supervisor:
                 for p in self._procs:
                     if p.running and _reap(p):
                         if p.returncode != 0 and cause is None:
-                            cause = (
-                                f"stage {p.inst.label} (pid {p.popen.pid}) {_describe(p.returncode)} "
-                                f"after {time.monotonic() - p.started:.1f} s"
-                            )
-                            code = exit_code_of(p.returncode)
+                            cause, code = self._root_cause(p, sel)
             if cause is not None and interrupted is None:
                 self._say(f"root cause: {cause}; stopping the other stages")
         finally:
@@ -256,6 +253,46 @@ class Supervisor:
             _remove_run(run_dir, run_id)
             sel.close()
         return Outcome(code, cause, interrupted, stats)
+
+    def _root_cause(self, p: _Proc, sel: selectors.BaseSelector) -> tuple[str, int]:
+        """The first failure of an attempt, as (one line, exit code). ``p`` exited non-zero
+        first; but if its failure report says it only died of a peer's failure (a
+        consumer's ProducerFailedError when its loader raised), the stage that failed on
+        its own is the root cause, even if its process took longer to exit: wait up to
+        _PEER_FAILURE_GRACE for one to report or exit non-zero."""
+        first = _failure_report(p.inst)
+        chosen, report = p, first
+        if first is not None and first.get("consequence"):
+            deadline = time.monotonic() + _PEER_FAILURE_GRACE
+            found = None
+            while found is None and time.monotonic() < deadline:
+                for q in self._procs:
+                    if q is p:
+                        continue
+                    r = _failure_report(q.inst)
+                    if r is not None and not r.get("consequence"):
+                        found = (q, r)
+                        break
+                    if not q.running or _reap(q):
+                        if q.returncode not in (0, None) and r is None:
+                            found = (q, None)
+                            break
+                if found is None:
+                    self._pump(sel, 0.05)
+            if found is not None:
+                chosen, report = found
+                end = time.monotonic() + _PEER_FAILURE_GRACE  # it is exiting: its code
+                while chosen.running and not _reap(chosen) and time.monotonic() < end:
+                    self._pump(sel, 0.05)
+        pid = chosen.popen.pid if chosen.popen is not None else "?"
+        how = _describe(chosen.returncode) if chosen.returncode is not None else "failed"
+        line = f"stage {chosen.inst.label} (pid {pid}) {how} after {time.monotonic() - chosen.started:.1f} s"
+        if report is not None:
+            line += f": {report.get('type')}: {str(report.get('message'))[:300]}"
+        if chosen is not p:
+            line += f" (stage {p.inst.label} then failed because of it)"
+        code = exit_code_of(chosen.returncode) if chosen.returncode is not None else exit_code_of(p.returncode)
+        return line, code
 
     def _start(self, inst: Instance) -> _Proc:
         env = dict(os.environ)
@@ -404,6 +441,24 @@ class Supervisor:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _failure_report(inst: Instance) -> dict[str, Any] | None:
+    """The failure report a stage left (ipcsync.stage writes it from sys.excepthook), or
+    None. JSON, size-capped and type-checked: never anything else."""
+    path = inst.wiring.get("stats_path") if isinstance(inst.wiring, dict) else None
+    if not isinstance(path, str):
+        return None
+    path = (path[:-5] if path.endswith(".json") else path) + ".error"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+        report = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not isinstance(report.get("consequence"), bool):
+        return None
+    return report
+
+
 def _reap(p: _Proc) -> bool:
     """If ``p``'s leader has exited: SIGKILL what is left of its process group, then reap
     it, and return True. The group is killed while the leader is still a zombie, so its
