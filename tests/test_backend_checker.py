@@ -125,3 +125,44 @@ def test_checker_fails_a_broken_backend(run_in_peer: Callable[[str, str], PeerRu
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+# --------------------------------------------------------------------------- ... on a GPU too
+try:
+    from ipcsync.backends.cuda import CudaBackend, IpcEvent
+except ImportError:  # pragma: no cover - torch without CUDA support
+    CudaBackend = None  # type: ignore[assignment,misc]
+
+if CudaBackend is not None:
+
+    class CudaBorrowTakesReference(CudaBackend):
+        """A peer whose borrowed imports take (and on close drop) the export's reference,
+        which belongs to the process the handle was exported to."""
+
+        def open_borrowed_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> Any:
+            return self.open_arena(handle, nbytes, where)
+
+    class NoWaitEvent(IpcEvent):
+        __slots__ = ()
+
+        def wait(self, stream: Any = None) -> None:
+            pass
+
+    class CudaWaitIsANoOp(CudaBackend):
+        """A peer whose event waits order nothing."""
+
+        def open_event(self, handle: bytes | str) -> IpcEvent:
+            return NoWaitEvent(self.index, _event=super().open_event(handle).event)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("peer_backend", "message"), [
+    ("CudaWaitIsANoOp", r"step '2\. record/query/wait': the peer waited on the event .* not the final 2"),
+    ("CudaBorrowTakesReference", r"step '4\. close': after the owner closed its arena while an import was open"),
+])
+def test_checker_fails_a_broken_cuda_peer(run_in_peer: Callable[[str, str], PeerRunner],
+                                          peer_backend: str, message: str) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with pytest.raises(BackendCheckFailed, match=message):
+        check_backend(lambda: CudaBackend(dev), run_in_peer(f"test_backend_checker:{peer_backend}", str(dev)))
