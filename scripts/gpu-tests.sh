@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, zmq, msgpack; print('gpu-tests: torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s), pyzmq', zmq.__version__)"
 workers=${WORKERS:-4}
-python3 -m pytest -q -p no:cacheprovider -n "$workers" -m cuda "$@"
+python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m cuda "$@"
 rc=$?
 if [ "${DEMO:-1}" = "1" ]; then
     echo "gpu-tests: demo pipeline (python3 -m ipcsync.launch examples/pipeline.toml)"
