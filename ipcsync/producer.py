@@ -562,7 +562,22 @@ class Producer(_Endpoint):
         if acq is not None:
             return acq
         cause = "consumer" if not self._ring.consumers() else "slot"
-        if not self._wait_until(lambda: self._ring.free_slots > 0, t, cause, self._stats.waited, pumped=True):
+        done = lambda: self._ring.free_slots > 0  # noqa: E731
+        if cause == "consumer" and (t is None or t > _CLOSE_NAG_S):
+            # Nobody to take the items: say so after a few seconds (a producer alone waits
+            # for a consumer as long as it takes, as mp.Queue.put waits for a reader).
+            deadline = None if t is None else time.monotonic() + t
+            if not self._wait_until(done, _CLOSE_NAG_S, cause, self._stats.waited, pumped=True):
+                log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
+                            "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
+                            "pass timeout= to give up", self.endpoint.name, self.slots, self.endpoint.name)
+                t = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ok = self._wait_until(done, t, cause, self._stats.waited, pumped=True)
+            else:
+                ok = True
+        else:
+            ok = self._wait_until(done, t, cause, self._stats.waited, pumped=True)
+        if not ok:
             forwarded = sum(f is not None for f in self._fwd)
             raise self._timeout_error(
                 "no free slot", t,

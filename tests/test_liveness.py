@@ -428,3 +428,28 @@ def test_defaults_are_one_set() -> None:
         out.close()
     with pytest.raises(ipcsync.ConfigError, match="1024"):
         ipcsync.Producer("live-def2", slots=limits.MAX_SLOTS + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any) -> None:
+    """The quickstart producer started alone: its send() waits (no timeout by default),
+    says after a few seconds that nobody has connected, and delivers once a consumer does."""
+    from ipcsync import producer as producer_mod
+
+    monkeypatch.setattr(producer_mod, "_CLOSE_NAG_S", 0.5)
+    out = ipcsync.Producer("live-alone", slots=1, slot_bytes=4096)
+    try:
+        out.send({"x": torch.ones(2)}, meta=0)
+        with caplog.at_level("WARNING", logger="ipcsync"):
+            t, caught = _in_thread(lambda: out.send({"x": torch.ones(2)}, meta=1))
+            deadline = time.monotonic() + 10
+            while "waiting for a consumer to connect" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "waiting for a consumer to connect" in caplog.text
+        assert t.is_alive() and not caught
+        with ipcsync.Consumer("live-alone") as inp:
+            assert [inp.get(timeout=10).meta, inp.get(timeout=10).meta] == [0, 1]
+        t.join(5)
+        assert not caught
+    finally:
+        out.close(timeout=1)
