@@ -169,10 +169,15 @@ def test_fast_decoders_on_chosen_frames(frame: bytes, limits: Limits) -> None:
 
 
 # --------------------------------------------------------------------------- encoder
-@HYP
-@given(st.lists(_leaf, min_size=0, max_size=3), _data,
-       st.lists(st.tuples(st.integers(0, 2**62), st.integers(0, 4095), st.integers(0, 2**62)), max_size=6))
-def test_encoder_matches_encode(ints: list[Any], meta: Any, entries: list[tuple[int, int, int]]) -> None:
+_entries = st.lists(st.tuples(st.integers(0, 2**62), st.integers(0, 4095), st.integers(0, 2**62)), max_size=6)
+
+
+# Derandomized: every run checks the same examples, so a failure reproduces by running the
+# test again. The strategies are pure (immutable module-level data only), so a replayed
+# example draws exactly what it drew the first time.
+@settings(HYP, derandomize=True)
+@given(_data, _entries)
+def test_encoder_matches_encode(meta: Any, entries: list[tuple[int, int, int]]) -> None:
     enc = P.Encoder()
     args = (7, 1, 3, 2**62, 5, None, meta)
     assert enc.ready(*args) == P.encode_ready(*args) == encode(Ready(*args))
