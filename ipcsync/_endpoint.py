@@ -71,6 +71,15 @@ def check_wait(value: str) -> str:
     return value
 
 
+def stall_change(stalled: bool, silent: float, heartbeat: float) -> bool | None:
+    """The silence half of the liveness rule, as data: a peer silent for more than 1.5
+    heartbeats is *stalled* (never lost for it: only its process's exit proves that), and
+    stops being stalled once it is heard again. Returns the new state when it changes,
+    else None. ``heartbeat`` 0: the peer sends none, so it is never stalled."""
+    now = bool(heartbeat) and silent > 1.5 * heartbeat
+    return now if now != stalled else None
+
+
 # Every endpoint open in this process, for the one atexit hook and for fork.
 _open_endpoints: "weakref.WeakSet[_Endpoint]" = weakref.WeakSet()
 
@@ -109,11 +118,6 @@ class _Endpoint:
         """What the service thread does while the user's thread is away. Lock held."""
         self._pump()
 
-    def _wait_io(self, timeout: float) -> None:
-        """Block up to ``timeout`` for socket activity, the lock held throughout (only for
-        short waits that must keep other endpoints' locks; see ``_block``). Lock held."""
-        raise NotImplementedError
-
     def _io_fds(self) -> Sequence[int]:
         """OS file descriptors that become readable on socket activity (``ZMQ_FD`` of
         each ZeroMQ socket, edge-triggered). Lock held."""
@@ -124,8 +128,9 @@ class _Endpoint:
         not signal again until it is read, so do not block. Lock held."""
         raise NotImplementedError
 
-    def _locked_wait(self) -> bool:
-        """True when the wait must keep the lock (see ``_wait_io``). Lock held."""
+    def _wait_holding_lock(self, timeout: float) -> bool:
+        """Where a wait must keep the lock (it polls other endpoints' sockets under their
+        locks), wait up to ``timeout`` that way and return True; else False. Lock held."""
         return False
 
     def _raise_if_broken(self) -> None:
@@ -227,10 +232,7 @@ class _Endpoint:
 
     def _block(self, timeout: float) -> None:
         """Wait up to ``timeout`` for socket activity, without the lock. Lock held."""
-        if self._locked_wait():
-            self._wait_io(timeout)
-            return
-        if self._io_pending():
+        if self._wait_holding_lock(timeout) or self._io_pending():
             return
         fds = self._io_fds()
         self._unlocked(lambda: select.select(fds, (), (), max(0.0, timeout)))

@@ -91,14 +91,9 @@ class ProcessWatch:
     def __init__(self, pid: int, started: int | None = None) -> None:
         self.pid = pid
         self._pidfd: int | None = None
-        self._gone = False
-        if started is None:
-            started = read_start_time(pid)
-            if started is None:
-                started = GONE  # unknown: fall back to the pidfd alone, or to nothing
-            elif started == GONE:
-                self._gone = True
-        self.started = started
+        # None: /proc could not say; then only a pidfd can prove the exit.
+        self.started: int | None = read_start_time(pid) if started is None else started
+        self._gone = self.started == GONE
         if self._gone or pid <= 0:
             return
         try:
@@ -111,7 +106,7 @@ class ProcessWatch:
         # The pid may have been reused between the identity we were given and the
         # pidfd_open: the pidfd counts only if it names the same process.
         now = read_start_time(pid)
-        if now == GONE or (now is not None and started != GONE and now != started):
+        if now == GONE or (now is not None and self.started is not None and now != self.started):
             os.close(fd)
             self._gone = True
             return
@@ -131,7 +126,7 @@ class ProcessWatch:
                 self._gone = True
                 self.close()
             return self._gone
-        if self.started == GONE:
+        if self.started is None:
             return False  # no identity to compare with: cannot prove anything
         t = read_start_time(self.pid)
         if t is not None and t != self.started:

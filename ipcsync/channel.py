@@ -375,7 +375,7 @@ class _Channel:
 
     def pending(self) -> bool:
         """True if the socket or its monitor has something to read now."""
-        if self._get(_EVENTS) & _POLLIN or getattr(self, "_held_events", None):
+        if self._get(_EVENTS) & _POLLIN:
             return True
         mon = self.mon
         return mon is not None and bool(mon.getsockopt(_EVENTS) & _POLLIN)
@@ -723,6 +723,10 @@ class ConsumerChannel(_Channel):
         if pending:
             self._held_events = list(pending)
         return self.connection_fd
+
+    def pending(self) -> bool:
+        """As ``_Channel.pending``; monitor events held back above count too."""
+        return bool(self._held_events) or super().pending()
 
     def recv(self) -> list[bytes] | None:
         return self._recv_parts(True)

@@ -47,7 +47,7 @@ import zmq
 from . import _host
 from . import limits
 from . import protocol as P
-from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait
+from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait, stall_change
 from .backends import Arena, Event, backend_for, resolve_device
 from .backends.cpu import reclaim_dead_segments, segment_owner
 from .channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
@@ -295,7 +295,7 @@ class Consumer(_Endpoint):
         self._foreign_lost = 0  # FREADY items dropped: their memory could not be opened
         self._forwarded: dict[int, Item] = {}  # seq -> item handed to a forwarding Producer
         self._fwd_done: deque[Item] = deque()  # forwarded items back (appended by any thread)
-        self._wake: _Wake | None = None  # in our poller, made at the first forward
+        self._wake: _Wake | None = None  # among our wait fds (_io_fds), made at the first forward
         self._fwd_outs: list[Any] = []  # the Producers that forwarded items of ours
         self._last_recv = time.monotonic()
         self._last_send = 0.0
@@ -558,14 +558,8 @@ class Consumer(_Endpoint):
             self._last_send = time.monotonic()
         return ok
 
-    def _wait_io(self, timeout: float) -> None:
-        if self._forwarded and self._fwd_outs:
-            self._wait_io_forwarding(timeout)
-        else:
-            self._chan.wait(timeout)
-
     def _wait_io_forwarding(self, timeout: float) -> None:
-        """``_wait_io`` while items we forwarded are out. Our releases upstream wait for
+        """A wait while items we forwarded are out. Our releases upstream wait for
         the forwarding Producers to process their consumers' RELEASEs, and while the user's
         thread waits here (for the next item, which may wait for those very releases) only
         their service threads would, once per tick: so poll their sockets too and pump
@@ -855,17 +849,17 @@ class Consumer(_Endpoint):
             # long GC, SIGSTOP), not lost: waited for, reported.
             hb = s.heartbeat_ms / 1000
             silent = now - self._last_recv
-            if hb and silent > 1.5 * hb:
-                if not self._stalled:
-                    self._stalled = True
+            change = stall_change(self._stalled, silent, hb)
+            if change is not None:
+                self._stalled = change
+                if change:
                     self._stalled_total += 1
                     self._ratelog.warning("stalled",
-                                  "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
-                                  "(heartbeat %.2f s) but its process is alive: stalled, waiting",
-                                  self.endpoint.name, s.pid, silent, hb)
-            elif self._stalled:
-                self._stalled = False
-                log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, s.pid)
+                                          "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
+                                          "(heartbeat %.2f s) but its process is alive: stalled, waiting",
+                                          self.endpoint.name, s.pid, silent, hb)
+                else:
+                    log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, s.pid)
         # Heartbeats go on until our BYE: a consumer still holding items after the
         # producer's BYE must not look dead to the closing producer.
         if self._heartbeat and not self._bye_sent and now - self._last_send > self._heartbeat / 4:
@@ -879,10 +873,13 @@ class Consumer(_Endpoint):
     def _io_pending(self) -> bool:
         return self._chan.pending()
 
-    def _locked_wait(self) -> bool:
+    def _wait_holding_lock(self, timeout: float) -> bool:
         # Waiting with forwarded items out polls the forwarding Producers' sockets under
         # their locks (see _wait_io_forwarding): keep ours too, a tick at a time.
-        return bool(self._forwarded and self._fwd_outs)
+        if not (self._forwarded and self._fwd_outs):
+            return False
+        self._wait_io_forwarding(timeout)
+        return True
 
     def _teardown(self) -> None:
         if isinstance(self._error, PeerLostError) and not isinstance(self._error, ProducerFailedError):
@@ -1020,9 +1017,7 @@ class Consumer(_Endpoint):
                 src = ForwardSource(s.backend, s.device, s.pid, s.start_time, s.arenas[a], s.arena_bytes[a],
                                     off, n, self._slot_views[item.slot], self._ready_events[item.slot])
             if self._wake is None:
-                wake = _Wake()
-                self._chan.poller.register(wake.fd, zmq.POLLIN)
-                self._wake = wake
+                self._wake = _Wake()  # waited on with our sockets (see _io_fds)
             if out not in self._fwd_outs:
                 self._fwd_outs.append(out)
             # Ownership moves: no auto-release, release() is a no-op; the credit stays held.

@@ -52,7 +52,7 @@ import zmq
 from . import _host
 from . import limits
 from . import protocol as P
-from ._endpoint import _Endpoint, check_positive_int, check_wait
+from ._endpoint import _Endpoint, check_positive_int, check_wait, stall_change
 from .backends import Event, backend_for, resolve_device
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .consumer import CannotForward
@@ -563,20 +563,18 @@ class Producer(_Endpoint):
             return acq
         cause = "consumer" if not self._ring.consumers() else "slot"
         done = lambda: self._ring.free_slots > 0  # noqa: E731
+        waited = self._stats.waited
         if cause == "consumer" and (t is None or t > _CLOSE_NAG_S):
             # Nobody to take the items: say so after a few seconds (a producer alone waits
             # for a consumer as long as it takes, as mp.Queue.put waits for a reader).
-            deadline = None if t is None else time.monotonic() + t
-            if not self._wait_until(done, _CLOSE_NAG_S, cause, self._stats.waited, pumped=True):
+            ok = self._wait_until(done, _CLOSE_NAG_S, cause, waited, pumped=True)
+            if not ok:
                 log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
                             "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
                             "pass timeout= to give up", self.endpoint.name, self.slots, self.endpoint.name)
-                t = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ok = self._wait_until(done, t, cause, self._stats.waited, pumped=True)
-            else:
-                ok = True
+                ok = self._wait_until(done, None if t is None else t - _CLOSE_NAG_S, cause, waited)
         else:
-            ok = self._wait_until(done, t, cause, self._stats.waited, pumped=True)
+            ok = self._wait_until(done, t, cause, waited, pumped=True)
         if not ok:
             forwarded = sum(f is not None for f in self._fwd)
             raise self._timeout_error(
@@ -993,9 +991,6 @@ class Producer(_Endpoint):
                 if peer.outbox:
                     peer.outbox.popleft()
 
-    def _wait_io(self, timeout: float) -> None:
-        self._chan.wait(timeout)
-
     def _pump(self) -> None:
         chan = self._chan
         for ev, fd in chan.events():
@@ -1103,7 +1098,8 @@ class Producer(_Endpoint):
         for ev, efd in self._chan.events():
             self._on_monitor(ev, efd)
         self._chan.greeted(fd)  # no longer half-open (see ProducerChannel)
-        problem = self._hello_problem(hello) or self._credentials_problem(hello, fd)
+        cred = _host.peer_credentials(fd) if self.endpoint.path is not None else None
+        problem = self._hello_problem(hello) or self._credentials_problem(hello, cred)
         if problem is not None:
             code, text = problem
             self._ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
@@ -1115,7 +1111,7 @@ class Producer(_Endpoint):
             return
         now = time.monotonic()
         peer = _Peer(identity, fd, hello, P.Conversation("producer"), last_recv=now,
-                     watch=self._watch_for(hello, fd), hello_at=now)
+                     watch=self._watch_for(hello, cred), hello_at=now)
         peer.conv.receive(hello)
         self._peers[identity] = peer
         if fd >= 0:
@@ -1135,16 +1131,14 @@ class Producer(_Endpoint):
         )
         self._send(peer, P.encode(setup))
 
-    def _credentials_problem(self, hello: P.Hello, fd: int) -> tuple[str, str] | None:
+    def _credentials_problem(self, hello: P.Hello, cred: tuple[int, int, int] | None) -> tuple[str, str] | None:
         """On ipc endpoints the kernel says who connected (SO_PEERCRED): only our own
         user, and only the process the HELLO names: in our PID namespace its pid must be
         the kernel's; a HELLO claiming another namespace must name the one the kernel
         shows that process in. Only the kernel's word is trusted: liveness watches the
         kernel's pid, whatever the HELLO says (see _watch_for). (The socket file is 0600
-        in a 0700 directory already; this also holds for ipc:// paths the user chose.)"""
-        if self.endpoint.path is None:
-            return None
-        cred = _host.peer_credentials(fd)
+        in a 0700 directory already; this also holds for ipc:// paths the user chose.)
+        ``cred``: the connection's (pid, uid, gid), None where the OS cannot say (tcp)."""
         if cred is None:
             return None
         pid, uid, _gid = cred
@@ -1164,11 +1158,10 @@ class Producer(_Endpoint):
                                     f"process (pid {pid} here) runs in {theirs!r}")
         return None
 
-    def _watch_for(self, hello: P.Hello, fd: int) -> _host.ProcessWatch | None:
+    def _watch_for(self, hello: P.Hello, cred: tuple[int, int, int] | None) -> _host.ProcessWatch | None:
         """How to tell when this consumer's process has exited: the kernel's pid for the
         connection where there is one (ipc), else the HELLO's (pid, start time) if that
         process exists in our PID namespace; None if we cannot see it."""
-        cred = _host.peer_credentials(fd) if self.endpoint.path is not None else None
         if cred is not None and cred[0] > 0:
             return _host.ProcessWatch(cred[0])
         if hello.pid_ns == _host.pid_namespace() and _host.read_start_time(hello.pid) == hello.start_time:
@@ -1311,17 +1304,17 @@ class Producer(_Endpoint):
                 continue
             hb = peer.hello.heartbeat_ms / 1000
             silent = now - peer.last_recv
-            if hb and silent > 1.5 * hb and not peer.disconnected:
-                if not peer.stalled:
-                    peer.stalled = True
+            change = None if peer.disconnected else stall_change(peer.stalled, silent, hb)
+            if change is not None:
+                peer.stalled = change
+                if change:
                     self._stalled_total += 1
                     self._ratelog.warning("stalled",
                         "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
                         "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
                         self.endpoint.name, peer.label, silent, hb, len(self._ring.held_by(peer.identity)))
-            elif peer.stalled and silent <= 1.5 * hb:
-                peer.stalled = False
-                log.info("ipcsync producer %r: %s is answering again", self.endpoint.name, peer.label)
+                else:
+                    log.info("ipcsync producer %r: %s is answering again", self.endpoint.name, peer.label)
             if self._heartbeat and not peer.outbox and now - peer.last_send > self._heartbeat / 4:
                 self._try_send(peer, P.encode(P.Heartbeat()))
 
