@@ -35,12 +35,12 @@ from .errors import (
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __getattr__
     from .backends.cuda import IpcEvent, export_tensor, import_tensor
-    from .channel import CurveKeys
+    from .runtime.channel import CurveKeys
     from .consumer import Consumer, Item
     from .fanin import FanIn
     from .forward import forward
     from .producer import Producer, SlotWriter
-    from .protocol import PROTOCOL_VERSION
+    from .core.protocol import PROTOCOL_VERSION, Limits
 
 __version__ = "0.1.0"
 
@@ -64,6 +64,7 @@ __all__ = [
     "ConfigError",
     "BackendError",
     "PROTOCOL_VERSION",
+    "Limits",
     "__version__",
 ]
 
@@ -72,14 +73,15 @@ _LAZY = {
     "IpcEvent": ".backends.cuda",
     "export_tensor": ".backends.cuda",
     "import_tensor": ".backends.cuda",
-    "CurveKeys": ".channel",
+    "CurveKeys": ".runtime.channel",
     "Consumer": ".consumer",
     "Item": ".consumer",
     "FanIn": ".fanin",
     "forward": ".forward",
     "Producer": ".producer",
     "SlotWriter": ".producer",
-    "PROTOCOL_VERSION": ".protocol",
+    "PROTOCOL_VERSION": ".core.protocol",
+    "Limits": ".core.protocol",
 }
 
 

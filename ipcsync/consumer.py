@@ -44,13 +44,13 @@ from typing import Any, Iterator, NamedTuple
 import torch
 import zmq
 
-from . import _host
+from .runtime import host as _host
 from . import limits
-from . import protocol as P
-from ._endpoint import _Endpoint, check_positive_int, check_timeout, check_wait, stall_change
+from .core import protocol as P
+from .runtime.endpoint import _Endpoint, check_positive_int, check_timeout, check_wait, stall_change
 from .backends import Arena, Event, backend_for, resolve_device
 from .backends.cpu import reclaim_dead_segments, segment_owner
-from .channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
+from .runtime.channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
                       remove_stale, resolve_endpoint)
 from .errors import (
     BackendError,
@@ -62,8 +62,8 @@ from .errors import (
     ProducerFailedError,
     ProtocolError,
 )
-from .layout import Recipe
-from .stats import Stats
+from .core.layout import Recipe
+from .core.stats import Stats
 
 __all__ = ["Consumer", "Item"]
 

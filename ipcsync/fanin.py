@@ -23,8 +23,8 @@ import time
 from typing import Any, Iterator, Sequence
 
 from . import limits
-from ._endpoint import check_timeout
-from .channel import resolve_endpoint
+from .runtime.endpoint import check_timeout
+from .runtime.channel import resolve_endpoint
 from .consumer import _UNSET, Consumer, Item
 from .errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProtocolError
 

@@ -49,17 +49,17 @@ import msgpack
 import torch
 import zmq
 
-from . import _host
+from .runtime import host as _host
 from . import limits
-from . import protocol as P
-from ._endpoint import _Endpoint, check_positive_int, check_wait, stall_change
+from .core import protocol as P
+from .runtime.endpoint import _Endpoint, check_positive_int, check_wait, stall_change
 from .backends import Event, backend_for, resolve_device
-from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
+from .runtime.channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .consumer import CannotForward
 from .errors import ClosedError, ConfigError, ProtocolError
-from .layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
-from .ring import POLICIES, Acquired, Ring
-from .stats import Stats
+from .core.layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
+from .core.ring import POLICIES, Acquired, Ring
+from .core.stats import Stats
 
 __all__ = ["Producer", "SlotWriter"]
 
@@ -651,7 +651,7 @@ class Producer(_Endpoint):
                     f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
                     f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
                     f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
-                    f"described in at most {lim.max_frame} bytes (ipcsync.protocol.Limits)"
+                    f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
                 ) from None
         plan.layout_size = len(encoded)
         plan.layout_key = lkey
@@ -735,7 +735,7 @@ class Producer(_Endpoint):
                 f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
                 f"at most {lim.max_items} entries in one dict/list and nests at most "
                 f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
-                "bytes (ipcsync.protocol.Limits): send less meta or fewer tensors"
+                "bytes (ipcsync.Limits): send less meta or fewer tensors"
             ) from None
         committed = ring.commit(slot)
         assert committed == seq

@@ -419,7 +419,7 @@ def _example(name: str) -> Any:
 def _slot_bytes(tensor_bytes: list[int]) -> int:
     """A slot for tensors of these sizes: each placed at ipcsync's alignment (as its layout
     places them), plus slack, rounded up to 64 KiB."""
-    from ipcsync.layout import ALIGN
+    from ipcsync.core.layout import ALIGN
 
     n = sum((b + ALIGN - 1) // ALIGN * ALIGN for b in tensor_bytes) + 4096
     return (n + (64 << 10) - 1) // (64 << 10) * (64 << 10)

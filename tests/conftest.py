@@ -24,7 +24,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers.py, ...)
 _LAUNCH = ("import importlib, json, sys; "
            "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
@@ -127,7 +127,7 @@ def no_leaked_segments_in_process() -> Iterator[None]:
 
 # --------------------------------------------------------------------------- processes
 class Peer:
-    """A child process running tests/peers.py; reads its JSON lines with deadlines."""
+    """A child process running tests/integration/peers.py; reads its JSON lines with deadlines."""
 
     def __init__(self, proc: subprocess.Popen[bytes], role: str) -> None:
         self.proc = proc

@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _host
-from .._shm import NAME_RE as _NAME_RE
-from .._shm import RUN_ID_RE as _RUN_ID_RE
-from .._shm import SHM_DIR, SHM_PREFIX, remove_run_segments
+from ..runtime import host as _host
+from ..runtime.shm import NAME_RE as _NAME_RE
+from ..runtime.shm import RUN_ID_RE as _RUN_ID_RE
+from ..runtime.shm import SHM_DIR, SHM_PREFIX, remove_run_segments
 from ..errors import BackendError, ConfigError, IpcTimeoutError
 from .base import Arena, Backend, Event
 

@@ -340,7 +340,7 @@ def export_tensor(t: torch.Tensor) -> bytes:
     """
     if not isinstance(t, torch.Tensor) or not t.is_cuda:
         raise ConfigError("export_tensor() takes a CUDA tensor; use Producer/Consumer for CPU tensors")
-    from ..layout import dtype_name
+    from ..core.layout import dtype_name
 
     storage = t.untyped_storage()
     with torch.cuda.device(t.device):
@@ -356,7 +356,7 @@ def export_tensor(t: torch.Tensor) -> bytes:
 def import_tensor(ref: bytes, device: Any = None) -> torch.Tensor:
     """Open a tensor exported by ``export_tensor`` (another process). Each storage is
     imported once per process and cached while any tensor uses it."""
-    from ..layout import dtype_from_name, span_elements
+    from ..core.layout import dtype_from_name, span_elements
 
     try:
         f = msgpack.unpackb(ref, raw=False, max_bin_len=4096, max_str_len=256, max_array_len=64)

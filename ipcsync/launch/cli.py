@@ -156,7 +156,7 @@ def _say(line: str) -> None:
 
 
 def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True) -> int:
-    from ..channel import runtime_dir  # zmq: only once a pipeline is resolved
+    from ..runtime.channel import runtime_dir  # zmq: only once a pipeline is resolved
 
     base = runtime_dir()
     gpus = visible_gpus()

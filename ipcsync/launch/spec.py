@@ -57,10 +57,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .._endpoint import WAIT_MODES  # torch-free, zmq-free (as is ring)
+from ..runtime.endpoint import WAIT_MODES  # torch-free, zmq-free (as is ring)
 from ..errors import ConfigError
 from ..limits import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MAX_SLOTS
-from ..ring import POLICIES
+from ..core.ring import POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib

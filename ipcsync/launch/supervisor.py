@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
-from .. import _host
-from .._shm import remove_run_segments
+from ..runtime import host as _host
+from ..runtime.shm import remove_run_segments
 from .plan import Instance, Plan
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]

@@ -1,0 +1,491 @@
+"""Message layout codec: a nested dict/list/tuple of tensors <-> bytes placed in one slot.
+
+A message is flattened to a tree (plain data) and a list of tensor specs
+``[dtype, shape, stride, byte offset in slot]``. Each tensor occupies, at an offset aligned
+to ``ALIGN`` bytes, exactly the span of elements its strides reach (``span_elements``), so
+every stride torch can express travels unchanged: transposed, channels-last, expanded
+(stride 0) and gapped views alike. A gapped view (``x[::4]``) ships its gaps too; call
+``.contiguous()`` first if that matters. 0-d and zero-size tensors are supported.
+
+The received tensor is a view of the slot whose storage offset (in elements) is its byte
+offset over its item size. Decoding checks every dtype against the dtypes torch has and
+every span against the slot size before any view exists, so a bad layout cannot reach
+outside its slot.
+
+Imports torch but never torch.cuda: copies go through ``Tensor.copy_`` on whatever device
+the slot lives on.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ..errors import ConfigError, ProtocolError
+
+__all__ = [
+    "ALIGN",
+    "Placement",
+    "plan_message",
+    "plan_empty",
+    "write_message",
+    "read_message",
+    "span_elements",
+    "place_views",
+    "dtype_name",
+    "dtype_from_name",
+]
+
+ALIGN = 256  # byte alignment of every tensor in a slot (CUDA-friendly, >= any itemsize)
+MAX_DEPTH = 32  # nesting of dicts/lists/tuples in one message
+
+_DTYPES: dict[str, torch.dtype] = {}
+for _name in dir(torch):
+    _obj = getattr(torch, _name)
+    if isinstance(_obj, torch.dtype):
+        _canon = str(_obj).removeprefix("torch.")
+        # Quantized dtypes are not plain strided memory, and torch cannot copy the
+        # sub-byte integer dtypes (int1..int7, uint1..uint7): neither can travel as bytes.
+        if not _canon.startswith("q") and not re.fullmatch(r"u?int[1-7]", _canon):
+            _DTYPES[_canon] = _obj
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical wire name of a dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; ProtocolError for a name torch does not have."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        raise ProtocolError(f"unknown dtype {name!r} in layout (not a dtype of this torch)")
+    return dt
+
+
+def span_elements(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Number of elements from the first to the last one a strided view reaches."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a message goes in a slot: the wire layout and the source tensors in order."""
+
+    layout: list[Any]  # [tree, specs] as sent in READY
+    tensors: list[torch.Tensor]  # sources, in spec order (empty for plan_empty)
+    nbytes: int  # bytes of the slot the message occupies
+
+
+def _flatten(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"message nesting exceeds depth {MAX_DEPTH}")
+    if isinstance(msg, torch.Tensor):
+        leaves.append(msg)
+        return len(leaves) - 1
+    if isinstance(msg, Mapping):
+        keys = list(msg.keys())
+        for k in keys:
+            if type(k) is not str:
+                raise ConfigError(f"message dict keys must be strings, got {k!r}")
+        return ["d", keys, [_flatten(msg[k], leaves, depth + 1) for k in keys]]
+    if isinstance(msg, (list, tuple)):
+        tag = "t" if isinstance(msg, tuple) else "l"
+        return [tag, [_flatten(x, leaves, depth + 1) for x in msg]]
+    raise ConfigError(
+        f"message leaves must be tensors, got {type(msg).__name__}; "
+        "put other values in meta="
+    )
+
+
+def _not_strided(t: torch.Tensor) -> str:
+    """Why ``t`` (not a plain strided tensor) cannot be sent, and what to send instead."""
+    if t.is_nested:  # a nested tensor reports layout torch.strided (or torch.jagged)
+        return "nested tensors cannot be sent; send its components (t.unbind()) or t.to_padded_tensor(0)"
+    return f"only strided tensors can be sent, got layout {t.layout}"
+
+
+def _check_tensor(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise ConfigError(_not_strided(t))
+    if t.is_quantized:
+        raise ConfigError("quantized tensors cannot be sent; dequantize them first")
+    if t.device.type == "meta":
+        raise ConfigError("meta tensors have no data to send")
+    if dtype_name(t.dtype) not in _DTYPES:
+        raise ConfigError(f"dtype {t.dtype} cannot be sent")
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def _place(
+    shapes_strides_dtypes: Iterable[tuple[Sequence[int], Sequence[int], torch.dtype]],
+    slot_bytes: int,
+) -> tuple[list[list[Any]], int]:
+    specs: list[list[Any]] = []
+    offset = 0
+    gaps = 0  # bytes shipped only because a view has gaps (its whole span travels)
+    for shape, stride, dtype in shapes_strides_dtypes:
+        offset = _align(offset)
+        specs.append([dtype_name(dtype), list(shape), list(stride), offset])
+        span = span_elements(shape, stride) * dtype.itemsize
+        dense = math.prod(shape) * dtype.itemsize
+        gaps += max(0, span - dense)
+        offset += span
+    if offset > slot_bytes:
+        hint = (
+            f"; {gaps} of them are gaps of non-contiguous views, whose whole span is sent: "
+            "call .contiguous() on them to send only their elements" if gaps else ""
+        )
+        raise ConfigError(
+            f"message needs {offset} bytes but a slot holds {slot_bytes} bytes{hint}; "
+            f"create the producer with slot_bytes>={offset}"
+        )
+    return specs, offset
+
+
+def plan_message(msg: Any, slot_bytes: int) -> Placement:
+    """Flatten ``msg`` and place its tensors in a slot of ``slot_bytes`` bytes.
+
+    Raises ConfigError for a leaf that is not a tensor, a tensor that cannot travel as
+    bytes, or a message larger than the slot (naming both sizes).
+    """
+    leaves: list[torch.Tensor] = []
+    tree = _flatten(msg, leaves, 1)
+    tensors = [_check_tensor(t) for t in leaves]
+    specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes)
+    return Placement([tree, specs], tensors, nbytes)
+
+
+def plan_empty(
+    fields: Mapping[str, tuple[Sequence[int], torch.dtype]], slot_bytes: int
+) -> Placement:
+    """Place contiguous tensors of the given ``{name: (shape, dtype)}`` in a slot (for
+    zero-copy writes). The message is a flat dict of those names."""
+    keys = list(fields)
+    items = []
+    for k in keys:
+        spec = fields[k]
+        if type(k) is not str:
+            raise ConfigError(f"field names must be strings, got {k!r}")
+        try:
+            shape, dtype = spec
+            shape = [operator.index(s) for s in shape]
+        except (TypeError, ValueError):
+            raise ConfigError(f"field {k!r} must be (shape, dtype), got {spec!r}") from None
+        if not isinstance(dtype, torch.dtype) or dtype_name(dtype) not in _DTYPES:
+            raise ConfigError(f"field {k!r}: {dtype!r} is not a dtype that can be sent")
+        if any(s < 0 for s in shape):
+            raise ConfigError(f"field {k!r}: negative size in shape {shape}")
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+        items.append((shape, stride, dtype))
+    specs, nbytes = _place(items, slot_bytes)
+    tree = ["d", keys, list(range(len(keys)))]
+    return Placement([tree, specs], [], nbytes)
+
+
+def _check_spec(spec: Sequence[Any], slot_bytes: int) -> tuple[int, int, torch.dtype]:
+    """(offset, end, dtype) of a wire spec, after checking its dtype and its bounds."""
+    name, shape, stride, offset = spec
+    dtype = dtype_from_name(name)
+    n = span_elements(shape, stride)
+    if math.prod(max(s, 1) for s in shape) >= 2**63:
+        raise ProtocolError(f"tensor shape {list(shape)} has more elements than torch can index")
+    if offset % dtype.itemsize:
+        raise ProtocolError(f"tensor offset {offset} is not aligned to its item size")
+    end = offset + n * dtype.itemsize
+    if end > slot_bytes:
+        raise ProtocolError(
+            f"tensor reaches byte {end} but the slot has {slot_bytes} bytes"
+        )
+    return offset, end, dtype
+
+
+def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torch.Tensor:
+    """The 1-d typed view of a spec's span in ``slot`` (uint8), after bounds checks."""
+    offset, end, dtype = _check_spec(spec, slot_bytes)
+    return slot[offset:end].view(dtype)
+
+
+def write_message(placement: Placement, slot: torch.Tensor) -> None:
+    """Copy the placement's source tensors into ``slot`` (a uint8 tensor of the slot's bytes)
+    on the current stream of the slot's device: ``Plan.write`` without the caching.
+
+    Device-to-device copies are queued without a host sync. A host source is copied
+    synchronously (a pinned source could otherwise be changed by the caller before the copy
+    ran); a device source into a host slot likewise, so the bytes are there before READY.
+    """
+    Plan(placement, 0).write(0, slot, placement.tensors)
+
+
+def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of a ``plan_empty`` placement in ``slot``, to be written by the caller."""
+    out = read_message(placement.layout, slot, slot.numel())
+    assert isinstance(out, dict)
+    return out
+
+
+def read_message(layout: Sequence[Any], slot: torch.Tensor, slot_bytes: int) -> Any:
+    """Rebuild a message as views of ``slot`` from a layout validated by the protocol:
+    ``Recipe.build`` without the caching.
+
+    Raises ProtocolError for an unknown dtype or a tensor that would reach outside the slot.
+    """
+    return Recipe(layout, slot_bytes).build(0, slot)
+
+
+def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if type(node) is int:
+        return tensors[node]
+    tag = node[0]
+    if tag == "d":
+        return {k: _unflatten(c, tensors) for k, c in zip(node[1], node[2])}
+    children = [_unflatten(c, tensors) for c in node[1]]
+    return tuple(children) if tag == "t" else children
+
+
+def message_nbytes(layout: Sequence[Any]) -> int:
+    """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
+    return sum(math.prod(shape) * dtype_from_name(name).itemsize for name, shape, _, _ in layout[1])
+
+
+# --------------------------------------------------------------------------- caches
+# Producers send the same shapes step after step. A Plan (producer) and a Recipe
+# (consumer) hold what one layout needs so the hot path does no re-planning and no
+# re-validation; both keep per-slot views, since slot memory never moves.
+
+
+def signature(msg: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A hashable key of a message's structure, dtypes, shapes, strides and devices, and its
+    tensors in layout order. Two messages with one key have one layout."""
+    leaves: list[torch.Tensor] = []
+    if type(msg) is dict:  # the common case, unrolled one level: the key _sig() gives
+        parts: list[Any] = ["d"]
+        for k, v in msg.items():
+            if isinstance(v, torch.Tensor):
+                leaves.append(v)
+                try:
+                    parts.append((k, (v.dtype, v.shape, v.stride(), v.device, v.is_conj(), v.is_neg())))
+                except RuntimeError:  # no strides: sparse and other layouts
+                    raise ConfigError(_not_strided(v)) from None
+            else:
+                parts.append((k, _sig(v, leaves, 2)))
+        return tuple(parts), leaves
+    return _sig(msg, leaves, 1), leaves
+
+
+def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"message nesting exceeds depth {MAX_DEPTH}")
+    if isinstance(msg, torch.Tensor):
+        leaves.append(msg)
+        try:
+            # conj/neg bits: such a tensor is resolved before copying, deterministically,
+            # so one key still means one layout.
+            return (msg.dtype, msg.shape, msg.stride(), msg.device, msg.is_conj(), msg.is_neg())
+        except RuntimeError:  # no strides: sparse and other layouts
+            raise ConfigError(_not_strided(msg)) from None
+    if isinstance(msg, Mapping):
+        return ("d",) + tuple((k, _sig(v, leaves, depth + 1)) for k, v in msg.items())
+    if isinstance(msg, tuple):
+        return ("t",) + tuple(_sig(v, leaves, depth + 1) for v in msg)
+    if isinstance(msg, list):
+        return ("l",) + tuple(_sig(v, leaves, depth + 1) for v in msg)
+    raise ConfigError(
+        f"message leaves must be tensors, got {type(msg).__name__}; put other values in meta="
+    )
+
+
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True if the strides tile exactly numel consecutive elements (no gaps, no overlap):
+    sorted by stride, each stride is the product of the sizes below it."""
+    if any(s == 0 for s in shape):
+        return True
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class Plan:
+    """A placement to reuse for every message of one signature (producer side)."""
+
+    __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
+                 "layout_size", "data_bytes", "recipe", "_direct", "_dst")
+
+    def __init__(self, placement: Placement, layout_id: int) -> None:
+        self.layout = placement.layout
+        self.nbytes = placement.nbytes
+        # Set by the producer: the layout's id (0: none, sent inline), the version of that
+        # id's assignment (ids are reused), the key the id is assigned under, this plan's
+        # key in the plan cache, and the bytes of the encoded layout.
+        self.layout_id = layout_id
+        self.layout_version = 0
+        self.layout_key: Any = None
+        self.cache_key: Any = None
+        self.layout_size = 0
+        self.data_bytes = (sum(t.numel() * t.element_size() for t in placement.tensors)
+                           if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
+                                                         for sp in self.layout[1]))
+        self.recipe: Recipe | None = None  # views for zero-copy writes (Producer.slot)
+        # A dense, non-overlapping tensor is copied into a destination view of its own shape
+        # and strides (copy_ resolves conj/neg bits itself); others as their element span.
+        self._direct = [_dense(t.shape, t.stride()) for t in placement.tensors]
+        # slot -> (slot device, whether it is not the host, [(destination view, direct)])
+        self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]]]] = {}
+
+    def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` (this plan's signature) into slot ``slot_index``, as
+        ``write_message`` does."""
+        cached = self._dst.get(slot_index)
+        if cached is None:
+            dsts = []
+            for spec, direct in zip(self.layout[1], self._direct):
+                span = _span_view(slot, spec, slot.numel())
+                dsts.append((span.as_strided(spec[1], spec[2]) if direct else span, direct))
+            cached = self._dst[slot_index] = (slot.device, slot.device.type != "cpu", dsts)
+        device, on_device, dsts = cached
+        for (dst, direct), src in zip(dsts, tensors):
+            if src.requires_grad:
+                src = src.detach()
+            non_blocking = on_device and src.device == device
+            if direct:
+                dst.copy_(src, non_blocking=non_blocking)
+                continue
+            n = dst.numel()
+            if n:
+                if src.is_conj() or src.is_neg():
+                    src = src.resolve_conj().resolve_neg()
+                dst.copy_(src.as_strided((n,), (1,), src.storage_offset()), non_blocking=non_blocking)
+
+
+class Recipe:
+    """A validated layout and how to view it in any slot (consumer side)."""
+
+    __slots__ = ("tree", "specs", "nbytes", "extent", "_bases", "_assemble", "_only_key")
+
+    def __init__(self, layout: Sequence[Any], slot_bytes: int) -> None:
+        """Validate ``layout`` (already structure-checked by the protocol) against a slot of
+        ``slot_bytes``: ProtocolError for an unknown dtype or a tensor outside the slot."""
+        tree, specs = layout
+        self.tree = tree
+        self.specs = []
+        nbytes = 0
+        for spec in specs:
+            offset, end, dtype = _check_spec(spec, slot_bytes)
+            self.specs.append((offset, end, dtype, tuple(spec[1]), tuple(spec[2])))
+            nbytes += math.prod(spec[1]) * dtype.itemsize
+        self.nbytes = nbytes
+        # Bytes from the slot's start that the layout reaches: it fits any region this long.
+        self.extent = max((s[1] for s in self.specs), default=0)
+        # slot -> [(1-d typed span view, shape, stride)]
+        self._bases: dict[int, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]] = {}
+        self._assemble = _assembler(tree, len(self.specs))
+        # The commonest message, {key: tensor}: its key, to build it without the assembler.
+        self._only_key = tree[1][0] if len(self.specs) == 1 and _is_flat_dict(tree, 1) else None
+
+    def build(self, slot_index: int, slot: torch.Tensor) -> Any:
+        """The message as fresh views of the slot (fresh, so a caller that changes a view's
+        metadata cannot affect a later item)."""
+        bases = self._bases.get(slot_index)
+        if bases is None:
+            bases = self._bases[slot_index] = [(slot[o:e].view(dt), shape, stride)
+                                               for o, e, dt, shape, stride in self.specs]
+        if self._only_key is not None:
+            b, shape, stride = bases[0]
+            return {self._only_key: b.as_strided(shape, stride)}
+        return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
+
+
+    def build_at(self, region: torch.Tensor) -> Any:
+        """The message as views of ``region`` (uint8, at least ``extent`` bytes), without
+        caching them: for memory that is not one of our own slots (forwarded items)."""
+        if region.numel() < self.extent:
+            raise ProtocolError(f"layout reaches byte {self.extent} of a {region.numel()}-byte region")
+        return self._assemble([region[o:e].view(dt).as_strided(shape, stride)
+                               for o, e, dt, shape, stride in self.specs])
+
+
+def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
+    """Zero-copy placement: if every tensor of ``msg`` is a view lying inside ``region`` (a
+    uint8 view of a slot), the layout ``[tree, specs]`` describing them by their byte offset
+    in the region, and the data bytes; else a string saying why not.
+
+    Raises ConfigError for what cannot travel at all (a leaf that is not a tensor, too deep).
+    """
+    leaves: list[torch.Tensor] = []
+    tree = _flatten(msg, leaves, 1)
+    base = region.untyped_storage().data_ptr()
+    start = region.storage_offset()  # uint8: elements are bytes
+    end = start + region.numel()
+    specs: list[list[Any]] = []
+    nbytes = 0
+    for i, t in enumerate(leaves):
+        what = f"tensor {i} ({t.dtype}, shape {tuple(t.shape)})"
+        if t.layout != torch.strided or t.is_quantized or dtype_name(t.dtype) not in _DTYPES:
+            return f"{what} is not a plain strided tensor of a sendable dtype"
+        if t.is_conj() or t.is_neg():
+            return f"{what} has a lazy conj/neg bit, which a layout cannot carry"
+        if t.device != region.device:
+            return f"{what} is on {t.device}, the received item on {region.device}"
+        size = t.element_size()
+        span = span_elements(t.shape, t.stride()) * size
+        if span == 0:
+            offset = 0  # no element: lies anywhere
+        else:
+            if t.untyped_storage().data_ptr() != base:
+                return f"{what} is not a view of the received item (a new tensor or another item's)"
+            first = t.storage_offset() * size
+            if first < start or first + span > end:
+                return f"{what} reaches outside the received item's slot"
+            offset = first - start
+            if offset % size:
+                return f"{what} is not aligned to its item size within the slot"
+        specs.append([dtype_name(t.dtype), list(t.shape), list(t.stride()), offset])
+        nbytes += t.numel() * size
+    return [tree, specs], nbytes
+
+
+def _assembler(tree: Any, ntensors: int) -> Any:
+    """A function of the ``ntensors`` tensors (in spec order) that builds what
+    ``_unflatten(tree, tensors)`` builds; for a flat dict of every tensor in order
+    (``plan_empty``, ``{"x": t}``) that is one ``dict(zip(keys, tensors))``."""
+    if _is_flat_dict(tree, ntensors):
+        keys = tuple(tree[1])
+        return lambda tensors: dict(zip(keys, tensors))
+    return lambda tensors: _unflatten(tree, tensors)
+
+
+def _is_flat_dict(tree: Any, ntensors: int) -> bool:
+    """``tree`` is ``["d", keys, [0, 1, ..., ntensors - 1]]``."""
+    return (
+        type(tree) is list and len(tree) == 3 and tree[0] == "d"
+        and type(tree[1]) is list and type(tree[2]) is list and len(tree[1]) == len(tree[2]) == ntensors
+        and all(type(c) is int and c == i for i, c in enumerate(tree[2]))
+    )
+
+
+def leaves(msg: Any) -> list[torch.Tensor]:
+    """The tensors of a message, in layout order."""
+    out: list[torch.Tensor] = []
+    _flatten(msg, out, 1)
+    return out

@@ -1,0 +1,740 @@
+"""The ipcsync wire protocol, sans-IO: bytes in, messages out. No sockets, no zmq, no torch.
+
+A frame is one msgpack array ``[type, field, field, ...]`` whose fields follow the schema
+of its type (``SCHEMAS``, written as data). Decoding is defensive: the frame size is
+checked before msgpack sees it, msgpack gets hard caps on every length, extension types are
+refused, nesting depth is bounded, and every field is validated before a message object
+exists. Anything wrong raises :class:`~ipcsync.errors.ProtocolError` naming the reason.
+
+Conversation (one consumer connection)::
+
+    consumer                         producer
+    HELLO{version, pid, ...}   ->
+                               <-    SETUP{slots, arena handles, ready-event handles}
+    ATTACH{release-event handles} ->
+                               <-    READY{seq, slot, gen, layout_id, [layout], meta}
+                               <-    FOREIGN{id, another producer's arena}   (zero-copy forwarding:
+                               <-    FREADY{READY's fields, id, offset, nbytes}  see below)
+    RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
+    HEARTBEAT                  <->   HEARTBEAT                                (when idle)
+    BYE{reason}                <->   BYE{reason}              (either side; a consumer's BYE is
+                                                               always acknowledged with a BYE)
+    ERROR{code, message}       <->   ERROR{code, message}                     (then close)
+
+Zero-copy forwarding (``ipcsync.forward``): a middle stage hands on memory it received from
+an upstream producer. FOREIGN describes that upstream arena (its export handle as the
+upstream SETUP carried it, size, device, owner) under a small id, once per consumer, before
+the first FREADY naming the id; a later FOREIGN with the same id replaces it (sent only once
+no item of the old one is held). FREADY is a READY (same slot, generation, layout cache and
+release) whose tensors lie in ``nbytes`` bytes at ``offset`` of foreign arena ``id``
+instead of in the slot. Ordinary items keep the plain READY (and its fast path).
+
+The per-connection state machine is ``TRANSITIONS``: for each role and state, which
+received message types are allowed and which state they lead to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Final, Union
+
+import msgpack
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Limits",
+    "DEFAULT_LIMITS",
+    "Hello",
+    "Setup",
+    "Attach",
+    "Ready",
+    "Release",
+    "Heartbeat",
+    "Bye",
+    "Error",
+    "Foreign",
+    "ForwardReady",
+    "Message",
+    "encode",
+    "decode",
+    "encode_ready",
+    "decode_ready",
+    "decode_release",
+    "Encoder",
+    "Conversation",
+    "VersionMismatch",
+    "check_meta",
+    "MAX_LAYOUT_IDS",
+    "sendable_layout",
+    "check_outgoing",
+]
+
+# 2: FOREIGN and FREADY (zero-copy forwarding). A peer of version 1 would fail on them
+# mid-stream; the version makes the mismatch explicit at HELLO/SETUP instead.
+PROTOCOL_VERSION: Final = 2
+
+# Largest integer accepted in any integer field (sequence numbers, offsets, sizes, pids).
+_MAX_INT: Final = 2**62
+# A handle (shared-memory name, CUDA IPC handle) is small; cap it to keep frames small.
+_MAX_HANDLE_BYTES: Final = 4096
+_MAX_TEXT: Final = 4096
+# torch tensors have at most 64 dimensions.
+_MAX_NDIM: Final = 64
+# Layout ids are 1..MAX_LAYOUT_IDS (0: "not cached"). A producer reuses them (LRU), so a
+# consumer caches at most this many layouts per producer.
+MAX_LAYOUT_IDS: Final = 4096
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard caps applied to every received frame. A frame over any cap is refused."""
+
+    max_frame: int = 1 << 20  # bytes in one frame
+    max_depth: int = 32  # nesting of arrays/maps (meta and layout trees)
+    # Entries in one array or map. msgpack pre-allocates a container when it reads its
+    # header, so this also bounds what a frame of nested headers can make it allocate.
+    max_items: int = 4096
+    max_tensors: int = 4096  # tensors in one message
+    max_slots: int = 4096  # slots in one ring
+    max_release_batch: int = 4096  # entries in one RELEASE
+    max_foreign: int = 64  # foreign arena ids (FOREIGN.fid < this)
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    def __init__(self, peer_version: object) -> None:
+        self.peer_version = peer_version
+        super().__init__(
+            f"peer speaks ipcsync protocol version {peer_version!r}, this process speaks "
+            f"version {PROTOCOL_VERSION}; install the same ipcsync version on both sides"
+        )
+
+
+# --------------------------------------------------------------------------- validators
+# Each validator takes the decoded value and the limits, returns the value to store (possibly
+# converted) or raises ProtocolError. They are composed into SCHEMAS below.
+
+Validator = Callable[[Any, Limits], Any]
+
+
+def _fail(what: str) -> ProtocolError:
+    return ProtocolError(what)
+
+
+def _uint(v: Any, lim: Limits) -> int:
+    if type(v) is not int or v < 0 or v > _MAX_INT:
+        raise _fail(f"expected a non-negative integer, got {_describe(v)}")
+    return v
+
+
+def _int(v: Any, lim: Limits) -> int:
+    if type(v) is not int or abs(v) > _MAX_INT:
+        raise _fail(f"expected an integer, got {_describe(v)}")
+    return v
+
+
+def _text(v: Any, lim: Limits) -> str:
+    if type(v) is not str or len(v) > _MAX_TEXT:
+        raise _fail(f"expected a string of at most {_MAX_TEXT} characters, got {_describe(v)}")
+    return v
+
+
+def _opt_text(v: Any, lim: Limits) -> str | None:
+    return None if v is None else _text(v, lim)
+
+
+def _handle(v: Any, lim: Limits) -> bytes | str:
+    if type(v) not in (bytes, str) or len(v) > _MAX_HANDLE_BYTES:
+        raise _fail(f"expected a handle (bytes or str up to {_MAX_HANDLE_BYTES}), got {_describe(v)}")
+    return v
+
+
+def _list_of(item: Validator, cap: Callable[[Limits], int]) -> Validator:
+    def check(v: Any, lim: Limits) -> list[Any]:
+        if type(v) is not list:
+            raise _fail(f"expected an array, got {_describe(v)}")
+        if len(v) > cap(lim):
+            raise _fail(f"array of {len(v)} entries exceeds the limit of {cap(lim)}")
+        return [item(x, lim) for x in v]
+
+    return check
+
+
+def _slot_desc(v: Any, lim: Limits) -> tuple[int, int, int]:
+    if type(v) is not list or len(v) != 3:
+        raise _fail(f"a slot descriptor is [arena, offset, nbytes], got {_describe(v)}")
+    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+
+def _foreign_id(v: Any, lim: Limits) -> int:
+    if type(v) is not int or not 0 <= v < lim.max_foreign:
+        raise _fail(f"expected a foreign arena id below {lim.max_foreign}, got {_describe(v)}")
+    return v
+
+
+def _release_entry(v: Any, lim: Limits) -> tuple[int, int, int]:
+    if type(v) is not list or len(v) != 3:
+        raise _fail(f"a release entry is [seq, slot, gen], got {_describe(v)}")
+    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+
+def _meta(v: Any, lim: Limits) -> Any:
+    check_meta(v, lim.max_depth)
+    return v
+
+
+def _layout(v: Any, lim: Limits) -> Any:
+    """Structure of a message layout: ``[tree, specs]`` (see ipcsync.core.layout).
+
+    tree  := int (index of a tensor spec) | ["d", [key, ...], [tree, ...]]
+           | ["l", [tree, ...]] | ["t", [tree, ...]]
+    spec  := [dtype name, [size, ...], [stride, ...], byte offset in slot]
+
+    Checked here: types, ranges, depth, that every spec is used exactly once. The dtype
+    name and the bounds against the slot size are checked by ipcsync.core.layout.
+    """
+    if type(v) is not list or len(v) != 2:
+        raise _fail("a layout is [tree, specs]")
+    tree, specs = v
+    if type(specs) is not list or len(specs) > lim.max_tensors:
+        raise _fail(f"layout specs must be an array of at most {lim.max_tensors} tensors")
+    for spec in specs:
+        if type(spec) is not list or len(spec) != 4:
+            raise _fail(f"a tensor spec is [dtype, shape, stride, offset], got {_describe(spec)}")
+        dtype, shape, stride, offset = spec
+        if type(dtype) is not str or len(dtype) > 64:
+            raise _fail(f"tensor dtype must be a short string, got {_describe(dtype)}")
+        for dims, what in ((shape, "shape"), (stride, "stride")):
+            if type(dims) is not list or len(dims) > _MAX_NDIM:
+                raise _fail(f"tensor {what} must be an array of at most {_MAX_NDIM} integers")
+            for d in dims:
+                _uint(d, lim)
+        if len(shape) != len(stride):
+            raise _fail(f"tensor shape has {len(shape)} dims but stride has {len(stride)}")
+        _uint(offset, lim)
+    seen: set[int] = set()
+    # Iterative walk: (node, depth).
+    stack: list[tuple[Any, int]] = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > lim.max_depth:
+            raise _fail(f"layout nesting exceeds depth {lim.max_depth}")
+        if type(node) is int:
+            if node < 0 or node >= len(specs) or node in seen:
+                raise _fail(f"layout leaf {node} is out of range or used twice")
+            seen.add(node)
+            continue
+        if type(node) is not list or not node or node[0] not in ("d", "l", "t"):
+            raise _fail(f"layout node must be an index or a d/l/t container, got {_describe(node)}")
+        if node[0] == "d":
+            if len(node) != 3 or type(node[1]) is not list or type(node[2]) is not list:
+                raise _fail("a dict layout node is ['d', keys, children]")
+            keys, children = node[1], node[2]
+            if len(keys) != len(children) or any(type(k) is not str for k in keys):
+                raise _fail("dict layout keys must be strings, one per child")
+            if len(set(keys)) != len(keys):
+                raise _fail("dict layout keys must be distinct")
+        else:
+            if len(node) != 2 or type(node[1]) is not list:
+                raise _fail(f"a {node[0]!r} layout node is [{node[0]!r}, children]")
+            children = node[1]
+        stack.extend((c, depth + 1) for c in children)
+    if len(seen) != len(specs):
+        raise _fail("layout has tensor specs that no tree leaf uses")
+    return v
+
+
+def _opt_layout(v: Any, lim: Limits) -> Any:
+    return None if v is None else _layout(v, lim)
+
+
+def _describe(v: Any) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r[:40]}{'...' if len(r) > 40 else ''}"
+
+
+# Types of meta values that check_meta accepts at any max_depth >= 1 without looking
+# further (an int needs its range checked too).
+_SCALAR_META: Final = (bool, float, str, bytes)
+_META_INT_MIN: Final = -(2**63)
+_META_INT_END: Final = 2**64
+
+
+def check_meta(v: Any, max_depth: int = DEFAULT_LIMITS.max_depth) -> None:
+    """Raise ProtocolError unless ``v`` is plain msgpack data (None, bool, int, float, str,
+    bytes, list/tuple, dict with str keys) nested at most ``max_depth`` deep."""
+    stack: list[tuple[Any, int]] = [(v, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise _fail(f"meta nesting exceeds depth {max_depth}")
+        t = type(node)
+        if t in (list, tuple):
+            stack.extend((c, depth + 1) for c in node)
+        elif t is dict:
+            for k, c in node.items():
+                if type(k) is not str:
+                    raise _fail(f"meta dict keys must be strings, got {_describe(k)}")
+                stack.append((c, depth + 1))
+        elif node is not None and t not in (bool, int, float, str, bytes):
+            raise _fail(f"meta may hold only plain msgpack data, got {_describe(node)}")
+        elif t is int and not _META_INT_MIN <= node < _META_INT_END:
+            raise _fail(f"meta integer {node} does not fit in 64 bits")
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Consumer -> producer, first message. Says who the consumer is and where it runs."""
+
+    TYPE: ClassVar[int] = 1
+    version: int
+    pid: int
+    start_time: int  # process start time (clock ticks since boot); with pid, names a process
+    boot_id: str  # /proc/sys/kernel/random/boot_id: same boot <=> same host and boot
+    pid_ns: str  # PID namespace identity ("" where unknown)
+    backend: str  # "cpu" or "cuda"
+    device: str | None  # device identity (GPU UUID) or None on the CPU backend
+    credits: int  # how many items this consumer will hold at once, at most
+    heartbeat_ms: int  # 0: no heartbeat-based loss detection
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """Producer -> consumer: the ring. Arenas and events are exported once here."""
+
+    TYPE: ClassVar[int] = 2
+    version: int
+    pid: int
+    start_time: int
+    pid_ns: str
+    backend: str
+    device: str | None
+    arenas: list[bytes | str]  # backend handles, one per arena
+    arena_bytes: list[int]  # size of each arena
+    slots: list[tuple[int, int, int]]  # per slot: (arena index, byte offset, nbytes)
+    ready_events: list[bytes | str]  # per slot: handle of the producer's ready event
+    heartbeat_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Consumer -> producer: the consumer's release-event handles, one per slot."""
+
+    TYPE: ClassVar[int] = 3
+    release_events: list[bytes | str]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Producer -> consumer: slot ``slot`` of generation ``gen`` holds item ``seq``."""
+
+    TYPE: ClassVar[int] = 4
+    seq: int
+    slot: int
+    gen: int
+    sent_ns: int  # producer's time.monotonic_ns() at send (same host: comparable)
+    # Layouts travel once per connection: the first READY with a given layout_id carries
+    # the layout, later ones carry None and the consumer uses the one it validated then.
+    # layout_id 0 means "not cached": the layout is always present.
+    layout_id: int
+    layout: Any  # see _layout; None for a layout_id the consumer already has
+    meta: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Consumer -> producer: these items are released (batched)."""
+
+    TYPE: ClassVar[int] = 5
+    entries: list[tuple[int, int, int]]  # (seq, slot, gen)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Either way, when a side has sent nothing for a while."""
+
+    TYPE: ClassVar[int] = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Either way: this side is closing. From the producer it follows the last READY."""
+
+    TYPE: ClassVar[int] = 7
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either way: the peer did something wrong; ``code`` is machine-readable."""
+
+    TYPE: ClassVar[int] = 8
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Foreign:
+    """Producer -> consumer: another producer's arena, which FREADY items reference (zero-copy
+    forwarding). Sent once per consumer and ``fid`` before the first FREADY naming it."""
+
+    TYPE: ClassVar[int] = 10
+    fid: int  # below Limits.max_foreign; reused only once no item of the old arena is held
+    backend: str  # "cpu" or "cuda": the arena's owner's backend
+    device: str | None  # GPU UUID of the arena (None on the CPU backend)
+    pid: int  # the arena's owner (the upstream producer)
+    start_time: int
+    handle: bytes | str  # the arena handle exactly as the owner's SETUP carried it
+    nbytes: int  # the arena's size
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardReady:
+    """Producer -> consumer (FREADY): a READY whose tensors lie in ``nbytes`` bytes at
+    ``offset`` of foreign arena ``fid`` (layout offsets are relative to that region). The
+    slot and generation are the sender's, released as for READY."""
+
+    TYPE: ClassVar[int] = 11
+    seq: int
+    slot: int
+    gen: int
+    sent_ns: int
+    layout_id: int
+    layout: Any
+    meta: Any
+    fid: int
+    offset: int
+    nbytes: int
+
+
+Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady]
+
+# The schema of each message type, as data: field validators in wire order.
+SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
+    Hello: (_uint, _uint, _uint, _text, _text, _text, _opt_text, _uint, _uint),
+    Setup: (
+        _uint,
+        _uint,
+        _uint,
+        _text,
+        _text,
+        _opt_text,
+        _list_of(_handle, lambda lim: lim.max_slots),
+        _list_of(_uint, lambda lim: lim.max_slots),
+        _list_of(_slot_desc, lambda lim: lim.max_slots),
+        _list_of(_handle, lambda lim: lim.max_slots),
+        _uint,
+    ),
+    Attach: (_list_of(_handle, lambda lim: lim.max_slots),),
+    Ready: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta),
+    Release: (_list_of(_release_entry, lambda lim: lim.max_release_batch),),
+    Heartbeat: (),
+    Bye: (_text,),
+    Error: (_text, _text),
+    Foreign: (_foreign_id, _text, _opt_text, _uint, _uint, _handle, _uint),
+    ForwardReady: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta, _foreign_id, _uint, _uint),
+}
+_BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
+_FIELDS: Final[dict[type, tuple[str, ...]]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in SCHEMAS
+}
+for _cls, _schema in SCHEMAS.items():
+    assert len(_schema) == len(_FIELDS[_cls]), _cls
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message to one frame."""
+    cls = type(msg)
+    return msgpack.packb(
+        [cls.TYPE, *(getattr(msg, f) for f in _FIELDS[cls])], use_bin_type=True
+    )
+
+
+def encode_ready(
+    seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
+) -> bytes:
+    """Hot-path encoder for READY, identical in output to ``encode(Ready(...))``."""
+    return msgpack.packb([4, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
+
+
+class Encoder:
+    """``encode_ready`` and ``encode(Release(...))`` with one reused msgpack Packer: the same
+    bytes, without building a Packer (and its buffer) per frame. Not thread-safe: one per
+    endpoint, used under that endpoint's lock."""
+
+    __slots__ = ("_pack",)
+
+    def __init__(self) -> None:
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+
+    def ready(
+        self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
+    ) -> bytes:
+        try:
+            return self._pack([4, seq, slot, gen, sent_ns, layout_id, layout, meta])
+        except BaseException:
+            # Never reuse a Packer after a failed pack: some msgpack versions keep its bytes.
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+    def forward_ready(
+        self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any,
+        fid: int, offset: int, nbytes: int,
+    ) -> bytes:
+        """``encode(ForwardReady(...))``."""
+        try:
+            return self._pack([11, seq, slot, gen, sent_ns, layout_id, layout, meta, fid, offset, nbytes])
+        except BaseException:
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+    def release(self, entries: list[tuple[int, int, int]]) -> bytes:
+        try:
+            return self._pack([5, entries])
+        except BaseException:
+            self._pack = msgpack.Packer(use_bin_type=True).pack
+            raise
+
+
+# --------------------------------------------------------------------------- sender checks
+# A producer checks what it sends with the decoder its consumers use, under the same
+# Limits, so a message it accepts can never make a consumer fail: the layout once per new
+# layout (sendable_layout), the READY/FREADY frame at each send (check_outgoing).
+
+# Metas that msgpack bounds by itself: packing refuses an int outside 64 bits, and a str or
+# bytes is bounded by the frame size. Any other meta is checked by decoding its frame.
+_BOUNDED_META: Final = (int, float, str, bool, bytes)
+
+
+def sendable_layout(layout: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """``layout`` encoded, once ``decode`` (with ``limits``) accepts a READY carrying it:
+    ProtocolError otherwise (too many tensors or entries in one dict/list, too deep, larger
+    than a frame, ...)."""
+    decode(encode_ready(0, 0, 0, 0, 1, layout, None), limits)
+    return msgpack.packb(layout, use_bin_type=True)
+
+
+def check_outgoing(frame: bytes, meta: Any, layout_bytes: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """ProtocolError unless a consumer decoding with ``limits`` accepts ``frame``, a READY
+    or FREADY just encoded with ``meta``, also once a layout of ``layout_bytes`` bytes
+    (checked by ``sendable_layout``; 0 when ``frame`` carries its layout already) takes the
+    place of its ``None``. Cheap for a scalar meta: only the frame size is checked."""
+    size = len(frame) + layout_bytes
+    if size > limits.max_frame:
+        raise ProtocolError(
+            f"message description (layout + meta) is {size} bytes, over the frame limit of "
+            f"{limits.max_frame}"
+        )
+    if meta is None or type(meta) in _BOUNDED_META:
+        return
+    # The consumer's fast path first (it accepts only what decode accepts), then decode,
+    # which says what is wrong. A frame's parts are checked separately (depth, entries per
+    # container), so the layout checked alone and the meta checked here make the whole.
+    if decode_ready(frame, limits) is None:
+        decode(frame, limits)
+
+
+def _unpack(frame: bytes, limits: Limits) -> Any:
+    return msgpack.unpackb(
+        frame,
+        raw=False,
+        use_list=True,
+        strict_map_key=True,
+        ext_hook=_reject_ext,
+        max_str_len=limits.max_frame,
+        max_bin_len=limits.max_frame,
+        max_array_len=limits.max_items,
+        max_map_len=limits.max_items,
+        max_ext_len=0,
+    )
+
+
+def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, int, int, int, Any] | None:
+    """The steady-state fast path of ``decode``: ``(seq, slot, gen, sent_ns, layout_id,
+    meta)`` when ``decode(frame, limits)`` would return a READY without a layout, else None
+    (then ``decode`` accepts or rejects the frame, with its reason). Never raises."""
+    max_frame = limits.max_frame
+    if len(frame) > max_frame or not frame or limits.max_depth < 1:  # depth: see check_meta
+        return None
+    try:
+        obj = msgpack.unpackb(  # as _unpack
+            frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=limits.max_items,
+            max_map_len=limits.max_items, max_ext_len=0,
+        )
+    except Exception:
+        return None
+    if type(obj) is not list or len(obj) != 8:
+        return None
+    kind, seq, slot, gen, sent_ns, layout_id, layout, meta = obj
+    if (
+        type(kind) is not int or kind != 4 or layout is not None
+        or type(seq) is not int or not 0 <= seq <= _MAX_INT
+        or type(slot) is not int or not 0 <= slot <= _MAX_INT
+        or type(gen) is not int or not 0 <= gen <= _MAX_INT
+        or type(sent_ns) is not int or not 0 <= sent_ns <= _MAX_INT
+        or type(layout_id) is not int or not 0 <= layout_id <= _MAX_INT
+    ):
+        return None
+    if meta is not None and type(meta) not in _SCALAR_META:
+        if type(meta) is int:
+            if not _META_INT_MIN <= meta < _META_INT_END:
+                return None
+        else:
+            try:
+                check_meta(meta, limits.max_depth)
+            except ProtocolError:
+                return None
+    return seq, slot, gen, sent_ns, layout_id, meta
+
+
+def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
+    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
+    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
+    if len(frame) > limits.max_frame or not frame:
+        return None
+    try:
+        obj = _unpack(frame, limits)
+    except Exception:
+        return None
+    if type(obj) is not list or len(obj) != 2:
+        return None
+    kind, raw = obj
+    if type(kind) is not int or kind != 5 or type(raw) is not list or len(raw) > limits.max_release_batch:
+        return None
+    entries = []
+    for e in raw:
+        if type(e) is not list or len(e) != 3:
+            return None
+        seq, slot, gen = e
+        if (
+            type(seq) is not int or not 0 <= seq <= _MAX_INT
+            or type(slot) is not int or not 0 <= slot <= _MAX_INT
+            or type(gen) is not int or not 0 <= gen <= _MAX_INT
+        ):
+            return None
+        entries.append((seq, slot, gen))
+    return entries
+
+
+def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode and validate one frame. Raises ProtocolError naming the reason."""
+    if len(frame) > limits.max_frame:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {limits.max_frame}")
+    if not frame:
+        raise ProtocolError("empty frame")
+    try:
+        obj = _unpack(frame, limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"malformed msgpack frame: {type(exc).__name__}: {exc}") from None
+    if type(obj) is not list or not obj:
+        raise ProtocolError(f"a frame must be a non-empty msgpack array, got {_describe(obj)}")
+    kind = obj[0]
+    cls = _BY_TYPE.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {_describe(kind)}")
+    if cls is Hello or cls is Setup:
+        # Check the version first, so a peer of another version gets a version error even
+        # when its message has other fields.
+        if len(obj) < 2 or obj[1] != PROTOCOL_VERSION:
+            raise VersionMismatch(obj[1] if len(obj) > 1 else None)
+    schema = SCHEMAS[cls]
+    if len(obj) - 1 != len(schema):
+        raise ProtocolError(
+            f"{cls.__name__.upper()} has {len(obj) - 1} fields, expected {len(schema)}"
+        )
+    values = []
+    for name, check, value in zip(_FIELDS[cls], schema, obj[1:]):
+        try:
+            values.append(check(value, limits))
+        except ProtocolError as exc:
+            raise ProtocolError(f"{cls.__name__.upper()}.{name}: {exc}") from None
+    return cls(*values)
+
+
+# --------------------------------------------------------------------------- conversation
+
+# State machine of one connection, as data: (role, state) -> {received type: next state}.
+# A message type absent from a state's table is a protocol violation in that state.
+TRANSITIONS: Final[dict[tuple[str, str], dict[type, str]]] = {
+    ("producer", "await_hello"): {Hello: "await_attach", Bye: "closed", Error: "closed"},
+    ("producer", "await_attach"): {
+        Attach: "active",
+        Heartbeat: "await_attach",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("producer", "active"): {
+        Release: "active",
+        Heartbeat: "active",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("consumer", "await_setup"): {
+        Setup: "active",
+        Heartbeat: "await_setup",
+        Bye: "closed",
+        Error: "closed",
+    },
+    ("consumer", "active"): {
+        Ready: "active",
+        Foreign: "active",
+        ForwardReady: "active",
+        Heartbeat: "active",
+        Bye: "ending",
+        Error: "closed",
+    },
+    # After the producer's BYE: no more items; the consumer still releases what it holds,
+    # then says BYE, which the producer acknowledges with a BYE of its own.
+    ("consumer", "ending"): {
+        Heartbeat: "ending",
+        Bye: "ending",
+        Error: "closed",
+    },
+}
+_INITIAL: Final = {"producer": "await_hello", "consumer": "await_setup"}
+
+
+class Conversation:
+    """The protocol state of one connection, seen from one side (``role``)."""
+
+    __slots__ = ("role", "state")
+
+    def __init__(self, role: str) -> None:
+        if role not in _INITIAL:
+            raise ValueError(f"role must be 'producer' or 'consumer', not {role!r}")
+        self.role = role
+        self.state = _INITIAL[role]
+
+    def receive(self, msg: Message) -> str:
+        """Advance on a received message; return the new state. Raises ProtocolError for a
+        message that is not allowed in the current state (the state does not change)."""
+        if self.state == "closed":
+            raise ProtocolError(f"{type(msg).__name__.upper()} received after the connection closed")
+        nxt = TRANSITIONS[(self.role, self.state)].get(type(msg))
+        if nxt is None:
+            raise ProtocolError(
+                f"{type(msg).__name__.upper()} is not allowed while the {self.role} is in "
+                f"state {self.state!r}"
+            )
+        self.state = nxt
+        return nxt
+
+    def close(self) -> None:
+        self.state = "closed"

@@ -1,0 +1,739 @@
+"""ZeroMQ only: endpoints, sockets, the exclusive bind, disconnect detection.
+
+- A bare name maps to ``ipc://<runtime dir>/<name>.sock``. The runtime dir is
+  ``$IPCSYNC_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``;
+  it is created 0700, never followed through a symlink, and refused if another user owns
+  it or others can read it (a squatted default falls back to ``<default>-alt``: see
+  ``runtime_dir``). Sockets are chmod 0600. ``ipc://`` and ``tcp://`` endpoints are taken as given.
+- The producer binds a ROUTER; consumers connect DEALERs. ZeroMQ alone lets a second bind
+  of an ipc path silently take it over, so a producer first takes an exclusive ``flock`` on
+  ``<path>.lock`` and holds it while it lives: a second producer gets a ConfigError and
+  the first is unaffected. The lock dies with its process, so a stale socket left by a
+  killed producer is taken over by the next one (or removed by ``remove_stale``).
+- Every socket has linger 0 (close never hangs), ROUTER_MANDATORY (a send to a departed
+  peer or past the high-water mark raises instead of being dropped silently) and
+  MAXMSGSIZE (a peer sending an oversized frame is disconnected by ZeroMQ itself).
+- Disconnects come from a socket monitor. On the producer, the file descriptor of each
+  connection (ZMQ_SRCFD of a received frame) ties a DISCONNECTED event to its consumer.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import stat
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import host as _host
+from ..errors import ConfigError
+
+__all__ = [
+    "Endpoint",
+    "resolve_endpoint",
+    "runtime_dir",
+    "BindLock",
+    "ProducerChannel",
+    "ConsumerChannel",
+    "remove_stale",
+    "CurveKeys",
+    "check_transport",
+    "producer_identity_problem",
+    "diagnose_unanswered",
+    "raise_fd_limit",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# Plain ints on the hot path: pyzmq's flag enums cost an Enum operation per use.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _SNDMORE, _SRCFD = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.SRCFD)
+_NO_EVENTS: tuple[tuple[int, int], ...] = ()
+# pyzmq's Python-level Socket.send adds only routing_id/group handling (unused here) to
+# its backend's send, and recv_multipart is a loop over recv: the channels call the
+# backend's methods directly.
+_BACKEND_SOCKET = getattr(zmq.backend, "Socket", None)
+
+
+def _backend_method(sock: zmq.Socket, name: str) -> Any:
+    """``sock.<name>`` as the pyzmq backend defines it, bound to ``sock`` (the Python-level
+    one where the backend has none)."""
+    base = _BACKEND_SOCKET if _BACKEND_SOCKET is not None and isinstance(sock, _BACKEND_SOCKET) else None
+    fn = getattr(base, name, None)
+    return fn.__get__(sock) if fn is not None else getattr(sock, name)
+
+
+_FALLBACK_SUFFIX = "-alt"
+_warned_fallback: set[str] = set()
+
+
+def runtime_dir() -> str:
+    """The private directory for bare endpoint names; created 0700 if missing.
+
+    ``$IPCSYNC_RUNTIME_DIR`` if set (missing parents are created), else
+    ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``. The directory itself must be
+    a real directory (never a symlink: it is opened with O_NOFOLLOW | O_DIRECTORY and
+    checked on that descriptor), owned by this user, with no access for others.
+
+    - ``$IPCSYNC_RUNTIME_DIR`` that fails this is a ConfigError that says why.
+    - A default path that is ours but open to others is made 0700 (only we could have
+      made it so).
+    - A default path taken by someone else (another owner, a symlink, not a directory)
+      makes every process of this user use ``<default>-alt`` instead, checked the same
+      way, with a warning once per process. It is deterministic, so producers and
+      consumers still meet there; if it is taken too, that is a ConfigError telling the
+      user to set IPCSYNC_RUNTIME_DIR. Nothing is ever used that another user controls.
+    """
+    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
+    if explicit:
+        try:
+            parent = os.path.dirname(explicit.rstrip("/"))
+            if parent:
+                os.makedirs(parent, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the runtime directory {explicit}: {exc}") from None
+        problem = _private_dir(explicit, fix_mode=False)
+        if problem is not None:
+            raise ConfigError(f"runtime directory {explicit} (IPCSYNC_RUNTIME_DIR) {problem}")
+        return explicit
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(xdg, "ipcsync") if xdg and os.path.isdir(xdg) else f"/tmp/ipcsync-{os.getuid()}"
+    problem = _private_dir(base, fix_mode=True)
+    if problem is None:
+        return base
+    alt = base + _FALLBACK_SUFFIX
+    alt_problem = _private_dir(alt, fix_mode=True)
+    if alt_problem is not None:
+        raise ConfigError(
+            f"the runtime directory {base} {problem}, and the fallback {alt} {alt_problem}; "
+            "set IPCSYNC_RUNTIME_DIR to a directory of your own (mode 0700), the same for "
+            "producers and consumers"
+        )
+    if base not in _warned_fallback:
+        _warned_fallback.add(base)
+        warnings.warn(
+            f"ipcsync: the runtime directory {base} {problem}; using {alt} instead. Set "
+            "IPCSYNC_RUNTIME_DIR to choose the directory (the same for producers and consumers)",
+            RuntimeWarning, stacklevel=3,
+        )
+    return alt
+
+
+def _private_dir(path: str, fix_mode: bool) -> str | None:
+    """Create ``path`` (0700) if missing and check it without following a symlink: None if
+    it is a directory of this user that others cannot access, else what is wrong (a
+    phrase that follows the path in a message)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot be created: {exc}"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be examined: {exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link; refusing to follow it"
+    if not stat.S_ISDIR(st.st_mode):
+        return "exists and is not a directory"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot be opened: {exc}"
+    try:
+        st = os.fstat(fd)  # the directory we opened, whatever happened to the path since
+        if st.st_uid != os.getuid():
+            return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            if not fix_mode:
+                return f"is accessible to other users (mode {mode:o}); run chmod 700 {path}"
+            os.fchmod(fd, 0o700)
+    except OSError as exc:
+        return f"cannot be made private: {exc}"
+    finally:
+        os.close(fd)
+    return None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A resolved endpoint: the ZeroMQ URL and, for ipc, the socket file path."""
+
+    name: str
+    url: str
+    path: str | None  # ipc socket path, None for tcp
+
+    @property
+    def lock_path(self) -> str | None:
+        return None if self.path is None else self.path + ".lock"
+
+
+def resolve_endpoint(name: str) -> Endpoint:
+    """Map a bare name to a private ipc path; take ``ipc://`` and ``tcp://`` as given."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"an endpoint must be a non-empty string, got {name!r}")
+    if name.startswith("ipc://"):
+        path = name[len("ipc://"):]
+        if not path.startswith("/"):
+            raise ConfigError(f"ipc endpoint {name!r} must use an absolute path")
+    elif name.startswith("tcp://"):
+        return Endpoint(name, name, None)
+    elif "://" in name:
+        raise ConfigError(f"endpoint {name!r}: only bare names, ipc:// and tcp:// are supported")
+    else:
+        if not _NAME_RE.fullmatch(name):
+            raise ConfigError(
+                f"endpoint name {name!r} must be 1-64 characters of letters, digits, '.', "
+                "'_' and '-', starting with a letter or digit"
+            )
+        path = os.path.join(runtime_dir(), name + ".sock")
+    if len(path.encode()) > _IPC_PATH_MAX:
+        raise ConfigError(
+            f"ipc socket path {path!r} is {len(path.encode())} bytes, over the OS limit of "
+            f"{_IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR"
+        )
+    return Endpoint(name, "ipc://" + path, path)
+
+
+class BindLock:
+    """Exclusive ownership of an ipc endpoint path, held while the producer lives."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock; False if a live process holds it."""
+        path = self.endpoint.lock_path
+        assert path is not None
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise ConfigError(f"cannot open the bind lock {path}: {exc}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    return False
+                raise
+            # The holder may have unlinked the file between our open and our flock; then
+            # we locked an orphan inode and must retry on the current file.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return True
+            os.close(fd)
+
+    def release(self, remove_socket: bool) -> None:
+        """Remove the socket file (if asked) and the lock file, then drop the lock."""
+        if self._fd is None:
+            return
+        for p in ([self.endpoint.path] if remove_socket else []) + [self.endpoint.lock_path]:
+            try:
+                os.unlink(p)  # type: ignore[arg-type]
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def remove_stale(endpoint: Endpoint) -> bool:
+    """Remove the socket and lock files of an ipc endpoint whose producer is gone.
+
+    Returns True if it removed them; False if a live producer holds the endpoint (or it is
+    not an ipc endpoint). Safe to call from anyone who noticed a dead producer.
+    """
+    if endpoint.path is None or not os.path.exists(endpoint.lock_path or ""):
+        return False
+    lock = BindLock(endpoint)
+    if not lock.acquire():
+        return False
+    lock.release(remove_socket=True)
+    return True
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys for a ``tcp://`` control channel (Z85 bytes, as ``zmq.curve_keypair()``
+    makes them). The producer needs its own pair; a consumer needs a pair of its own and
+    ``server``, the producer's public key, which it must get out of band: only a peer that
+    knows it can connect, and everything on the wire is encrypted.
+
+        server = CurveKeys.generate()                      # producer side
+        client = CurveKeys.generate(server=server.public)  # consumer side
+    """
+
+    public: bytes
+    secret: bytes
+    server: bytes | None = None
+
+    @classmethod
+    def generate(cls, server: bytes | None = None) -> "CurveKeys":
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret, server)
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"CurveKeys(public={self.public!r}, server={self.server!r})"
+
+
+def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool, role: str) -> None:
+    """Refuse an unprotected tcp:// control channel unless ``insecure=True`` says so, and
+    a producer bound to every interface without CURVE. ipc endpoints are protected by the
+    file system (a 0700 directory, 0600 sockets) and the peer-credential check."""
+    if endpoint.path is not None:
+        if curve is not None:
+            raise ConfigError("CURVE keys apply to tcp:// endpoints; ipc endpoints are protected by file permissions")
+        return
+    if curve is not None:
+        if not zmq.has("curve"):
+            raise ConfigError("this libzmq was built without CURVE support; use an ipc endpoint")
+        if role == "consumer" and curve.server is None:
+            raise ConfigError("a consumer's CurveKeys need server=<the producer's public key>")
+        return
+    if not insecure:
+        raise ConfigError(
+            f"{endpoint.url}: a tcp:// control channel needs CURVE keys (curve=ipcsync.CurveKeys."
+            "generate(...)); pass insecure=True to accept an unauthenticated, unencrypted channel "
+            "(anyone who can reach the port can then talk to this endpoint)"
+        )
+    host = endpoint.url[len("tcp://"):].rsplit(":", 1)[0]
+    if role == "producer" and host in ("*", "0.0.0.0", "[::]", "::", "[*]"):
+        raise ConfigError(
+            f"{endpoint.url}: refusing to bind every interface without CURVE; bind one address "
+            "(e.g. tcp://127.0.0.1:PORT) or use CURVE keys"
+        )
+
+
+def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> None:
+    if curve is None:
+        return
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    else:
+        assert curve.server is not None
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server)
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def _configure(sock: zmq.Socket, max_frame: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 1024)
+    # Bounded queues, never silent drops: ROUTER_MANDATORY makes a full queue raise
+    # zmq.Again on a non-blocking send; a DEALER raises zmq.Again too.
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+
+
+class _Channel:
+    sock: zmq.Socket
+    mon: zmq.Socket | None = None
+
+    def _setup_monitor(self) -> None:
+        self.mon = self.sock.get_monitor_socket(_MONITOR_EVENTS)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.mon, zmq.POLLIN)
+
+    def _bind_hot(self) -> None:
+        """Bound backend methods of the socket, for the per-frame calls."""
+        self._get = _backend_method(self.sock, "get")
+        self._send = _backend_method(self.sock, "send")
+        self._recv = _backend_method(self.sock, "recv")
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a frame or a monitor event."""
+        return bool(self.poller.poll(max(0, int(timeout * 1000))))
+
+    def fds(self) -> list[int]:
+        """The OS file descriptors (``ZMQ_FD``) that signal activity on the socket and its
+        monitor: edge-triggered, safe to ``select`` on from a thread that does not own
+        the socket. Check ``pending()`` before blocking on them."""
+        out = [self.sock.getsockopt(zmq.FD)]
+        if self.mon is not None:
+            out.append(self.mon.getsockopt(zmq.FD))
+        return out
+
+    def pending(self) -> bool:
+        """True if the socket or its monitor has something to read now."""
+        if self._get(_EVENTS) & _POLLIN:
+            return True
+        mon = self.mon
+        return mon is not None and bool(mon.getsockopt(_EVENTS) & _POLLIN)
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """Pending monitor events as (event, fd), without blocking."""
+        mon = self.mon
+        if mon is None or not mon.getsockopt(_EVENTS) & _POLLIN:
+            return _NO_EVENTS
+        out = []
+        while True:
+            try:
+                raw = mon.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = parse_monitor_message(raw)
+            out.append((int(msg["event"]), int(msg["value"])))
+
+    def _recv_parts(self, copy: bool) -> list[Any] | None:
+        """One whole message, as ``recv_multipart`` gives it, or None if none is waiting."""
+        if not self._get(_EVENTS) & _POLLIN:
+            return None
+        recv = self._recv
+        try:
+            parts = [recv(_NOBLOCK, copy)]
+        except zmq.Again:
+            return None
+        # The parts of a message arrive together: the rest never raises zmq.Again.
+        while self._get(_RCVMORE):
+            parts.append(recv(_NOBLOCK, copy))
+        return parts
+
+    def close(self) -> None:
+        sock = getattr(self, "sock", None)
+        if sock is None or sock.closed:
+            return
+        if self.mon is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.mon.close(linger=0)
+            self.mon = None
+        sock.close()  # with its LINGER option: 0 unless set for a last word (an abort's ERROR)
+
+
+def producer_identity_problem(
+    endpoint: Endpoint, connection_fd: int, pid: int, pid_ns: str, *,
+    lstat: Any = os.lstat, credentials: Any = None, uid: int | None = None,
+) -> str | None:
+    """Why the producer that answered on an ipc ``endpoint`` is not to be trusted, or None.
+
+    Its SETUP says it is process ``pid`` (in pid namespace ``pid_ns``). Checked: the socket
+    file is owned by this user (lstat: a symlink is judged, not followed), and the kernel's
+    peer credentials of our connection (SO_PEERCRED) name this user and, where that pid is
+    visible in our namespace, the same pid. Whoever binds an ipc path first gets the
+    connections: without this, another user's process could feed us data. tcp endpoints
+    are not checked here (CURVE authenticates them). ``lstat``, ``credentials`` and
+    ``uid`` are for tests."""
+    if endpoint.path is None:
+        return None
+    me = os.getuid() if uid is None else uid
+    creds = _host.peer_credentials if credentials is None else credentials
+    try:
+        st = lstat(endpoint.path)
+    except FileNotFoundError:
+        st = None  # removed since (a closing producer): the credentials still speak
+    except OSError as exc:
+        return f"cannot examine the socket {endpoint.path}: {exc}; refusing its data"
+    if st is not None and st.st_uid != me:
+        return (f"the producer on {endpoint.path} runs as uid {st.st_uid} (owner of the socket "
+                f"file), not as this user (uid {me}); refusing its data")
+    cred = creds(connection_fd) if connection_fd >= 0 else None
+    if cred is not None:
+        cpid, cuid, _gid = cred
+        if cuid != me:
+            return (f"the producer on {endpoint.path} runs as uid {cuid}, not as this user "
+                    f"(uid {me}); refusing its data")
+        if cpid and pid_ns == _host.pid_namespace() and cpid != pid:
+            return (f"the producer on {endpoint.path} says it is pid {pid} but the connection "
+                    f"belongs to pid {cpid}; refusing its data")
+    return None
+
+
+def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
+    """Why nobody answered on an ipc endpoint, as far as the socket file tells:
+    (permission problem?, reason), or None when it says nothing (no file yet, or a
+    listener that accepts but is silent). A raw AF_UNIX connect shows what ZeroMQ's
+    silent retries hide (EACCES, ECONNREFUSED)."""
+    import socket
+
+    path = endpoint.path
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False, f"there is no socket {path} (no producer has bound it)"
+    except OSError as exc:
+        return exc.errno in (errno.EACCES, errno.EPERM), f"cannot examine {path}: {exc}"
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISSOCK(st.st_mode):
+        return False, f"{path} is not a socket (mode {mode:o}, owner uid {st.st_uid})"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return True, (
+                f"permission denied connecting to {path}: it belongs to uid {st.st_uid} with mode "
+                f"{mode:o}, and this process runs as uid {os.getuid()}; run the consumer as the "
+                "producer's user (ipc endpoints accept only their own user)"
+            )
+        if exc.errno == errno.ECONNREFUSED:
+            return False, f"nothing listens on {path} (a socket left by a producer that died?)"
+        return False, f"connecting to {path} failed: {exc}"
+    finally:
+        s.close()
+    if st.st_uid != os.getuid():
+        return False, f"{path} belongs to uid {st.st_uid} (mode {mode:o}), not to this user"
+    return None
+
+
+_HALF_OPEN_MAX = 256  # connections without a HELLO kept at most (less under a low fd limit)
+HANDSHAKE_DEADLINE = 10.0  # seconds a connection may stay without a HELLO
+_SHED_LOG_EVERY = 10.0  # seconds between warnings about shed connections
+_fd_limit_raised_in: int | None = None  # pid of the process that raised it
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, once per process (never lowers it;
+    a failure is ignored). Every connection costs the producer a descriptor, and libzmq
+    aborts the process when it cannot accept one. Returns the soft limit now in force."""
+    global _fd_limit_raised_in
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    if _fd_limit_raised_in == os.getpid() or soft == hard:
+        return soft
+    _fd_limit_raised_in = os.getpid()
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (OSError, ValueError):
+            pass
+    return soft
+
+
+def _shutdown_fd(fd: int) -> bool:
+    """Shut down the connection on ``fd`` without closing the descriptor (libzmq owns it:
+    it sees EOF and closes it itself). No new descriptor is needed, so this works with a
+    full fd table."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()  # never close: the descriptor stays libzmq's
+
+
+class ProducerChannel(_Channel):
+    """The producer's bound ROUTER.
+
+    Half-open connections (accepted, no HELLO yet: ``greeted`` was not called for their
+    fd) are bounded: above ``half_open_max`` (256, or an eighth of the fd limit) the oldest
+    are shut down, and so is any older than ``HANDSHAKE_DEADLINE``. A same-user process
+    holding silent connections can then no longer fill the fd table, where libzmq would
+    abort the process."""
+
+    def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
+        self.endpoint = endpoint
+        limit = raise_fd_limit()
+        self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 8))
+        self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
+        self.shed_total = 0
+        self._shed_logged = 0
+        self._shed_log_at = 0.0
+        self.lock: BindLock | None = None
+        if endpoint.path is not None:
+            self.lock = BindLock(endpoint)
+            # Someone removing a stale endpoint holds the lock for microseconds: retry briefly.
+            deadline = time.monotonic() + 0.25
+            while not self.lock.acquire():
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                self.lock = None
+                raise ConfigError(
+                    f"endpoint {endpoint.name!r} ({endpoint.path}) is held by a live producer; "
+                    "close it first or pick another name"
+                )
+        self.sock = _context().socket(zmq.ROUTER)
+        try:
+            _configure(self.sock, max_frame)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            _apply_curve(self.sock, curve, server=True)
+            self._setup_monitor()
+            self._bind_hot()
+            try:
+                self.sock.bind(endpoint.url)
+            except zmq.ZMQError as exc:
+                raise ConfigError(f"cannot bind {endpoint.url}: {exc}") from None
+            if endpoint.path is not None:
+                os.chmod(endpoint.path, 0o600)
+        except BaseException:
+            self.close()
+            raise
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
+        out = super().events()
+        half = self.half_open
+        for ev, fd in out:
+            if ev == zmq.EVENT_ACCEPTED:
+                half.pop(fd, None)
+                try:
+                    ino = os.fstat(fd).st_ino
+                except OSError:
+                    continue  # gone already
+                half[fd] = (time.monotonic(), ino)
+            elif ev == zmq.EVENT_DISCONNECTED:
+                half.pop(fd, None)
+        if half:
+            self.shed_half_open()
+        return out
+
+    def greeted(self, fd: int) -> None:
+        """The connection on ``fd`` sent a HELLO: it is no longer half-open."""
+        self.half_open.pop(fd, None)
+
+    def shed_half_open(self, now: float | None = None) -> int:
+        """Shut down half-open connections over the bound or past the deadline, oldest
+        first; return how many."""
+        half = self.half_open
+        now = time.monotonic() if now is None else now
+        shed = 0
+        while half:
+            fd, (since, ino) = next(iter(half.items()))
+            if len(half) <= self.half_open_max and now - since < HANDSHAKE_DEADLINE:
+                break
+            del half[fd]
+            try:
+                same = os.fstat(fd).st_ino == ino  # not a later connection on a reused fd
+            except OSError:
+                same = False
+            if same and _shutdown_fd(fd):
+                shed += 1
+        if shed:
+            self.shed_total += shed
+            self._shed_logged += shed
+            if now - self._shed_log_at >= _SHED_LOG_EVERY:
+                self._shed_log_at = now
+                import logging
+
+                logging.getLogger("ipcsync").warning(
+                    "ipcsync producer %r closed %d connection(s) that sent no HELLO (over %d "
+                    "half-open or older than %.0f s; %d in all): a process of this user is "
+                    "opening connections and staying silent",
+                    self.endpoint.name, self._shed_logged, self.half_open_max, HANDSHAKE_DEADLINE,
+                    self.shed_total)
+                self._shed_logged = 0
+        return shed
+
+    def recv(self) -> tuple[bytes, list[bytes], int] | None:
+        """One message as (identity, payload frames, connection fd), or None if none is
+        waiting."""
+        # As zmq Frames: the last one knows its connection's fd.
+        parts = self._recv_parts(False)
+        if parts is None:
+            return None
+        fd = parts[-1].get(_SRCFD) if len(parts) > 1 else -1
+        return parts[0].bytes, [f.bytes for f in parts[1:]], fd
+
+    def send(self, identity: bytes, frame: bytes) -> bool:
+        """Send one frame to a peer; False if its queue is full (retry later). Raises
+        zmq.ZMQError(EHOSTUNREACH) when the peer is gone."""
+        try:
+            # ROUTER_MANDATORY fails the identity part at once if the peer is gone or full,
+            # so the two parts go out together or not at all.
+            self._send(identity, _SNDMORE | _NOBLOCK)
+        except zmq.Again:
+            return False
+        self._send(frame, _NOBLOCK)
+        return True
+
+    def close(self) -> None:
+        super().close()
+        if self.lock is not None:
+            self.lock.release(remove_socket=True)
+            self.lock = None
+
+
+class ConsumerChannel(_Channel):
+    """A consumer's DEALER, connected (ZeroMQ retries until the producer binds)."""
+
+    def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int,
+                 curve: CurveKeys | None = None) -> None:
+        self.endpoint = endpoint
+        raise_fd_limit()
+        self.sock = _context().socket(zmq.DEALER)
+        try:
+            _configure(self.sock, max_frame)
+            _apply_curve(self.sock, curve, server=False)
+            self.sock.setsockopt(zmq.ROUTING_ID, identity)
+            self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            self._setup_monitor()
+            self._bind_hot()
+            self.sock.connect(endpoint.url)
+        except BaseException:
+            self.close()
+            raise
+
+    connection_fd = -1  # our end of the current connection (monitor: CONNECTED), -1 if none
+    _held_events: list[tuple[int, int]] | None = None
+
+    def events(self) -> list[tuple[int, int]] | tuple[()]:
+        """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
+        held, self._held_events = self._held_events, None
+        got = super().events()
+        out = held + list(got) if held else got
+        for ev, fd in out:
+            if ev == zmq.EVENT_CONNECTED:
+                self.connection_fd = fd
+            elif ev == zmq.EVENT_DISCONNECTED and fd == self.connection_fd:
+                self.connection_fd = -1
+        return out
+
+    def current_connection_fd(self) -> int:
+        """``connection_fd`` after the monitor events already queued (they are kept for the
+        next ``events()`` call, so nothing is lost to the caller)."""
+        pending = self.events()
+        if pending:
+            self._held_events = list(pending)
+        return self.connection_fd
+
+    def pending(self) -> bool:
+        """As ``_Channel.pending``; monitor events held back above count too."""
+        return bool(self._held_events) or super().pending()
+
+    def recv(self) -> list[bytes] | None:
+        return self._recv_parts(True)
+
+    def send(self, frame: bytes) -> bool:
+        try:
+            self._send(frame, _NOBLOCK)
+            return True
+        except zmq.Again:
+            return False

@@ -1,0 +1,363 @@
+"""What Producer and Consumer share: the endpoint lock, the service thread, option checks,
+timeouts, and the endpoints' life across exit and fork.
+
+Threading model. All protocol work happens in ``_pump`` under ``_lock``; the sockets are
+only ever used by the thread holding the lock (ZeroMQ sockets may move between threads
+behind a full memory barrier, which the lock provides). The user's thread pumps inside
+every call. While the user's thread is away (no call for ``_tick`` seconds) the service
+thread pumps instead, so handshakes are answered, releases and heartbeats flow and dead
+peers are noticed even when the user computes for minutes between calls. The hot path
+therefore costs one uncontended lock, not a thread handoff.
+
+Blocking never holds the lock: a call that must wait pumps under the lock, then releases
+it and sleeps in ``select`` on the OS file descriptors behind its sockets (ZeroMQ's
+``ZMQ_FD``, safe to wait on from any thread), at most one tick at a time. So ``stats()``
+and ``close()`` from another thread answer at once, and ``close()`` from another thread
+makes a blocked call raise ClosedError within a tick (close waits until every such call
+has left before it frees anything).
+
+Thread rules, for every public method: any method may be called from any thread. Calls
+are serialized by the lock; waits are not. Iterating one Consumer from several threads
+is safe: each thread's ``next()`` releases only that thread's previous item.
+
+Exit and fork. One ``atexit`` hook closes every endpoint still open (bounded). A process
+forked while endpoints exist gets none of them: in the child they are marked as
+belonging to the parent, every call raises ClosedError, and nothing is closed, unlinked
+or said on the parent's behalf (``os.register_at_fork``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import select
+import sys
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from ..core.ratelog import RateLog
+from ..errors import ClosedError, ConfigError, IpcTimeoutError
+
+log = logging.getLogger("ipcsync")
+
+WAIT_MODES = ("gpu", "host")
+# How long a wait on a GPU event polls it without sleeping first: such an event is usually
+# complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
+_EVENT_SPIN_S = 50e-6
+
+
+def check_timeout(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def check_positive_int(name: str, value: int, limit: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+        raise ConfigError(f"{name} must be an integer from 1 to {limit}, got {value!r}")
+    return value
+
+
+def check_wait(value: str) -> str:
+    if value not in WAIT_MODES:
+        raise ConfigError(f"wait must be one of {WAIT_MODES}, got {value!r}")
+    return value
+
+
+def stall_change(stalled: bool, silent: float, heartbeat: float) -> bool | None:
+    """The silence half of the liveness rule, as data: a peer silent for more than 1.5
+    heartbeats is *stalled* (never lost for it: only its process's exit proves that), and
+    stops being stalled once it is heard again. Returns the new state when it changes,
+    else None. ``heartbeat`` 0: the peer sends none, so it is never stalled."""
+    now = bool(heartbeat) and silent > 1.5 * heartbeat
+    return now if now != stalled else None
+
+
+# Every endpoint open in this process, for the one atexit hook and for fork.
+_open_endpoints: "weakref.WeakSet[_Endpoint]" = weakref.WeakSet()
+
+
+class _Endpoint:
+    """Base of Producer and Consumer: lock, service thread, closed state."""
+
+    _role = "endpoint"
+
+    def __init__(self, endpoint: str, timeout: float | None, heartbeat: float | None) -> None:
+        self._timeout = check_timeout("timeout", timeout)
+        hb = check_timeout("heartbeat", heartbeat)
+        if hb is not None and hb < 0.01:
+            raise ConfigError(f"heartbeat must be at least 0.01 s (or None to disable), got {hb}")
+        self._heartbeat = hb or 0.0
+        self._tick = min(0.05, self._heartbeat / 4) if self._heartbeat else 0.05
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._last_call = time.monotonic()
+        self._next_tick = 0.0
+        self._stop = threading.Event()
+        self._service: threading.Thread | None = None
+        self._endpoint_name = endpoint
+        self._owner_pid = os.getpid()  # a forked child is not the owner (see _forget_in_child)
+        self._waiters = 0  # calls blocked in _unlocked() right now (lock released)
+        self._closer: int | None = None  # thread ident running close(), once it started
+        self._ratelog = RateLog(log)  # warnings a peer can trigger
+
+    # ------------------------------------------------------------------ to implement
+    def _pump(self) -> None:
+        """Handle everything that has arrived, without blocking. Lock held."""
+        raise NotImplementedError
+
+    def _service_pump(self) -> None:
+        """What the service thread does while the user's thread is away. Lock held."""
+        self._pump()
+
+    def _io_fds(self) -> Sequence[int]:
+        """OS file descriptors that become readable on socket activity (``ZMQ_FD`` of
+        each ZeroMQ socket, edge-triggered). Lock held."""
+        raise NotImplementedError
+
+    def _io_pending(self) -> bool:
+        """True if a socket has something to read now (``ZMQ_EVENTS``): then its fd may
+        not signal again until it is read, so do not block. Lock held."""
+        raise NotImplementedError
+
+    def _wait_holding_lock(self, timeout: float) -> bool:
+        """Where a wait must keep the lock (it polls other endpoints' sockets under their
+        locks), wait up to ``timeout`` that way and return True; else False. Lock held."""
+        return False
+
+    def _raise_if_broken(self) -> None:
+        """Raise the pending error (peer lost, protocol error), if any. Lock held."""
+
+    def _teardown(self) -> None:
+        """Free sockets, memory and events. Lock held (or the object is being collected)."""
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Unreferenced without close(): free what we hold, without saying goodbye. Never
+        # in a forked child: what it inherited is the parent's.
+        if not getattr(self, "_closed", True) and getattr(self, "_owner_pid", None) == os.getpid():
+            try:
+                self._closed = True
+                self._teardown()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ helpers
+    def _start_service(self) -> None:
+        ref = weakref.ref(self)
+        self._service = threading.Thread(
+            target=_service_loop, args=(ref, self._stop, self._tick),
+            name=f"ipcsync-{self._role}-{self._endpoint_name}", daemon=True,
+        )
+        self._service.start()
+        _open_endpoints.add(self)
+
+    def _stop_service(self) -> None:
+        self._stop.set()
+        _open_endpoints.discard(self)
+        t = self._service
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """Enter a public call: take the lock, refuse if closed."""
+        with self._lock:
+            self._check_open()
+            try:
+                yield
+            finally:
+                self._last_call = time.monotonic()
+
+    def _check_open(self) -> None:
+        """Refuse a call on a closed endpoint; note that the user's thread is here. Lock held."""
+        if self._closed:
+            if self._owner_pid != os.getpid():
+                raise ClosedError(
+                    f"this {self._role} belongs to process {self._owner_pid}; a forked child "
+                    "cannot use its parent's endpoints: create new ones in the child"
+                )
+            raise ClosedError(f"this {self._role} is closed; create a new one")
+        self._last_call = time.monotonic()
+
+    def _check_not_closing(self) -> None:
+        """Inside a wait: another thread's close() ends it with ClosedError. Lock held."""
+        closer = self._closer
+        if closer is not None and closer != threading.get_ident():
+            raise ClosedError(f"this {self._role} was closed by another thread while this call waited")
+
+    def _begin_close(self, timeout: float = 2.0) -> None:
+        """close(): mark it started, then wait (up to ``timeout``) until every call blocked
+        in another thread has left; they raise ClosedError. Lock held."""
+        self._closer = threading.get_ident()
+        if self._waiters:
+            self._cond.wait_for(lambda: self._waiters == 0, timeout)
+
+    def _unlocked(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a blocking wait) with the lock released; take it back however ``fn``
+        ends (a KeyboardInterrupt included) before returning or raising. Lock held."""
+        self._waiters += 1
+        self._last_call = time.monotonic()
+        self._lock.release()
+        try:
+            return fn()
+        finally:
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    self._lock.acquire()
+                    break
+                except BaseException as exc:  # a signal handler raised: retry, then re-raise
+                    interrupted = interrupted or exc
+            self._waiters -= 1
+            self._last_call = time.monotonic()
+            if self._closer is not None:
+                self._cond.notify_all()
+            if interrupted is not None:
+                raise interrupted
+
+    def _block(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for socket activity, without the lock. Lock held."""
+        if self._wait_holding_lock(timeout) or self._io_pending():
+            return
+        fds = self._io_fds()
+        self._unlocked(lambda: select.select(fds, (), (), max(0.0, timeout)))
+
+    def _resolve_timeout(self, timeout: float | None) -> float | None:
+        t = self._timeout if timeout is None else check_timeout("timeout", timeout)
+        return None if t is None or math.isinf(t) else t
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout: float | None, cause: str | None = None,
+        stats_wait: Callable[[str, float], None] | None = None, poll_event: bool = False,
+        pumped: bool = False,
+    ) -> bool:
+        """Pump until ``done()`` or the timeout; True if done. Raises the endpoint's pending
+        error (e.g. PeerLostError) as soon as it appears. Lock held.
+
+        ``poll_event``: ``done()`` waits on a GPU event, whose completion makes no socket
+        activity to wake on, so poll it: without sleeping for up to 50 us, then with a
+        short backoff (10 us doubling to 1 ms) instead of sleeping a whole tick in the
+        socket poll.
+
+        ``pumped``: the caller has just pumped and seen ``done()`` false: start waiting.
+        """
+        if not pumped:
+            if done():  # e.g. an item already buffered: no socket work on this call
+                return True
+            self._pump()
+            if done():
+                return True
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        backoff = 1e-5
+        try:
+            if poll_event:
+                spin_end = time.perf_counter() + (_EVENT_SPIN_S if timeout is None else min(_EVENT_SPIN_S, timeout))
+                while time.perf_counter() < spin_end:
+                    if done():
+                        return True
+            while True:
+                self._raise_if_broken()
+                self._check_not_closing()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                step = self._tick if deadline is None else min(self._tick, deadline - now)
+                if poll_event and backoff < 1e-3:
+                    pause = min(backoff, step)
+                    self._unlocked(lambda: time.sleep(pause))
+                    backoff *= 2
+                else:
+                    self._block(min(step, 1e-3) if poll_event else step)
+                self._check_not_closing()
+                if self._closed:
+                    raise ClosedError(f"this {self._role} was closed while this call waited")
+                self._pump()
+                if done():
+                    return True
+        finally:
+            if stats_wait is not None and cause is not None:
+                stats_wait(cause, time.monotonic() - start)
+
+    def _timeout_error(self, what: str, timeout: float | None, hint: str) -> IpcTimeoutError:
+        return IpcTimeoutError(f"{what} within {timeout} s; {hint}")
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has been called."""
+        return self._closed
+
+
+def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: float) -> None:
+    while not stop.wait(tick):
+        ep = ref()
+        if ep is None:
+            return
+        try:
+            # A call blocked in another thread pumps for itself (at least once a tick).
+            if (ep._waiters or time.monotonic() - ep._last_call < tick
+                    or not ep._lock.acquire(blocking=False)):
+                continue
+            try:
+                if not ep._closed:
+                    ep._service_pump()
+            finally:
+                ep._lock.release()
+        except Exception:  # never let the service thread die silently
+            log.exception("ipcsync service thread error (%s)", ep._role)
+        finally:
+            del ep
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Close every endpoint this process still has open, each bounded to a second. If the
+    program is ending by an unhandled exception (the interpreter printed it and kept it
+    in ``sys.last_value``), a producer aborts with it instead: its consumers must not
+    see a clean end of a stream whose program failed."""
+    failed = getattr(sys, "last_value", None)
+    for ep in list(_open_endpoints):
+        if not ep._closed and ep._owner_pid == os.getpid():
+            try:
+                abort = getattr(ep, "abort", None)
+                if failed is not None and abort is not None:
+                    abort(failed)
+                else:
+                    ep.close(timeout=1.0)
+            except BaseException:
+                pass
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the inherited endpoints are the parent's. Mark them closed
+    without touching anything (their sockets, memory and peers stay the parent's), so no
+    call, no collection and no exit hook of the child acts on them."""
+    for ep in list(_open_endpoints):
+        ep._closed = True
+        ep._service = None
+        try:
+            # The parent's lock may have been held by one of its threads at the fork.
+            ep._lock = threading.Lock()
+            ep._cond = threading.Condition(ep._lock)
+        except Exception:
+            pass
+    _open_endpoints.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,460 @@
+"""The liveness rule: memory a consumer can still read is never reused while that
+consumer's process lives. A peer is lost only when its process is provably gone (or it
+said goodbye, or its connection closed and it cannot be watched); silence of a living peer
+(SIGSTOP, a long GC) is "stalled": reported and waited for. Plus the endpoints' behaviour
+around it: honest endings (a producer that raises is not a clean end), waits that hold no
+lock (close()/stats() from another thread), exit and fork, two threads on one consumer.
+
+Pause tests run real producer and consumer processes, SIGSTOP one for 2 s and for 35 s
+(longer than any default timeout the endpoints ever had), and check every held and later
+item's contents.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ipcsync
+from ipcsync.runtime import host as _host
+from ipcsync.runtime.endpoint import _open_endpoints
+
+from conftest import ROOT
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return request.param
+
+
+def _event(name: str) -> Any:
+    return lambda line: line.get("event") == name
+
+
+# --------------------------------------------------------------------------- pauses
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pause", [2.0, 35.0])
+def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pause: float) -> None:
+    """A consumer holding item 0 is SIGSTOPped far past 1.5 heartbeats: the producer must
+    not reuse its slot (it waits through backpressure, with its default timeouts), and
+    after SIGCONT item 0 and every later item read exactly what was sent."""
+    n = 40
+    prod = procs.start("produce", module="liveness_peers", endpoint="live-pc", n=n, slots=2,
+                       heartbeat=0.2, device=device)
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume", module="liveness_peers", endpoint="live-pc", hold=0,
+                       hold_s=pause + 1.0, heartbeat=0.2, device=device)
+    cons.read_until(_event("holding"), timeout=60)
+    os.kill(cons.pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause)
+    finally:
+        os.kill(cons.pid, signal.SIGCONT)
+    held = cons.read_until(_event("held-checked"), timeout=60)
+    assert held["ok"], cons.lines
+    res = cons.result(timeout=60)
+    assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
+    pres = prod.result(timeout=30)
+    assert pres["lost"] == 0, pres
+    assert pres["stalled"] >= 1, pres  # it noticed the silence, and only reported it
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pause", [2.0, 35.0])
+def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: float) -> None:
+    """A producer SIGSTOPped mid-stream (a 'GC pause' of 2 s or 35 s): its consumer waits
+    (stalled, no PeerLostError) and receives every item intact after SIGCONT."""
+    n = 30
+    prod = procs.start("produce", module="liveness_peers", endpoint="live-pp", n=n, slots=2,
+                       heartbeat=0.2, device=device, every=0.02)
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume", module="liveness_peers", endpoint="live-pp", heartbeat=0.2,
+                       device=device, progress=5)
+    cons.read_until(lambda l: l.get("event") == "received" and l["n"] >= 5, timeout=60)
+    os.kill(prod.pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause)
+    finally:
+        os.kill(prod.pid, signal.SIGCONT)
+    res = cons.result(timeout=60)
+    assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
+    assert res["stalled"] >= 1, res
+    prod.result(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_killed_consumer_is_still_detected_at_once(procs: Any) -> None:
+    """Real deaths stay fast: a SIGKILLed consumer's slots come back within ~2 heartbeats."""
+    p = ipcsync.Producer("live-kill", slots=2, slot_bytes=8192, heartbeat=0.2)
+    try:
+        cons = procs.start("consume", module="liveness_peers", endpoint="live-kill", hold=0,
+                           hold_s=60, heartbeat=0.2)
+        p.send({"x": torch.zeros(1024)}, meta=0)
+        cons.read_until(_event("holding"), timeout=30)
+        p.send({"x": torch.zeros(1024)}, meta=1)
+        t0 = time.monotonic()
+        cons.kill()
+        p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
+        assert time.monotonic() - t0 < 5.0  # (the kill matrix holds the tight bound)
+        assert p.stats()["consumers_lost"] == 1
+    finally:
+        p.close(timeout=0)
+
+
+# --------------------------------------------------------------------------- /proc errors
+def test_an_error_reading_proc_is_not_death() -> None:
+    """With no free fd, reading /proc fails (EMFILE): that must read as "cannot say",
+    never as "the process is gone"."""
+    code = r"""
+import os, resource, sys
+from ipcsync.runtime import host as _host
+me = os.getpid()
+started = _host.start_time(me)
+watch = _host.ProcessWatch(me, started)
+watch.close()  # no pidfd: the /proc path is what is tested
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+res = (_host.read_start_time(me), _host.process_alive(me, started), watch.gone(),
+       _host.ProcessWatch(me, started).gone())
+for fd in fds:
+    os.close(fd)
+print(res)
+sys.exit(0 if res == (None, True, False, False) else 1)
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_process_watch_proves_death_and_pid_reuse() -> None:
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        w = _host.ProcessWatch(p.pid)
+        assert not w.gone()
+        stale = _host.ProcessWatch(p.pid, w.started + 1)  # the same pid, another start time
+        assert stale.gone()
+    finally:
+        p.kill()
+        p.wait()
+    assert w.gone()
+    assert _host.read_start_time(p.pid) == _host.GONE
+
+
+# --------------------------------------------------------------------------- honest endings
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["consumer", "fanin", "batches"])
+def test_a_producer_that_raises_ends_its_consumers_with_an_error(procs: Any, kind: str) -> None:
+    """A producer whose with-block raises at item 5 of 100: its consumer (plain, FanIn,
+    ipcsync.data.batches) gets ProducerFailedError carrying the exception, never a clean end."""
+    prod = procs.start("produce", module="liveness_peers", endpoint="live-fail", n=100, fail_at=5,
+                       slots=8, every=0.01, wait_consumers=1)
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-fail"], kind=kind)
+    res = cons.read_until(_event("done"), timeout=30)
+    assert res["producer_failed"], res
+    assert "ValueError: loader broke at item 5" in res["error"], res
+    assert res["received"] <= 5
+    assert prod.proc.wait(timeout=20) != 0
+    assert "ValueError: loader broke at item 5" in prod.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_program_dying_of_an_exception_without_a_with_block_is_no_clean_end(procs: Any) -> None:
+    prod = procs.start("produce_unmanaged", module="liveness_peers", endpoint="live-unm")
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-unm"], kind="consumer")
+    res = cons.read_until(_event("done"), timeout=30)
+    assert res["error"] is not None and "RuntimeError: unhandled in the loader" in res["error"], res
+    assert prod.proc.wait(timeout=20) == 1
+
+
+@pytest.mark.timeout(60)
+def test_abort_and_exception_close_at_once_and_propagate(device: str) -> None:
+    """An exception inside the with-block (items in flight, a consumer that will never
+    release them) closes within a second and propagates unchanged."""
+    inp = None
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="mine"):
+        with ipcsync.Producer("live-exc", slots=2, slot_bytes=4096, device=device) as out:
+            inp = ipcsync.Consumer("live-exc", device=device)
+            out.send({"x": torch.ones(2, device=device)}, meta=0)
+            inp.get(timeout=10)  # held, never released
+            out.send({"x": torch.ones(2, device=device)}, meta=1)
+            t0 = time.monotonic()
+            raise KeyError("mine")
+    assert time.monotonic() - t0 < 1.5
+    assert out.closed
+    assert inp is not None
+    with pytest.raises(ipcsync.ProducerFailedError, match="KeyError"):
+        inp.get(timeout=10)
+    inp.close()
+
+
+@pytest.mark.timeout(60)
+def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any, runtime_dir: Any) -> None:
+    """Ctrl-C on a producer whose consumer left (its send blocks: no one takes items): it
+    has closed (its socket file is gone) within 2 s, and exits with the KeyboardInterrupt
+    as it was (the interpreter's own teardown of torch may take seconds more)."""
+    prod = procs.start("produce", module="liveness_peers", endpoint="live-int", n=1000, slots=2,
+                       progress=1)
+    prod.read_until(_event("bound"))
+    cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-int"], kind="consumer")
+    cons.read_until(_event("connected"), timeout=30)
+    prod.read_until(lambda l: l.get("event") == "sent" and l["n"] >= 2, timeout=30)
+    cons.kill()
+    time.sleep(0.5)  # the producer is now blocked in send()
+    sock = runtime_dir / "live-int.sock"
+    assert sock.exists()
+    t0 = time.monotonic()
+    os.kill(prod.pid, signal.SIGINT)
+    while sock.exists() and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 2.0, "the producer did not close at once on Ctrl-C"
+    rc = prod.proc.wait(timeout=30)
+    assert rc != 0
+    assert "KeyboardInterrupt" in prod.stderr()
+
+
+# --------------------------------------------------------------------------- threads
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
+    caught: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            caught["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, caught
+
+
+@pytest.mark.timeout(60)
+def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
+    out = ipcsync.Producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
+    inp = ipcsync.Consumer("live-thr-p", device=device)
+    try:
+        out.send({"x": torch.ones(2, device=device)}, meta=0)
+        held = inp.get(timeout=10)  # holds the only slot
+        t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
+        time.sleep(0.5)
+        assert t.is_alive()  # blocked: backpressure
+        t0 = time.monotonic()
+        assert out.stats()["occupancy"]["in_flight"] == 1
+        assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked send()"
+        t0 = time.monotonic()
+        out.close(timeout=0)
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 2.0
+        assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
+        assert held.meta == 0
+    finally:
+        inp.close()
+        out.close(timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
+    out = ipcsync.Producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
+    inp = ipcsync.Consumer("live-thr-c", device=device)
+    try:
+        t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
+        time.sleep(0.5)
+        assert t.is_alive()
+        t0 = time.monotonic()
+        inp.stats()
+        assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked next()"
+        t0 = time.monotonic()
+        inp.close()
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 2.0
+        assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
+    finally:
+        inp.close()
+        out.close(timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_two_threads_iterating_one_consumer_never_release_each_others_items(device: str) -> None:
+    n = 200
+    out = ipcsync.Producer("live-2thr", slots=4, slot_bytes=8192, device=device)
+    inp = ipcsync.Consumer("live-2thr", device=device)
+    seen: list[int] = []
+    bad: list[Any] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        try:
+            for item in inp:
+                i = item.meta
+                x = item["x"]
+                time.sleep(0.001)  # the other thread's next() runs meanwhile
+                if not bool((x == i).all()):
+                    bad.append(i)
+                with lock:
+                    seen.append(i)
+        except BaseException as exc:
+            bad.append(repr(exc))
+
+    ts = [threading.Thread(target=worker, daemon=True) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for i in range(n):
+        out.send({"x": torch.full((512,), float(i), device=device)}, meta=i)
+    out.close(timeout=30)
+    for t in ts:
+        t.join(20)
+    inp.close()
+    assert bad == []
+    assert sorted(seen) == list(range(n))
+
+
+# --------------------------------------------------------------------------- close, exit, fork
+@pytest.mark.timeout(60)
+def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(device: str) -> None:
+    out = ipcsync.Producer("live-late", slots=2, slot_bytes=4096, device=device)
+    out.send({"x": torch.full((4,), 7.0, device=device)}, meta=7)
+    t = threading.Thread(target=out.close, kwargs={"timeout": 30}, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    with ipcsync.Consumer("live-late", device=device) as inp:
+        items = [(item.meta, float(item["x"][0])) for item in inp]
+    t.join(10)
+    assert not t.is_alive()
+    assert items == [(7, 7.0)]
+
+
+def test_the_atexit_list_does_not_grow_with_endpoints() -> None:
+    before = atexit._ncallbacks()
+    base = len(_open_endpoints)
+    for k in range(50):
+        with ipcsync.Producer(f"live-ax{k}", slots=1, slot_bytes=4096), ipcsync.Consumer(f"live-ax{k}"):
+            pass
+    assert atexit._ncallbacks() == before
+    assert len(_open_endpoints) == base
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_never_touches_its_parents_endpoints(procs: Any) -> None:
+    p = procs.start("fork_child_exit", module="liveness_peers", endpoint="live-fork")
+    res = p.result(timeout=30)
+    # The child's send raised ClosedError naming the fork, and its exit (atexit hooks
+    # included) did not hang on the inherited endpoints: it was not killed.
+    assert res["child_status"] == 0, res
+    assert res["metas"] == [0, 2], res
+
+
+# --------------------------------------------------------------------------- handshake trust
+@pytest.mark.timeout(30)
+def test_hello_with_a_made_up_pid_namespace_is_refused() -> None:
+    import msgpack
+    import zmq
+
+    from ipcsync.core import protocol as P
+
+    out = ipcsync.Producer("live-hello", slots=1, slot_bytes=4096)
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(out.endpoint.url)
+        hello = P.Hello(version=P.PROTOCOL_VERSION, pid=1, start_time=1, boot_id=_host.boot_id(),
+                        pid_ns="pid:[1]", backend="cpu", device=None, credits=1, heartbeat_ms=0)
+        s.send(P.encode(hello))
+        deadline = time.monotonic() + 10
+        reply = None
+        while time.monotonic() < deadline and reply is None:
+            out.stats()  # the service thread answers meanwhile
+            if s.poll(100):
+                reply = P.decode(s.recv())
+        assert isinstance(reply, P.Error) and reply.code == "identity", reply
+        assert out.consumers == 0
+    finally:
+        s.close(0)
+        out.close(timeout=0)
+    del msgpack
+
+
+@pytest.mark.timeout(30)
+def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch: Any) -> None:
+    import zmq
+
+    from ipcsync import producer as producer_mod
+    from ipcsync.core import protocol as P
+
+    monkeypatch.setattr(producer_mod, "_HANDSHAKE_S", 0.5)
+    out = ipcsync.Producer("live-half", slots=1, slot_bytes=4096)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(out.endpoint.url)
+        me = os.getpid()
+        s.send(P.encode(P.Hello(version=P.PROTOCOL_VERSION, pid=me, start_time=_host.start_time(me),
+                                boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu",
+                                device=None, credits=1, heartbeat_ms=0)))
+        assert isinstance(P.decode(s.recv()), P.Setup) if s.poll(5000) else False
+        assert len(out._peers) == 1
+        deadline = time.monotonic() + 5
+        while out._peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not out._peers, "a half-open handshake stayed forever"
+    finally:
+        s.close(0)
+        out.close(timeout=0)
+
+
+def test_defaults_are_one_set() -> None:
+    from ipcsync import limits
+
+    out = ipcsync.Producer("live-def")
+    try:
+        assert out.slot_bytes == limits.DEFAULT_SLOT_BYTES == 8 << 20
+        assert out.slots == limits.DEFAULT_SLOTS
+        assert out._timeout is None  # data calls wait while the peer lives
+    finally:
+        out.close()
+    with pytest.raises(ipcsync.ConfigError, match="1024"):
+        ipcsync.Producer("live-def2", slots=limits.MAX_SLOTS + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any) -> None:
+    """The quickstart producer started alone: its send() waits (no timeout by default),
+    says after a few seconds that nobody has connected, and delivers once a consumer does."""
+    from ipcsync import producer as producer_mod
+
+    monkeypatch.setattr(producer_mod, "_CLOSE_NAG_S", 0.5)
+    out = ipcsync.Producer("live-alone", slots=1, slot_bytes=4096)
+    try:
+        out.send({"x": torch.ones(2)}, meta=0)
+        with caplog.at_level("WARNING", logger="ipcsync"):
+            t, caught = _in_thread(lambda: out.send({"x": torch.ones(2)}, meta=1))
+            deadline = time.monotonic() + 10
+            while "waiting for a consumer to connect" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "waiting for a consumer to connect" in caplog.text
+        assert t.is_alive() and not caught
+        with ipcsync.Consumer("live-alone") as inp:
+            assert [inp.get(timeout=10).meta, inp.get(timeout=10).meta] == [0, 1]
+        t.join(5)
+        assert not caught
+    finally:
+        out.close(timeout=1)

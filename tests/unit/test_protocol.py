@@ -1,0 +1,995 @@
+"""Unit tests of the sans-IO wire protocol (ipcsync.core.protocol): encoding round trips,
+defensive decoding of hostile frames, and the per-connection state machine."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipcsync.core import protocol as P
+from ipcsync.errors import IpcSyncError, ProtocolError
+from ipcsync.core.protocol import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Attach,
+    Bye,
+    Conversation,
+    Error,
+    Heartbeat,
+    Hello,
+    Limits,
+    Ready,
+    Release,
+    Setup,
+    VersionMismatch,
+    decode,
+    encode,
+)
+
+HYP = settings(max_examples=250, deadline=None, database=None,
+               suppress_health_check=[HealthCheck.too_slow])
+HYP_SLOW = settings(HYP, max_examples=200)  # strategies that are costly to draw
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def raw_fields(msg: Any) -> list[Any]:
+    """The wire array of a message, as plain data (what encode() packs)."""
+    return msgpack.unpackb(encode(msg), raw=False, strict_map_key=False)
+
+
+def expect_error(frame: bytes, *fragments: str, limits: Limits = DEFAULT_LIMITS) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frame, limits)
+    text = str(info.value)
+    for frag in fragments:
+        assert frag in text, f"{frag!r} not in {text!r}"
+    return info.value
+
+
+# --------------------------------------------------------------------------- valid messages
+TREE = ["d", ["image", "extra"], [0, ["l", [["t", [1, 2]]]]]]
+SPECS = [
+    ["float32", [2, 3], [3, 1], 0],
+    ["uint8", [], [], 256],
+    ["bfloat16", [4, 0, 2], [0, 1, 4], 512],
+]
+LAYOUT = [TREE, SPECS]
+META = {"step": 3, "name": "batch", "raw": b"\x00\xff", "x": [1.5, None, True, False, -7],
+        "nested": {"a": [[], {}], "big": 2**64 - 1, "neg": -(2**63)}}
+
+HELLO = Hello(version=PROTOCOL_VERSION, pid=4242, start_time=123456, boot_id="b0-07",
+              pid_ns="pid:[4026531836]", backend="cpu", device=None, credits=2, heartbeat_ms=500)
+SETUP = Setup(version=PROTOCOL_VERSION, pid=17, start_time=99, pid_ns="pid:[1]", backend="cuda",
+              device="GPU-1234", arenas=[b"\x01handle", "/ipcsync-17-0"], arena_bytes=[4096, 8192],
+              slots=[(0, 0, 2048), (0, 2048, 2048), (1, 0, 8192)],
+              ready_events=[b"e0", "e1", b""], heartbeat_ms=250)
+ATTACH = Attach(release_events=[b"r0", "r1", b"\x00" * 64])
+READY = Ready(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout=LAYOUT, meta=META)
+RELEASE = Release(entries=[(0, 0, 1), (1, 1, 1), (2**62, 4095, 2**62)])
+HEARTBEAT = Heartbeat()
+BYE = Bye(reason="producer closed")
+ERROR = Error(code="protocol", message="RELEASE of a slot you do not hold")
+FOREIGN = P.Foreign(fid=3, backend="cpu", device=None, pid=17, start_time=99, handle="ipcsync-17-00",
+                    nbytes=8192)
+FREADY = P.ForwardReady(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout=LAYOUT, meta=META,
+                        fid=63, offset=4096, nbytes=2048)
+
+ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY]
+IDS = [type(m).__name__ for m in ALL]
+
+# Some edge-value variants that must also round trip.
+VARIANTS = [
+    Hello(PROTOCOL_VERSION, 0, 0, "", "", "", "", 1, 0),
+    Hello(PROTOCOL_VERSION, 2**62, 2**62, "é" * 4096, "x", "cuda", "GPU-ü", 2**62, 2**62),
+    Setup(PROTOCOL_VERSION, 1, 1, "", "cpu", None, [], [], [], [], 0),
+    Attach([]),
+    Attach(["h" * 4096, b"h" * 4096]),
+    Ready(0, 0, 0, 0, 1, [0, [["int64", [], [], 0]]], None),
+    Ready(1, 2, 3, 4, 1, [["d", [], []], []], []),
+    Ready(1, 2, 3, 4, 1, [["t", []], []], {"": ""}),
+    Ready(1, 2, 3, 4, 1, [["l", [["l", [["d", ["k"], [0]]]]]], [["bool", [1] * 64, [0] * 64, 0]]], 1.0),
+    Release([]),
+    Bye(""),
+    Error("", ""),
+    P.Foreign(0, "cuda", "GPU-ü", 2**62, 0, b"h" * 4096, 2**62),
+    P.ForwardReady(0, 0, 0, 0, 0, [0, [["int64", [], [], 0]]], None, 0, 2**62, 0),
+    P.ForwardReady(1, 2, 3, 4, 1, None, {"": ""}, 1, 0, 0),
+]
+
+
+@pytest.mark.parametrize("msg", ALL + VARIANTS, ids=IDS + [f"variant{i}" for i in range(len(VARIANTS))])
+def test_round_trip(msg: Any) -> None:
+    frame = encode(msg)
+    assert isinstance(frame, bytes)
+    got = decode(frame)
+    assert type(got) is type(msg)
+    assert got == msg
+    # Encoding the decoded message gives the same bytes again.
+    assert encode(got) == frame
+
+
+@pytest.mark.parametrize("msg", ALL, ids=IDS)
+def test_wire_format_is_type_then_fields(msg: Any) -> None:
+    fields = raw_fields(msg)
+    assert fields[0] == type(msg).TYPE
+    assert len(fields) - 1 == len(P.SCHEMAS[type(msg)])
+
+
+def test_type_codes_are_distinct_and_fixed() -> None:
+    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    assert raw_fields(HEARTBEAT) == [6]
+    assert raw_fields(BYE) == [7, "producer closed"]
+
+
+def test_bytes_and_str_stay_distinct() -> None:
+    got = decode(encode(ATTACH))
+    assert type(got.release_events[0]) is bytes
+    assert type(got.release_events[1]) is str
+    got = decode(encode(READY))
+    assert type(got.meta["raw"]) is bytes and type(got.meta["name"]) is str
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (7, 1, 3, 2**62, 5, LAYOUT, META),
+        (0, 0, 0, 0, 0, [0, [["int64", [], [], 0]]], None),
+        (2**62, 4095, 2**62, 1, 9, [["d", [], []], []], [1, "a", b"b", {"k": [None]}]),
+        (3, 1, 2, 3, 9, None, {"layout": "already sent"}),
+    ],
+)
+def test_encode_ready_matches_encode(args: tuple[Any, ...]) -> None:
+    frame = P.encode_ready(*args)
+    assert frame == encode(Ready(*args))
+    assert decode(frame) == Ready(*args)
+
+
+def test_setup_lists_come_back_as_tuples_and_lists() -> None:
+    got = decode(encode(SETUP))
+    assert all(type(s) is tuple and len(s) == 3 for s in got.slots)
+    assert type(got.arenas) is list and type(got.arena_bytes) is list
+    got = decode(encode(RELEASE))
+    assert all(type(e) is tuple for e in got.entries)
+
+
+# --------------------------------------------------------------------------- basic rejections
+def test_protocol_error_is_an_ipcsync_error() -> None:
+    assert issubclass(ProtocolError, IpcSyncError)
+    assert issubclass(VersionMismatch, ProtocolError)
+
+
+def test_empty_frame() -> None:
+    expect_error(b"", "empty frame")
+
+
+@pytest.mark.parametrize("msg", ALL + VARIANTS, ids=IDS + [f"variant{i}" for i in range(len(VARIANTS))])
+def test_every_truncation_is_rejected(msg: Any) -> None:
+    frame = encode(msg)
+    for n in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            decode(frame[:n])
+
+
+@pytest.mark.parametrize("msg", ALL, ids=IDS)
+@pytest.mark.parametrize("tail", [b"\x00", b"\xc0", b"\x91\x01"])
+def test_trailing_bytes_are_rejected(msg: Any, tail: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(encode(msg) + tail)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [None, 0, 1, -1, 1.5, True, "hello", b"\x01\x02", {"type": 1}, {}, []],
+    ids=repr,
+)
+def test_non_array_or_empty_top_level(obj: Any) -> None:
+    expect_error(pack(obj), "non-empty msgpack array")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [0, 9, 255, -1, 2**64 - 1, -(2**63), "HELLO", b"\x01", 1.0, True, False, None, [1], {"t": 1}],
+    ids=repr,
+)
+def test_unknown_message_type(kind: Any) -> None:
+    expect_error(pack([kind, 1, 2, 3]), "unknown message type")
+
+
+def test_bool_is_not_a_type_code() -> None:
+    # True == 1 in Python, but a bool on the wire is not HELLO.
+    expect_error(pack([True] + raw_fields(HELLO)[1:]), "unknown message type")
+
+
+# --------------------------------------------------------------------------- field counts
+@pytest.mark.parametrize("msg", ALL, ids=IDS)
+def test_one_field_too_many(msg: Any) -> None:
+    fields = raw_fields(msg)
+    name = type(msg).__name__.upper()
+    n = len(fields) - 1
+    expect_error(pack(fields + [0]), f"{name} has {n + 1} fields, expected {n}")
+    expect_error(pack(fields + [None, None, None]), f"{name} has {n + 3} fields")
+
+
+@pytest.mark.parametrize("msg", [m for m in ALL if raw_fields(m)[1:]], ids=lambda m: type(m).__name__)
+def test_one_field_too_few(msg: Any) -> None:
+    fields = raw_fields(msg)
+    name = type(msg).__name__.upper()
+    n = len(fields) - 1
+    expect_error(pack(fields[:-1]), f"{name} has {n - 1} fields, expected {n}")
+
+
+@pytest.mark.parametrize("msg", ALL, ids=IDS)
+def test_type_code_alone(msg: Any) -> None:
+    fields = raw_fields(msg)
+    if len(fields) == 1:
+        assert decode(pack(fields[:1])) == msg  # HEARTBEAT has no fields
+    else:
+        with pytest.raises(ProtocolError):
+            decode(pack(fields[:1]))
+
+
+# --------------------------------------------------------------------------- field types
+_BAD_UINT = [-1, 2**62 + 1, 2**64 - 1, -(2**63), 1.0, 1.5, "1", b"\x01", None, True, False, [1], {"v": 1}]
+_BAD_TEXT = [None, 1, 1.5, True, b"text", "x" * 4097, ["x"], {"x": "y"}]
+_BAD_OPT_TEXT = [1, 1.5, True, b"text", "x" * 4097, ["x"], {}]
+_BAD_HANDLES = ["h", b"h", None, 1, {"a": b"h"}, [1], [None], [True], [1.5], [["h"]],
+                [b"x" * 4097], ["x" * 4097], [b""] * 4097]
+_BAD_UINTS = [5, "1", None, {}, [-1], ["1"], [1.0], [None], [True], [[1]], [0] * 4097]
+_BAD_SLOTS = [None, 5, (0, 0, 1), [[0, 0]], [[0, 0, 0, 0]], [[0, 0, -1]], [[0, "a", 1]],
+              [[0, 0, 1.0]], [[True, 0, 1]], [5], ["abc"], [{"a": 0}], [[0, 0, 1]] * 4097]
+_BAD_RELEASES = [None, 5, {}, "x", [[1, 1]], [[1, 1, 1, 1]], [[1, -1, 1]], [[1.0, 1, 1]],
+                 [[1, 1, None]], [[1, 1, 2**62 + 1]], [5], [[[1], 1, 1]], [[1, 1, 1]] * 4097]
+_BAD_LAYOUTS = [None, 0, "x", [], [0], [0, [], []], {"tree": 0}, [0, {}],
+                [0, [["float32", [1], [1]]]]]
+_BAD_META = [{b"bytes-key": 1}, {"ok": {b"k": 1}}, [{"a": {b"\x00": None}}]]
+_BAD_FID = [-1, 64, 2**62, 1.0, "1", None, True, [1]]
+_BAD_HANDLE = [None, 1, 1.5, True, b"x" * 4097, "x" * 4097, [b"h"], {"h": b"h"}]
+
+_KINDS = {
+    "uint": _BAD_UINT,
+    "text": _BAD_TEXT,
+    "opt_text": _BAD_OPT_TEXT,
+    "handles": _BAD_HANDLES,
+    "uints": _BAD_UINTS,
+    "slots": _BAD_SLOTS,
+    "releases": _BAD_RELEASES,
+    "opt_layout": [b for b in _BAD_LAYOUTS if b is not None],
+    "meta": _BAD_META,
+    "fid": _BAD_FID,
+    "handle": _BAD_HANDLE,
+}
+FIELD_KINDS: dict[type, list[str]] = {
+    Hello: ["uint", "uint", "uint", "text", "text", "text", "opt_text", "uint", "uint"],
+    Setup: ["uint", "uint", "uint", "text", "text", "opt_text", "handles", "uints", "slots",
+            "handles", "uint"],
+    Attach: ["handles"],
+    Ready: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta"],
+    Release: ["releases"],
+    Heartbeat: [],
+    Bye: ["text"],
+    Error: ["text", "text"],
+    P.Foreign: ["fid", "text", "opt_text", "uint", "uint", "handle", "uint"],
+    P.ForwardReady: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta", "fid", "uint", "uint"],
+}
+
+
+def test_field_kind_table_matches_schema() -> None:
+    assert set(FIELD_KINDS) == set(P.SCHEMAS)
+    for cls, kinds in FIELD_KINDS.items():
+        assert len(kinds) == len(P.SCHEMAS[cls]) == len(P._FIELDS[cls]), cls
+
+
+def _bad_field_cases() -> list[Any]:
+    cases = []
+    for msg in ALL:
+        cls = type(msg)
+        for i, (name, kind) in enumerate(zip(P._FIELDS[cls], FIELD_KINDS[cls])):
+            for j, bad in enumerate(_KINDS[kind]):
+                cases.append(pytest.param(msg, i, bad, id=f"{cls.__name__}.{name}-{kind}{j}"))
+    return cases
+
+
+@pytest.mark.parametrize("msg,index,bad", _bad_field_cases())
+def test_wrong_field_value(msg: Any, index: int, bad: Any) -> None:
+    cls = type(msg)
+    fields = raw_fields(msg)
+    fields[1 + index] = bad
+    name = P._FIELDS[cls][index]
+    # msgpack's own container cap is raised here so the per-field limits are what fires.
+    with pytest.raises(ProtocolError) as info:
+        decode(pack(fields), Limits(max_items=1 << 16))
+    if cls in (Hello, Setup) and index == 0 and bad != PROTOCOL_VERSION:
+        # The version is checked first; anything but 1 is another version.
+        assert type(info.value) is VersionMismatch
+    else:
+        assert type(info.value) is ProtocolError
+        # The message names the message type and the field.
+        assert str(info.value).startswith(f"{cls.__name__.upper()}.{name}: "), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("pid", 2**62), ("credits", 0), ("heartbeat_ms", 0), ("device", None), ("device", "x" * 4096)],
+)
+def test_boundary_values_are_accepted(field: str, value: Any) -> None:
+    msg = Hello(**{**{f: getattr(HELLO, f) for f in P._FIELDS[Hello]}, field: value})
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("bad_utf8", [b"\xff", b"\xc3", b"\xed\xa0\x80", b"ok\x80"], ids=repr)
+def test_invalid_utf8_text_is_rejected(bad_utf8: bytes) -> None:
+    # A msgpack str must hold UTF-8; a BYE whose reason does not is malformed.
+    frame = b"\x92\x07" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8
+    expect_error(frame, "malformed msgpack frame")
+    # Also as a meta map key.
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    expect_error(prefix + b"\x81" + bytes([0xA0 | len(bad_utf8)]) + bad_utf8 + b"\xc0")
+
+
+def test_text_limit_counts_characters() -> None:
+    # 4096 characters is accepted even where it is more bytes in UTF-8.
+    assert decode(encode(Bye("€" * 4096))) == Bye("€" * 4096)
+    expect_error(encode(Bye("€" * 4097)), "BYE.reason", "4096")
+
+
+# --------------------------------------------------------------------------- limits
+def test_frame_over_max_frame() -> None:
+    frame = encode(Bye("x" * 200))
+    expect_error(frame, f"frame of {len(frame)} bytes exceeds the limit of 100",
+                 limits=Limits(max_frame=100))
+    assert decode(frame, Limits(max_frame=len(frame))) == Bye("x" * 200)
+    expect_error(frame, "exceeds the limit", limits=Limits(max_frame=len(frame) - 1))
+
+
+def test_default_max_frame_boundary() -> None:
+    # A READY whose meta is one big bytes value: valid at exactly the limit, refused one
+    # byte over it (by size, before msgpack parses anything).
+    n = DEFAULT_LIMITS.max_frame
+    lay = [0, [["uint8", [], [], 0]]]
+    overhead = len(P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * 70000)) - 70000
+    fits = P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * (n - overhead))
+    assert len(fits) == n
+    assert decode(fits).meta == b"x" * (n - overhead)
+    over = P.encode_ready(0, 0, 0, 0, 1, lay, b"x" * (n - overhead + 1))
+    assert len(over) == n + 1
+    expect_error(over, f"frame of {n + 1} bytes exceeds the limit of {n}")
+    expect_error(b"\x00" * (n + 1), "exceeds the limit")
+
+
+def test_max_items_limit() -> None:
+    lim = Limits(max_items=8)  # a READY is an array of 8
+    assert decode(encode(Release([(0, 0, 0)] * 8)), lim)
+    expect_error(encode(Release([(0, 0, 0)] * 9)), "9 exceeds max_array_len(8)", limits=lim)
+    lay = [0, [["uint8", [], [], 0]]]
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, {str(i): i for i in range(8)}), lim)
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, {str(i): i for i in range(9)}),
+                 "9 exceeds max_map_len(8)", limits=lim)
+
+
+def test_max_release_batch_and_max_slots() -> None:
+    lim = Limits(max_release_batch=2, max_slots=2)
+    assert decode(encode(Release([(0, 0, 0)] * 2)), lim)
+    expect_error(encode(Release([(0, 0, 0)] * 3)), "RELEASE.entries", "exceeds the limit of 2",
+                 limits=lim)
+    expect_error(encode(Attach([b"a"] * 3)), "ATTACH.release_events", limits=lim)
+    assert len(SETUP.slots) == 3
+    expect_error(encode(SETUP), "SETUP.", "exceeds the limit of 2", limits=lim)
+
+
+def test_max_tensors_limit() -> None:
+    lay = [["l", [0, 1]], [["uint8", [], [], 0], ["uint8", [], [], 256]]]
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, None), Limits(max_tensors=2))
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, None), "READY.layout", "at most 1 tensors",
+                 limits=Limits(max_tensors=1))
+
+
+def test_max_depth_limit_is_configurable() -> None:
+    meta: Any = None
+    for _ in range(5):
+        meta = [meta]
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], meta)
+    assert decode(frame, Limits(max_depth=6)).meta == meta
+    expect_error(frame, "READY.meta", "depth 5", limits=Limits(max_depth=5))
+
+
+# --------------------------------------------------------------------------- hostile lengths
+def _decode_small_and_fast(frame: bytes) -> ProtocolError:
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ProtocolError) as info:
+            decode(frame)
+        elapsed = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding {frame[:16]!r} allocated {peak} bytes"
+    assert elapsed < 1.0, f"decoding {frame[:16]!r} took {elapsed:.3f} s"
+    return info.value
+
+
+HUGE_HEADERS = {
+    "str32": b"\xdb\xff\xff\xff\xff",
+    "str32+data": b"\xdb\xff\xff\xff\xff" + b"a" * 100,
+    "bin32": b"\xc6\xff\xff\xff\xff",
+    "bin32+data": b"\xc6\xff\xff\xff\xff" + b"\x00" * 100,
+    "array32": b"\xdd\xff\xff\xff\xff",
+    "map32": b"\xdf\xff\xff\xff\xff",
+    "array32+items": b"\xdd\xff\xff\xff\xff" + b"\x01" * 100,
+    "map32+items": b"\xdf\xff\xff\xff\xff" + b"\xa1k\x01" * 30,
+    "ext32": b"\xc9\xff\xff\xff\xff\x05",
+    "str16": b"\xda\xff\xff",
+    "bin16": b"\xc5\xff\xff",
+    "array16-over-limit": b"\xdc\xff\xff",
+    # The same headers behind a plausible message start: BYE with a 4 GiB reason,
+    # ATTACH with 2**32-1 handles, READY with a 2**32-1 entry meta map.
+    "bye-str32": b"\x92\x07\xdb\xff\xff\xff\xff",
+    "attach-array32": b"\x92\x03\xdd\xff\xff\xff\xff",
+    "ready-map32": b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xdf\xff\xff\xff\xff",
+    "ready-bin32-meta": b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\xc6\xff\xff\xff\xff",
+    "array32-in-array32": b"\xdd\xff\xff\xff\xff" * 8,
+}
+
+
+@pytest.mark.parametrize("frame", list(HUGE_HEADERS.values()), ids=list(HUGE_HEADERS))
+def test_huge_length_prefixes_fail_fast_without_allocating(frame: bytes) -> None:
+    exc = _decode_small_and_fast(frame)
+    assert "malformed msgpack frame" in str(exc)
+
+
+def test_huge_array_header_names_the_limit() -> None:
+    exc = _decode_small_and_fast(b"\xdd\xff\xff\xff\xff")
+    assert "4294967295" in str(exc) and str(DEFAULT_LIMITS.max_items) in str(exc)
+    exc = _decode_small_and_fast(b"\xdf\xff\xff\xff\xff")
+    assert "4294967295" in str(exc)
+
+
+def test_ready_map32_prefix_is_otherwise_valid() -> None:
+    # Sanity: the READY prefix used above is a valid READY when given a real meta.
+    frame = HUGE_HEADERS["ready-map32"][:-5] + b"\xc0"
+    assert decode(frame) == Ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], None)
+
+
+# --------------------------------------------------------------------------- deep nesting
+def _nested(depth: int, leaf: Any = None) -> Any:
+    v = leaf
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def test_meta_nested_100_lists() -> None:
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], _nested(100))
+    expect_error(frame, "READY.meta", "meta nesting exceeds depth 32")
+
+
+def test_meta_nested_dicts() -> None:
+    meta: Any = 1
+    for _ in range(40):
+        meta = {"k": meta}
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], meta)
+    expect_error(frame, "READY.meta", "depth")
+
+
+def test_meta_depth_boundary() -> None:
+    lay = [0, [["uint8", [], [], 0]]]
+    # The meta value itself is depth 1: 31 lists around a leaf reach depth 32.
+    ok = _nested(DEFAULT_LIMITS.max_depth - 1)
+    assert decode(P.encode_ready(0, 0, 0, 0, 1, lay, ok)).meta == ok
+    expect_error(P.encode_ready(0, 0, 0, 0, 1, lay, _nested(DEFAULT_LIMITS.max_depth)), "depth")
+
+
+@pytest.mark.parametrize("depth", [100, 10_000])
+def test_raw_deep_nesting(depth: int) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(ProtocolError):
+        decode(b"\x91" * depth + b"\xc0")
+    # Inside a READY's meta too.
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    with pytest.raises(ProtocolError):
+        decode(prefix + b"\x91" * depth + b"\xc0")
+    with pytest.raises(ProtocolError):
+        decode(prefix + b"\x81\xa1k" * depth + b"\xc0")
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_deep_layout_tree() -> None:
+    tree: Any = 0
+    for _ in range(40):
+        tree = ["l", [tree]]
+    frame = P.encode_ready(0, 0, 0, 0, 1, [tree, [["uint8", [], [], 0]]], None)
+    expect_error(frame, "READY.layout", "layout nesting exceeds depth 32")
+
+
+# --------------------------------------------------------------------------- ext types
+@pytest.mark.parametrize(
+    "ext",
+    [
+        msgpack.packb(msgpack.ExtType(5, b"abcd")),
+        msgpack.packb(msgpack.ExtType(0, b"")),
+        msgpack.packb(msgpack.ExtType(127, b"x" * 300)),
+        b"\xd4\x80x",  # fixext1, type -128
+        b"\xc7\x00\x05",  # ext8 of length 0, type 5
+        b"\xc7\x00\xff",  # ext8 of length 0, type -1
+        b"\xd6\xff\x00\x00\x00\x01",  # timestamp 32
+        b"\xd7\xff" + b"\x00" * 8,  # timestamp 64
+        b"\xc7\x0c\xff" + b"\x00" * 12,  # timestamp 96
+        msgpack.packb(msgpack.Timestamp(1_700_000_000, 5)),
+    ],
+    ids=["ext5", "ext0-empty", "ext127-long", "ext-128", "ext8-len0", "ext8-len0-ts",
+         "timestamp32", "timestamp64", "timestamp96", "Timestamp"],
+)
+@pytest.mark.parametrize("where", ["top", "meta", "field", "type"])
+def test_ext_types_are_rejected(ext: bytes, where: str) -> None:
+    if where == "top":
+        frame = ext
+    elif where == "meta":
+        frame = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00\x91" + ext
+    elif where == "field":
+        frame = b"\x92\x07" + ext  # BYE.reason
+    else:
+        frame = b"\x91" + ext
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    text = str(info.value)
+    assert "ext" in text or "timestamp" in text, text
+
+
+def test_ext_with_timestamp_argument_is_never_decoded() -> None:
+    # Not even the timestamp extension (-1) turns into a Timestamp object.
+    ts = msgpack.packb(msgpack.Timestamp(0, 0))
+    assert ts[1:2] == b"\xff"
+    with pytest.raises(ProtocolError):
+        decode(pack([7, "x"])[:-2] + ts)
+
+
+# --------------------------------------------------------------------------- meta keys
+@pytest.mark.parametrize(
+    "meta_bytes",
+    [
+        b"\x81\xc4\x01k\x01",  # {b"k": 1}
+        b"\x81\x01\x01",  # {1: 1}
+        b"\x81\xc0\x01",  # {None: 1}
+        b"\x81\xc3\x01",  # {True: 1}
+        b"\x81\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\x01",  # {1.0: 1}
+        b"\x81\x91\x01\x01",  # {[1]: 1}
+        b"\x81\x81\xa1k\x01\x01",  # {{"k": 1}: 1}
+        b"\x81\xa1a\x81\xc4\x01k\x01",  # {"a": {b"k": 1}}
+        b"\x91\x81\x05\xc0",  # [{5: None}]
+    ],
+    ids=["bytes", "int", "nil", "bool", "float", "array", "map", "nested-bytes", "in-list"],
+)
+def test_non_str_meta_keys_are_rejected(meta_bytes: bytes) -> None:
+    prefix = b"\x98\x04\x00\x00\x00\x00\x01\x92\x00\x91\x94\xa5uint8\x90\x90\x00"
+    assert decode(prefix + b"\x80").meta == {}
+    with pytest.raises(ProtocolError):
+        decode(prefix + meta_bytes)
+
+
+def test_bytes_meta_key_message_names_the_reason() -> None:
+    frame = P.encode_ready(0, 0, 0, 0, 1, [0, [["uint8", [], [], 0]]], {b"k": 1})
+    expect_error(frame, "READY.meta", "keys must be strings")
+
+
+def test_check_meta_directly() -> None:
+    P.check_meta({"a": (1, [2.0, None], b"x", "y", True)})
+    P.check_meta(2**64 - 1)
+    P.check_meta(-(2**63))
+    for bad in [object(), {1: 2}, {"a": {1, 2}}, 2**64, -(2**63) - 1, [1j], bytearray(b"x")]:
+        with pytest.raises(ProtocolError):
+            P.check_meta(bad)
+    with pytest.raises(ProtocolError, match="depth 3"):
+        P.check_meta([[[1]]], max_depth=3)
+    P.check_meta([[1]], max_depth=3)
+
+
+# --------------------------------------------------------------------------- READY layouts
+def _ready_with(layout: Any) -> bytes:
+    return P.encode_ready(1, 0, 1, 0, 1, layout, None)
+
+
+GOOD_SPEC = ["float32", [2, 2], [2, 1], 0]
+
+def _spec(*fields: Any) -> Any:
+    return [0, [list(fields)]]
+
+
+def _tree(tree: Any, nspecs: int = 1) -> Any:
+    return [tree, [GOOD_SPEC] * nspecs]
+
+
+# name -> (layout, text the error must contain)
+BAD_LAYOUTS: dict[str, tuple[Any, str]] = {
+    "leaf-out-of-range": (_tree(1), "out of range or used twice"),
+    "leaf-negative": (_tree(-1), "out of range or used twice"),
+    "leaf-no-specs": (_tree(0, 0), "out of range or used twice"),
+    "leaf-used-twice": (_tree(["l", [0, 0]]), "out of range or used twice"),
+    "leaf-used-twice-dict": (_tree(["d", ["a", "b"], [0, ["t", [0]]]]), "out of range or used twice"),
+    "unused-spec": (_tree(0, 2), "no tree leaf uses"),
+    "bad-tag": (_tree(["x", [0]]), "d/l/t container"),
+    "tag-bytes": (_tree([b"l", [0]]), "d/l/t container"),
+    "empty-node": (_tree([]), "d/l/t container"),
+    "leaf-bool": (_tree(True), "d/l/t container"),
+    "leaf-float": (_tree(0.0), "d/l/t container"),
+    "leaf-str": (_tree("0"), "d/l/t container"),
+    "leaf-none": (_tree(None), "d/l/t container"),
+    "leaf-dict": (_tree({"0": 0}), "d/l/t container"),
+    "list-children-not-list": (_tree(["l", 0]), "children"),
+    "list-extra": (_tree(["l", [0], []]), "children"),
+    "tuple-children-not-list": (_tree(["t", "0"]), "children"),
+    "dict-short": (_tree(["d", ["a"]]), "['d', keys, children]"),
+    "dict-keys-not-list": (_tree(["d", "a", [0]]), "['d', keys, children]"),
+    "dict-key-count": (_tree(["d", ["a", "b"], [0]]), "one per child"),
+    "dict-key-int": (_tree(["d", [1], [0]]), "keys must be strings"),
+    "dict-key-bytes": (_tree(["d", [b"a"], [0]]), "keys must be strings"),
+    "dict-dup-keys": (_tree(["d", ["a", "a"], [0, ["l", []]]]), "distinct"),
+    "shape-stride-mismatch": (_spec("float32", [2, 2], [1], 0), "shape has 2 dims but stride has 1"),
+    "negative-size": (_spec("float32", [2, -1], [2, 1], 0), "non-negative"),
+    "negative-stride": (_spec("float32", [2, 2], [-2, 1], 0), "non-negative"),
+    "negative-offset": (_spec("float32", [2, 2], [2, 1], -256), "non-negative"),
+    "float-size": (_spec("float32", [2.0, 2], [2, 1], 0), "non-negative"),
+    "huge-size": (_spec("float32", [2**62 + 1], [1], 0), "non-negative"),
+    "bool-size": (_spec("float32", [True], [1], 0), "non-negative"),
+    "too-many-dims": (_spec("float32", [1] * 65, [1] * 65, 0), "at most 64"),
+    "shape-not-list": (_spec("float32", 4, [1], 0), "shape must be an array"),
+    "stride-not-list": (_spec("float32", [4], None, 0), "stride must be an array"),
+    "spec-short": (_spec("float32", [4], [1]), "[dtype, shape, stride, offset]"),
+    "spec-long": (_spec("float32", [4], [1], 0, 0), "[dtype, shape, stride, offset]"),
+    "spec-not-list": ([0, ["float32"]], "[dtype, shape, stride, offset]"),
+    "dtype-not-str": (_spec(b"float32", [4], [1], 0), "dtype must be a short string"),
+    "dtype-too-long": (_spec("f" * 65, [4], [1], 0), "dtype must be a short string"),
+    "specs-not-list": ([0, {"0": GOOD_SPEC}], "specs must be an array"),
+    "layout-3": ([0, [GOOD_SPEC], None], "[tree, specs]"),
+    "layout-1": ([0], "[tree, specs]"),
+    "layout-not-list": ({"tree": 0, "specs": [GOOD_SPEC]}, "[tree, specs]"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LAYOUTS))
+def test_malformed_ready_layout(name: str) -> None:
+    layout, reason = BAD_LAYOUTS[name]
+    expect_error(_ready_with(layout), "READY.layout: ", reason)
+
+
+def test_good_layouts_pass() -> None:
+    for layout in [
+        [0, [GOOD_SPEC]],
+        [["l", [0, 1]], [GOOD_SPEC, GOOD_SPEC]],
+        [["d", ["b", "a"], [1, ["t", [0]]]], [GOOD_SPEC, ["bool", [], [], 512]]],
+        [["l", []], []],
+        [0, [["float32", [1] * 64, [0] * 64, 2**62]]],
+    ]:
+        assert decode(_ready_with(layout)).layout == layout
+
+
+def test_layout_dtype_name_is_not_checked_by_protocol() -> None:
+    # The protocol checks the structure; ipcsync.core.layout checks dtype names and bounds.
+    layout = [0, [["no_such_dtype", [4], [1], 2**40]]]
+    assert decode(_ready_with(layout)).layout == layout
+
+
+# --------------------------------------------------------------------------- versions
+def test_hello_version_99_is_a_version_mismatch() -> None:
+    fields = raw_fields(HELLO)
+    fields[1] = 99
+    with pytest.raises(VersionMismatch) as info:
+        decode(pack(fields))
+    assert info.value.peer_version == 99
+    assert "99" in str(info.value) and str(PROTOCOL_VERSION) in str(info.value)
+
+
+@pytest.mark.parametrize("cls_code", [1, 2])
+@pytest.mark.parametrize(
+    "rest",
+    [[], ["extra"], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [{"new": "field"}, [1, 2]]],
+    ids=["bare", "one", "many", "other-shapes"],
+)
+def test_version_mismatch_even_with_other_fields(cls_code: int, rest: list[Any]) -> None:
+    with pytest.raises(VersionMismatch) as info:
+        decode(pack([cls_code, 99, *rest]))
+    assert isinstance(info.value, ProtocolError)
+    assert info.value.peer_version == 99
+
+
+def test_setup_version_mismatch() -> None:
+    fields = raw_fields(SETUP)
+    fields[1] = PROTOCOL_VERSION + 1
+    with pytest.raises(VersionMismatch):
+        decode(pack(fields))
+
+
+def test_hello_without_version() -> None:
+    with pytest.raises(VersionMismatch) as info:
+        decode(pack([1]))
+    assert info.value.peer_version is None
+
+
+@pytest.mark.parametrize("version", [0, 1, 3, "1", 1.5, None, [1], 2**64 - 1, -1])
+def test_odd_versions(version: Any) -> None:
+    fields = raw_fields(HELLO)
+    fields[1] = version
+    with pytest.raises(VersionMismatch):
+        decode(pack(fields))
+
+
+# --------------------------------------------------------------------------- hypothesis
+def _decode_or_protocol_error(frame: bytes) -> None:
+    try:
+        msg = decode(frame)
+    except ProtocolError:
+        return
+    assert type(msg) in P.SCHEMAS
+    # Whatever decodes re-encodes and decodes to the same message (compared as bytes: a
+    # flipped bit can make a float NaN, which never equals itself).
+    again = encode(msg)
+    assert encode(decode(again)) == again
+
+
+@HYP
+@given(st.binary(max_size=256))
+def test_fuzz_arbitrary_bytes(frame: bytes) -> None:
+    _decode_or_protocol_error(frame)
+
+
+@HYP
+@given(st.integers(1, 8), st.binary(max_size=128))
+def test_fuzz_arbitrary_bytes_after_a_type_code(code: int, body: bytes) -> None:
+    # A fixarray header of the right size class, a valid type, then noise.
+    for header in (0x91, 0x92, 0x93, 0x97, 0x9A, 0x9C):
+        _decode_or_protocol_error(bytes([header, code]) + body)
+
+
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+_data = st.recursive(
+    _leaf,
+    lambda children: st.one_of(
+        st.lists(children, max_size=6),
+        st.dictionaries(st.text(max_size=5), children, max_size=5),
+    ),
+    max_leaves=12,
+)
+_framed = st.builds(lambda code, rest: [code, *rest], st.integers(-1, 10), st.lists(_data, max_size=12))
+
+
+@HYP_SLOW
+@given(st.one_of(_data, _framed))
+def test_fuzz_msgpack_data(obj: Any) -> None:
+    _decode_or_protocol_error(pack(obj))
+
+
+def _small_uint() -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(0, 10), st.integers(0, 2**62))
+
+
+_messages = st.one_of(
+    st.builds(Hello, st.just(PROTOCOL_VERSION), _small_uint(), _small_uint(), st.text(max_size=8),
+              st.text(max_size=8), st.sampled_from(["cpu", "cuda"]),
+              st.one_of(st.none(), st.text(max_size=8)), _small_uint(), _small_uint()),
+    st.builds(Attach, st.lists(st.one_of(st.binary(max_size=8), st.text(max_size=8)), max_size=4)),
+    st.builds(Release, st.lists(st.tuples(_small_uint(), _small_uint(), _small_uint()), max_size=4)),
+    st.builds(Ready, _small_uint(), _small_uint(), _small_uint(), _small_uint(), _small_uint(),
+              st.just(LAYOUT), _data),
+    st.builds(Bye, st.text(max_size=16)),
+    st.builds(Error, st.text(max_size=8), st.text(max_size=16)),
+    st.just(SETUP),
+    st.just(HEARTBEAT),
+)
+
+
+@HYP
+@given(_messages)
+def test_fuzz_valid_messages_round_trip(msg: Any) -> None:
+    got = decode(encode(msg))
+    assert type(got) is type(msg)
+    # NaN in meta compares unequal to itself; compare the encodings instead.
+    assert encode(got) == encode(msg)
+
+
+@HYP
+@given(
+    st.sampled_from(ALL + VARIANTS),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
+    st.one_of(st.none(), st.integers(0, 10_000)),
+    st.binary(max_size=4),
+)
+def test_fuzz_mutated_frames(msg: Any, flips: list[tuple[int, int]], cut: int | None,
+                             insert: bytes) -> None:
+    frame = bytearray(encode(msg))
+    for pos, val in flips:
+        frame[pos % len(frame)] = val
+    if cut is not None:
+        frame = frame[: cut % (len(frame) + 1)]
+    if insert:
+        at = len(frame) // 2
+        frame[at:at] = insert
+    _decode_or_protocol_error(bytes(frame))
+
+
+@HYP
+@given(st.sampled_from(ALL), st.integers(0, 10_000), st.integers(0, 7))
+def test_fuzz_single_bit_flips(msg: Any, pos: int, bit: int) -> None:
+    frame = bytearray(encode(msg))
+    frame[pos % len(frame)] ^= 1 << bit
+    _decode_or_protocol_error(bytes(frame))
+
+
+# --------------------------------------------------------------------------- conversation
+TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady]
+SAMPLE = {type(m): m for m in ALL}
+
+
+def test_conversation_initial_states() -> None:
+    assert Conversation("producer").state == "await_hello"
+    assert Conversation("consumer").state == "await_setup"
+    with pytest.raises(ValueError):
+        Conversation("observer")
+
+
+def test_producer_happy_path() -> None:
+    c = Conversation("producer")
+    assert c.receive(HELLO) == "await_attach"
+    assert c.receive(HEARTBEAT) == "await_attach"
+    assert c.receive(ATTACH) == "active"
+    for msg in [RELEASE, HEARTBEAT, RELEASE, RELEASE, HEARTBEAT]:
+        assert c.receive(msg) == "active"
+    assert c.receive(BYE) == "closed"
+    assert c.state == "closed"
+
+
+def test_consumer_happy_path() -> None:
+    c = Conversation("consumer")
+    assert c.receive(HEARTBEAT) == "await_setup"
+    assert c.receive(SETUP) == "active"
+    for msg in [READY, READY, HEARTBEAT, READY]:
+        assert c.receive(msg) == "active"
+    assert c.receive(ERROR) == "closed"
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_bye_and_error_are_allowed_in_every_state(role: str) -> None:
+    states = [state for (r, state) in P.TRANSITIONS if r == role]
+    assert states
+    for state in states:
+        c = Conversation(role)
+        c.state = state
+        assert c.receive(ERROR) == "closed"
+        c = Conversation(role)
+        c.state = state
+        c.receive(BYE)  # never a protocol violation
+        assert c.state in {s for (r, s) in P.TRANSITIONS if r == role} | {"closed"}
+
+
+def test_consumer_after_producer_bye() -> None:
+    # The producer's BYE follows its last READY: no READY after it; the consumer still
+    # releases what it holds, says BYE, and gets the producer's BYE as acknowledgement.
+    c = Conversation("consumer")
+    c.receive(SETUP)
+    c.receive(READY)
+    after = c.receive(BYE)
+    with pytest.raises(ProtocolError):
+        c.receive(READY)
+    assert c.state == after
+    assert c.receive(HEARTBEAT) == after
+    c.receive(BYE)
+    c.receive(ERROR)
+    assert c.state == "closed"
+
+
+def _state_cases() -> list[Any]:
+    return [
+        pytest.param(role, state, cls, id=f"{role}-{state}-{cls.__name__}")
+        for (role, state) in P.TRANSITIONS
+        for cls in TYPES
+    ]
+
+
+@pytest.mark.parametrize("role,state,cls", _state_cases())
+def test_transition_table(role: str, state: str, cls: type) -> None:
+    c = Conversation(role)
+    c.state = state
+    nxt = P.TRANSITIONS[(role, state)].get(cls)
+    if nxt is None:
+        with pytest.raises(ProtocolError) as info:
+            c.receive(SAMPLE[cls])
+        assert c.state == state  # unchanged
+        assert cls.__name__.upper() in str(info.value) and repr(state) in str(info.value)
+    else:
+        assert c.receive(SAMPLE[cls]) == nxt
+        assert c.state == nxt
+
+
+def test_every_transition_target_is_a_known_state() -> None:
+    states = {s for (_, s) in P.TRANSITIONS} | {"closed"}
+    for table in P.TRANSITIONS.values():
+        assert set(table.values()) <= states
+        assert set(table) <= set(TYPES)
+
+
+@pytest.mark.parametrize(
+    "role,first",
+    [("producer", SETUP), ("producer", READY), ("producer", RELEASE), ("producer", ATTACH),
+     ("consumer", HELLO), ("consumer", READY), ("consumer", ATTACH), ("consumer", RELEASE)],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+)
+def test_out_of_order_first_message(role: str, first: Any) -> None:
+    c = Conversation(role)
+    before = c.state
+    with pytest.raises(ProtocolError):
+        c.receive(first)
+    assert c.state == before
+
+
+def test_producer_rejects_second_hello_and_consumer_second_setup() -> None:
+    p = Conversation("producer")
+    p.receive(HELLO)
+    with pytest.raises(ProtocolError):
+        p.receive(HELLO)
+    assert p.state == "await_attach"
+    p.receive(ATTACH)
+    for msg in (HELLO, ATTACH, SETUP, READY):
+        with pytest.raises(ProtocolError):
+            p.receive(msg)
+        assert p.state == "active"
+    c = Conversation("consumer")
+    c.receive(SETUP)
+    for msg in (SETUP, HELLO, RELEASE, ATTACH):
+        with pytest.raises(ProtocolError):
+            c.receive(msg)
+        assert c.state == "active"
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+@pytest.mark.parametrize("msg", ALL, ids=IDS)
+def test_anything_after_closed_raises(role: str, msg: Any) -> None:
+    c = Conversation(role)
+    c.receive(BYE)
+    assert c.state == "closed"
+    with pytest.raises(ProtocolError, match="after the connection closed"):
+        c.receive(msg)
+    assert c.state == "closed"
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_close_then_receive_raises(role: str) -> None:
+    c = Conversation(role)
+    c.close()
+    assert c.state == "closed"
+    for msg in ALL:
+        with pytest.raises(ProtocolError):
+            c.receive(msg)
+        assert c.state == "closed"
+
+
+@HYP_SLOW
+@given(st.sampled_from(["producer", "consumer"]), st.lists(st.sampled_from(TYPES), max_size=12))
+def test_fuzz_conversation_matches_table(role: str, seq: list[type]) -> None:
+    c = Conversation(role)
+    state = c.state
+    for cls in seq:
+        if state == "closed":
+            expected = None
+        else:
+            expected = P.TRANSITIONS[(role, state)].get(cls)
+        if expected is None:
+            with pytest.raises(ProtocolError):
+                c.receive(SAMPLE[cls])
+        else:
+            assert c.receive(SAMPLE[cls]) == expected
+            state = expected
+        assert c.state == state
