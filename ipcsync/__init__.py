@@ -36,10 +36,11 @@ from .errors import (
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __getattr__
     from .backends.cuda import IpcEvent, export_tensor, import_tensor
     from .runtime.channel import CurveKeys
-    from .consumer import Consumer, Item
+    from .consumer import Consumer
+    from .item import Item, SlotWriter
     from .fanin import FanIn
     from .forward import forward
-    from .producer import Producer, SlotWriter
+    from .producer import Producer
     from .core.protocol import PROTOCOL_VERSION, Limits
 
 __version__ = "0.1.0"
@@ -75,11 +76,11 @@ _LAZY = {
     "import_tensor": ".backends.cuda",
     "CurveKeys": ".runtime.channel",
     "Consumer": ".consumer",
-    "Item": ".consumer",
+    "Item": ".item",
     "FanIn": ".fanin",
     "forward": ".forward",
     "Producer": ".producer",
-    "SlotWriter": ".producer",
+    "SlotWriter": ".item",
     "PROTOCOL_VERSION": ".core.protocol",
     "Limits": ".core.protocol",
 }

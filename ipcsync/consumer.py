@@ -47,14 +47,14 @@ import zmq
 from .runtime import host as _host
 from . import limits
 from .core import protocol as P
-from .runtime.endpoint import _Endpoint, check_positive_int, check_timeout, check_wait, stall_change
+from .core.liveness import stall_change
+from .runtime.endpoint import EndpointBase, check_positive_int, check_timeout, check_wait
 from .backends import Arena, Event, backend_for, resolve_device
 from .backends.cpu import reclaim_dead_segments, segment_owner
 from .runtime.channel import (ConsumerChannel, CurveKeys, check_transport, diagnose_unanswered, producer_identity_problem,
                       remove_stale, resolve_endpoint)
 from .errors import (
     BackendError,
-    ClosedError,
     ConfigError,
     IpcSyncError,
     IpcTimeoutError,
@@ -64,6 +64,7 @@ from .errors import (
 )
 from .core.layout import Recipe
 from .core.stats import Stats
+from .item import Item
 
 __all__ = ["Consumer", "Item"]
 
@@ -158,54 +159,7 @@ class _ForeignUse:
         return self.recipe.build_at(self.view)
 
 
-class Item:
-    """One received message: ``tensors`` (the nested structure the producer sent, as views
-    of its slot), ``meta``, ``seq`` (the producer's sequence number), ``source`` (which
-    producer sent it: its endpoint, or the label a FanIn gave it). ``item["x"]`` indexes
-    ``tensors``.
-
-    The tensors are valid until ``release()``: after it the producer may overwrite the
-    slot, ``item[key]`` raises ClosedError and ``tensors`` is None. Clone what you need to
-    keep; views you keep past release() keep the producer's memory mapped in this process.
-    """
-
-    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
-
-    def __init__(self, consumer: "Consumer", seq: int, slot: int, gen: int, meta: Any,
-                 tensors: Any, nbytes: int) -> None:
-        self.tensors = tensors
-        self.meta = meta
-        self.seq = seq
-        self.slot = slot
-        self.gen = gen
-        self.nbytes = nbytes
-        self.released = False
-        self.source = consumer.source
-        self._consumer = consumer
-
-    def __getitem__(self, key: Any) -> Any:
-        if self.released:
-            raise ClosedError(f"item {self.seq} was released; its slot may hold another item now")
-        return self.tensors[key]
-
-    def release(self, stream: Any = None) -> None:
-        """Give the slot back (after the work queued on ``stream``, default current, is
-        done). Idempotent. Implicit at the next iteration when ``auto_release`` is on."""
-        if not self.released:  # only ever set to True, under the consumer's lock
-            self._consumer._release(self, stream)
-
-    def __enter__(self) -> "Item":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<ipcsync.Item seq={self.seq} slot={self.slot} {state} meta={self.meta!r:.60}>"
-
-
-class Consumer(_Endpoint):
+class Consumer(EndpointBase):
     """Connects to a producer's ``endpoint`` and receives its items, in order.
 
     Args:

@@ -52,14 +52,16 @@ import zmq
 from .runtime import host as _host
 from . import limits
 from .core import protocol as P
-from .runtime.endpoint import _Endpoint, check_positive_int, check_wait, stall_change
+from .core.liveness import stall_change
+from .runtime.endpoint import EndpointBase, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .runtime.channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .consumer import CannotForward
-from .errors import ClosedError, ConfigError, ProtocolError
+from .errors import ConfigError, ProtocolError
 from .core.layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
 from .core.ring import POLICIES, Acquired, Ring
 from .core.stats import Stats
+from .item import SlotWriter, _SlotContext
 
 __all__ = ["Producer", "SlotWriter"]
 
@@ -129,51 +131,7 @@ class _Forward:
         self.item, self.source, self.stream, self.foreign = item, source, stream, foreign
 
 
-class SlotWriter:
-    """What ``Producer.slot()`` yields: the slot's tensors by name, to fill in place, and
-    ``meta`` to send with them. Once the block exits the slot is sent (or given back):
-    ``tensors`` is then None and ``writer[name]`` raises ClosedError, so a leftover
-    reference can neither write into an item in flight nor keep the arena alive."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
-        self.tensors: dict[str, torch.Tensor] | None = tensors
-        self.meta = meta
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if self.tensors is None:
-            raise ClosedError("this slot was sent (or given back) when its with-block exited")
-        return self.tensors[name]
-
-    def keys(self) -> Any:
-        return self.tensors.keys() if self.tensors is not None else {}.keys()
-
-
-class _SlotContext:
-    """What ``Producer.slot()`` returns: a context manager that reserves the slot on entry
-    and sends it (or, if the block raised, gives it back) on exit."""
-
-    __slots__ = ("producer", "spec", "meta", "timeout", "stream", "acq", "plan", "writer")
-
-    def __init__(self, producer: "Producer", spec: dict[str, Any], meta: Any,
-                 timeout: float | None, stream: Any) -> None:
-        self.producer = producer
-        self.spec = spec
-        self.meta = meta
-        self.timeout = timeout
-        self.stream = stream
-        self.acq: Acquired | None = None
-
-    def __enter__(self) -> SlotWriter:
-        if self.acq is not None:
-            raise RuntimeError("a Producer.slot() context can be entered once")
-        return self.producer._slot_enter(self)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self.producer._slot_exit(self, exc_type is None)
-        return False
-
-
-class Producer(_Endpoint):
+class Producer(EndpointBase):
     """Binds ``endpoint`` and hands messages (nested dicts/lists/tuples of tensors plus
     msgpack-able ``meta``) to the consumers that connect to it.
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum, IntEnum
 from typing import Any, Callable, ClassVar, Final, Union
 
 import msgpack
@@ -45,6 +46,9 @@ from ..errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "MsgType",
+    "ErrorCode",
+    "State",
     "Limits",
     "DEFAULT_LIMITS",
     "Hello",
@@ -86,6 +90,55 @@ _MAX_NDIM: Final = 64
 # Layout ids are 1..MAX_LAYOUT_IDS (0: "not cached"). A producer reuses them (LRU), so a
 # consumer caches at most this many layouts per producer.
 MAX_LAYOUT_IDS: Final = 4096
+
+
+class MsgType(IntEnum):
+    """The first element of every frame: which message it is."""
+
+    HELLO = 1
+    SETUP = 2
+    ATTACH = 3
+    READY = 4
+    RELEASE = 5
+    HEARTBEAT = 6
+    BYE = 7
+    ERROR = 8
+    FOREIGN = 10
+    FORWARD_READY = 11
+
+
+# Plain ints for the hot paths (packing an IntEnum member takes msgpack's slower path).
+_READY: Final = int(MsgType.READY)
+_RELEASE: Final = int(MsgType.RELEASE)
+_FORWARD_READY: Final = int(MsgType.FORWARD_READY)
+
+
+class ErrorCode(str, Enum):
+    """``Error.code``: why a peer refused or ended a connection (machine-readable)."""
+
+    PROTOCOL = "protocol"  # a malformed or out-of-order frame
+    VERSION = "version"  # another protocol version
+    FAILED = "failed"  # the producer's with-block raised, or it called abort()
+    CLOSING = "closing"  # the producer is closing and takes no new consumers
+    BACKEND = "backend"  # cpu against cuda, or memory/events that cannot be opened
+    HOST = "host"  # another host, boot or PID namespace where one is needed
+    DEVICE = "device"  # a GPU the peer cannot read
+    CREDITS = "credits"  # a consumer asking for fewer than one credit
+    IDENTITY = "identity"  # the connection's process is not the one the message names
+    UID = "uid"  # another user
+    SETUP = "setup"  # an inconsistent SETUP
+
+
+class State(str, Enum):
+    """Where one connection stands, seen from one side (see ``TRANSITIONS``). A ``str``
+    enum: states compare equal to their names."""
+
+    AWAIT_HELLO = "await_hello"  # producer: connected, nothing said yet
+    AWAIT_ATTACH = "await_attach"  # producer: SETUP sent, waiting for the release events
+    AWAIT_SETUP = "await_setup"  # consumer: HELLO sent
+    ACTIVE = "active"  # items flow
+    ENDING = "ending"  # consumer: the producer said BYE; releasing what is held
+    CLOSED = "closed"
 
 
 @dataclass(frozen=True)
@@ -296,7 +349,7 @@ def check_meta(v: Any, max_depth: int = DEFAULT_LIMITS.max_depth) -> None:
 class Hello:
     """Consumer -> producer, first message. Says who the consumer is and where it runs."""
 
-    TYPE: ClassVar[int] = 1
+    TYPE: ClassVar[int] = MsgType.HELLO
     version: int
     pid: int
     start_time: int  # process start time (clock ticks since boot); with pid, names a process
@@ -312,7 +365,7 @@ class Hello:
 class Setup:
     """Producer -> consumer: the ring. Arenas and events are exported once here."""
 
-    TYPE: ClassVar[int] = 2
+    TYPE: ClassVar[int] = MsgType.SETUP
     version: int
     pid: int
     start_time: int
@@ -330,7 +383,7 @@ class Setup:
 class Attach:
     """Consumer -> producer: the consumer's release-event handles, one per slot."""
 
-    TYPE: ClassVar[int] = 3
+    TYPE: ClassVar[int] = MsgType.ATTACH
     release_events: list[bytes | str]
 
 
@@ -338,7 +391,7 @@ class Attach:
 class Ready:
     """Producer -> consumer: slot ``slot`` of generation ``gen`` holds item ``seq``."""
 
-    TYPE: ClassVar[int] = 4
+    TYPE: ClassVar[int] = MsgType.READY
     seq: int
     slot: int
     gen: int
@@ -355,7 +408,7 @@ class Ready:
 class Release:
     """Consumer -> producer: these items are released (batched)."""
 
-    TYPE: ClassVar[int] = 5
+    TYPE: ClassVar[int] = MsgType.RELEASE
     entries: list[tuple[int, int, int]]  # (seq, slot, gen)
 
 
@@ -363,14 +416,14 @@ class Release:
 class Heartbeat:
     """Either way, when a side has sent nothing for a while."""
 
-    TYPE: ClassVar[int] = 6
+    TYPE: ClassVar[int] = MsgType.HEARTBEAT
 
 
 @dataclass(frozen=True, slots=True)
 class Bye:
     """Either way: this side is closing. From the producer it follows the last READY."""
 
-    TYPE: ClassVar[int] = 7
+    TYPE: ClassVar[int] = MsgType.BYE
     reason: str
 
 
@@ -378,7 +431,7 @@ class Bye:
 class Error:
     """Either way: the peer did something wrong; ``code`` is machine-readable."""
 
-    TYPE: ClassVar[int] = 8
+    TYPE: ClassVar[int] = MsgType.ERROR
     code: str
     message: str
 
@@ -388,7 +441,7 @@ class Foreign:
     """Producer -> consumer: another producer's arena, which FREADY items reference (zero-copy
     forwarding). Sent once per consumer and ``fid`` before the first FREADY naming it."""
 
-    TYPE: ClassVar[int] = 10
+    TYPE: ClassVar[int] = MsgType.FOREIGN
     fid: int  # below Limits.max_foreign; reused only once no item of the old arena is held
     backend: str  # "cpu" or "cuda": the arena's owner's backend
     device: str | None  # GPU UUID of the arena (None on the CPU backend)
@@ -404,7 +457,7 @@ class ForwardReady:
     ``offset`` of foreign arena ``fid`` (layout offsets are relative to that region). The
     slot and generation are the sender's, released as for READY."""
 
-    TYPE: ClassVar[int] = 11
+    TYPE: ClassVar[int] = MsgType.FORWARD_READY
     seq: int
     slot: int
     gen: int
@@ -468,7 +521,7 @@ def encode_ready(
     seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
 ) -> bytes:
     """Hot-path encoder for READY, identical in output to ``encode(Ready(...))``."""
-    return msgpack.packb([4, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
+    return msgpack.packb([_READY, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
 
 
 class Encoder:
@@ -485,7 +538,7 @@ class Encoder:
         self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
     ) -> bytes:
         try:
-            return self._pack([4, seq, slot, gen, sent_ns, layout_id, layout, meta])
+            return self._pack([_READY, seq, slot, gen, sent_ns, layout_id, layout, meta])
         except BaseException:
             # Never reuse a Packer after a failed pack: some msgpack versions keep its bytes.
             self._pack = msgpack.Packer(use_bin_type=True).pack
@@ -497,14 +550,14 @@ class Encoder:
     ) -> bytes:
         """``encode(ForwardReady(...))``."""
         try:
-            return self._pack([11, seq, slot, gen, sent_ns, layout_id, layout, meta, fid, offset, nbytes])
+            return self._pack([_FORWARD_READY, seq, slot, gen, sent_ns, layout_id, layout, meta, fid, offset, nbytes])
         except BaseException:
             self._pack = msgpack.Packer(use_bin_type=True).pack
             raise
 
     def release(self, entries: list[tuple[int, int, int]]) -> bytes:
         try:
-            return self._pack([5, entries])
+            return self._pack([_RELEASE, entries])
         except BaseException:
             self._pack = msgpack.Packer(use_bin_type=True).pack
             raise
@@ -582,7 +635,7 @@ def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, in
         return None
     kind, seq, slot, gen, sent_ns, layout_id, layout, meta = obj
     if (
-        type(kind) is not int or kind != 4 or layout is not None
+        type(kind) is not int or kind != _READY or layout is not None
         or type(seq) is not int or not 0 <= seq <= _MAX_INT
         or type(slot) is not int or not 0 <= slot <= _MAX_INT
         or type(gen) is not int or not 0 <= gen <= _MAX_INT
@@ -614,7 +667,7 @@ def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[
     if type(obj) is not list or len(obj) != 2:
         return None
     kind, raw = obj
-    if type(kind) is not int or kind != 5 or type(raw) is not list or len(raw) > limits.max_release_batch:
+    if type(kind) is not int or kind != _RELEASE or type(raw) is not list or len(raw) > limits.max_release_batch:
         return None
     entries = []
     for e in raw:
@@ -672,43 +725,43 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
 
 # State machine of one connection, as data: (role, state) -> {received type: next state}.
 # A message type absent from a state's table is a protocol violation in that state.
-TRANSITIONS: Final[dict[tuple[str, str], dict[type, str]]] = {
-    ("producer", "await_hello"): {Hello: "await_attach", Bye: "closed", Error: "closed"},
-    ("producer", "await_attach"): {
-        Attach: "active",
-        Heartbeat: "await_attach",
-        Bye: "closed",
-        Error: "closed",
+TRANSITIONS: Final[dict[tuple[str, State], dict[type, State]]] = {
+    ("producer", State.AWAIT_HELLO): {Hello: State.AWAIT_ATTACH, Bye: State.CLOSED, Error: State.CLOSED},
+    ("producer", State.AWAIT_ATTACH): {
+        Attach: State.ACTIVE,
+        Heartbeat: State.AWAIT_ATTACH,
+        Bye: State.CLOSED,
+        Error: State.CLOSED,
     },
-    ("producer", "active"): {
-        Release: "active",
-        Heartbeat: "active",
-        Bye: "closed",
-        Error: "closed",
+    ("producer", State.ACTIVE): {
+        Release: State.ACTIVE,
+        Heartbeat: State.ACTIVE,
+        Bye: State.CLOSED,
+        Error: State.CLOSED,
     },
-    ("consumer", "await_setup"): {
-        Setup: "active",
-        Heartbeat: "await_setup",
-        Bye: "closed",
-        Error: "closed",
+    ("consumer", State.AWAIT_SETUP): {
+        Setup: State.ACTIVE,
+        Heartbeat: State.AWAIT_SETUP,
+        Bye: State.CLOSED,
+        Error: State.CLOSED,
     },
-    ("consumer", "active"): {
-        Ready: "active",
-        Foreign: "active",
-        ForwardReady: "active",
-        Heartbeat: "active",
-        Bye: "ending",
-        Error: "closed",
+    ("consumer", State.ACTIVE): {
+        Ready: State.ACTIVE,
+        Foreign: State.ACTIVE,
+        ForwardReady: State.ACTIVE,
+        Heartbeat: State.ACTIVE,
+        Bye: State.ENDING,
+        Error: State.CLOSED,
     },
     # After the producer's BYE: no more items; the consumer still releases what it holds,
     # then says BYE, which the producer acknowledges with a BYE of its own.
-    ("consumer", "ending"): {
-        Heartbeat: "ending",
-        Bye: "ending",
-        Error: "closed",
+    ("consumer", State.ENDING): {
+        Heartbeat: State.ENDING,
+        Bye: State.ENDING,
+        Error: State.CLOSED,
     },
 }
-_INITIAL: Final = {"producer": "await_hello", "consumer": "await_setup"}
+_INITIAL: Final = {"producer": State.AWAIT_HELLO, "consumer": State.AWAIT_SETUP}
 
 
 class Conversation:
@@ -722,10 +775,10 @@ class Conversation:
         self.role = role
         self.state = _INITIAL[role]
 
-    def receive(self, msg: Message) -> str:
+    def receive(self, msg: Message) -> State:
         """Advance on a received message; return the new state. Raises ProtocolError for a
         message that is not allowed in the current state (the state does not change)."""
-        if self.state == "closed":
+        if self.state is State.CLOSED:
             raise ProtocolError(f"{type(msg).__name__.upper()} received after the connection closed")
         nxt = TRANSITIONS[(self.role, self.state)].get(type(msg))
         if nxt is None:
@@ -737,4 +790,4 @@ class Conversation:
         return nxt
 
     def close(self) -> None:
-        self.state = "closed"
+        self.state = State.CLOSED

@@ -71,20 +71,11 @@ def check_wait(value: str) -> str:
     return value
 
 
-def stall_change(stalled: bool, silent: float, heartbeat: float) -> bool | None:
-    """The silence half of the liveness rule, as data: a peer silent for more than 1.5
-    heartbeats is *stalled* (never lost for it: only its process's exit proves that), and
-    stops being stalled once it is heard again. Returns the new state when it changes,
-    else None. ``heartbeat`` 0: the peer sends none, so it is never stalled."""
-    now = bool(heartbeat) and silent > 1.5 * heartbeat
-    return now if now != stalled else None
-
-
 # Every endpoint open in this process, for the one atexit hook and for fork.
-_open_endpoints: "weakref.WeakSet[_Endpoint]" = weakref.WeakSet()
+_open_endpoints: "weakref.WeakSet[EndpointBase]" = weakref.WeakSet()
 
 
-class _Endpoint:
+class EndpointBase:
     """Base of Producer and Consumer: lock, service thread, closed state."""
 
     _role = "endpoint"
@@ -303,7 +294,7 @@ class _Endpoint:
         return self._closed
 
 
-def _service_loop(ref: "weakref.ref[_Endpoint]", stop: threading.Event, tick: float) -> None:
+def _service_loop(ref: "weakref.ref[EndpointBase]", stop: threading.Event, tick: float) -> None:
     while not stop.wait(tick):
         ep = ref()
         if ep is None:

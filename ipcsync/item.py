@@ -1,0 +1,112 @@
+"""What the endpoints hand to the user: ``SlotWriter`` (the slot a ``Producer.slot()``
+block fills in place) and ``Item`` (one received message)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .core.ring import Acquired
+from .errors import ClosedError
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
+    from .producer import Producer
+
+__all__ = ["SlotWriter", "Item"]
+
+
+class SlotWriter:
+    """What ``Producer.slot()`` yields: the slot's tensors by name, to fill in place, and
+    ``meta`` to send with them. Once the block exits the slot is sent (or given back):
+    ``tensors`` is then None and ``writer[name]`` raises ClosedError, so a leftover
+    reference can neither write into an item in flight nor keep the arena alive."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
+        self.tensors: dict[str, torch.Tensor] | None = tensors
+        self.meta = meta
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.tensors is None:
+            raise ClosedError("this slot was sent (or given back) when its with-block exited")
+        return self.tensors[name]
+
+    def keys(self) -> Any:
+        return self.tensors.keys() if self.tensors is not None else {}.keys()
+
+
+class _SlotContext:
+    """What ``Producer.slot()`` returns: a context manager that reserves the slot on entry
+    and sends it (or, if the block raised, gives it back) on exit."""
+
+    __slots__ = ("producer", "spec", "meta", "timeout", "stream", "acq", "plan", "writer")
+
+    def __init__(self, producer: "Producer", spec: dict[str, Any], meta: Any,
+                 timeout: float | None, stream: Any) -> None:
+        self.producer = producer
+        self.spec = spec
+        self.meta = meta
+        self.timeout = timeout
+        self.stream = stream
+        self.acq: Acquired | None = None
+
+    def __enter__(self) -> SlotWriter:
+        if self.acq is not None:
+            raise RuntimeError("a Producer.slot() context can be entered once")
+        return self.producer._slot_enter(self)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.producer._slot_exit(self, exc_type is None)
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# the consumer's side
+
+
+class Item:
+    """One received message: ``tensors`` (the nested structure the producer sent, as views
+    of its slot), ``meta``, ``seq`` (the producer's sequence number), ``source`` (which
+    producer sent it: its endpoint, or the label a FanIn gave it). ``item["x"]`` indexes
+    ``tensors``.
+
+    The tensors are valid until ``release()``: after it the producer may overwrite the
+    slot, ``item[key]`` raises ClosedError and ``tensors`` is None. Clone what you need to
+    keep; views you keep past release() keep the producer's memory mapped in this process.
+    """
+
+    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
+
+    def __init__(self, consumer: "Consumer", seq: int, slot: int, gen: int, meta: Any,
+                 tensors: Any, nbytes: int) -> None:
+        self.tensors = tensors
+        self.meta = meta
+        self.seq = seq
+        self.slot = slot
+        self.gen = gen
+        self.nbytes = nbytes
+        self.released = False
+        self.source = consumer.source
+        self._consumer = consumer
+
+    def __getitem__(self, key: Any) -> Any:
+        if self.released:
+            raise ClosedError(f"item {self.seq} was released; its slot may hold another item now")
+        return self.tensors[key]
+
+    def release(self, stream: Any = None) -> None:
+        """Give the slot back (after the work queued on ``stream``, default current, is
+        done). Idempotent. Implicit at the next iteration when ``auto_release`` is on."""
+        if not self.released:  # only ever set to True, under the consumer's lock
+            self._consumer._release(self, stream)
+
+    def __enter__(self) -> "Item":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<ipcsync.Item seq={self.seq} slot={self.slot} {state} meta={self.meta!r:.60}>"
