@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 import zmq
@@ -63,6 +63,7 @@ from .errors import (
     ProtocolError,
 )
 from .core.layout import Recipe
+from .runtime.handover import CannotForward, ForwardSource
 from .core.stats import Stats
 from .item import Item
 
@@ -82,27 +83,6 @@ class _Unset:
 
 _UNSET = _Unset()
 _DEFAULT_CONNECT_TIMEOUT = limits.DEFAULT_CONNECT_TIMEOUT  # (``limits`` is also a parameter name)
-
-
-class CannotForward(Exception):
-    """Internal: why an item cannot be forwarded without a copy (forward() then copies, or
-    raises ConfigError with this reason for copy=False)."""
-
-
-class ForwardSource(NamedTuple):
-    """What a Producer needs to forward an item zero-copy: the arena the item lies in as
-    its owner exported it, the item's region of that arena, and the item's ready event."""
-
-    backend: str
-    device: str | None  # GPU UUID of the memory (None on the CPU backend)
-    pid: int  # the arena's owner
-    start_time: int
-    handle: bytes | str
-    arena_bytes: int
-    offset: int  # the region: the item's slot (or forwarded region) in the arena
-    nbytes: int
-    region: torch.Tensor  # uint8 view of the region in this process
-    ready_event: Event  # the event the item's READY referred to
 
 
 class _Wake:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .consumer import CannotForward, Item
+from .item import Item
+from .runtime.handover import CannotForward
 from .errors import ClosedError, ConfigError
 from .producer import Producer
 

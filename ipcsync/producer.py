@@ -56,7 +56,7 @@ from .core.liveness import stall_change
 from .runtime.endpoint import EndpointBase, check_positive_int, check_wait
 from .backends import Event, backend_for, resolve_device
 from .runtime.channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
-from .consumer import CannotForward
+from .runtime.handover import CannotForward
 from .errors import ConfigError, ProtocolError
 from .core.layout import ALIGN, Placement, Plan, Recipe, place_views, plan_empty, plan_message, signature
 from .core.ring import POLICIES, Acquired, Ring
