@@ -115,20 +115,16 @@ class IpcEvent(Event):
         self.event = _event
 
     def record(self, stream: Any = None) -> None:
-        if stream is None:
-            stream = current_stream(self.device_index)
-        if _EVENT_RECORD is not None and type(stream) is _STREAM:
-            _EVENT_RECORD(self.event, stream)
-        else:
-            self.event.record(stream)
+        s = current_stream(self.device_index) if stream is None else stream
+        if _EVENT_RECORD is not None and type(s) is _STREAM:
+            return _EVENT_RECORD(self.event, s)  # the binding, without torch's Python wrapper
+        self.event.record(s)
 
     def wait(self, stream: Any = None) -> None:
-        if stream is None:
-            stream = current_stream(self.device_index)
-        if _EVENT_WAIT is not None and type(stream) is _STREAM:
-            _EVENT_WAIT(self.event, stream)
-        else:
-            self.event.wait(stream)
+        s = current_stream(self.device_index) if stream is None else stream
+        if _EVENT_WAIT is not None and type(s) is _STREAM:
+            return _EVENT_WAIT(self.event, s)
+        self.event.wait(s)
 
     def query(self) -> bool:
         if _EVENT_QUERY is not None:

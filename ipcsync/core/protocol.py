@@ -220,22 +220,25 @@ def _list_of(item: Validator, cap: Callable[[Limits], int]) -> Validator:
     return check
 
 
-def _slot_desc(v: Any, lim: Limits) -> tuple[int, int, int]:
-    if type(v) is not list or len(v) != 3:
-        raise _fail(f"a slot descriptor is [arena, offset, nbytes], got {_describe(v)}")
-    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+def _uint_triple(what: str) -> Validator:
+    """A validator of ``[a, b, c]``, three unsigned ints; ``what`` names them in errors."""
+
+    def check(v: Any, lim: Limits) -> tuple[int, int, int]:
+        if type(v) is not list or len(v) != 3:
+            raise _fail(f"{what}, got {_describe(v)}")
+        return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
+
+    return check
+
+
+_slot_desc = _uint_triple("a slot descriptor is [arena, offset, nbytes]")
+_release_entry = _uint_triple("a release entry is [seq, slot, gen]")
 
 
 def _foreign_id(v: Any, lim: Limits) -> int:
     if type(v) is not int or not 0 <= v < lim.max_foreign:
         raise _fail(f"expected a foreign arena id below {lim.max_foreign}, got {_describe(v)}")
     return v
-
-
-def _release_entry(v: Any, lim: Limits) -> tuple[int, int, int]:
-    if type(v) is not list or len(v) != 3:
-        raise _fail(f"a release entry is [seq, slot, gen], got {_describe(v)}")
-    return (_uint(v[0], lim), _uint(v[1], lim), _uint(v[2], lim))
 
 
 def _meta(v: Any, lim: Limits) -> Any:
