@@ -1093,19 +1093,64 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env=e, cwd=str(ROOT), timeout=50)
 
 
+# What the launcher may load before a pipeline runs: the package root, its errors and
+# limits, and the launcher's pure layers. No endpoint, backend, channel, torch or zmq.
+LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.launch", "ipcsync.launch.spec",
+                    "ipcsync.launch.plan", "ipcsync.launch.cli", "ipcsync.launch.__main__"}
+HEAVY = {"torch", "zmq", "msgpack"}
+
+
+def _imported(importtime_stderr: str) -> set[str]:
+    """Modules named by ``python -X importtime``'s report."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
+            if line.startswith("import time:")}
+
+
 @pytest.mark.timeout(60)
 def test_help_loads_neither_torch_nor_zmq() -> None:
     proc = _run_cli("-X", "importtime", "-m", "ipcsync.launch", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "usage: ipcsync-run" in proc.stdout and "125" in proc.stdout and "128+N" in proc.stdout, proc.stdout
-    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    imported = _imported(proc.stderr)
     assert "ipcsync.launch.cli" in imported, proc.stderr[-2000:]
-    assert not imported & {"torch", "zmq", "ipcsync.launch.supervisor"}, sorted(imported & {"torch", "zmq"})
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
+    assert ours <= LAUNCHER_MODULES, sorted(ours - LAUNCHER_MODULES)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_modules_load_neither_torch_nor_zmq_nor_the_endpoints() -> None:
     check = ("import sys, ipcsync, ipcsync.launch.cli, ipcsync.launch.spec, ipcsync.launch.plan, ipcsync.launch; "
-             "print(sorted(m for m in ('torch', 'zmq', 'msgpack') if m in sys.modules), ipcsync.__version__)")
+             "import json; print(json.dumps(sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('ipcsync', 'torch', 'zmq', 'msgpack'))))")
     proc = _run_cli("-c", check)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[0] == "[]", proc.stdout
+    loaded = set(json.loads(proc.stdout))
+    assert not {m.split(".")[0] for m in loaded} & HEAVY, sorted(loaded)
+    assert loaded <= LAUNCHER_MODULES, sorted(loaded - LAUNCHER_MODULES)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) -> None:
+    from ipcsync.launch.cli import GPU_DRIVER_FILES
+
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py"), "device": device}, "sink": {"cmd": stage("sink.py"), "device": device}},
+        [{"from": "src", "to": "sink"}],
+    ))
+    proc = _run_cli("-X", "importtime", "-m", "ipcsync.launch", str(spec), "--dry-run",
+                    env={"IPCSYNC_RUNTIME_DIR": str(launcher.runtime_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "src -> sink: 1 producer(s) x 1 consumer(s)" in proc.stdout, proc.stdout
+    imported = _imported(proc.stderr)
+    heavy = HEAVY if device == "cpu" or not any(os.path.exists(p) for p in GPU_DRIVER_FILES) else HEAVY - {"torch"}
+    assert not imported & heavy, sorted(imported & heavy)  # "auto" on a GPU host: torch counts the GPUs
+    ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
+    allowed = LAUNCHER_MODULES | {"ipcsync.runtime", "ipcsync.runtime.paths"}  # the runtime directory
+    assert ours <= allowed, sorted(ours - allowed)
+    assert not list(launcher.runtime_dir.glob("run-*"))
+    launcher.assert_nothing_left()
 
 
 @pytest.mark.timeout(60)
