@@ -238,15 +238,20 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, run_id: str | None = None) -> None:
+        """``run_id``: tag the names of the segments this backend creates with the id of an
+        ipcsync-run run (8 hex digits), so that the launcher's sweep removes them; None for
+        no tag. ``backends.backend_for`` passes the run of this process."""
         super().__init__(device or torch.device("cpu"))
+        if run_id is not None and not (type(run_id) is str and RUN_ID_RE.fullmatch(run_id)):
+            raise ConfigError(f"run_id must be 8 lowercase hex digits, as ipcsync-run makes them; got {run_id!r}")
+        self.run_id = run_id
 
     def device_identity(self) -> str | None:
         return None
 
     def create_arena(self, nbytes: int) -> CpuArena:
-        run_id = os.environ.get("IPCSYNC_RUN_ID", "")
-        tag = f"r{run_id}-" if RUN_ID_RE.fullmatch(run_id) else ""
+        tag = "" if self.run_id is None else f"r{self.run_id}-"
         reclaim_dead_segments()
         pid = os.getpid()
         owner = f"{host.start_time(pid)}-{_pid_ns_inode()}-"

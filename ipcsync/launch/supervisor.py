@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from ..runtime import host
-from ..runtime.shm import remove_run_segments
+from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
@@ -637,7 +637,7 @@ def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
             continue
         if host.process_alive(pid, started):  # the group id cannot have been reused
             groups.add(pgid)
-    needle = f"IPCSYNC_RUN_ID={run_id}".encode()
+    needle = f"{ENV_RUN_ID}={run_id}".encode()
     return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
 
 

@@ -1094,9 +1094,11 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 # What the launcher may load before a pipeline runs: the package root, its errors and
-# limits, and the launcher's pure layers. No endpoint, backend, channel, torch or zmq.
-LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.launch", "ipcsync.launch.spec",
-                    "ipcsync.launch.plan", "ipcsync.launch.cli", "ipcsync.launch.__main__"}
+# limits, segment naming (the run id's variable) and the launcher's pure layers. No
+# endpoint, backend, channel, torch or zmq.
+LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.runtime", "ipcsync.runtime.shm",
+                    "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
+                    "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}
 
 
@@ -1147,7 +1149,7 @@ def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) ->
     heavy = HEAVY if device == "cpu" or not any(os.path.exists(p) for p in GPU_DRIVER_FILES) else HEAVY - {"torch"}
     assert not imported & heavy, sorted(imported & heavy)  # "auto" on a GPU host: torch counts the GPUs
     ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
-    allowed = LAUNCHER_MODULES | {"ipcsync.runtime", "ipcsync.runtime.paths"}  # the runtime directory
+    allowed = LAUNCHER_MODULES | {"ipcsync.runtime.paths"}  # the runtime directory
     assert ours <= allowed, sorted(ours - allowed)
     assert not list(launcher.runtime_dir.glob("run-*"))
     launcher.assert_nothing_left()
