@@ -1,7 +1,8 @@
 """The one set of defaults and limits shared by the endpoints and the launcher's spec.
 
-Pure constants: importing this module loads neither torch nor zmq, so the launcher's spec
-parser can use it.
+Pure constants: importing this module loads nothing but itself (no torch, no zmq, no other
+ipcsync module), so the launcher's spec parser and plan use it without loading the library.
+The library's modules import these names from here rather than defining their own.
 
 Timeouts follow one rule: waiting on a living peer is the default. Data calls (``send``,
 ``slot``, iteration, ``get``, ``flush``, ``close``) wait as long as the peer process lives
@@ -21,6 +22,8 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_HEARTBEAT",
     "IPC_PATH_MAX",
+    "WAIT_MODES",
+    "POLICIES",
 ]
 
 DEFAULT_SLOTS = 4
@@ -31,3 +34,5 @@ DEFAULT_TIMEOUT: float | None = None  # data calls: wait as long as the peer liv
 DEFAULT_CONNECT_TIMEOUT = 30.0  # the handshake: how long to wait for a peer to appear
 DEFAULT_HEARTBEAT = 1.0  # seconds between liveness messages of an idle endpoint
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
+WAIT_MODES = ("gpu", "host")  # how a consumer waits on a producer's events
+POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers

@@ -44,8 +44,6 @@ from .producer import Producer
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
-_ENV = ENV_WIRING
-_WIRING_VERSION = WIRING_VERSION
 _MAX_WIRING = 1 << 20
 
 
@@ -71,7 +69,7 @@ _made: list[tuple[str, str, Any]] = []  # (direction, peer stage, endpoint) for 
 
 def under_launcher() -> bool:
     """True when this process was started by ipcsync-run."""
-    return bool(os.environ.get(_ENV))
+    return bool(os.environ.get(ENV_WIRING))
 
 
 def info() -> StageInfo:
@@ -145,19 +143,19 @@ def _wiring(what: str) -> dict[str, Any]:
     with _lock:
         if _wiring_cache is not None:
             return _wiring_cache
-        raw = os.environ.get(_ENV)
+        raw = os.environ.get(ENV_WIRING)
         if not raw:
             raise ConfigError(
                 f"{what} works in a process started by ipcsync-run, which passes the wiring in "
-                f"${_ENV}; outside it, pass endpoints by hand: ipcsync.Producer('name') in "
+                f"${ENV_WIRING}; outside it, pass endpoints by hand: ipcsync.Producer('name') in "
                 "one process and ipcsync.Consumer('name') in the other (or ipc:///path, tcp://host:port)"
             )
         if len(raw) > _MAX_WIRING:
-            raise ConfigError(f"${_ENV} is {len(raw)} bytes, over {_MAX_WIRING}")
+            raise ConfigError(f"${ENV_WIRING} is {len(raw)} bytes, over {_MAX_WIRING}")
         try:
             w = json.loads(raw)
         except (ValueError, RecursionError) as exc:
-            raise ConfigError(f"${_ENV} is not valid wiring JSON: {str(exc)[:200]}") from None
+            raise ConfigError(f"${ENV_WIRING} is not valid wiring JSON: {str(exc)[:200]}") from None
         _check_wiring(w)
         _wiring_cache = w
         _report_failures(w["stats_path"])
@@ -168,12 +166,12 @@ def _check_wiring(w: Any) -> None:
     """ConfigError unless ``w`` is wiring this ipcsync can use (types checked exactly:
     JSON true is not an integer here)."""
     def bad(what: str) -> ConfigError:
-        return ConfigError(f"${_ENV}: {what}; run the stage under ipcsync-run of the same ipcsync")
+        return ConfigError(f"${ENV_WIRING}: {what}; run the stage under ipcsync-run of the same ipcsync")
 
     if type(w) is not dict:
         raise bad("not valid wiring JSON (not an object)")
-    if type(w.get("version")) is not int or w["version"] != _WIRING_VERSION:
-        raise bad(f"wiring version {w.get('version')!r}, this ipcsync reads {_WIRING_VERSION}")
+    if type(w.get("version")) is not int or w["version"] != WIRING_VERSION:
+        raise bad(f"wiring version {w.get('version')!r}, this ipcsync reads {WIRING_VERSION}")
     for key, kind in (("pipeline", str), ("stage", str), ("replica", int), ("replicas", int),
                       ("device", str), ("run_id", str), ("restart", int), ("inputs", dict),
                       ("outputs", dict), ("stats_path", str)):

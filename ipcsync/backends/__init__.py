@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BackendError, ConfigError
+from ..runtime.shm import launcher_run_id
 from .base import Arena, Backend, Event
 from .cpu import CpuBackend
 
@@ -35,10 +36,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def backend_for(device: torch.device) -> Backend:
-    """The backend serving ``device``."""
+def backend_for(device: torch.device, *, run_id: str | None = None) -> Backend:
+    """The backend serving ``device``. ``run_id``: the ipcsync-run run whose id a CPU
+    backend's segment names carry; by default this process's (``launcher_run_id()``, None
+    outside ipcsync-run)."""
     if device.type == "cpu":
-        return CpuBackend(device)
+        return CpuBackend(device, run_id=launcher_run_id() if run_id is None else run_id)
     if device.type == "cuda":
         try:
             from .cuda import CudaBackend  # noqa: PLC0415 (imported only when used)

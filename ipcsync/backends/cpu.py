@@ -37,10 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..runtime import host as _host
-from ..runtime.shm import NAME_RE as _NAME_RE
-from ..runtime.shm import RUN_ID_RE as _RUN_ID_RE
-from ..runtime.shm import SHM_DIR, SHM_PREFIX, remove_run_segments
+from ..runtime import host
+from ..runtime.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
 from ..errors import BackendError, ConfigError, IpcTimeoutError
 from .base import Arena, Backend, Event
 
@@ -184,7 +182,7 @@ class SegmentOwner(NamedTuple):
 
 def segment_owner(name: str) -> SegmentOwner | None:
     """The owner a valid ipcsync segment name records; None for any other name."""
-    m = _NAME_RE.fullmatch(name) if type(name) is str else None
+    m = NAME_RE.fullmatch(name) if type(name) is str else None
     if m is None:
         return None
     start, ns = m.group("start"), m.group("ns")
@@ -194,7 +192,7 @@ def segment_owner(name: str) -> SegmentOwner | None:
 
 def _pid_ns_inode() -> int:
     """Inode of this process's pid namespace; 0 where unknown."""
-    m = re.fullmatch(r"pid:\[([0-9]+)\]", _host.pid_namespace())
+    m = re.fullmatch(r"pid:\[([0-9]+)\]", host.pid_namespace())
     return int(m.group(1)) if m else 0
 
 
@@ -221,7 +219,7 @@ def reclaim_dead_segments() -> list[str]:
         who = segment_owner(name)
         if who is None or who.start_time is None or who.pid_ns != ns or who.pid == me:
             continue
-        if _host.owner_gone(who.pid, who.start_time) is not True:
+        if host.owner_gone(who.pid, who.start_time) is not True:
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -240,18 +238,23 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, run_id: str | None = None) -> None:
+        """``run_id``: tag the names of the segments this backend creates with the id of an
+        ipcsync-run run (8 hex digits), so that the launcher's sweep removes them; None for
+        no tag. ``backends.backend_for`` passes the run of this process."""
         super().__init__(device or torch.device("cpu"))
+        if run_id is not None and not (type(run_id) is str and RUN_ID_RE.fullmatch(run_id)):
+            raise ConfigError(f"run_id must be 8 lowercase hex digits, as ipcsync-run makes them; got {run_id!r}")
+        self.run_id = run_id
 
     def device_identity(self) -> str | None:
         return None
 
     def create_arena(self, nbytes: int) -> CpuArena:
-        run_id = os.environ.get("IPCSYNC_RUN_ID", "")
-        tag = f"r{run_id}-" if _RUN_ID_RE.fullmatch(run_id) else ""
+        tag = "" if self.run_id is None else f"r{self.run_id}-"
         reclaim_dead_segments()
         pid = os.getpid()
-        owner = f"{_host.start_time(pid)}-{_pid_ns_inode()}-"
+        owner = f"{host.start_time(pid)}-{_pid_ns_inode()}-"
         name = f"{SHM_PREFIX}{pid}-{tag}{owner}{secrets.token_hex(8)}"
         return CpuArena(name, nbytes, owner=True)
 

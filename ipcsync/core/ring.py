@@ -31,7 +31,7 @@ from ..errors import ProtocolError
 
 __all__ = ["SlotState", "Ring", "Dispatch", "Acquired", "POLICIES"]
 
-POLICIES = ("shard", "broadcast")
+from ..limits import POLICIES
 
 
 class SlotState(Enum):

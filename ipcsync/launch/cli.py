@@ -5,9 +5,10 @@
                 --edge loader:train --replicas loader=2
     ipcsync-run pipeline.toml --replicas loader=4 --dry-run
 
-Importing this module loads neither torch nor zmq (``--help`` and ``--version`` answer
-at once); the supervisor, the runtime directory and torch (to count GPUs) are loaded
-only when a pipeline is resolved or run.
+Neither importing this module nor ``--help``, ``--version`` or ``--dry-run`` loads torch,
+zmq or a backend: ``--help`` answers at once. The supervisor is loaded only when a
+pipeline runs, and torch only to count GPUs, when a stage may use one on a host that has
+a GPU driver (``visible_gpus``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from ..errors import ConfigError
 from .plan import OMP_THREADS, Plan, resolve
 from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
-__all__ = ["main", "parse_args", "config_from_args", "check_plan", "run", "EXIT_LAUNCHER_ERROR"]
+__all__ = [
+    "main", "parse_args", "config_from_args", "check_plan", "run", "visible_gpus", "needs_gpu_count",
+    "EXIT_LAUNCHER_ERROR",
+]
 
 EXIT_LAUNCHER_ERROR = 125  # as docker run: the launcher itself failed; no stage can be blamed
 
@@ -112,14 +116,28 @@ def config_from_args(args: argparse.Namespace) -> PipelineSpec:
     return spec
 
 
+# Device files of GPU drivers torch can use as "cuda": NVIDIA, WSL2, ROCm. Without any of
+# them torch sees no CUDA device, so the GPUs are counted (0) without importing it.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
 def visible_gpus() -> int:
-    """CUDA devices this launcher can see (0 without torch CUDA)."""
+    """CUDA devices this launcher can see (0 without torch CUDA). Imports torch only on a
+    host with a GPU driver."""
+    if not any(os.path.exists(p) for p in GPU_DRIVER_FILES):
+        return 0
     try:
-        import torch
+        import torch  # noqa: PLC0415 (1-2 s: only when there may be a GPU to count)
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
+
+
+def needs_gpu_count(spec: PipelineSpec) -> bool:
+    """Whether resolving ``spec`` depends on how many GPUs there are (a stage whose device
+    is not ``cpu``)."""
+    return any(s.device != "cpu" for s in spec.stages)
 
 
 def check_plan(plan: Plan) -> list[str]:
@@ -156,10 +174,10 @@ def _say(line: str) -> None:
 
 
 def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True) -> int:
-    from ..runtime.channel import runtime_dir  # zmq: only once a pipeline is resolved
+    from ..runtime.paths import runtime_dir
 
     base = runtime_dir()
-    gpus = visible_gpus()
+    gpus = visible_gpus() if needs_gpu_count(spec) else 0
     omp_default = OMP_THREADS not in os.environ
 
     def make_plan(run_id: str, run_dir: str, attempt: int) -> Plan:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..limits import IPC_PATH_MAX
+from ..runtime.shm import ENV_RUN_ID
 from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
@@ -152,7 +153,7 @@ def resolve(
                 env["CUDA_VISIBLE_DEVICES"] = s.visible_devices
             env.update({
                 ENV_WIRING: json.dumps(wiring, separators=(",", ":")),
-                "IPCSYNC_RUN_ID": run_id,
+                ENV_RUN_ID: run_id,
                 "IPCSYNC_STAGE": s.name,
                 "IPCSYNC_REPLICA": str(r),
                 "IPCSYNC_DEVICE": devices[(s.name, r)],

@@ -57,10 +57,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ..runtime.endpoint import WAIT_MODES  # torch-free, zmq-free (as is ring)
 from ..errors import ConfigError
-from ..limits import DEFAULT_CONNECT_TIMEOUT, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, MAX_SLOTS
-from ..core.ring import POLICIES
+from ..limits import (  # pure constants: parsing a spec loads no endpoint, torch or zmq
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_SLOT_BYTES,
+    DEFAULT_SLOTS,
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    POLICIES,
+    WAIT_MODES,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -537,7 +543,7 @@ def parse_bytes(value: Any, where: _Where | None = None, key: str = "size") -> i
             n = int(m.group(1)) * _UNITS[m.group(2)]
     if n is None:
         raise w.error(key, f"{value!r} is not a size; use an integer or e.g. \"8MiB\"")
-    if not 1 <= n <= 1 << 40:
+    if not 1 <= n <= MAX_SLOT_BYTES:
         raise w.error(key, f"must be from 1 B to 1 TiB, got {n} bytes")
     return n
 

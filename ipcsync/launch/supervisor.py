@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
-from ..runtime import host as _host
-from ..runtime.shm import remove_run_segments
+from ..runtime import host
+from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
@@ -179,7 +179,7 @@ class Supervisor:
         run_dir = os.path.join(self._base, f"run-{run_id}")
         os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
         os.chmod(run_dir, 0o700)
-        owner: dict[str, Any] = {"pid": os.getpid(), "start_time": _host.start_time(os.getpid()), "stages": []}
+        owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
         _write_owner(run_dir, owner)  # for sweep_abandoned
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
@@ -197,7 +197,7 @@ class Supervisor:
                 if proc.popen is not None:
                     pid = proc.popen.pid
                     owner["stages"].append(
-                        {"label": inst.label, "pid": pid, "start_time": _host.start_time(pid), "pgid": pid}
+                        {"label": inst.label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid}
                     )
                     _write_owner(run_dir, owner)
                 if proc.popen is None:  # could not even start: that is the root cause
@@ -635,9 +635,9 @@ def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
             pid, started, pgid = int(rec["pid"]), int(rec["start_time"]), int(rec["pgid"])
         except (KeyError, TypeError, ValueError):
             continue
-        if _host.process_alive(pid, started):  # the group id cannot have been reused
+        if host.process_alive(pid, started):  # the group id cannot have been reused
             groups.add(pgid)
-    needle = f"IPCSYNC_RUN_ID={run_id}".encode()
+    needle = f"{ENV_RUN_ID}={run_id}".encode()
     return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
 
 
@@ -659,7 +659,7 @@ def _kill_run(owner: dict[str, Any], run_id: str) -> tuple[list[_PStat], list[_P
             pass
     deadline = time.monotonic() + _KILL_WAIT
     while True:
-        alive = [st for st in victims if _host.process_alive(st.pid, st.start)]
+        alive = [st for st in victims if host.process_alive(st.pid, st.start)]
         if not alive or time.monotonic() >= deadline:
             return victims, alive
         time.sleep(0.02)
@@ -686,7 +686,7 @@ def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list
             pid, started = int(owner["pid"]), int(owner["start_time"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours, or being created right now
-        if _host.process_alive(pid, started):
+        if host.process_alive(pid, started):
             continue
         run_id = name[4:]
         killed, alive = _kill_run(owner, run_id)

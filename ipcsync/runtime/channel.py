@@ -25,7 +25,6 @@ import os
 import re
 import stat
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import host as _host
 from ..errors import ConfigError
+from ..limits import IPC_PATH_MAX
+from .paths import runtime_dir
 
 __all__ = [
     "Endpoint",
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 # Plain ints on the hot path: pyzmq's flag enums cost an Enum operation per use.
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
@@ -69,100 +69,6 @@ def _backend_method(sock: zmq.Socket, name: str) -> Any:
     base = _BACKEND_SOCKET if _BACKEND_SOCKET is not None and isinstance(sock, _BACKEND_SOCKET) else None
     fn = getattr(base, name, None)
     return fn.__get__(sock) if fn is not None else getattr(sock, name)
-
-
-_FALLBACK_SUFFIX = "-alt"
-_warned_fallback: set[str] = set()
-
-
-def runtime_dir() -> str:
-    """The private directory for bare endpoint names; created 0700 if missing.
-
-    ``$IPCSYNC_RUNTIME_DIR`` if set (missing parents are created), else
-    ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``. The directory itself must be
-    a real directory (never a symlink: it is opened with O_NOFOLLOW | O_DIRECTORY and
-    checked on that descriptor), owned by this user, with no access for others.
-
-    - ``$IPCSYNC_RUNTIME_DIR`` that fails this is a ConfigError that says why.
-    - A default path that is ours but open to others is made 0700 (only we could have
-      made it so).
-    - A default path taken by someone else (another owner, a symlink, not a directory)
-      makes every process of this user use ``<default>-alt`` instead, checked the same
-      way, with a warning once per process. It is deterministic, so producers and
-      consumers still meet there; if it is taken too, that is a ConfigError telling the
-      user to set IPCSYNC_RUNTIME_DIR. Nothing is ever used that another user controls.
-    """
-    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
-    if explicit:
-        try:
-            parent = os.path.dirname(explicit.rstrip("/"))
-            if parent:
-                os.makedirs(parent, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create the runtime directory {explicit}: {exc}") from None
-        problem = _private_dir(explicit, fix_mode=False)
-        if problem is not None:
-            raise ConfigError(f"runtime directory {explicit} (IPCSYNC_RUNTIME_DIR) {problem}")
-        return explicit
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(xdg, "ipcsync") if xdg and os.path.isdir(xdg) else f"/tmp/ipcsync-{os.getuid()}"
-    problem = _private_dir(base, fix_mode=True)
-    if problem is None:
-        return base
-    alt = base + _FALLBACK_SUFFIX
-    alt_problem = _private_dir(alt, fix_mode=True)
-    if alt_problem is not None:
-        raise ConfigError(
-            f"the runtime directory {base} {problem}, and the fallback {alt} {alt_problem}; "
-            "set IPCSYNC_RUNTIME_DIR to a directory of your own (mode 0700), the same for "
-            "producers and consumers"
-        )
-    if base not in _warned_fallback:
-        _warned_fallback.add(base)
-        warnings.warn(
-            f"ipcsync: the runtime directory {base} {problem}; using {alt} instead. Set "
-            "IPCSYNC_RUNTIME_DIR to choose the directory (the same for producers and consumers)",
-            RuntimeWarning, stacklevel=3,
-        )
-    return alt
-
-
-def _private_dir(path: str, fix_mode: bool) -> str | None:
-    """Create ``path`` (0700) if missing and check it without following a symlink: None if
-    it is a directory of this user that others cannot access, else what is wrong (a
-    phrase that follows the path in a message)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        return f"cannot be created: {exc}"
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return f"cannot be examined: {exc}"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link; refusing to follow it"
-    if not stat.S_ISDIR(st.st_mode):
-        return "exists and is not a directory"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as exc:
-        return f"cannot be opened: {exc}"
-    try:
-        st = os.fstat(fd)  # the directory we opened, whatever happened to the path since
-        if st.st_uid != os.getuid():
-            return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            if not fix_mode:
-                return f"is accessible to other users (mode {mode:o}); run chmod 700 {path}"
-            os.fchmod(fd, 0o700)
-    except OSError as exc:
-        return f"cannot be made private: {exc}"
-    finally:
-        os.close(fd)
-    return None
 
 
 @dataclass(frozen=True)
@@ -197,10 +103,10 @@ def resolve_endpoint(name: str) -> Endpoint:
                 "'_' and '-', starting with a letter or digit"
             )
         path = os.path.join(runtime_dir(), name + ".sock")
-    if len(path.encode()) > _IPC_PATH_MAX:
+    if len(path.encode()) > IPC_PATH_MAX:
         raise ConfigError(
             f"ipc socket path {path!r} is {len(path.encode())} bytes, over the OS limit of "
-            f"{_IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR"
+            f"{IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR"
         )
     return Endpoint(name, "ipc://" + path, path)
 

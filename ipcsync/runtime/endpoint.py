@@ -45,7 +45,7 @@ from ..errors import ClosedError, ConfigError, IpcTimeoutError
 
 log = logging.getLogger("ipcsync")
 
-WAIT_MODES = ("gpu", "host")
+from ..limits import WAIT_MODES  # noqa: E402 (defined with the other shared limits)
 # How long a wait on a GPU event polls it without sleeping first: such an event is usually
 # complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
 _EVENT_SPIN_S = 50e-6

@@ -4,8 +4,8 @@ Torch-free (the launcher's supervisor imports it): ``ipcsync.backends.cpu`` crea
 segments and re-exports these names.
 
 A segment is ``/dev/shm/ipcsync-<pid>-[r<run id>-]<start time>-<pid ns>-<token>``: the
-run id (IPCSYNC_RUN_ID, set by ipcsync-run) lets the launcher sweep what a killed process
-group left behind, resource tracker included; the owner's start time and pid namespace
+run id (``launcher_run_id()``: IPCSYNC_RUN_ID, set by ipcsync-run) lets the launcher sweep
+what a killed process group left behind, resource tracker included; the owner's start time and pid namespace
 prove it gone (``backends.cpu.reclaim_dead_segments``). Names without them
 (``ipcsync-<pid>-[r<run id>-]<token>``) are still opened, never reclaimed.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "NAME_RE", "RUN_ID_RE", "remove_run_segments"]
+__all__ = ["SHM_DIR", "SHM_PREFIX", "NAME_RE", "RUN_ID_RE", "ENV_RUN_ID", "launcher_run_id", "remove_run_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ipcsync-"
@@ -24,6 +24,20 @@ NAME_RE = re.compile(
     r"(?:(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-)?[0-9a-f]{16}$"
 )
 RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
+ENV_RUN_ID = "IPCSYNC_RUN_ID"  # set by ipcsync-run in every stage process
+
+
+def launcher_run_id() -> str | None:
+    """The id of the ipcsync-run run this process is a stage of, or None outside
+    ipcsync-run (or for a value ipcsync-run would not have set).
+
+    The one place the library reads ``$IPCSYNC_RUN_ID``; ``backends.backend_for`` passes
+    the id to the backend. It comes from the environment, not from ``ipcsync.stage``,
+    because stage code may create ``ipcsync.Producer`` directly: its segments must be
+    tagged with the run all the same, so that the launcher's sweep removes them when the
+    stage is killed."""
+    run_id = os.environ.get(ENV_RUN_ID, "")
+    return run_id if RUN_ID_RE.fullmatch(run_id) else None
 
 
 def remove_run_segments(run_id: str) -> None:

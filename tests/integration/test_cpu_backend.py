@@ -331,6 +331,56 @@ def test_backend_for_cpu() -> None:
     assert b.device == torch.device("cpu")
 
 
+RUN_ID = "0badcafe"
+
+
+def test_cpu_backend_tags_segments_with_the_run_id_it_is_given(
+    monkeypatch: pytest.MonkeyPatch, arenas: list[CpuArena]
+) -> None:
+    monkeypatch.setenv("IPCSYNC_RUN_ID", RUN_ID)
+    untagged = CpuBackend().create_arena(4096)  # the backend does not read the launcher's variable
+    arenas.append(untagged)
+    assert "-r" not in untagged.handle and NAME_RE.fullmatch(untagged.handle), untagged.handle
+    monkeypatch.delenv("IPCSYNC_RUN_ID")
+    tagged = CpuBackend(run_id=RUN_ID).create_arena(4096)
+    arenas.append(tagged)
+    assert tagged.handle.startswith(f"ipcsync-{os.getpid()}-r{RUN_ID}-"), tagged.handle
+    assert CpuBackend().open_arena(tagged.handle, 4096).nbytes == 4096  # still a valid name
+
+
+@pytest.mark.parametrize("run_id", ["0BADCAFE", "0badcafe0", "", "../x", 12345678])
+def test_cpu_backend_refuses_a_malformed_run_id(run_id: object) -> None:
+    with pytest.raises(ConfigError, match="run_id must be 8 lowercase hex digits"):
+        CpuBackend(run_id=run_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("env, expected", [(RUN_ID, RUN_ID), (None, None), ("", None), ("not-a-run", None)],
+                         ids=["set", "unset", "empty", "malformed"])
+def test_backend_for_passes_this_processes_run_id(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                                  expected: str | None) -> None:
+    if env is None:
+        monkeypatch.delenv("IPCSYNC_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("IPCSYNC_RUN_ID", env)
+    b = backend_for(torch.device("cpu"))
+    assert isinstance(b, CpuBackend) and b.run_id == expected
+    assert backend_for(torch.device("cpu"), run_id="12345678").run_id == "12345678"  # explicit wins
+
+
+def test_producer_made_directly_in_a_stage_process_tags_its_segments(
+    monkeypatch: pytest.MonkeyPatch, runtime_dir: Path
+) -> None:
+    """Stage code may create ipcsync.Producer itself (not through ipcsync.stage): its
+    segments still carry the run id, so the launcher's sweep finds them."""
+    import ipcsync
+
+    monkeypatch.setenv("IPCSYNC_RUN_ID", RUN_ID)
+    prefix = f"ipcsync-{os.getpid()}-r{RUN_ID}-"
+    with ipcsync.Producer("tagged", device="cpu", slots=1, slot_bytes=4096):
+        assert [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)], os.listdir(SHM_DIR)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+
+
 def test_backend_for_other_devices_is_refused() -> None:
     with pytest.raises(ConfigError, match="no backend"):
         backend_for(torch.device("meta"))

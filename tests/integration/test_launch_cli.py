@@ -977,22 +977,6 @@ def test_signal_during_failure_teardown_does_not_restart(launcher: Launcher, tmp
     launcher.assert_nothing_left()
 
 
-@pytest.mark.timeout(60)
-def test_cli_rejects_infinite_stop_timeout(launcher: Launcher) -> None:
-    run = launcher.run("--stage", f"a={shlex.join(stage('sleeper.py'))}", "--stop-timeout", "inf",
-                       "--dry-run", timeout=50)
-    assert run.proc.returncode == 125, run.dump()
-    assert run.err.startswith("ipcsync-run: error: <command line>: --stop-timeout"), run.dump()
-
-
-@pytest.mark.timeout(60)
-def test_cli_rejects_restart_over_the_limit(launcher: Launcher) -> None:
-    run = launcher.run("--stage", f"a={shlex.join(stage('sleeper.py'))}", "--restart", "5000",
-                       "--dry-run", timeout=50)
-    assert run.proc.returncode == 125, run.dump()
-    assert run.err.startswith("ipcsync-run: error: <command line>: --restart"), run.dump()
-
-
 @pytest.mark.timeout(120)
 def test_closed_stdout_pipe_still_tears_down(launcher: Launcher) -> None:
     spec = launcher.spec_file(toml_spec(
@@ -1093,19 +1077,66 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env=e, cwd=str(ROOT), timeout=50)
 
 
+# What the launcher may load before a pipeline runs: the package root, its errors and
+# limits, segment naming (the run id's variable) and the launcher's pure layers. No
+# endpoint, backend, channel, torch or zmq.
+LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.runtime", "ipcsync.runtime.shm",
+                    "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
+                    "ipcsync.launch.__main__"}
+HEAVY = {"torch", "zmq", "msgpack"}
+
+
+def _imported(importtime_stderr: str) -> set[str]:
+    """Modules named by ``python -X importtime``'s report."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
+            if line.startswith("import time:")}
+
+
 @pytest.mark.timeout(60)
 def test_help_loads_neither_torch_nor_zmq() -> None:
     proc = _run_cli("-X", "importtime", "-m", "ipcsync.launch", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "usage: ipcsync-run" in proc.stdout and "125" in proc.stdout and "128+N" in proc.stdout, proc.stdout
-    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    imported = _imported(proc.stderr)
     assert "ipcsync.launch.cli" in imported, proc.stderr[-2000:]
-    assert not imported & {"torch", "zmq", "ipcsync.launch.supervisor"}, sorted(imported & {"torch", "zmq"})
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
+    assert ours <= LAUNCHER_MODULES, sorted(ours - LAUNCHER_MODULES)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_modules_load_neither_torch_nor_zmq_nor_the_endpoints() -> None:
     check = ("import sys, ipcsync, ipcsync.launch.cli, ipcsync.launch.spec, ipcsync.launch.plan, ipcsync.launch; "
-             "print(sorted(m for m in ('torch', 'zmq', 'msgpack') if m in sys.modules), ipcsync.__version__)")
+             "import json; print(json.dumps(sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('ipcsync', 'torch', 'zmq', 'msgpack'))))")
     proc = _run_cli("-c", check)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[0] == "[]", proc.stdout
+    loaded = set(json.loads(proc.stdout))
+    assert not {m.split(".")[0] for m in loaded} & HEAVY, sorted(loaded)
+    assert loaded <= LAUNCHER_MODULES, sorted(loaded - LAUNCHER_MODULES)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) -> None:
+    from ipcsync.launch.cli import GPU_DRIVER_FILES
+
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py"), "device": device}, "sink": {"cmd": stage("sink.py"), "device": device}},
+        [{"from": "src", "to": "sink"}],
+    ))
+    proc = _run_cli("-X", "importtime", "-m", "ipcsync.launch", str(spec), "--dry-run",
+                    env={"IPCSYNC_RUNTIME_DIR": str(launcher.runtime_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "src -> sink: 1 producer(s) x 1 consumer(s)" in proc.stdout, proc.stdout
+    imported = _imported(proc.stderr)
+    heavy = HEAVY if device == "cpu" or not any(os.path.exists(p) for p in GPU_DRIVER_FILES) else HEAVY - {"torch"}
+    assert not imported & heavy, sorted(imported & heavy)  # "auto" on a GPU host: torch counts the GPUs
+    ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
+    allowed = LAUNCHER_MODULES | {"ipcsync.runtime.paths"}  # the runtime directory
+    assert ours <= allowed, sorted(ours - allowed)
+    assert not list(launcher.runtime_dir.glob("run-*"))
+    launcher.assert_nothing_left()
 
 
 @pytest.mark.timeout(60)
@@ -1140,70 +1171,16 @@ def test_usage_errors_exit_125(launcher: Launcher, args: list[str]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_spec_file_values_overridden_from_the_command_line(launcher: Launcher) -> None:
-    spec = launcher.spec_file(toml_spec(
-        {"src": {"cmd": stage("src.py"), "device": "cpu"}, "sink": {"cmd": stage("sink.py"), "device": "cpu"}},
-        [{"from": "src", "to": "sink", "slots": 2}],
-        stop_timeout=5,
-    ))
-    run = launcher.run(spec, "--replicas", "sink=3", "--device", "src=auto", "--edge-option", "src:sink:slots=7",
-                       "--edge-option", "src:sink:timeout=4", "--restart", "2", "--stop-timeout", "3", "--dry-run",
-                       timeout=50)
-    assert run.proc.returncode == 0, run.dump()
-    assert "2 stages, 4 processes, restart up to 2, stop timeout 3 s" in run.out, run.out
-    assert "src -> sink: 1 producer(s) x 3 consumer(s), policy shard, slots 7" in run.out, run.out
-    assert "timeout 4 s" in run.out, run.out
-    assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra,phrase", [
-    (["--replicas", "nope=2"], "<command line>: --replicas nope=2: unknown stage 'nope'"),
-    (["--device", "nope=cpu"], "<command line>: --device nope=cpu: unknown stage 'nope'"),
-    (["--edge-option", "sink:src:slots=2"], "<command line>: --edge-option sink:src:slots=2: no edge sink:src"),
-    (["--edge", "src:sink"], "<command line>: --edge only goes with --stage"),
-], ids=["replicas", "device", "edge-option", "edge"])
-def test_overrides_naming_what_the_spec_lacks(launcher: Launcher, extra: list[str], phrase: str) -> None:
-    spec = launcher.spec_file(toml_spec(
-        {"src": {"cmd": stage("src.py")}, "sink": {"cmd": stage("sink.py")}}, [{"from": "src", "to": "sink"}]))
-    run = launcher.run(spec, *extra, "--dry-run", timeout=50)
-    assert run.proc.returncode == 125, run.dump()
-    assert run.err.startswith(f"ipcsync-run: error: {phrase}"), run.dump()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["missing-cwd", "missing-program", "missing-script-path", "not-executable"])
-def test_dry_run_checks_cwd_and_command(launcher: Launcher, tmp_path: Path, case: str) -> None:
-    plain = tmp_path / "plain.txt"
-    plain.write_text("not a program\n")
-    body: dict[str, Any] = {
-        "missing-cwd": {"cmd": stage("sleeper.py"), "cwd": str(tmp_path / "nowhere")},
-        "missing-program": {"cmd": ["ipcsync-no-such-program-xyz", "--flag"]},
-        "missing-script-path": {"cmd": ["./bin/absent.sh"], "cwd": str(tmp_path)},
-        "not-executable": {"cmd": ["./plain.txt"], "cwd": str(tmp_path)},
-    }[case]
-    spec = launcher.spec_file(toml_spec({"good": {"cmd": stage("sleeper.py")}, "bad": body}))
+def test_dry_run_that_finds_a_stage_unable_to_start_exits_125(launcher: Launcher, tmp_path: Path) -> None:
+    """Each check (cwd, command on PATH, script path, executable): test_launch_plan.py."""
+    spec = launcher.spec_file(toml_spec({"good": {"cmd": stage("sleeper.py")},
+                                         "bad": {"cmd": ["ipcsync-no-such-program-xyz", "--flag"]}}))
     run = launcher.run(spec, "--dry-run", timeout=50)
     assert run.proc.returncode == 125, run.dump()
     assert "ipcsync-run: error: the dry run found stages that cannot start" in run.err, run.dump()
     problems = [l.strip() for l in run.err.splitlines() if f"{spec}: stages." in l]
-    assert len(problems) == 1 and problems[0].startswith(f"{spec}: stages.bad."), run.dump()
+    assert len(problems) == 1 and problems[0].startswith(f"{spec}: stages.bad.cmd:"), run.dump()
     assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
-
-
-@pytest.mark.timeout(60)
-def test_dry_run_finds_commands_on_path_and_relative_to_cwd(launcher: Launcher, tmp_path: Path) -> None:
-    (tmp_path / "bin").mkdir()
-    script = tmp_path / "bin" / "tool.sh"
-    script.write_text("#!/bin/sh\nexit 0\n")
-    script.chmod(0o755)
-    spec = launcher.spec_file(toml_spec({
-        "rel": {"cmd": ["./bin/tool.sh"], "cwd": str(tmp_path)},
-        "onpath": {"cmd": ["sh", "-c", "true"]},
-        "py": {"cmd": ["python3", "-c", "pass"]},
-    }))
-    run = launcher.run(spec, "--dry-run", timeout=50)
-    assert run.proc.returncode == 0, run.dump()
 
 
 # ---------------------------------------------------------------------------- Ctrl-C, daemons, killed launchers

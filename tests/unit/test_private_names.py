@@ -77,3 +77,18 @@ def test_no_module_uses_another_modules_private_names() -> None:
     for path in sorted(PKG.rglob("*.py")):
         found += _violations(path)
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# Modules already clean: kept so while the endpoints are being split.
+CLEAN = ("launch/", "stage.py", "limits.py", "backends/cpu.py", "runtime/shm.py", "runtime/host.py",
+         "runtime/channel.py", "runtime/paths.py")
+
+
+def test_launcher_and_host_modules_use_no_private_names() -> None:
+    for path in sorted(PKG.rglob("*.py")):
+        _PRIVATE_BY_CLASS[str(path.relative_to(PKG.parent))] = _own_privates(path)
+    found: list[str] = []
+    for path in sorted(PKG.rglob("*.py")):
+        if str(path.relative_to(PKG)).startswith(CLEAN):
+            found += _violations(path)
+    assert not found, "private names used across modules:\n" + "\n".join(found)
