@@ -34,7 +34,7 @@ import zmq
 import ipcsync
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers.py, ...)
+TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers/, ...)
 _LAUNCH = ("import importlib, json, sys; "
            "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
@@ -285,7 +285,8 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- processes
 class Peer:
-    """A child process running tests/integration/peers.py; reads its JSON lines with deadlines."""
+    """A child process running a role (tests/integration/peers/, ...); reads its JSON lines
+    with deadlines."""
 
     def __init__(self, proc: subprocess.Popen[bytes], role: str) -> None:
         self.proc = proc
@@ -356,7 +357,8 @@ class Procs:
 
     def start(self, role: str, *, module: str = "peers", env: dict[str, str] | None = None,
               **args: Any) -> Peer:
-        """Run ``<module>.<role>(args)`` (a module of tests/, peers.py by default) in a child
+        """Run ``<module>.<role>(args)`` (a module of tests/integration: ``peers.basic``,
+        ``peers.faults``, ...; by default the ``peers`` package, which re-exports every role) in a child
         with ``env`` added to the environment."""
         full = dict(os.environ)
         full.update(env or {})

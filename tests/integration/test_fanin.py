@@ -2,7 +2,7 @@
 per-source order, ``item.source`` labels, ends when every source ended, PeerLostError when
 a source's producer dies).
 
-Producers run either in child processes (tests/integration/peers.py roles, through the ``procs``
+Producers run either in child processes (tests/integration/peers/ roles, through the ``procs``
 fixture, which kills them at teardown and fails the test on leaked shared memory) or in
 threads of the test process (each endpoint has its own service thread). Threads are always
 joined with a timeout and endpoints closed in ``finally``.
@@ -124,7 +124,7 @@ def check_exactly_once(got: list[tuple[str, int, int, int]], counts: dict[str, i
 def test_three_child_producers_exactly_once_in_order_labelled(procs, runtime_dir):
     counts = {"alpha": 50, "beta": 120, "gamma": 7}
     tags = {"alpha": 1, "beta": 2, "gamma": 3}
-    peers = {label: procs.start("tagged_produce", endpoint=f"fi-{label}", n=n, tag=tags[label],
+    peers = {label: procs.start("tagged_produce", module="peers.basic", endpoint=f"fi-{label}", n=n, tag=tags[label],
                                label=label, slots=4)
              for label, n in counts.items()}
     got: list[tuple[str, int, int, int]] = []
@@ -246,7 +246,7 @@ def test_busy_source_does_not_starve_one_with_fewer_items(runtime_dir):
 
 # --------------------------------------------------------------------------- peer loss
 def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, runtime_dir):
-    victim = procs.start("tagged_produce", endpoint="kill-v", n=1_000_000, tag=9, label="v",
+    victim = procs.start("tagged_produce", module="peers.basic", endpoint="kill-v", n=1_000_000, tag=9, label="v",
                         slots=4, heartbeat=1.0)
     prods = [producer("kill-a", heartbeat=1.0), producer("kill-b", heartbeat=1.0)]
     feeders = [Feeder(p, k, 1_000_000, close=False).begin() for k, p in enumerate(prods)]

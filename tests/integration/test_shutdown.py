@@ -27,7 +27,7 @@ def fill(p: ipcsync.Producer, n: int) -> None:
 def test_producer_close_with_a_stopped_consumer_holding_slots(procs: Any, runtime_dir: Any) -> None:
     p = ipcsync.Producer("sd-stopped", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
     try:
-        c = procs.start("consume", endpoint="sd-stopped", delay=30.0)  # takes one item, then sleeps
+        c = procs.start("consume", module="peers.basic", endpoint="sd-stopped", delay=30.0)  # takes one item, then sleeps
         c.read_until(lambda l: l.get("event") == "connected")
         p.wait_for_consumers(1, timeout=10)
         fill(p, 4)
@@ -48,7 +48,7 @@ def test_producer_close_with_a_dead_consumer_not_yet_noticed(procs: Any, runtime
     # Heartbeats off, so only the disconnect and the process check can notice.
     p = ipcsync.Producer("sd-dead", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
     try:
-        c = procs.start("consume", endpoint="sd-dead", delay=30.0)
+        c = procs.start("consume", module="peers.basic", endpoint="sd-dead", delay=30.0)
         c.read_until(lambda l: l.get("event") == "connected")
         p.wait_for_consumers(1, timeout=10)
         fill(p, 4)
@@ -78,7 +78,7 @@ def test_producer_close_with_items_in_flight_to_a_live_consumer() -> None:
 
 @pytest.mark.timeout(60)
 def test_consumer_close_with_a_stopped_producer(procs: Any, runtime_dir: Any) -> None:
-    prod = procs.start("produce", endpoint="sd-prod-stopped", n=1000, size=16, slots=4, heartbeat=None)
+    prod = procs.start("produce", module="peers.basic", endpoint="sd-prod-stopped", n=1000, size=16, slots=4, heartbeat=None)
     c = ipcsync.Consumer("sd-prod-stopped", device="cpu", heartbeat=None, timeout=10)
     try:
         assert c.get(timeout=10) is not None
