@@ -190,7 +190,7 @@ class Sockets:
     def __init__(self) -> None:
         self.made: list[zmq.Socket] = []
 
-    def __call__(self, kind: int, **options: int) -> zmq.Socket:
+    def __call__(self, kind: int, **options: Any) -> zmq.Socket:
         sock = zmq.Context.instance().socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         for name, value in options.items():
