@@ -1,13 +1,18 @@
 """Shared test fixtures: per-test timeouts, a private runtime dir, tracked child processes,
-shared-memory leak checks, and the `cuda` marker's skip.
+tracked endpoints and sockets, leftover checks, and the `cuda` marker's skip.
 
 Every multi-process test goes through the `procs` fixture, which kills every process group
-it started and checks /dev/shm for segments those processes left, pass or fail.
+it started and checks /dev/shm for segments those processes left, pass or fail. Endpoints
+and raw zmq sockets a test makes in its own process go through the `endpoints` and
+`sockets` fixtures, which close them at teardown; the autouse `no_leftovers` check then
+fails a test that left an ipcsync service thread, a tracked socket or a segment of this
+process behind. See tests/README.md.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import select
@@ -16,15 +21,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
+import zmq
+
+import ipcsync
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers.py, ...)
+TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers/, ...)
 _LAUNCH = ("import importlib, json, sys; "
            "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
@@ -114,20 +124,169 @@ def wait_no_segments(pids: list[int], timeout: float = 10.0) -> list[str]:
         time.sleep(0.05)
 
 
+# --------------------------------------------------------------------------- endpoints, sockets, leftovers
+SERVICE_THREAD_PREFIX = "ipcsync-"  # EndpointBase._start_service names its thread ipcsync-<role>-<endpoint>
+LEFTOVER_GRACE_S = 2.0  # close is asynchronous in places (service threads join, trackers unlink)
+
+# zmq sockets made through the `sockets` fixture, in this process (xdist: one worker each).
+_tracked_sockets: "weakref.WeakSet[zmq.Socket]" = weakref.WeakSet()
+
+
+class Endpoints:
+    """Factory for ipcsync endpoints that closes, at teardown, every one it made (last made,
+    first closed): consumers and fan-ins with ``close(timeout=1)``, producers with
+    ``abort()`` (bounded, no wait for items in flight). Closing one in the test is fine:
+    close is idempotent. ``add`` tracks anything else with a ``close()``."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
+
+    def producer(self, endpoint: str, **kw: Any) -> "ipcsync.Producer":
+        return self.add(ipcsync.Producer(endpoint, **kw))
+
+    def consumer(self, endpoint: str, **kw: Any) -> "ipcsync.Consumer":
+        return self.add(ipcsync.Consumer(endpoint, **kw))
+
+    def fanin(self, endpoints: Any, **kw: Any) -> "ipcsync.FanIn":
+        return self.add(ipcsync.FanIn(endpoints, **kw))
+
+    def add(self, obj: Any) -> Any:
+        self.made.append(obj)
+        return obj
+
+    def close(self) -> list[str]:
+        """Close everything; return what failed to close."""
+        errors = []
+        while self.made:
+            obj = self.made.pop()
+            try:
+                if isinstance(obj, ipcsync.Producer):
+                    obj.abort("test teardown")
+                elif isinstance(obj, (ipcsync.Consumer, ipcsync.FanIn)):
+                    obj.close(timeout=1.0)
+                else:
+                    obj.close()
+            except Exception as exc:  # noqa: BLE001 - reported below, the rest still closed
+                errors.append(f"{obj!r}: {type(exc).__name__}: {exc}")
+        return errors
+
+
+@pytest.fixture
+def endpoints() -> Iterator[Endpoints]:
+    """``endpoints.producer(name, **kw)``, ``.consumer(...)``, ``.fanin([...], ...)``:
+    ipcsync endpoints closed at teardown, pass or fail."""
+    eps = Endpoints()
+    try:
+        yield eps
+    finally:
+        errors = eps.close()
+    assert not errors, f"closing the test's endpoints failed: {errors}"
+
+
+class Sockets:
+    """Factory for raw zmq sockets (LINGER 0, the process's shared context), all closed at
+    teardown. ``sockets(zmq.DEALER, rcvtimeo=5000)``: options by lower-case name."""
+
+    def __init__(self) -> None:
+        self.made: list[zmq.Socket] = []
+
+    def __call__(self, kind: int, **options: Any) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name.upper()), value)
+        self.made.append(sock)
+        _tracked_sockets.add(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.made:
+            sock.close(linger=0)
+        self.made.clear()
+
+
+@pytest.fixture
+def sockets() -> Iterator[Sockets]:
+    socks = Sockets()
+    try:
+        yield socks
+    finally:
+        socks.close()
+
+
+def _service_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(SERVICE_THREAD_PREFIX) and t.is_alive()}
+
+
+def _leftovers(threads_before: set[threading.Thread]) -> tuple[list[str], list[str], list[str]]:
+    """(service threads, open tracked sockets, segments) this process still has."""
+    threads = sorted(t.name for t in _service_threads() - threads_before)
+    socks = [repr(s) for s in list(_tracked_sockets) if not s.closed]
+    return threads, socks, shm_segments(os.getpid())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture(autouse=True)
-def no_leaked_segments_in_process() -> Iterator[None]:
-    """Segments made by this test process itself must be gone after each test."""
+def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test (and the teardown of its other fixtures), this process must have no
+    ipcsync service thread the test started, no socket of the `sockets` fixture open and
+    no shared-memory segment of its own (``ipcsync-<pid>-...``; segments of child peers are
+    the `procs` fixture's check). Waits up to LEFTOVER_GRACE_S, then cleans up (so the
+    next test starts clean) and fails the test, unless it had already failed."""
+    from ipcsync.runtime import endpoint as _endpoint_mod  # noqa: PLC0415 - registry of open endpoints
+
+    before = set(_service_threads())
+    open_before = set(map(id, _endpoint_mod._open_endpoints))
     yield
-    pid = os.getpid()
-    left = wait_no_segments([pid], timeout=2.0)
-    for name in left:
-        os.unlink(os.path.join(SHM_DIR, name))
-    assert not left, f"shared-memory segments left behind: {left}"
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    threads, socks, segments = _leftovers(before)
+    while (threads or socks or segments) and time.monotonic() < deadline:
+        gc.collect()  # an unreferenced endpoint's service thread ends once it is collected
+        time.sleep(0.05)
+        threads, socks, segments = _leftovers(before)
+    if not (threads or socks or segments):
+        return
+    # Clean up for the next test: endpoints opened during this test, sockets, segments.
+    for ep in list(_endpoint_mod._open_endpoints):
+        if id(ep) not in open_before:
+            try:
+                (getattr(ep, "abort", None) or ep.close)()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+    for sock in list(_tracked_sockets):
+        sock.close(linger=0)
+    for name in segments:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+    if request.node.stash.get(_CALL_FAILED, False):
+        return  # the test's own failure is the report; its frames may hold what is left
+    parts = []
+    if threads:
+        parts.append(f"ipcsync service threads still running (endpoints not closed): {threads}")
+    if socks:
+        parts.append(f"zmq sockets of the `sockets` fixture still open: {socks}")
+    if segments:
+        parts.append(f"shared-memory segments of this process left behind: {segments}")
+    pytest.fail("left behind after the test: " + "; ".join(parts) +
+                " (close endpoints through the `endpoints` fixture or a with block)", pytrace=False)
 
 
 # --------------------------------------------------------------------------- processes
 class Peer:
-    """A child process running tests/integration/peers.py; reads its JSON lines with deadlines."""
+    """A child process running a role (tests/integration/peers/, ...); reads its JSON lines
+    with deadlines."""
 
     def __init__(self, proc: subprocess.Popen[bytes], role: str) -> None:
         self.proc = proc
@@ -198,7 +357,8 @@ class Procs:
 
     def start(self, role: str, *, module: str = "peers", env: dict[str, str] | None = None,
               **args: Any) -> Peer:
-        """Run ``<module>.<role>(args)`` (a module of tests/, peers.py by default) in a child
+        """Run ``<module>.<role>(args)`` (a module of tests/integration: ``peers.basic``,
+        ``peers.faults``, ...; by default the ``peers`` package, which re-exports every role) in a child
         with ``env`` added to the environment."""
         full = dict(os.environ)
         full.update(env or {})

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import zmq
@@ -555,35 +555,25 @@ def test_two_consumers_have_distinct_fds(producer: ProducerChannel, endpoint: En
     assert consumer_recv(b) == [b"still-here"]
 
 
-def test_oversized_frame_drops_the_connection(producer: ProducerChannel, endpoint: Endpoint) -> None:
+def test_oversized_frame_drops_the_connection(producer: ProducerChannel, endpoint: Endpoint, sockets: Any) -> None:
     pev = Events(producer)
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.ROUTING_ID, b"raw")
-        raw.connect(endpoint.url)
-        raw.send(b"x" * (MAX_FRAME + 1024 + 1))
-        _, accepted_fd = pev.wait_for(ACCEPTED)
-        assert pev.wait_for(DISCONNECTED, fd=accepted_fd) == (DISCONNECTED, accepted_fd)
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
-            producer.wait(0.05)
-            assert producer.recv() is None, "an oversized frame reached the producer"
-    finally:
-        raw.close(linger=0)
+    raw = sockets(zmq.DEALER, routing_id=b"raw")
+    raw.connect(endpoint.url)
+    raw.send(b"x" * (MAX_FRAME + 1024 + 1))
+    _, accepted_fd = pev.wait_for(ACCEPTED)
+    assert pev.wait_for(DISCONNECTED, fd=accepted_fd) == (DISCONNECTED, accepted_fd)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        producer.wait(0.05)
+        assert producer.recv() is None, "an oversized frame reached the producer"
 
 
-def test_frame_at_the_slack_limit_still_passes(producer: ProducerChannel, endpoint: Endpoint) -> None:
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.ROUTING_ID, b"raw")
-        raw.connect(endpoint.url)
-        frame = b"y" * (MAX_FRAME + 1024)
-        raw.send(frame)
-        assert producer_recv(producer)[:2] == (b"raw", [frame])
-    finally:
-        raw.close(linger=0)
+def test_frame_at_the_slack_limit_still_passes(producer: ProducerChannel, endpoint: Endpoint, sockets: Any) -> None:
+    raw = sockets(zmq.DEALER, routing_id=b"raw")
+    raw.connect(endpoint.url)
+    frame = b"y" * (MAX_FRAME + 1024)
+    raw.send(frame)
+    assert producer_recv(producer)[:2] == (b"raw", [frame])
 
 
 # --------------------------------------------------------------------------- runtime_dir: hostile neighbours

@@ -211,8 +211,8 @@ def test_consumer_without_producer_times_out_naming_the_endpoint(device: str) ->
     assert time.monotonic() - t0 < 5
 
 
-def test_consumer_may_start_first(device: str) -> None:
-    got = Background(lambda: [item.meta for item in consumer("first", device)])
+def test_consumer_may_start_first(device: str, endpoints) -> None:
+    got = Background(lambda: [item.meta for item in endpoints.add(consumer("first", device))])
     time.sleep(0.3)
     with producer("first", device) as out:
         for i in range(5):
@@ -220,9 +220,9 @@ def test_consumer_may_start_first(device: str) -> None:
     assert got.result() == list(range(5))
 
 
-def test_closed_endpoints_raise_closed_error(device: str) -> None:
-    out = producer("closed", device)
-    inp = consumer("closed", device)
+def test_closed_endpoints_raise_closed_error(device: str, endpoints) -> None:
+    out = endpoints.add(producer("closed", device))
+    inp = endpoints.add(consumer("closed", device))
     inp.close()
     inp.close()  # idempotent
     out.close()
@@ -247,14 +247,14 @@ def test_released_item_refuses_access_and_release_is_idempotent(device: str) -> 
         assert item.tensors is None  # it no longer views the slot
 
 
-def test_no_view_of_the_arena_outlives_the_stream_and_close(device: str) -> None:
+def test_no_view_of_the_arena_outlives_the_stream_and_close(device: str, endpoints) -> None:
     """Leftovers the user holds (the loop variable, the slot writer) stop viewing the slot
     once released or sent, the consumer lets go of the producer's memory at the end of the
     stream, and close() frees the arena at once (not at interpreter exit, where torch would
     warn about shared CUDA tensors still in use)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    out = producer("letgo", device, slots=4)
+    out = endpoints.add(producer("letgo", device, slots=4))
     arena = StorageWeakRef(out._arena.tensor.untyped_storage())
     with consumer("letgo", device) as inp:
         def send_then_close() -> None:
@@ -287,9 +287,9 @@ def test_auto_release_at_next_iteration(device: str) -> None:
         out.send({"x": torch.zeros(1, device=device)}, meta=2, timeout=5)
 
 
-def test_consumer_close_gives_slots_back_and_a_new_consumer_is_served(device: str) -> None:
+def test_consumer_close_gives_slots_back_and_a_new_consumer_is_served(device: str, endpoints) -> None:
     with producer("handover", device, slots=2) as out:
-        a = consumer("handover", device, auto_release=False)
+        a = endpoints.add(consumer("handover", device, auto_release=False))
         for i in range(2):
             out.send({"x": torch.zeros(1, device=device)}, meta=i)
         assert a.get(timeout=5).meta == 0
@@ -378,42 +378,28 @@ def test_second_producer_on_a_name_fails_and_the_first_keeps_working(device: str
 
 
 # --------------------------------------------------------------------------- handshake
-def _fake_producer(name: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(resolve_endpoint(name).url)
-    return sock
+def test_consumer_reports_a_producer_of_another_version(device: str, sockets) -> None:
+    fake = sockets(zmq.ROUTER)  # a fake producer
+    fake.bind(resolve_endpoint("oldprod").url)
+    answer = Background(lambda: fake.recv_multipart())
+    with pytest.raises(ipcsync.ProtocolError, match="version 99"):
+        def reply() -> None:
+            ident, hello = answer.result(10)
+            assert isinstance(P.decode(hello), P.Hello)
+            fake.send_multipart([ident, __import__("msgpack").packb([P.Setup.TYPE, 99, "future"])])
+
+        threading.Timer(0.1, reply).start()
+        consumer("oldprod", device, timeout=5)
 
 
-def test_consumer_reports_a_producer_of_another_version(device: str) -> None:
-    fake = _fake_producer("oldprod")
-    try:
-        answer = Background(lambda: fake.recv_multipart())
-        with pytest.raises(ipcsync.ProtocolError, match="version 99"):
-            def reply() -> None:
-                ident, hello = answer.result(10)
-                assert isinstance(P.decode(hello), P.Hello)
-                fake.send_multipart([ident, __import__("msgpack").packb([P.Setup.TYPE, 99, "future"])])
-
-            threading.Timer(0.1, reply).start()
-            consumer("oldprod", device, timeout=5)
-    finally:
-        fake.close(linger=0)
-
-
-def test_producer_refuses_a_consumer_of_another_version(device: str) -> None:
+def test_producer_refuses_a_consumer_of_another_version(device: str, sockets) -> None:
     import msgpack
 
     with producer("newprod", device) as out:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        try:
-            sock.connect(resolve_endpoint("newprod").url)
-            sock.send(msgpack.packb([P.Hello.TYPE, 99, 1, 2, 3, 4]))
-            reply = P.decode(sock.recv())
-        finally:
-            sock.close(linger=0)
+        sock = sockets(zmq.DEALER, rcvtimeo=5000)
+        sock.connect(resolve_endpoint("newprod").url)
+        sock.send(msgpack.packb([P.Hello.TYPE, 99, 1, 2, 3, 4]))
+        reply = P.decode(sock.recv())
         assert isinstance(reply, P.Error) and reply.code == "version"
         assert "version 99" in reply.message
         assert out.consumers == 0

@@ -1,7 +1,7 @@
 """GPU-only tests: cross-process waits done by the GPU, proven by races that fail without
 them, and peers dying mid-record. Run with scripts/gpu-tests.sh on a CUDA machine.
 
-Each test runs real producer/consumer processes (tests/integration/peers.py) through the `procs`
+Each test runs real producer/consumer processes (tests/integration/peers/) through the `procs`
 fixture, which kills whatever is left and checks /dev/shm.
 """
 
@@ -25,8 +25,8 @@ def test_ready_race_consumer_sees_final_values_only_with_the_wait(procs, skip_wa
     """The producer fills the slot after ~1 s of GPU work and returns at once; a consumer
     whose stream waits on the ready event reads the final values, one that does not reads
     whatever was there before."""
-    prod = procs.start("race_produce", endpoint="race", sleep=1.0, values=[42.0], elems=N)
-    cons = procs.start("race_consume", endpoint="race", skip_wait=skip_wait)
+    prod = procs.start("race_produce", module="peers.gpu", endpoint="race", sleep=1.0, values=[42.0], elems=N)
+    cons = procs.start("race_consume", module="peers.gpu", endpoint="race", skip_wait=skip_wait)
     c = cons.result(timeout=120)
     p = prod.result(timeout=120)
     assert p["returned_after"][0] < 0.5, "send() blocked on the GPU work (host sync)"
@@ -41,9 +41,9 @@ def test_release_race_producer_does_not_overwrite_before_consumer_finished(procs
     """One slot. The consumer reads item A only after ~1 s of its own GPU work, then
     releases; the producer sends B into the same slot at once. With the release-event wait
     the consumer's copy of A is intact; without it B overwrites A first."""
-    prod = procs.start("race_produce", endpoint="rel", slots=1, values=[1.0, 2.0], sleep=0.0,
+    prod = procs.start("race_produce", module="peers.gpu", endpoint="rel", slots=1, values=[1.0, 2.0], sleep=0.0,
                        elems=N, wait=wait, skip_wait=skip_wait)
-    cons = procs.start("race_consume", endpoint="rel", slow=1.0, skip_wait=skip_wait)
+    cons = procs.start("race_consume", module="peers.gpu", endpoint="rel", slow=1.0, skip_wait=skip_wait)
     c = cons.result(timeout=120)
     prod.result(timeout=120)
     first = c["items"][0]
@@ -57,8 +57,8 @@ def test_producer_killed_mid_record_host_wait_consumer_gets_peer_lost_and_stream
     """The producer queues 5 s of GPU work before the slot's write, sends READY and is
     SIGKILLed: its ready event is poisoned. A wait="host" consumer gets PeerLostError in
     bounded time and its own streams still drain."""
-    prod = procs.start("race_produce", endpoint="pkill", sleep=5.0, values=[7.0], elems=N, die=True)
-    cons = procs.start("race_consume", endpoint="pkill", wait="host")
+    prod = procs.start("race_produce", module="peers.gpu", endpoint="pkill", sleep=5.0, values=[7.0], elems=N, die=True)
+    cons = procs.start("race_consume", module="peers.gpu", endpoint="pkill", wait="host")
     prod.read_until(lambda l: l.get("event") == "dying", timeout=120)
     t0 = time.monotonic()
     cons.read_until(lambda l: l.get("event") == "peer-lost", timeout=30)
@@ -74,9 +74,9 @@ def test_consumer_killed_mid_record_producer_serves_another_and_drains(procs):
     event is poisoned. The producer (wait="host" for release events) notices the death,
     never waits on the poisoned event, keeps serving the other consumer, and its stream
     drains."""
-    prod = procs.start("produce", endpoint="ckill", n=400, slots=4, wait_consumers=2, device="cuda", progress=100)
-    victim = procs.start("cuda_consume_and_die", endpoint="ckill", k=2, sleep=2.0)
-    other = procs.start("consume", endpoint="ckill", device="cuda", sharded=True)
+    prod = procs.start("produce", module="peers.basic", endpoint="ckill", n=400, slots=4, wait_consumers=2, device="cuda", progress=100)
+    victim = procs.start("cuda_consume_and_die", module="peers.gpu", endpoint="ckill", k=2, sleep=2.0)
+    other = procs.start("consume", module="peers.basic", endpoint="ckill", device="cuda", sharded=True)
     victim.read_until(lambda l: l.get("event") == "dying", timeout=120)
     c = other.result(timeout=180)
     p = prod.result(timeout=60)
@@ -91,8 +91,8 @@ def test_consumer_killed_mid_record_producer_serves_another_and_drains(procs):
 def test_steady_state_hot_path_makes_no_host_sync(procs, wait):
     """torch.profiler on both sides of 500 steady-state handoffs: no cudaStreamSynchronize,
     cudaEventSynchronize or cudaDeviceSynchronize."""
-    prod = procs.start("cuda_profile", endpoint="prof", side="producer", n=500, wait=wait)
-    cons = procs.start("cuda_profile", endpoint="prof", side="consumer", n=500, wait=wait)
+    prod = procs.start("cuda_profile", module="peers.gpu", endpoint="prof", side="producer", n=500, wait=wait)
+    cons = procs.start("cuda_profile", module="peers.gpu", endpoint="prof", side="consumer", n=500, wait=wait)
     c = cons.result(timeout=180)
     p = prod.result(timeout=180)
     assert p["syncs"] == {}, p["syncs"]
@@ -105,8 +105,8 @@ def test_producer_exits_before_a_consumer_that_stays_without_torch_ipc_warning(p
     several loaders). The consumer lets go of the producer's memory before its BYE, so
     torch's IPC reference is dropped before the producer exits: no "Producer process has
     been terminated before all shared CUDA tensors released" on the producer's stderr."""
-    prod = procs.start("produce", endpoint="stay", n=20, device="cuda", slots=4)
-    cons = procs.start("consume", endpoint="stay", device="cuda", stay=3.0)
+    prod = procs.start("produce", module="peers.basic", endpoint="stay", n=20, device="cuda", slots=4)
+    cons = procs.start("consume", module="peers.basic", endpoint="stay", device="cuda", stay=3.0)
     cons.read_until(lambda l: l.get("event") == "ended", timeout=120)
     p = prod.result(timeout=60)  # exits while the consumer stays
     assert p["sent"] == 20
@@ -117,11 +117,11 @@ def test_producer_exits_before_a_consumer_that_stays_without_torch_ipc_warning(p
 
 def test_producer_outlives_twenty_killed_consumers_without_growing_gpu_memory(procs, runtime_dir):
     stop = os.path.join(runtime_dir, "stop")
-    prod = procs.start("cuda_serve", endpoint="serve", stop_file=stop)
+    prod = procs.start("cuda_serve", module="peers.gpu", endpoint="serve", stop_file=stop)
     prod.read_until(lambda l: l.get("event") == "bound", timeout=120)
     marks = []
     for k in range(20):
-        victim = procs.start("cuda_consume_and_die", endpoint="serve", k=2, sleep=0.5)
+        victim = procs.start("cuda_consume_and_die", module="peers.gpu", endpoint="serve", k=2, sleep=0.5)
         victim.read_until(lambda l: l.get("event") == "dying", timeout=120)
         victim.proc.wait(timeout=30)
         line = prod.read_until(lambda l, k=k: l.get("event") == "consumers" and l["losses"] == k + 1,

@@ -28,7 +28,7 @@ def test_consumer_reclaims_the_arena_of_a_producer_killed_with_its_tracker(procs
     """The whole process group of the producer is SIGKILLed, its resource tracker too (as
     when a container stops one process tree): the consumer that sees it die removes its
     arena."""
-    prod = procs.start("produce", endpoint="reclaim", n=1000, slots=4, slot_bytes=4096, heartbeat=0.5)
+    prod = procs.start("produce", module="peers.basic", endpoint="reclaim", n=1000, slots=4, slot_bytes=4096, heartbeat=0.5)
     prod.read_until(lambda l: l.get("event") == "bound")
     with ipcsync.Consumer("reclaim", device="cpu", timeout=20) as c:
         item = c.get(timeout=20)

@@ -2,10 +2,11 @@
 per-source order, ``item.source`` labels, ends when every source ended, PeerLostError when
 a source's producer dies).
 
-Producers run either in child processes (tests/integration/peers.py roles, through the ``procs``
+Producers run either in child processes (tests/integration/peers/ roles, through the ``procs``
 fixture, which kills them at teardown and fails the test on leaked shared memory) or in
-threads of the test process (each endpoint has its own service thread). Threads are always
-joined with a timeout and endpoints closed in ``finally``.
+threads of the test process (each endpoint has its own service thread). The ``fan`` fixture
+tracks producers, feeder threads and FanIns, and shuts them down at teardown (feeders
+stopped, endpoints closed, threads joined with a timeout).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -85,17 +86,40 @@ class Feeder:
             raise self.error
 
 
-def shutdown(fanin: FanIn | None, feeders: list[Feeder], prods: list[ipcsync.Producer]) -> None:
-    """Stop feeders, close the FanIn, then the producers; join the threads (bounded)."""
-    for f in feeders:
-        f.stop.set()
-    if fanin is not None:
-        fanin.close()
-    for p in prods:
-        p.close(timeout=1.0)
-    for f in feeders:
-        f.thread.join(10)
-    assert not any(f.thread.is_alive() for f in feeders), "a feeder thread did not end"
+class Fan:
+    """Producers (through the ``endpoints`` fixture), their feeder threads and FanIns of
+    one test; ``shutdown()`` (also at teardown) stops the feeders, closes every endpoint
+    and joins the threads."""
+
+    def __init__(self, endpoints: Any) -> None:
+        self.endpoints = endpoints
+        self.feeders: list[Feeder] = []
+
+    def producer(self, name: str, **kw: Any) -> ipcsync.Producer:
+        return self.endpoints.add(producer(name, **kw))
+
+    def feed(self, *args: Any, **kw: Any) -> Feeder:
+        feeder = Feeder(*args, **kw)
+        self.feeders.append(feeder)
+        return feeder.begin()
+
+    def fanin(self, *args: Any, **kw: Any) -> FanIn:
+        return self.endpoints.add(FanIn(*args, **kw))
+
+    def shutdown(self) -> None:
+        for f in self.feeders:
+            f.stop.set()
+        self.endpoints.close()
+        for f in self.feeders:
+            f.thread.join(10)
+        assert not any(f.thread.is_alive() for f in self.feeders), "a feeder thread did not end"
+
+
+@pytest.fixture
+def fan(endpoints: Any) -> Iterator[Fan]:
+    f = Fan(endpoints)
+    yield f
+    f.shutdown()
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -121,29 +145,27 @@ def check_exactly_once(got: list[tuple[str, int, int, int]], counts: dict[str, i
 
 
 # --------------------------------------------------------------------------- merging
-def test_three_child_producers_exactly_once_in_order_labelled(procs, runtime_dir):
+def test_three_child_producers_exactly_once_in_order_labelled(procs, endpoints, runtime_dir):
     counts = {"alpha": 50, "beta": 120, "gamma": 7}
     tags = {"alpha": 1, "beta": 2, "gamma": 3}
-    peers = {label: procs.start("tagged_produce", endpoint=f"fi-{label}", n=n, tag=tags[label],
+    peers = {label: procs.start("tagged_produce", module="peers.basic", endpoint=f"fi-{label}", n=n, tag=tags[label],
                                label=label, slots=4)
              for label, n in counts.items()}
     got: list[tuple[str, int, int, int]] = []
     sizes_ok = True
-    fi = FanIn([f"fi-{label}" for label in counts], sources=list(counts), device="cpu",
-               timeout=30, idle_timeout=20)
-    try:
-        assert fi.sources == list(counts)
-        for item in fi:
-            x = item["x"]
-            sizes_ok &= bool(torch.equal(item["y"], torch.full((8,), float(item.meta["i"]))))
-            got.append((item.source, tags[item.meta["src"]], int(x[0]), int(x[1])))
-            assert int(x[1]) == item.meta["i"]
-        # The stream ended cleanly: get() keeps answering None, iteration stays ended.
-        assert fi.get(timeout=1) is None
-        assert list(fi) == []
-        stats = fi.stats()
-    finally:
-        fi.close()
+    fi = endpoints.fanin([f"fi-{label}" for label in counts], sources=list(counts), device="cpu",
+                         timeout=30, idle_timeout=20)
+    assert fi.sources == list(counts)
+    for item in fi:
+        x = item["x"]
+        sizes_ok &= bool(torch.equal(item["y"], torch.full((8,), float(item.meta["i"]))))
+        got.append((item.source, tags[item.meta["src"]], int(x[0]), int(x[1])))
+        assert int(x[1]) == item.meta["i"]
+    # The stream ended cleanly: get() keeps answering None, iteration stays ended.
+    assert fi.get(timeout=1) is None
+    assert list(fi) == []
+    stats = fi.stats()
+    fi.close()  # before the producers' exit: their close waits for this consumer
     check_exactly_once(got, counts, tags)
     assert sizes_ok
     assert stats["handoffs"] == sum(counts.values())
@@ -157,127 +179,112 @@ def test_three_child_producers_exactly_once_in_order_labelled(procs, runtime_dir
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(counts=st.lists(st.integers(0, 25), min_size=1, max_size=4),
        slots=st.integers(1, 4), hold=st.booleans())
-def test_property_every_item_once_per_source_order(runtime_dir, counts, slots, hold):
+def test_property_every_item_once_per_source_order(fan, runtime_dir, counts, slots, hold):
     """Any number of sources (some sending nothing), any ring size: every item exactly
     once, each source's items in order, then a clean end."""
     labels = [f"s{k}" for k in range(len(counts))]
     tags = {label: k + 10 for k, label in enumerate(labels)}
     want = dict(zip(labels, counts))
-    prods: list[ipcsync.Producer] = []
-    feeders: list[Feeder] = []
-    fi = None
     got = []
-    try:
+    try:  # one fixture for every example: each example shuts its endpoints down
         for label, n in want.items():
-            prods.append(producer(f"prop-{label}", slots=slots))
-            feeders.append(Feeder(prods[-1], tags[label], n).begin())
-        fi = FanIn([f"prop-{label}" for label in labels], sources=labels, device="cpu",
+            fan.feed(fan.producer(f"prop-{label}", slots=slots), tags[label], n)
+        fi = fan.fanin([f"prop-{label}" for label in labels], sources=labels, device="cpu",
                    timeout=10, idle_timeout=10)
         kept = []
         for item in fi:
             got.append((item.source, item.meta["tag"], int(item["x"][0]), int(item["x"][1])))
             if hold:
                 kept.append(item)  # auto_release frees it at the next iteration anyway
-        for f in feeders:
+        for f in fan.feeders:
             f.join()
         assert all(it.released for it in kept)
     finally:
-        shutdown(fi, feeders, prods)
+        fan.shutdown()
     check_exactly_once(got, want, tags)
 
 
 # --------------------------------------------------------------------------- fairness
-def test_round_robin_when_every_source_has_items_ready(runtime_dir):
+def test_round_robin_when_every_source_has_items_ready(fan, runtime_dir):
     slots = 6
     labels = ["a", "b", "c"]
-    prods = [producer(f"fair-{label}", slots=slots) for label in labels]
-    feeders: list[Feeder] = []
-    fi = None
-    try:
-        # Pre-fill every ring before the consumer exists: `slots` items queued per source.
-        for k, p in enumerate(prods):
-            for i in range(slots):
-                p.send(msg(k, i), meta={"tag": k, "i": i}, timeout=2)
-        # ... and keep them busy afterwards (each sends more as soon as a slot frees).
-        feeders = [Feeder(p, k, 1000, start=slots, close=False).begin() for k, p in enumerate(prods)]
-        fi = FanIn([f"fair-{label}" for label in labels], sources=labels, device="cpu", timeout=10)
-        # Every source has delivered its queued items (the service threads pump meanwhile).
-        assert wait_until(lambda: all(c.stats()["buffered"] == slots for c in fi.consumers)), \
-            [c.stats()["buffered"] for c in fi.consumers]
-        order = []
-        for _ in range(3 * slots):
-            item = fi.get(timeout=5)
-            order.append((item.source, item.meta["i"]))
-        sources = [s for s, _ in order]
-        # No source twice in a row while the others have items ready; every round of three
-        # serves each source once, in the same rotation.
-        assert all(a != b for a, b in zip(sources, sources[1:])), sources
-        rounds = [sources[r:r + 3] for r in range(0, len(sources), 3)]
-        assert all(sorted(r) == labels for r in rounds), rounds
-        assert all(r == rounds[0] for r in rounds), rounds
-        # Per-source order within the merge.
-        for label in labels:
-            assert [i for s, i in order if s == label] == list(range(slots))
-    finally:
-        shutdown(fi, feeders, prods)
+    prods = [fan.producer(f"fair-{label}", slots=slots) for label in labels]
+    # Pre-fill every ring before the consumer exists: `slots` items queued per source.
+    for k, p in enumerate(prods):
+        for i in range(slots):
+            p.send(msg(k, i), meta={"tag": k, "i": i}, timeout=2)
+    # ... and keep them busy afterwards (each sends more as soon as a slot frees).
+    feeders = [fan.feed(p, k, 1000, start=slots, close=False) for k, p in enumerate(prods)]
+    fi = fan.fanin([f"fair-{label}" for label in labels], sources=labels, device="cpu", timeout=10)
+    # Every source has delivered its queued items (the service threads pump meanwhile).
+    assert wait_until(lambda: all(c.stats()["buffered"] == slots for c in fi.consumers)), \
+        [c.stats()["buffered"] for c in fi.consumers]
+    order = []
+    for _ in range(3 * slots):
+        item = fi.get(timeout=5)
+        order.append((item.source, item.meta["i"]))
+    sources = [s for s, _ in order]
+    # No source twice in a row while the others have items ready; every round of three
+    # serves each source once, in the same rotation.
+    assert all(a != b for a, b in zip(sources, sources[1:])), sources
+    rounds = [sources[r:r + 3] for r in range(0, len(sources), 3)]
+    assert all(sorted(r) == labels for r in rounds), rounds
+    assert all(r == rounds[0] for r in rounds), rounds
+    # Per-source order within the merge.
+    for label in labels:
+        assert [i for s, i in order if s == label] == list(range(slots))
+    fan.shutdown()
     for f in feeders:
         assert f.error is None, f.error
 
 
-def test_busy_source_does_not_starve_one_with_fewer_items(runtime_dir):
+def test_busy_source_does_not_starve_one_with_fewer_items(fan, runtime_dir):
     """Source a has 8 items ready, b has 2, c none (alive, idle): b's items are not
     delayed behind a's backlog; the merge alternates while both have items."""
-    prods = {"a": producer("busy-a", slots=8), "b": producer("busy-b", slots=8), "c": producer("busy-c", slots=8)}
-    fi = None
-    try:
-        for i in range(8):
-            prods["a"].send(msg(0, i), meta={"tag": 0, "i": i}, timeout=2)
-        for i in range(2):
-            prods["b"].send(msg(1, i), meta={"tag": 1, "i": i}, timeout=2)
-        fi = FanIn(["busy-a", "busy-b", "busy-c"], sources=["a", "b", "c"], device="cpu", timeout=10)
-        assert wait_until(lambda: [c.stats()["buffered"] for c in fi.consumers] == [8, 2, 0])
-        sources = [fi.get(timeout=5).source for _ in range(10)]
-        assert sources == ["a", "b", "a", "b"] + ["a"] * 6, sources
-        with pytest.raises(IpcTimeoutError):
-            fi.get(timeout=0.1)  # c is alive but sent nothing
-    finally:
-        shutdown(fi, [], list(prods.values()))
+    prods = {"a": fan.producer("busy-a", slots=8), "b": fan.producer("busy-b", slots=8), "c": fan.producer("busy-c", slots=8)}
+    for i in range(8):
+        prods["a"].send(msg(0, i), meta={"tag": 0, "i": i}, timeout=2)
+    for i in range(2):
+        prods["b"].send(msg(1, i), meta={"tag": 1, "i": i}, timeout=2)
+    fi = fan.fanin(["busy-a", "busy-b", "busy-c"], sources=["a", "b", "c"], device="cpu", timeout=10)
+    assert wait_until(lambda: [c.stats()["buffered"] for c in fi.consumers] == [8, 2, 0])
+    sources = [fi.get(timeout=5).source for _ in range(10)]
+    assert sources == ["a", "b", "a", "b"] + ["a"] * 6, sources
+    with pytest.raises(IpcTimeoutError):
+        fi.get(timeout=0.1)  # c is alive but sent nothing
 
 
 # --------------------------------------------------------------------------- peer loss
-def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, runtime_dir):
-    victim = procs.start("tagged_produce", endpoint="kill-v", n=1_000_000, tag=9, label="v",
+def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, fan, runtime_dir):
+    victim = procs.start("tagged_produce", module="peers.basic", endpoint="kill-v", n=1_000_000, tag=9, label="v",
                         slots=4, heartbeat=1.0)
-    prods = [producer("kill-a", heartbeat=1.0), producer("kill-b", heartbeat=1.0)]
-    feeders = [Feeder(p, k, 1_000_000, close=False).begin() for k, p in enumerate(prods)]
-    fi = None
-    try:
-        fi = FanIn(["kill-a", "kill-v", "kill-b"], sources=["a", "v", "b"], device="cpu", timeout=30)
-        from_victim = 0
+    prods = [fan.producer("kill-a", heartbeat=1.0), fan.producer("kill-b", heartbeat=1.0)]
+    feeders = [fan.feed(p, k, 1_000_000, close=False) for k, p in enumerate(prods)]
+    fi = fan.fanin(["kill-a", "kill-v", "kill-b"], sources=["a", "v", "b"], device="cpu", timeout=30)
+    from_victim = 0
+    for item in fi:
+        from_victim += item.source == "v"
+        if from_victim == 50:
+            break
+    os.kill(victim.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    after = 0
+    with pytest.raises(PeerLostError) as info:
         for item in fi:
-            from_victim += item.source == "v"
-            if from_victim == 50:
-                break
-        os.kill(victim.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        after = 0
-        with pytest.raises(PeerLostError) as info:
-            for item in fi:
-                after += 1
-                assert time.monotonic() - t_kill < 10, "no PeerLostError 10 s after the kill"
-        detected = time.monotonic() - t_kill
-        assert detected < 5.0, f"PeerLostError {detected:.2f} s after the kill"
-        assert f"pid {victim.pid}" in str(info.value)
-        # The error sticks (the merged stream cannot silently continue without a source).
-        with pytest.raises(PeerLostError):
-            fi.get(timeout=1)
-        fi.close()
-        fi.close()  # idempotent
-        assert fi.closed
-        with pytest.raises(ClosedError):
-            fi.get(timeout=1)
-    finally:
-        shutdown(fi, feeders, prods)
+            after += 1
+            assert time.monotonic() - t_kill < 10, "no PeerLostError 10 s after the kill"
+    detected = time.monotonic() - t_kill
+    assert detected < 5.0, f"PeerLostError {detected:.2f} s after the kill"
+    assert f"pid {victim.pid}" in str(info.value)
+    # The error sticks (the merged stream cannot silently continue without a source).
+    with pytest.raises(PeerLostError):
+        fi.get(timeout=1)
+    fi.close()
+    fi.close()  # idempotent
+    assert fi.closed
+    with pytest.raises(ClosedError):
+        fi.get(timeout=1)
+    fan.shutdown()
     victim.proc.wait(timeout=10)
     assert victim.proc.returncode == -signal.SIGKILL
     for f in feeders:
@@ -288,84 +295,70 @@ def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, runtime_dir):
 
 
 # --------------------------------------------------------------------------- API edges
-def test_get_timeout_end_and_closed(runtime_dir):
-    prods = [producer("api-a"), producer("api-b")]
-    fi = None
-    try:
-        fi = FanIn(["api-a", "api-b"], device="cpu", timeout=10)
-        assert fi.sources == ["api-a", "api-b"]  # default labels: the endpoints
-        t0 = time.monotonic()
-        with pytest.raises(IpcTimeoutError) as info:
-            fi.get(timeout=0.2)
-        elapsed = time.monotonic() - t0
-        assert isinstance(info.value, TimeoutError)
-        assert 0.18 <= elapsed < 2.0, elapsed
-        t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
-            fi.get(timeout=0)
-        assert time.monotonic() - t0 < 0.5
-        with pytest.raises(ConfigError):
-            fi.get(timeout=-1)
-        prods[0].send(msg(0, 0), meta={"tag": 0, "i": 0})
-        item = fi.get(timeout=5)
-        assert item.source == "api-a" and item.meta == {"tag": 0, "i": 0}
-        item.release()
-        for p in prods:
-            p.close(timeout=5)  # the consumers answer the goodbye from their service threads
-        assert fi.get(timeout=5) is None
-        assert fi.get(timeout=0) is None  # stays ended, without waiting
-        assert list(fi) == []
-        fi.close()
-        assert fi.closed
-        with pytest.raises(ClosedError):
-            fi.get(timeout=1)
-        with pytest.raises(ClosedError):
-            next(iter(fi))
-        with pytest.raises(ClosedError):
-            for _ in fi:
-                pass
-        fi.close()  # idempotent
-    finally:
-        shutdown(fi, [], prods)
+def test_get_timeout_end_and_closed(fan, runtime_dir):
+    prods = [fan.producer("api-a"), fan.producer("api-b")]
+    fi = fan.fanin(["api-a", "api-b"], device="cpu", timeout=10)
+    assert fi.sources == ["api-a", "api-b"]  # default labels: the endpoints
+    t0 = time.monotonic()
+    with pytest.raises(IpcTimeoutError) as info:
+        fi.get(timeout=0.2)
+    elapsed = time.monotonic() - t0
+    assert isinstance(info.value, TimeoutError)
+    assert 0.18 <= elapsed < 2.0, elapsed
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        fi.get(timeout=0)
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ConfigError):
+        fi.get(timeout=-1)
+    prods[0].send(msg(0, 0), meta={"tag": 0, "i": 0})
+    item = fi.get(timeout=5)
+    assert item.source == "api-a" and item.meta == {"tag": 0, "i": 0}
+    item.release()
+    for p in prods:
+        p.close(timeout=5)  # the consumers answer the goodbye from their service threads
+    assert fi.get(timeout=5) is None
+    assert fi.get(timeout=0) is None  # stays ended, without waiting
+    assert list(fi) == []
+    fi.close()
+    assert fi.closed
+    with pytest.raises(ClosedError):
+        fi.get(timeout=1)
+    with pytest.raises(ClosedError):
+        next(iter(fi))
+    with pytest.raises(ClosedError):
+        for _ in fi:
+            pass
+    fi.close()  # idempotent
 
 
-def test_idle_timeout_bounds_iteration(runtime_dir):
-    prods = [producer("idle-a")]
-    fi = None
-    try:
-        fi = FanIn(["idle-a"], device="cpu", timeout=10, idle_timeout=0.2)
-        t0 = time.monotonic()
-        with pytest.raises(IpcTimeoutError):
-            next(fi)
-        assert 0.18 <= time.monotonic() - t0 < 2.0
-    finally:
-        shutdown(fi, [], prods)
+def test_idle_timeout_bounds_iteration(fan, runtime_dir):
+    fan.producer("idle-a")
+    fi = fan.fanin(["idle-a"], device="cpu", timeout=10, idle_timeout=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(IpcTimeoutError):
+        next(fi)
+    assert 0.18 <= time.monotonic() - t0 < 2.0
 
 
-def test_source_closed_directly_refused(runtime_dir):
-    prods = [producer("direct-a"), producer("direct-b")]
-    fi = None
-    try:
-        fi = FanIn(["direct-a", "direct-b"], device="cpu", timeout=10)
-        fi.consumers[1].close()
-        with pytest.raises(ClosedError):
-            fi.get(timeout=0.2)
-    finally:
-        shutdown(fi, [], prods)
+def test_source_closed_directly_refused(fan, runtime_dir):
+    fan.producer("direct-a")
+    fan.producer("direct-b")
+    fi = fan.fanin(["direct-a", "direct-b"], device="cpu", timeout=10)
+    fi.consumers[1].close()
+    with pytest.raises(ClosedError):
+        fi.get(timeout=0.2)
 
 
-def test_missing_producer_fails_handshake_and_frees_the_others(runtime_dir):
-    p = producer("present")
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(IpcTimeoutError, match="absent"):
-            FanIn(["present", "absent"], device="cpu", timeout=0.3)
-        assert time.monotonic() - t0 < 3.0
-        # The consumer already connected to "present" was closed again.
-        assert wait_until(lambda: p.consumers == 0, 3)
-        assert p.stats()["consumers_attached"] == 1
-    finally:
-        p.close(timeout=1)
+def test_missing_producer_fails_handshake_and_frees_the_others(fan, runtime_dir):
+    p = fan.producer("present")
+    t0 = time.monotonic()
+    with pytest.raises(IpcTimeoutError, match="absent"):
+        fan.fanin(["present", "absent"], device="cpu", timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    # The consumer already connected to "present" was closed again.
+    assert wait_until(lambda: p.consumers == 0, 3)
+    assert p.stats()["consumers_attached"] == 1
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
@@ -386,133 +379,110 @@ def test_bad_arguments_raise_config_error_at_once(runtime_dir, args, kwargs, mat
     assert os.listdir(runtime_dir) == []
 
 
-def test_auto_release_and_idle_timeout_belong_to_fanin(runtime_dir):
+def test_auto_release_and_idle_timeout_belong_to_fanin(fan, runtime_dir):
     """auto_release/idle_timeout are FanIn's own: its per-source Consumers never release on
     their own (the FanIn does). Note: they are named parameters, so they can never reach
     ``**options``; FanIn's "pass auto_release/idle_timeout to FanIn itself" check there is
     unreachable."""
-    prods = [producer("own-a"), producer("own-b")]
-    fi = None
-    try:
-        fi = FanIn(["own-a", "own-b"], device="cpu", timeout=10, **{"auto_release": False, "idle_timeout": 3})
-        assert fi.auto_release is False
-        assert all(c.auto_release is False for c in fi.consumers)
-        fi.close()
-        fi = FanIn(["own-a", "own-b"], device="cpu", timeout=10)
-        assert fi.auto_release is True
-        assert all(c.auto_release is False for c in fi.consumers)
-    finally:
-        shutdown(fi, [], prods)
+    fan.producer("own-a")
+    fan.producer("own-b")
+    fi = fan.fanin(["own-a", "own-b"], device="cpu", timeout=10, **{"auto_release": False, "idle_timeout": 3})
+    assert fi.auto_release is False
+    assert all(c.auto_release is False for c in fi.consumers)
+    fi.close()
+    fi = fan.fanin(["own-a", "own-b"], device="cpu", timeout=10)
+    assert fi.auto_release is True
+    assert all(c.auto_release is False for c in fi.consumers)
 
 
-def test_aliased_endpoints_rejected(runtime_dir):
+def test_aliased_endpoints_rejected(fan, runtime_dir):
     """A bare name and its ipc:// path are one producer: FanIn must refuse them like any
     duplicate instead of connecting twice to the same producer."""
-    p = producer("alias")
-    fi = None
-    try:
-        with pytest.raises(ConfigError, match="distinct"):
-            fi = FanIn(["alias", f"ipc://{runtime_dir}/alias.sock"], device="cpu", timeout=5)
-    finally:
-        shutdown(fi, [], [p])
+    fan.producer("alias")
+    with pytest.raises(ConfigError, match="distinct"):
+        fan.fanin(["alias", f"ipc://{runtime_dir}/alias.sock"], device="cpu", timeout=5)
 
 
 # --------------------------------------------------------------------------- releases
-def test_auto_release_holding_items_never_deadlocks(runtime_dir):
+def test_auto_release_holding_items_never_deadlocks(fan, runtime_dir):
     n = 20
-    prods = [producer("hold-a", slots=2), producer("hold-b", slots=2)]
-    feeders = [Feeder(p, k, n).begin() for k, p in enumerate(prods)]
-    fi = None
+    prods = [fan.producer("hold-a", slots=2), fan.producer("hold-b", slots=2)]
+    feeders = [fan.feed(p, k, n) for k, p in enumerate(prods)]
     held: list[ipcsync.Item] = []
-    try:
-        fi = FanIn(["hold-a", "hold-b"], sources=["a", "b"], device="cpu", timeout=10, idle_timeout=10)
-        for item in fi:
-            if held:
-                assert held[-1].released, "the previous item was not released at the next iteration"
-            assert not item.released
-            held.append(item)  # never released by hand
-        for f in feeders:
-            f.join()
-    finally:
-        shutdown(fi, feeders, prods)
+    fi = fan.fanin(["hold-a", "hold-b"], sources=["a", "b"], device="cpu", timeout=10, idle_timeout=10)
+    for item in fi:
+        if held:
+            assert held[-1].released, "the previous item was not released at the next iteration"
+        assert not item.released
+        held.append(item)  # never released by hand
+    for f in feeders:
+        f.join()
+    fan.shutdown()
     assert len(held) == 2 * n
     assert all(it.released for it in held)
     with pytest.raises(ClosedError):
         held[0]["x"]
 
 
-def test_without_auto_release_held_items_apply_backpressure(runtime_dir):
+def test_without_auto_release_held_items_apply_backpressure(fan, runtime_dir):
     """auto_release=False: holding every slot of a source stalls that source (nothing is
     dropped); releasing lets the rest through."""
     n = 10
-    prods = [producer("bp-a", slots=2), producer("bp-b", slots=2)]
-    feeders = [Feeder(p, k, n).begin() for k, p in enumerate(prods)]
-    fi = None
+    prods = [fan.producer("bp-a", slots=2), fan.producer("bp-b", slots=2)]
+    feeders = [fan.feed(p, k, n) for k, p in enumerate(prods)]
     got: list[tuple[str, int]] = []
-    try:
-        fi = FanIn(["bp-a", "bp-b"], sources=["a", "b"], device="cpu", timeout=10, auto_release=False)
-        held = []
-        while True:
-            try:
-                item = fi.get(timeout=0.5)
-            except IpcTimeoutError:
-                break
-            held.append(item)
-        # Two slots per producer: two items each, then nothing until something is released.
-        assert sorted((it.source, it.meta["i"]) for it in held) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
-        got += [(it.source, it.meta["i"]) for it in held]
-        for it in held:
-            it.release()
-        while (item := fi.get(timeout=10)) is not None:
-            got.append((item.source, item.meta["i"]))
-            item.release()
-        for f in feeders:
-            f.join()
-    finally:
-        shutdown(fi, feeders, prods)
+    fi = fan.fanin(["bp-a", "bp-b"], sources=["a", "b"], device="cpu", timeout=10, auto_release=False)
+    held = []
+    while True:
+        try:
+            item = fi.get(timeout=0.5)
+        except IpcTimeoutError:
+            break
+        held.append(item)
+    # Two slots per producer: two items each, then nothing until something is released.
+    assert sorted((it.source, it.meta["i"]) for it in held) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    got += [(it.source, it.meta["i"]) for it in held]
+    for it in held:
+        it.release()
+    while (item := fi.get(timeout=10)) is not None:
+        got.append((item.source, item.meta["i"]))
+        item.release()
+    for f in feeders:
+        f.join()
+    fan.shutdown()
     for label in "ab":
         assert [i for s, i in got if s == label] == list(range(n))
 
 
 @pytest.mark.timeout(30)
-def test_producer_close_waits_for_item_held_by_fanin(runtime_dir):
-    prods = [producer("late-a", heartbeat=0.5), producer("late-b", heartbeat=0.5)]
-    fi = None
-    closer = None
-    try:
-        fi = FanIn(["late-a", "late-b"], sources=["a", "b"], device="cpu", timeout=10, heartbeat=0.5)
-        prods[0].send(msg(0, 0), meta={"tag": 0, "i": 0})
-        item = fi.get(timeout=5)
-        closer = threading.Thread(target=prods[0].close, kwargs={"timeout": 10}, daemon=True)
-        t0 = time.monotonic()
-        closer.start()
-        time.sleep(2.0)  # four heartbeats of the consumer, still holding the item
-        assert closer.is_alive(), f"close() returned after {time.monotonic() - t0:.2f} s with the item held"
-        item.release()
-        closer.join(5)
-        assert not closer.is_alive()
-        assert prods[0].stats()["consumers_lost"] == 0
-    finally:
-        if closer is not None:
-            closer.join(10)
-        shutdown(fi, [], prods)
+def test_producer_close_waits_for_item_held_by_fanin(fan, runtime_dir):
+    prods = [fan.producer("late-a", heartbeat=0.5), fan.producer("late-b", heartbeat=0.5)]
+    fi = fan.fanin(["late-a", "late-b"], sources=["a", "b"], device="cpu", timeout=10, heartbeat=0.5)
+    prods[0].send(msg(0, 0), meta={"tag": 0, "i": 0})
+    item = fi.get(timeout=5)
+    closer = threading.Thread(target=prods[0].close, kwargs={"timeout": 10}, daemon=True)
+    t0 = time.monotonic()
+    closer.start()
+    time.sleep(2.0)  # four heartbeats of the consumer, still holding the item
+    assert closer.is_alive(), f"close() returned after {time.monotonic() - t0:.2f} s with the item held"
+    item.release()
+    closer.join(5)
+    assert not closer.is_alive()
+    assert prods[0].stats()["consumers_lost"] == 0
 
 
 # --------------------------------------------------------------------------- stats
-def test_stats_sum_over_sources(runtime_dir):
+def test_stats_sum_over_sources(fan, runtime_dir):
     counts = {"p": 13, "q": 5, "r": 0}
-    prods = [producer(f"st-{label}") for label in counts]
-    feeders = [Feeder(p, k, n).begin() for k, (p, n) in enumerate(zip(prods, counts.values()))]
-    fi = None
-    try:
-        fi = FanIn([f"st-{label}" for label in counts], sources=list(counts), device="cpu",
-                   timeout=10, idle_timeout=10)
-        received = sum(1 for _ in fi)
-        for f in feeders:
-            f.join()
-        stats = fi.stats()
-    finally:
-        shutdown(fi, feeders, prods)
+    prods = [fan.producer(f"st-{label}") for label in counts]
+    feeders = [fan.feed(p, k, n) for k, (p, n) in enumerate(zip(prods, counts.values()))]
+    fi = fan.fanin([f"st-{label}" for label in counts], sources=list(counts), device="cpu",
+               timeout=10, idle_timeout=10)
+    received = sum(1 for _ in fi)
+    for f in feeders:
+        f.join()
+    stats = fi.stats()
+    fan.shutdown()
     assert received == sum(counts.values())
     assert stats["role"] == "fanin"
     assert stats["handoffs"] == received

@@ -15,7 +15,7 @@ Rows are one parametrized test per side, the phase as parameter:
   IpcTimeoutError.)
 
 Every row checks that no item was ever delivered corrupted (item ``i`` is
-``peers.fault_msg(i)``: every tensor encodes ``i``), that the dead process's /dev/shm
+``peers.faults.fault_msg(i)``: every tensor encodes ``i``), that the dead process's /dev/shm
 segments are gone, and that the survivor's open fds and RSS are back near their baseline.
 Each row prints one JSON line ``{"fault": ..., "side": ..., "result": ..., "detect_s": ...}``
 to stderr (run with ``-s`` to see them; pytest-xdist relays a worker's stderr, not stdout). Detection is measured from the kill (the monotonic clock is
@@ -53,7 +53,7 @@ import zmq
 import ipcsync
 from ipcsync import IpcTimeoutError, PeerLostError
 
-from peers import fault_check, fault_msg
+from peers.faults import fault_check, fault_msg
 
 HB = 0.5  # heartbeat of every endpoint in these tests (seconds)
 DETECT_BOUND = 2 * HB  # the bound: two heartbeat intervals, measured from the kill
@@ -322,7 +322,7 @@ def test_consumer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
         feeder = Feeder(prod, device)
         assert wait_for(lambda: len(reader.seqs) >= 20, 10), "the real consumer gets nothing"
         rss0 = rss_mb()
-        victim = procs.start(role, endpoint=ep, device=device, heartbeat=HB, **args)
+        victim = procs.start(role, module="peers.faults", endpoint=ep, device=device, heartbeat=HB, **args)
         # Baseline: producer, real consumer, the victim's pipes; not yet its connection (the
         # child is still importing torch).
         fd0 = fd_count()
@@ -488,7 +488,7 @@ PRODUCER_ROWS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 def test_producer_killed(procs: Any, runtime_dir: Path, phase: str, device: str) -> None:
     role, pargs, cargs = PRODUCER_ROWS[phase]
     ep = "pk-" + phase
-    victim = procs.start(role, endpoint=ep, device=device, slots=SLOTS, heartbeat=HB, **pargs)
+    victim = procs.start(role, module="peers.faults", endpoint=ep, device=device, slots=SLOTS, heartbeat=HB, **pargs)
     victim.read_until(event("bound"), timeout=30)
     warm_up(device)
     fd0, rss0, parts0 = fd_count(), rss_mb(), rss_parts()
@@ -722,7 +722,7 @@ def _gpu_works(timeout: float = 20.0) -> bool:
 
 # --------------------------------------------------------------------------- close after a loss
 def test_close_after_peer_lost_is_prompt(procs: Any, runtime_dir: Path) -> None:
-    victim = procs.start("fault_produce", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
+    victim = procs.start("fault_produce", module="peers.faults", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
     victim.read_until(event("bound"), timeout=30)
     cons = ipcsync.Consumer("pk-close", device="cpu", heartbeat=HB, timeout=10)
     try:

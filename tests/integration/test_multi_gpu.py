@@ -16,7 +16,7 @@ import torch
 import ipcsync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers  # noqa: E402
+from peers.common import check  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ pytestmark = [
 @pytest.mark.parametrize("wait", ["gpu", "host"])
 def test_producer_on_cuda0_consumer_on_cuda1(procs: Any, runtime_dir: Path, wait: str) -> None:
     n, size = 200, 4096
-    prod = procs.start("produce", endpoint="mg", n=n, size=size, device="cuda:0", slots=4)
+    prod = procs.start("produce", module="peers.basic", endpoint="mg", n=n, size=size, device="cuda:0", slots=4)
     prod.read_until(lambda l: l.get("event") == "bound")
     with ipcsync.Consumer("mg", device="cuda:1", wait=wait, timeout=30) as inp:
         stream = torch.cuda.current_stream(1)
@@ -52,11 +52,11 @@ def test_producer_on_cuda0_consumer_on_cuda1(procs: Any, runtime_dir: Path, wait
 
 @pytest.mark.timeout(120)
 def test_full_message_checked_on_the_producer_gpu(procs: Any, runtime_dir: Path) -> None:
-    prod = procs.start("produce", endpoint="mg-full", n=50, size=64, device="cuda:0", slots=4)
+    prod = procs.start("produce", module="peers.basic", endpoint="mg-full", n=50, size=64, device="cuda:0", slots=4)
     prod.read_until(lambda l: l.get("event") == "bound")
     with ipcsync.Consumer("mg-full", device="cuda:1", timeout=30) as inp:
         for i, item in enumerate(inp):
-            assert peers.check(item, i, 64, "cuda:0") is None
+            assert check(item, i, 64, "cuda:0") is None
     assert prod.result()["sent"] == 50
 
 
@@ -84,7 +84,7 @@ def test_zero_copy_forward_to_a_consumer_on_another_gpu(procs: Any, runtime_dir:
     -> sink on cuda:1 (its own process): the sink reads the upstream producer's memory over
     peer access, every item intact and in order."""
     n, size = 100, 4096
-    up = procs.start("produce", endpoint="mgf-up", n=n, size=size, device="cuda:0", slots=4)
+    up = procs.start("produce", module="peers.basic", endpoint="mgf-up", n=n, size=size, device="cuda:0", slots=4)
     up.read_until(lambda l: l.get("event") == "bound")
     code = (
         "import sys, torch, ipcsync\n"

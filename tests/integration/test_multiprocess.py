@@ -1,6 +1,6 @@
 """Producer and consumer in separate processes, on the CPU backend.
 
-Each test runs real peers (tests/integration/peers.py) through the `procs` fixture, which kills every
+Each test runs real peers (tests/integration/peers/) through the `procs` fixture, which kills every
 process it started and fails the test if a shared-memory segment is left behind.
 """
 
@@ -26,8 +26,8 @@ def leftover_files(runtime_dir) -> list[str]:
 
 
 def test_ten_thousand_handoffs_content_order_meta(procs, runtime_dir):
-    prod = procs.start("produce", endpoint="bulk", n=10_000, size=64)
-    cons = procs.start("consume", endpoint="bulk", size=64, start=0)
+    prod = procs.start("produce", module="peers.basic", endpoint="bulk", n=10_000, size=64)
+    cons = procs.start("consume", module="peers.basic", endpoint="bulk", size=64, start=0)
     c = cons.result(timeout=100)
     p = prod.result(timeout=30)
     assert c["errors"] == []
@@ -40,17 +40,17 @@ def test_ten_thousand_handoffs_content_order_meta(procs, runtime_dir):
 
 
 def test_consumer_first_then_producer(procs, runtime_dir):
-    cons = procs.start("consume", endpoint="late", start=0)
+    cons = procs.start("consume", module="peers.basic", endpoint="late", start=0)
     time.sleep(0.5)  # the consumer is waiting for its handshake
-    prod = procs.start("produce", endpoint="late", n=100)
+    prod = procs.start("produce", module="peers.basic", endpoint="late", n=100)
     c = cons.result()
     prod.result()
     assert c["errors"] == [] and c["received"] == 100
 
 
 def test_slow_consumer_blocks_producer_nothing_dropped(procs, runtime_dir):
-    prod = procs.start("produce", endpoint="slow", n=40, slots=2, wait_consumers=1)
-    cons = procs.start("consume", endpoint="slow", delay=0.03, start=0)
+    prod = procs.start("produce", module="peers.basic", endpoint="slow", n=40, slots=2, wait_consumers=1)
+    cons = procs.start("consume", module="peers.basic", endpoint="slow", delay=0.03, start=0)
     c = cons.result()
     p = prod.result()
     assert c["errors"] == []
@@ -62,12 +62,12 @@ def test_slow_consumer_blocks_producer_nothing_dropped(procs, runtime_dir):
 
 def test_consumer_sigkilled_midstream_producer_reclaims_and_serves_next(procs, runtime_dir):
     n = 600
-    prod = procs.start("produce", endpoint="reclaim", n=n, slots=4, wait_consumers=1, progress=50)
-    first = procs.start("consume", endpoint="reclaim", kill_after=100, start=0)
+    prod = procs.start("produce", module="peers.basic", endpoint="reclaim", n=n, slots=4, wait_consumers=1, progress=50)
+    first = procs.start("consume", module="peers.basic", endpoint="reclaim", kill_after=100, start=0)
     first.read_until(lambda l: l.get("event") == "dying")
     first.proc.wait(timeout=10)
     # The producer notices and reclaims the dead consumer's slots.
-    second = procs.start("consume", endpoint="reclaim", any_order=False)
+    second = procs.start("consume", module="peers.basic", endpoint="reclaim", any_order=False)
     c2 = second.result()
     p = prod.result()
     assert c2["errors"] == []
@@ -83,8 +83,8 @@ def test_consumer_sigkilled_midstream_producer_reclaims_and_serves_next(procs, r
 
 
 def test_producer_sigkilled_consumer_gets_peer_lost_fast(procs, runtime_dir):
-    prod = procs.start("produce", endpoint="dies", n=100_000, kill_after=300, heartbeat=1.0)
-    cons = procs.start("consume", endpoint="dies", heartbeat=1.0, start=0)
+    prod = procs.start("produce", module="peers.basic", endpoint="dies", n=100_000, kill_after=300, heartbeat=1.0)
+    cons = procs.start("consume", module="peers.basic", endpoint="dies", heartbeat=1.0, start=0)
     dying = prod.read_until(lambda l: l.get("event") == "dying")
     t_kill = time.monotonic()
     lost = cons.read_until(lambda l: l.get("event") == "peer-lost", timeout=10)
@@ -134,8 +134,8 @@ def test_garbage_frames_rejected_producer_keeps_serving(procs, runtime_dir):
     marker = "/tmp/ipcsync-pwned"
     if os.path.exists(marker):
         os.unlink(marker)
-    prod = procs.start("produce", endpoint="fuzzed", n=3000, wait_consumers=1, progress=500)
-    cons = procs.start("consume", endpoint="fuzzed", start=0)
+    prod = procs.start("produce", module="peers.basic", endpoint="fuzzed", n=3000, wait_consumers=1, progress=500)
+    cons = procs.start("consume", module="peers.basic", endpoint="fuzzed", start=0)
     prod.read_until(lambda l: l.get("event") == "sent")
     sockets = [_raw_socket("fuzzed") for _ in range(3)]
     try:
@@ -159,11 +159,11 @@ def test_garbage_frames_rejected_producer_keeps_serving(procs, runtime_dir):
 
 
 def test_second_producer_same_name_fails_first_unaffected(procs, runtime_dir):
-    prod = procs.start("produce", endpoint="taken", n=200, wait_consumers=1)
+    prod = procs.start("produce", module="peers.basic", endpoint="taken", n=200, wait_consumers=1)
     prod.read_until(lambda l: l.get("event") == "bound")
     with pytest.raises(ipcsync.ConfigError, match="held by a live producer"):
         ipcsync.Producer("taken", heartbeat=None)
-    cons = procs.start("consume", endpoint="taken", start=0)
+    cons = procs.start("consume", module="peers.basic", endpoint="taken", start=0)
     c = cons.result()
     prod.result()
     assert c["errors"] == [] and c["received"] == 200

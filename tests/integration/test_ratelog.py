@@ -113,71 +113,61 @@ def _sync(s: zmq.Socket, tag: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_peer_triggered_warnings_are_bounded(runtime_dir: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_peer_triggered_warnings_are_bounded(runtime_dir: Any, caplog: pytest.LogCaptureFixture,
+                                            endpoints: Any, sockets: Any) -> None:
     url = f"ipc://{runtime_dir}/{EP}.sock"
-    ctx = zmq.Context.instance()
-    socks: list[zmq.Socket] = []
 
     def dealer() -> zmq.Socket:
-        s = ctx.socket(zmq.DEALER)
-        socks.append(s)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.setsockopt(zmq.ROUTING_ID, b"rl" + os.urandom(14))
+        s = sockets(zmq.DEALER, rcvhwm=0, routing_id=b"rl" + os.urandom(14))
         s.connect(url)
         return s
 
     caplog.set_level(logging.DEBUG, logger="ipcsync")
-    out = ipcsync.Producer(EP, slots=4, slot_bytes=4096, heartbeat=None, timeout=10, device="cpu")
-    try:
-        # 1. An attached raw peer RELEASEs what it never got: 50 frames x 4096 entries.
-        s = dealer()
-        s.send(_hello(credits=1))
-        setup = _expect(s, P.Setup)
-        s.send(P.encode(P.Attach(list(setup.ready_events))))
-        assert _wait_for(lambda: out.consumers == 1, 10), "the raw peer did not attach"
-        caplog.clear()
-        bad0 = out.stats()["bad_frames"]
-        entries = [(seq, seq % 4, 7) for seq in range(P.DEFAULT_LIMITS.max_release_batch)]
-        for _ in range(50):
-            s.send(P.encode(P.Release(entries)))
-        # (An attached peer's sentinel would end its connection: wait on the count instead.)
-        assert _wait_for(lambda: out.stats()["bad_frames"] >= bad0 + 50 * len(entries), 60), \
-            (out.stats()["bad_frames"], bad0)
-        release_lines = [r for r in caplog.records if r.name.startswith("ipcsync")]
-        assert len(release_lines) < 20, (len(release_lines), [r.getMessage()[:120] for r in release_lines[:3]])
-        assert out.consumers == 1  # rejected entries are not fatal
-        s.send(P.encode(P.Bye("done")))
-        _expect(s, P.Bye)
+    out = endpoints.producer(EP, slots=4, slot_bytes=4096, heartbeat=None, timeout=10, device="cpu")
+    # 1. An attached raw peer RELEASEs what it never got: 50 frames x 4096 entries.
+    s = dealer()
+    s.send(_hello(credits=1))
+    setup = _expect(s, P.Setup)
+    s.send(P.encode(P.Attach(list(setup.ready_events))))
+    assert _wait_for(lambda: out.consumers == 1, 10), "the raw peer did not attach"
+    caplog.clear()
+    bad0 = out.stats()["bad_frames"]
+    entries = [(seq, seq % 4, 7) for seq in range(P.DEFAULT_LIMITS.max_release_batch)]
+    for _ in range(50):
+        s.send(P.encode(P.Release(entries)))
+    # (An attached peer's sentinel would end its connection: wait on the count instead.)
+    assert _wait_for(lambda: out.stats()["bad_frames"] >= bad0 + 50 * len(entries), 60), \
+        (out.stats()["bad_frames"], bad0)
+    release_lines = [r for r in caplog.records if r.name.startswith("ipcsync")]
+    assert len(release_lines) < 20, (len(release_lines), [r.getMessage()[:120] for r in release_lines[:3]])
+    assert out.consumers == 1  # rejected entries are not fatal
+    s.send(P.encode(P.Bye("done")))
+    _expect(s, P.Bye)
 
-        # 2. Undecodable frames from many identities, each its own connection.
-        caplog.clear()
-        for k in range(40):
-            d = dealer()
-            for _ in range(5):
-                d.send(b"\xc1")
-            _sync(d, 100 + k)
-            d.close(linger=0)
-        # 3. HELLOs the producer refuses (another backend), from many identities.
-        for k in range(40):
-            d = dealer()
-            d.send(_hello(backend="cuda", device="GPU-x"))
-            _sync(d, 200 + k)
-            d.close(linger=0)
-        lines = [r for r in caplog.records if r.name.startswith("ipcsync")]
-        assert len(lines) < 40, (len(lines), [r.getMessage()[:120] for r in lines[:3]])
-        assert any("rejected" in r.getMessage() for r in lines)
-        assert any("refused" in r.getMessage() for r in lines)
+    # 2. Undecodable frames from many identities, each its own connection.
+    caplog.clear()
+    for k in range(40):
+        d = dealer()
+        for _ in range(5):
+            d.send(b"\xc1")
+        _sync(d, 100 + k)
+        d.close(linger=0)
+    # 3. HELLOs the producer refuses (another backend), from many identities.
+    for k in range(40):
+        d = dealer()
+        d.send(_hello(backend="cuda", device="GPU-x"))
+        _sync(d, 200 + k)
+        d.close(linger=0)
+    lines = [r for r in caplog.records if r.name.startswith("ipcsync")]
+    assert len(lines) < 40, (len(lines), [r.getMessage()[:120] for r in lines[:3]])
+    assert any("rejected" in r.getMessage() for r in lines)
+    assert any("refused" in r.getMessage() for r in lines)
 
-        # 4. The producer still serves a real consumer.
-        with ipcsync.Consumer(EP, heartbeat=None, timeout=10, device="cpu") as inp:
-            out.wait_for_consumers(1, timeout=10)
-            for i in range(5):
-                out.send({"x": torch.full((3,), i)}, meta=i, timeout=10)
-                item = inp.get(timeout=10)
-                assert item is not None and item.meta == i and item["x"].tolist() == [i] * 3
-                item.release()
-    finally:
-        for s in socks:
-            s.close(linger=0)
-        out.close(timeout=2)
+    # 4. The producer still serves a real consumer.
+    with ipcsync.Consumer(EP, heartbeat=None, timeout=10, device="cpu") as inp:
+        out.wait_for_consumers(1, timeout=10)
+        for i in range(5):
+            out.send({"x": torch.full((3,), i)}, meta=i, timeout=10)
+            item = inp.get(timeout=10)
+            assert item is not None and item.meta == i and item["x"].tolist() == [i] * 3
+            item.release()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import msgpack
 import pytest
@@ -24,13 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def stream(producer: ipcsync.Producer, consumer: ipcsync.Consumer, n: int = 20) -> list[int]:
@@ -124,43 +117,39 @@ class TestTcp:
 
 
 # ---------------------------------------------------------------------------- ipc credentials
-def raw_hello(ctx: zmq.Context, url: str, pid: int) -> P.Message:
+def raw_hello(sockets: Any, url: str, pid: int) -> P.Message:
     """Send a HELLO naming ``pid`` from a raw DEALER; return the producer's answer."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(url)
-        hello = P.Hello(
-            version=P.PROTOCOL_VERSION, pid=pid, start_time=_host.start_time(os.getpid()),
-            boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu", device="cpu",
-            credits=4, heartbeat_ms=0,
-        )
-        sock.send(P.encode(hello))
-        assert sock.poll(5000), "no answer to HELLO"
-        return P.decode(sock.recv())
-    finally:
-        sock.close(linger=0)
+    sock = sockets(zmq.DEALER)
+    sock.connect(url)
+    hello = P.Hello(
+        version=P.PROTOCOL_VERSION, pid=pid, start_time=_host.start_time(os.getpid()),
+        boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu", device="cpu",
+        credits=4, heartbeat_ms=0,
+    )
+    sock.send(P.encode(hello))
+    assert sock.poll(5000), "no answer to HELLO"
+    return P.decode(sock.recv())
 
 
 class TestIpcCredentials:
-    def test_hello_naming_another_process_is_refused(self, ctx: zmq.Context) -> None:
+    def test_hello_naming_another_process_is_refused(self, sockets: Any) -> None:
         with ipcsync.Producer("sec-cred", device="cpu") as p:
-            answer = raw_hello(ctx, p.endpoint.url, os.getpid() + 100_000)
+            answer = raw_hello(sockets, p.endpoint.url, os.getpid() + 100_000)
             assert isinstance(answer, P.Error) and answer.code == "identity", answer
             assert "belongs to pid" in answer.message
             assert p.stats()["consumers_attached"] == 0
 
-    def test_hello_from_the_named_process_is_answered(self, ctx: zmq.Context) -> None:
+    def test_hello_from_the_named_process_is_answered(self, sockets: Any) -> None:
         with ipcsync.Producer("sec-cred-ok", device="cpu") as p:
-            assert isinstance(raw_hello(ctx, p.endpoint.url, os.getpid()), P.Setup)
+            assert isinstance(raw_hello(sockets, p.endpoint.url, os.getpid()), P.Setup)
 
-    def test_another_user_is_refused(self, ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_another_user_is_refused(self, sockets: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         # Simulated: the kernel reports another uid for the connection.
         real = _host.peer_credentials
         monkeypatch.setattr(_host, "peer_credentials",
                             lambda fd: None if real(fd) is None else (real(fd)[0], 4242, 4242))
         with ipcsync.Producer("sec-uid", device="cpu") as p:
-            answer = raw_hello(ctx, p.endpoint.url, os.getpid())
+            answer = raw_hello(sockets, p.endpoint.url, os.getpid())
             assert isinstance(answer, P.Error) and answer.code == "uid", answer
             assert "uid 4242" in answer.message
 
@@ -243,39 +232,33 @@ def shared_dir() -> Iterator[str]:
 
 class TestProducerIdentity:
     @pytest.mark.timeout(60)
-    def test_producer_of_another_uid_is_refused(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+    def test_producer_of_another_uid_is_refused(self, procs, endpoints, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
         """Another user binds the path first and names the victim's own segment: before,
         the consumer attached and read the victim's memory under the stranger's layouts."""
         if os.getuid() != 0:
             pytest.skip("needs root to run a process as another uid")
         from ipcsync.backends.cpu import CpuBackend
 
-        victim = CpuBackend().create_arena(4096)
-        try:
-            path = os.path.join(shared_dir, "evil.sock")
-            fake = procs.start("fake_setup_producer", module="test_security", path=path,
-                               arena=victim.handle, nbytes=4096, uid=65534)
-            assert fake.read_until(lambda l: l.get("event") == "bound")["uid"] == 65534
-            with pytest.raises(ipcsync.ConfigError,
-                               match=r"runs as uid 65534.*not as this user.*refusing its data"):
-                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
-        finally:
-            victim.close()
+        victim = endpoints.add(CpuBackend().create_arena(4096))
+        path = os.path.join(shared_dir, "evil.sock")
+        fake = procs.start("fake_setup_producer", module="test_security", path=path,
+                           arena=victim.handle, nbytes=4096, uid=65534)
+        assert fake.read_until(lambda l: l.get("event") == "bound")["uid"] == 65534
+        with pytest.raises(ipcsync.ConfigError,
+                           match=r"runs as uid 65534.*not as this user.*refusing its data"):
+            ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
 
     @pytest.mark.timeout(60)
-    def test_segment_of_another_pid_is_refused(self, procs, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
+    def test_segment_of_another_pid_is_refused(self, procs, endpoints, shared_dir: str) -> None:  # type: ignore[no-untyped-def]
         from ipcsync.backends.cpu import CpuBackend
 
-        other = CpuBackend().create_arena(4096)  # ours: pid of this test process
-        try:
-            path = os.path.join(shared_dir, "named.sock")
-            fake = procs.start("fake_setup_producer", module="test_security", path=path,
-                               arena=other.handle, nbytes=4096)
-            fake.read_until(lambda l: l.get("event") == "bound")
-            with pytest.raises(ipcsync.ConfigError, match=rf"names shared memory {other.handle} of pid {os.getpid()}"):
-                ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
-        finally:
-            other.close()
+        other = endpoints.add(CpuBackend().create_arena(4096))  # ours: pid of this test process
+        path = os.path.join(shared_dir, "named.sock")
+        fake = procs.start("fake_setup_producer", module="test_security", path=path,
+                           arena=other.handle, nbytes=4096)
+        fake.read_until(lambda l: l.get("event") == "bound")
+        with pytest.raises(ipcsync.ConfigError, match=rf"names shared memory {other.handle} of pid {os.getpid()}"):
+            ipcsync.Consumer("ipc://" + path, device="cpu", timeout=10)
 
     def test_identity_check_with_fake_file_and_credentials(self) -> None:
         from types import SimpleNamespace

@@ -24,62 +24,51 @@ def fill(p: ipcsync.Producer, n: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_producer_close_with_a_stopped_consumer_holding_slots(procs: Any, runtime_dir: Any) -> None:
-    p = ipcsync.Producer("sd-stopped", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
-    try:
-        c = procs.start("consume", endpoint="sd-stopped", delay=30.0)  # takes one item, then sleeps
-        c.read_until(lambda l: l.get("event") == "connected")
-        p.wait_for_consumers(1, timeout=10)
-        fill(p, 4)
-        os.kill(c.pid, signal.SIGSTOP)  # alive, holding items, reading nothing
-        t0 = time.monotonic()
-        p.close(timeout=1.0)
-        assert time.monotonic() - t0 < 1.0 + MARGIN
-    finally:
-        try:
-            os.kill(c.pid, signal.SIGCONT)
-        except (ProcessLookupError, UnboundLocalError):
-            pass
-        p.close(timeout=0)
+def test_producer_close_with_a_stopped_consumer_holding_slots(procs: Any, endpoints: Any) -> None:
+    # (procs kills the stopped consumer at teardown: SIGKILL needs no SIGCONT.)
+    p = endpoints.producer("sd-stopped", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
+    c = procs.start("consume", module="peers.basic", endpoint="sd-stopped", delay=30.0)  # takes one item, then sleeps
+    c.read_until(lambda l: l.get("event") == "connected")
+    p.wait_for_consumers(1, timeout=10)
+    fill(p, 4)
+    os.kill(c.pid, signal.SIGSTOP)  # alive, holding items, reading nothing
+    t0 = time.monotonic()
+    p.close(timeout=1.0)
+    assert time.monotonic() - t0 < 1.0 + MARGIN
 
 
 @pytest.mark.timeout(60)
-def test_producer_close_with_a_dead_consumer_not_yet_noticed(procs: Any, runtime_dir: Any) -> None:
+def test_producer_close_with_a_dead_consumer_not_yet_noticed(procs: Any, endpoints: Any) -> None:
     # Heartbeats off, so only the disconnect and the process check can notice.
-    p = ipcsync.Producer("sd-dead", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
-    try:
-        c = procs.start("consume", endpoint="sd-dead", delay=30.0)
-        c.read_until(lambda l: l.get("event") == "connected")
-        p.wait_for_consumers(1, timeout=10)
-        fill(p, 4)
-        c.kill()
-        t0 = time.monotonic()
-        p.close(timeout=5.0)
-        assert time.monotonic() - t0 < 1.0 + MARGIN  # noticed, not waited out
-    finally:
-        p.close(timeout=0)
+    p = endpoints.producer("sd-dead", slots=4, slot_bytes=4096, device="cpu", heartbeat=None)
+    c = procs.start("consume", module="peers.basic", endpoint="sd-dead", delay=30.0)
+    c.read_until(lambda l: l.get("event") == "connected")
+    p.wait_for_consumers(1, timeout=10)
+    fill(p, 4)
+    c.kill()
+    t0 = time.monotonic()
+    p.close(timeout=5.0)
+    assert time.monotonic() - t0 < 1.0 + MARGIN  # noticed, not waited out
 
 
 @pytest.mark.timeout(60)
-def test_producer_close_with_items_in_flight_to_a_live_consumer() -> None:
-    p = ipcsync.Producer("sd-held", slots=2, slot_bytes=4096, device="cpu")
-    c = ipcsync.Consumer("sd-held", device="cpu", auto_release=False, timeout=10)
-    try:
-        fill(p, 2)
-        held = [c.get(timeout=5), c.get(timeout=5)]
-        assert all(h is not None for h in held)
-        t0 = time.monotonic()
-        p.close(timeout=0.5)  # the consumer never releases: give up at the deadline
-        assert time.monotonic() - t0 < 0.5 + MARGIN
-    finally:
-        c.close()
-        p.close(timeout=0)
+def test_producer_close_with_items_in_flight_to_a_live_consumer(endpoints: Any) -> None:
+    p = endpoints.producer("sd-held", slots=2, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("sd-held", device="cpu", auto_release=False, timeout=10)
+    fill(p, 2)
+    held = [c.get(timeout=5), c.get(timeout=5)]
+    assert all(h is not None for h in held)
+    t0 = time.monotonic()
+    p.close(timeout=0.5)  # the consumer never releases: give up at the deadline
+    assert time.monotonic() - t0 < 0.5 + MARGIN
 
 
 @pytest.mark.timeout(60)
-def test_consumer_close_with_a_stopped_producer(procs: Any, runtime_dir: Any) -> None:
-    prod = procs.start("produce", endpoint="sd-prod-stopped", n=1000, size=16, slots=4, heartbeat=None)
-    c = ipcsync.Consumer("sd-prod-stopped", device="cpu", heartbeat=None, timeout=10)
+def test_consumer_close_with_a_stopped_producer(procs: Any, endpoints: Any) -> None:
+    prod = procs.start("produce", module="peers.basic", endpoint="sd-prod-stopped", n=1000, size=16, slots=4,
+                       heartbeat=None)
+    prod.read_until(lambda l: l.get("event") == "bound")  # a loaded machine may take > 10 s to start it
+    c = endpoints.consumer("sd-prod-stopped", device="cpu", heartbeat=None, timeout=10)
     try:
         assert c.get(timeout=10) is not None
         os.kill(prod.pid, signal.SIGSTOP)  # alive, answering nothing (no BYE ack will come)
@@ -89,38 +78,34 @@ def test_consumer_close_with_a_stopped_producer(procs: Any, runtime_dir: Any) ->
     finally:
         c.close()
         os.kill(prod.pid, signal.SIGCONT)
-        prod.kill()  # the leader only: its resource tracker then removes the segment
+        prod.kill()  # the leader only (procs would kill its group): its resource tracker removes the segment
 
 
 @pytest.mark.timeout(60)
-def test_close_from_another_thread_while_send_blocks() -> None:
-    p = ipcsync.Producer("sd-blocked", slots=1, slot_bytes=4096, device="cpu")
-    c = ipcsync.Consumer("sd-blocked", device="cpu", auto_release=False, timeout=10)
+def test_close_from_another_thread_while_send_blocks(endpoints: Any) -> None:
+    p = endpoints.producer("sd-blocked", slots=1, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("sd-blocked", device="cpu", auto_release=False, timeout=10)
     errors: list[BaseException] = []
-    try:
-        fill(p, 1)
-        assert c.get(timeout=5) is not None  # held: the next send blocks
+    fill(p, 1)
+    assert c.get(timeout=5) is not None  # held: the next send blocks
 
-        def blocked_send() -> None:
-            try:
-                p.send({"x": torch.zeros(16)}, timeout=30)
-            except BaseException as exc:
-                errors.append(exc)
+    def blocked_send() -> None:
+        try:
+            p.send({"x": torch.zeros(16)}, timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
 
-        t = threading.Thread(target=blocked_send)
-        t.start()
-        time.sleep(0.3)
-        c.close()  # gives the slot back: the blocked send completes or fails cleanly
-        t.join(timeout=10)
-        assert not t.is_alive()
-        assert all(isinstance(e, ipcsync.IpcSyncError) for e in errors), errors
-    finally:
-        c.close()
-        p.close(timeout=1)
+    t = threading.Thread(target=blocked_send, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    c.close()  # gives the slot back: the blocked send completes or fails cleanly
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert all(isinstance(e, ipcsync.IpcSyncError) for e in errors), errors
 
 
 @pytest.mark.timeout(60)
-def test_consumer_polling_the_last_items_event_does_not_say_bye_early(monkeypatch: Any) -> None:
+def test_consumer_polling_the_last_items_event_does_not_say_bye_early(monkeypatch: Any, endpoints: Any) -> None:
     """wait="host": the consumer polls the last item's ready event (the producer's GPU
     write is still running) and pumps meanwhile, receiving the producer's BYE. It must not
     answer BYE before that item is held and released: the producer would take it as gone,
@@ -129,26 +114,22 @@ def test_consumer_polling_the_last_items_event_does_not_say_bye_early(monkeypatc
     as "RELEASE from a peer that has not sent HELLO")."""
     from ipcsync.backends import cpu
 
-    out = ipcsync.Producer("byepoll", slots=2, slot_bytes=4096, device="cpu", timeout=10)
-    inp = ipcsync.Consumer("byepoll", device="cpu", wait="host", timeout=10)
-    try:
-        out.wait_for_consumers(1, timeout=10)
-        ready_at = time.monotonic() + 0.3  # the write "completes" 0.3 s from now
-        monkeypatch.setattr(cpu.CpuEvent, "query", lambda self: time.monotonic() >= ready_at)
-        out.send({"x": torch.arange(4)})
-        closer = threading.Thread(target=out.close, kwargs={"timeout": 10})
-        closer.start()  # BYE goes out at once: the item is already dispatched
-        item = inp.get(timeout=10)
-        assert item is not None and item["x"].tolist() == [0, 1, 2, 3]
-        time.sleep(0.3)
-        assert closer.is_alive(), "the producer closed while the consumer held an item"
-        assert out.consumers == 1
-        item.release()
-        assert inp.get(timeout=5) is None  # the stream ends after it, cleanly
-        closer.join(15)
-        assert not closer.is_alive()
-        assert out.stats()["bad_frames"] == 0
-        assert out.stats()["consumers_lost"] == 0
-    finally:
-        inp.close()
-        out.close(timeout=0)
+    out = endpoints.producer("byepoll", slots=2, slot_bytes=4096, device="cpu", timeout=10)
+    inp = endpoints.consumer("byepoll", device="cpu", wait="host", timeout=10)
+    out.wait_for_consumers(1, timeout=10)
+    ready_at = time.monotonic() + 0.3  # the write "completes" 0.3 s from now
+    monkeypatch.setattr(cpu.CpuEvent, "query", lambda self: time.monotonic() >= ready_at)
+    out.send({"x": torch.arange(4)})
+    closer = threading.Thread(target=out.close, kwargs={"timeout": 10}, daemon=True)
+    closer.start()  # BYE goes out at once: the item is already dispatched
+    item = inp.get(timeout=10)
+    assert item is not None and item["x"].tolist() == [0, 1, 2, 3]
+    time.sleep(0.3)
+    assert closer.is_alive(), "the producer closed while the consumer held an item"
+    assert out.consumers == 1
+    item.release()
+    assert inp.get(timeout=5) is None  # the stream ends after it, cleanly
+    closer.join(15)
+    assert not closer.is_alive()
+    assert out.stats()["bad_frames"] == 0
+    assert out.stats()["consumers_lost"] == 0

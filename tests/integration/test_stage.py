@@ -2,7 +2,7 @@
 by the JSON wiring that ``ipcsync.launch.plan.resolve`` builds (env ``IPCSYNC_WIRING``).
 
 In-process tests reset the module's wiring cache and its list of endpoints made (for the
-stats report) through monkeypatch. Cross-process tests start peers.py roles with the
+stats report) through monkeypatch. Cross-process tests start tests/integration/peers/ roles with the
 environment of one plan instance each, through the ``procs`` fixture (killed at teardown,
 checked for leaked shared memory).
 """
@@ -353,10 +353,10 @@ def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, ru
 def test_item_flows_between_stage_processes_and_stats_are_reported(procs, runtime_dir, src_replicas):
     n = 30
     plan = make_plan(runtime_dir, src_replicas)
-    srcs = [procs.start("stage_src", env=instance(plan, f"src/{r}").env, to="sink", n=n)
+    srcs = [procs.start("stage_src", module="peers.basic", env=instance(plan, f"src/{r}").env, to="sink", n=n)
             for r in range(src_replicas)]
     sink_inst = instance(plan, "sink/0")
-    sink = procs.start("stage_sink", env=sink_inst.env, frm="src")
+    sink = procs.start("stage_sink", module="peers.basic", env=sink_inst.env, frm="src")
     for peer, inst in [(p, instance(plan, f"src/{r}")) for r, p in enumerate(srcs)] + [(sink, sink_inst)]:
         line = peer.read_until(lambda l: l.get("event") == "info", timeout=30)
         w = inst.wiring

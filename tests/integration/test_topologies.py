@@ -140,21 +140,21 @@ def test_consumer_sigkilled_in_fan_out_the_others_go_on(procs: Any, runtime_dir:
     try:
         # The victim dies between items (not mid-record): the producer's streams never wait
         # on a dead peer's event, so on CUDA it goes on serving the survivors.
-        victim = procs.start("consume", endpoint="topo-kill", kill_after=20, sharded=policy == "shard",
+        victim = procs.start("consume", module="peers.basic", endpoint="topo-kill", kill_after=20, sharded=policy == "shard",
                              size=16, heartbeat=0.5, device=device)
-        survivors = [procs.start("consume", endpoint="topo-kill", sharded=policy == "shard", size=16,
+        survivors = [procs.start("consume", module="peers.basic", endpoint="topo-kill", sharded=policy == "shard", size=16,
                                  heartbeat=0.5, device=device) for _ in range(2)]
         for c in [victim, *survivors]:
             c.read_until(lambda l: l.get("event") == "connected")
         p.wait_for_consumers(3, timeout=10)
-        import peers  # tests/ is on sys.path under pytest
+        from peers.common import expected  # tests/integration is on sys.path under pytest
 
         # Send until the victim has died, then 200 more. (A fixed count is not enough: with
         # "shard" a consumer that a loaded machine slows down holds its credits longer and
         # is dealt fewer items, so it might never reach its 20th.)
         n, after = 0, None
         while after is None or n < after + 200:
-            p.send(peers.expected(n, 16, device), meta={"i": n, "tag": f"item-{n}"}, timeout=20)
+            p.send(expected(n, 16, device), meta={"i": n, "tag": f"item-{n}"}, timeout=20)
             n += 1
             if after is None and victim.proc.poll() is not None:
                 after = n

@@ -6,9 +6,9 @@
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
   after a frame failed to pack;
 - ``layout.signature``'s unrolled dict case: the key of the general ``_sig``;
-- ``Recipe``'s assembler: what ``_unflatten`` builds;
-- ``Producer.slot()``: a context manager that sends on a clean exit and gives the slot
-  back when the block raises.
+- ``Recipe``'s assembler: what ``_unflatten`` builds.
+
+``Producer.slot()``, which needs sockets, is tested in tests/integration/test_slot_context.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ipcsync
 from ipcsync.core import layout as L
 from ipcsync.core import protocol as P
 from ipcsync.errors import ConfigError, ProtocolError
@@ -306,61 +305,3 @@ def test_recipe_views_are_fresh_per_build() -> None:
     b = recipe.build(0, slot)
     assert b["x"].shape == (2, 3) and b["x"].data_ptr() == a["x"].data_ptr()
     assert b["y"].dtype == torch.int16 and math.prod(b["y"].shape) == 4
-
-
-# --------------------------------------------------------------------------- Producer.slot()
-@pytest.fixture
-def pair(runtime_dir: Any) -> Any:
-    with ipcsync.Producer("fastpath", slots=2, slot_bytes=4096, heartbeat=None, timeout=5) as out:
-        with ipcsync.Consumer("fastpath", heartbeat=None, timeout=5) as inp:
-            out.wait_for_consumers(1, timeout=5)
-            yield out, inp
-
-
-def test_slot_block_that_raises_gives_the_slot_back(pair: Any) -> None:
-    out, inp = pair
-    for _ in range(5):  # more than the ring holds: every aborted slot came back
-        with pytest.raises(KeyError):
-            with out.slot(x=((4,), torch.uint8), timeout=1) as s:
-                s["x"].fill_(9)
-                raise KeyError("user code failed")
-    with out.slot(x=((4,), torch.uint8), meta="kept", timeout=1) as s:
-        s["x"].fill_(3)
-    item = inp.get(timeout=5)
-    assert item is not None and item.meta == "kept" and item.seq == 0
-    assert item["x"].tolist() == [3, 3, 3, 3]
-    item.release()
-
-
-def test_slot_context_is_entered_once(pair: Any) -> None:
-    out, inp = pair
-    ctx = out.slot(x=((4,), torch.uint8))
-    with ctx as s:
-        s.meta = {"n": 1}
-        s["x"].fill_(1)
-    with pytest.raises(RuntimeError, match="once"):
-        ctx.__enter__()
-    item = inp.get(timeout=5)
-    assert item is not None and item.meta == {"n": 1} and list(item.tensors) == ["x"]
-    item.release()
-
-
-def test_slot_fields_mapping_and_keywords(pair: Any) -> None:
-    out, inp = pair
-    with out.slot({"a": ((2,), torch.int32)}, b=((3,), torch.float64)) as s:
-        s["a"].fill_(7)
-        s["b"].fill_(0.5)
-    item = inp.get(timeout=5)
-    assert item is not None and list(item.tensors) == ["a", "b"]
-    assert item["a"].tolist() == [7, 7] and item["b"].tolist() == [0.5, 0.5, 0.5]
-    item.release()
-
-
-def test_slot_refused_after_close(runtime_dir: Any) -> None:
-    out = ipcsync.Producer("fastpath-closed", slots=2, slot_bytes=4096, heartbeat=None, timeout=1)
-    out.close()
-    with pytest.raises(ipcsync.ClosedError):
-        with out.slot(x=((4,), torch.uint8)):
-            pass
-    with pytest.raises(ipcsync.ClosedError):
-        out.send({"x": torch.zeros(4)})
