@@ -23,7 +23,8 @@ found and, for WARN and FAIL, the fix. The checks:
 
 The doctor changes nothing on the machine: a missing runtime directory is reported as
 "will be created", not created; the only writes are a temporary file in an existing
-runtime directory (to prove it writable) and the CUDA IPC probe's GPU memory.
+runtime directory, or a temporary directory where a missing one would be made (to prove
+them writable; both removed at once), and the CUDA IPC probe's GPU memory.
 
 Exit status: 0 when no check failed, 1 when one did, 2 for a usage error.
 """
@@ -256,9 +257,11 @@ def _dir_problem(path: str) -> tuple[str | None, bool]:
         probe = parent
         while not os.path.exists(probe) and probe != os.path.dirname(probe):
             probe = os.path.dirname(probe)
-        if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
-            return None, False
-        return f"does not exist and cannot be created ({probe} is not a writable directory)", False
+        try:  # os.access says yes to root even where the file system says no
+            os.rmdir(tempfile.mkdtemp(prefix=".ipcsync-doctor-", dir=probe))
+        except OSError as exc:
+            return f"does not exist and cannot be created in {probe}: {exc.strerror or exc}", False
+        return None, False
     except OSError as exc:
         return f"cannot be examined: {exc.strerror or exc}", False
     if stat.S_ISLNK(st.st_mode):
@@ -682,6 +685,9 @@ def probe_child(role: str) -> None:
         from .backends.cuda import IpcEvent, export_tensor, import_tensor
 
         if role == "export":
+            if torch.cuda.device_count() == 0:
+                raise RuntimeError(
+                    f"no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
             keep = []
             offer = []
             for i in range(torch.cuda.device_count()):
