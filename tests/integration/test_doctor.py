@@ -66,6 +66,14 @@ def doctor_json(*args: str, **kw: Any) -> tuple[int, dict[str, dict[str, Any]]]:
     return r.returncode, checks
 
 
+def checks_of(spec: Path | str | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
+    """The checks run in this process (as ``doctor --json --no-cuda-ipc [--spec]`` runs
+    them, without the interpreter start), by name, and the exit status they give."""
+    found = list(doctor.run_checks(None if spec is None else str(spec), cuda_ipc=False))
+    checks = parse_json("\n".join(json.dumps(c.as_dict()) for c in found))
+    return doctor.exit_status(found), checks
+
+
 def write_spec(path: Path, stages: dict[str, dict[str, Any]], edges: list[dict[str, Any]]) -> Path:
     def value(v: Any) -> str:
         if isinstance(v, list):
@@ -178,11 +186,12 @@ def test_nofile_limits(soft: int, hard: int, status: str) -> None:
 
 # ---------------------------------------------------------------------------- runtime dir
 @pytest.mark.timeout(120)
-def test_runtime_dir_open_to_others_fails(tmp_path: Path) -> None:
+def test_runtime_dir_open_to_others_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = tmp_path / "rt"
     d.mkdir(mode=0o755)
     d.chmod(0o755)
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
+    rc, checks = checks_of()
     c = checks["runtime dir"]
     assert rc == 1 and c["status"] == "FAIL", c
     assert "mode 755" in c["found"] and c["fix"] == f"chmod 700 {d}"
@@ -190,7 +199,7 @@ def test_runtime_dir_open_to_others_fails(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_runtime_dir_owned_by_someone_else_fails(tmp_path: Path) -> None:
+def test_runtime_dir_owned_by_someone_else_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.getuid() == 0:
         d = tmp_path / "rt"
         d.mkdir(mode=0o700)
@@ -198,7 +207,8 @@ def test_runtime_dir_owned_by_someone_else_fails(tmp_path: Path) -> None:
         owner = 65534
     else:
         d, owner = Path("/usr"), os.stat("/usr").st_uid  # a directory that is not ours
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
+    rc, checks = checks_of()
     c = checks["runtime dir"]
     assert rc == 1 and c["status"] == "FAIL", c
     assert f"belongs to uid {owner}" in c["found"] and "IPCSYNC_RUNTIME_DIR" in c["fix"]
@@ -206,7 +216,7 @@ def test_runtime_dir_owned_by_someone_else_fails(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["uncreatable", "a file"])
-def test_runtime_dir_that_cannot_be_used_fails(tmp_path: Path, kind: str) -> None:
+def test_runtime_dir_that_cannot_be_used_fails(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if kind == "uncreatable":
         d = Path("/proc/ipcsync-doctor-test/rt")  # nobody, root included, can create it
         want = "cannot be created"
@@ -214,46 +224,49 @@ def test_runtime_dir_that_cannot_be_used_fails(tmp_path: Path, kind: str) -> Non
         d = tmp_path / "rt"
         d.write_text("")
         want = "is not a directory"
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
+    rc, checks = checks_of()
     c = checks["runtime dir"]
     assert rc == 1 and c["status"] == "FAIL" and want in c["found"], c
 
 
 @pytest.mark.timeout(120)
-def test_runtime_dir_that_does_not_exist_yet_passes_and_is_not_created(tmp_path: Path) -> None:
+def test_runtime_dir_that_does_not_exist_yet_passes_and_is_not_created(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = tmp_path / "new" / "rt"
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
+    rc, checks = checks_of()
     c = checks["runtime dir"]
     assert c["status"] == "PASS" and "will be created" in c["found"], c
     assert not d.exists() and not d.parent.exists()
 
 
 @pytest.mark.timeout(120)
-def test_runtime_dir_too_long_for_ipc_paths(runtime_dir: Path) -> None:
+def test_runtime_dir_too_long_for_ipc_paths(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = runtime_dir / ("x" * (100 - len(str(runtime_dir)) - 1))  # 100 bytes: no room for a name
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
+    rc, checks = checks_of()
     c = checks["ipc path length"]
     assert rc == 1 and c["status"] == "FAIL", c
     assert "up to 1 characters" in c["found"] and "shorter path" in c["fix"]
     d2 = runtime_dir / ("y" * (60 - len(str(runtime_dir)) - 1))  # room for 41: WARN
-    rc, checks = doctor_json(env={"IPCSYNC_RUNTIME_DIR": str(d2)})
+    monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d2))
+    rc, checks = checks_of()
     assert checks["ipc path length"]["status"] == "WARN" and "up to 41 characters" in checks["ipc path length"]["found"]
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another user")
 @pytest.mark.timeout(120)
-def test_default_runtime_dir_taken_falls_back_with_a_warning(runtime_dir: Path) -> None:
+def test_default_runtime_dir_taken_falls_back_with_a_warning(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     xdg = runtime_dir / "xdg"  # short: the fallback's ipc paths must fit
     (xdg / "ipcsync").mkdir(parents=True, mode=0o700)
     os.chown(xdg / "ipcsync", 65534, 65534)
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
-    env.pop("IPCSYNC_RUNTIME_DIR")
-    full = dict(env, PYTHONPATH=str(ROOT))
-    r = subprocess.run([PY, "-m", "ipcsync", "doctor", "--json", "--no-cuda-ipc"], env=full,
-                       capture_output=True, text=True, timeout=90)
-    c = parse_json(r.stdout)["runtime dir"]
+    monkeypatch.delenv("IPCSYNC_RUNTIME_DIR")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    rc, checks = checks_of()
+    c = checks["runtime dir"]
     assert c["status"] == "WARN" and f"uses {xdg}/ipcsync-alt instead" in c["found"], c
-    assert r.returncode == 0
+    assert f"{xdg}/ipcsync-alt/<name>.sock" in checks["ipc path length"]["found"]
+    assert not (xdg / "ipcsync-alt").exists()
 
 
 # ---------------------------------------------------------------------------- specs
@@ -263,7 +276,7 @@ def test_spec_that_fits_passes(tmp_path: Path, script: Path) -> None:
         "src": {"cmd": ["python3", str(script)], "replicas": 2, "device": "cpu"},
         "dst": {"cmd": f"python3 {script}", "device": "cpu"},
     }, [{"from": "src", "to": "dst", "slots": 2, "slot_bytes": "1MiB"}])
-    rc, checks = doctor_json("--spec", str(spec))
+    rc, checks = checks_of(spec)
     assert checks["spec"]["status"] == "PASS" and "2 stage(s), 1 edge(s)" in checks["spec"]["found"]
     assert checks["stage src"]["status"] == "PASS" and "2 replica(s) on cpu" in checks["stage src"]["found"]
     assert checks["stage dst"]["status"] == "PASS"
@@ -279,7 +292,7 @@ def test_spec_needing_more_shm_than_there_is_fails(tmp_path: Path, script: Path)
         "src": {"cmd": ["python3", str(script)], "replicas": 4, "device": "cpu"},
         "dst": {"cmd": ["python3", str(script)], "device": "cpu"},
     }, [{"from": "src", "to": "dst", "slots": 1024, "slot_bytes": "1GiB"}])  # 4 TiB
-    rc, checks = doctor_json("--spec", str(spec))
+    rc, checks = checks_of(spec)
     c = checks["/dev/shm"]
     assert rc == 1 and c["status"] == "FAIL", c
     assert "src->dst 1024 x 1.0 GiB x 4" in c["found"] and "needs 4096.0 GiB" in c["found"], c
@@ -320,7 +333,7 @@ def test_spec_with_missing_command_and_script_fails(tmp_path: Path, script: Path
 @pytest.mark.timeout(120)
 def test_spec_with_a_gpu_that_is_not_here_fails(tmp_path: Path, script: Path) -> None:
     spec = write_spec(tmp_path / "p.toml", {"a": {"cmd": ["python3", str(script)], "device": "cuda:999"}}, [])
-    rc, checks = doctor_json("--spec", str(spec))
+    rc, checks = checks_of(spec)
     assert rc == 1
     c = checks["stage a"]
     assert c["status"] == "FAIL" and "cuda:999 for replica 0" in c["found"] and "device" in c["fix"], c
@@ -337,7 +350,7 @@ def test_spec_that_does_not_parse_fails(tmp_path: Path, text: str | None, want: 
     path = tmp_path / "p.toml"
     if text is not None:
         path.write_text(text)
-    rc, checks = doctor_json("--spec", str(path))
+    rc, checks = checks_of(path)
     assert rc == 1 and checks["spec"]["status"] == "FAIL" and want in checks["spec"]["found"], checks["spec"]
     assert "stage a" not in checks and "plan" not in checks
     assert checks["/dev/shm"]["status"] != "FAIL" or "default arena" in checks["/dev/shm"]["found"]
