@@ -504,7 +504,7 @@ def check_cuda(ipc: bool = True, ipc_timeout: float = DEFAULT_IPC_TIMEOUT) -> li
     for i in range(n):
         props = torch.cuda.get_device_properties(i)
         mode = modes[i]
-        found = (f"{props.name}, {device_uuid(i)}, {_size(props.total_memory)}, "
+        found = (f"{props.name}, UUID {device_uuid(i)}, {_size(props.total_memory)}, "
                  f"compute capability {props.major}.{props.minor}, compute mode {mode or 'unknown'}")
         if mode == "Prohibited":
             out.append(Check(FAIL, f"gpu {i}", found + ": no process may use it",

@@ -406,12 +406,14 @@ def test_cuda_ipc_probe_failure_is_reported_with_the_fix(monkeypatch: pytest.Mon
 def test_cuda_checks_on_a_gpu_machine() -> None:
     import torch
 
+    from ipcsync.backends.cuda import device_uuid
+
     r = run_doctor("--json", timeout=200)
     checks = parse_json(r.stdout)
     assert checks["cuda"]["status"] == "PASS" and f"{torch.cuda.device_count()} GPU(s)" in checks["cuda"]["found"]
     for i in range(torch.cuda.device_count()):
         g = checks[f"gpu {i}"]
-        assert torch.cuda.get_device_name(i) in g["found"] and "GPU-" in g["found"], g
+        assert torch.cuda.get_device_name(i) in g["found"] and f"UUID {device_uuid(i)}," in g["found"], g
         assert "compute mode" in g["found"]
     assert checks["gpu peer access"]["status"] in ("PASS", "WARN")
     assert "mps" in checks
