@@ -169,12 +169,12 @@ def _in_container() -> str | None:
 
 
 # --------------------------------------------------------------------------- /dev/shm
-def _shm_need(spec: Any, gpus: int) -> tuple[int, str]:
-    """Bytes of /dev/shm the arenas need, and how that was counted. ``spec``: a
-    PipelineSpec or None (the default arena)."""
+def _shm_need(spec: Any, gpus: int) -> tuple[int, str, str]:
+    """Bytes of /dev/shm the arenas need, what was counted, and a note on what was not.
+    ``spec``: a PipelineSpec or None (the default arena)."""
     if spec is None:
         need = DEFAULT_SLOTS * DEFAULT_SLOT_BYTES
-        return need, f"the default arena ({DEFAULT_SLOTS} slots x {_size(DEFAULT_SLOT_BYTES)})"
+        return need, f"the default arena ({DEFAULT_SLOTS} slots x {_size(DEFAULT_SLOT_BYTES)})", ""
     need, parts, on_gpu = 0, [], 0
     for e in spec.edges:
         src = spec.stage(e.src)
@@ -185,9 +185,8 @@ def _shm_need(spec: Any, gpus: int) -> tuple[int, str]:
             need += n
             parts.append(f"{e.src}->{e.dst} {e.slots} x {_size(e.slot_bytes)} x {cpu_replicas}")
     how = f"the arenas of {spec.source}" + (f" ({', '.join(parts)})" if parts else " (no CPU producer)")
-    if on_gpu:
-        how += f"; {on_gpu} producer(s) on a GPU use GPU memory instead"
-    return need, how
+    note = f"; {on_gpu} producer(s) on a GPU keep their arenas in GPU memory" if on_gpu else ""
+    return need, how, note
 
 
 def check_shm(spec: Any = None, shm_dir: str = SHM_DIR, gpus: int | None = None) -> Check:
@@ -196,7 +195,7 @@ def check_shm(spec: Any = None, shm_dir: str = SHM_DIR, gpus: int | None = None)
     name = "/dev/shm"
     if gpus is None:
         gpus = _visible_gpus()
-    need, how = _shm_need(spec, gpus)
+    need, how, note = _shm_need(spec, gpus)
     container = _in_container()
     try:
         vfs = os.statvfs(shm_dir)
@@ -209,7 +208,7 @@ def check_shm(spec: Any = None, shm_dir: str = SHM_DIR, gpus: int | None = None)
         ours = [n for n in os.listdir(shm_dir) if n.startswith("ipcsync-")]
     except OSError:
         ours = []
-    found = f"{_size(free)} free of {_size(size)}; {how} needs {_size(need)}"
+    found = f"{_size(free)} free of {_size(size)}; {how} needs {_size(need)}{note}"
     if ours:
         found += f"; {len(ours)} ipcsync segment(s) there now"
     want = max(2 * need, 256 << 20)

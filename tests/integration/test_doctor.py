@@ -300,6 +300,20 @@ def test_spec_needing_more_shm_than_there_is_fails(tmp_path: Path, script: Path)
     assert checks["spec"]["status"] == "PASS" and checks["plan"]["status"] == "PASS"
 
 
+@pytest.mark.timeout(60)
+def test_spec_arenas_of_gpu_producers_are_not_counted_against_shm(tmp_path: Path, script: Path) -> None:
+    from ipcsync.launch.spec import load
+
+    spec = load(str(write_spec(tmp_path / "p.toml", {
+        "a": {"cmd": ["python3", str(script)], "device": "auto"},
+        "b": {"cmd": ["python3", str(script)], "device": "auto"},
+    }, [{"from": "a", "to": "b", "slots": 1024, "slot_bytes": "1GiB"}])))
+    on_gpu = doctor.check_shm(spec, gpus=1)  # "auto" is cuda:0 where there is a GPU
+    assert on_gpu.status != "FAIL" and "needs 0 B; 1 producer(s) on a GPU keep their arenas in GPU memory" in on_gpu.found
+    on_cpu = doctor.check_shm(spec, gpus=0)
+    assert on_cpu.status == "FAIL" and "a->b 1024 x 1.0 GiB x 1" in on_cpu.found, on_cpu
+
+
 @needs_unshare
 @pytest.mark.timeout(120)
 def test_spec_against_a_small_shm(tmp_path: Path, script: Path) -> None:
