@@ -19,7 +19,6 @@ from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
-import zmq
 
 from . import limits
 from .backends import backend_for, resolve_device
@@ -35,7 +34,6 @@ from .runtime.endpoint import EndpointBase, check_positive_int, check_wait
 from .runtime.forwarder import Forwarder
 from .runtime.peers import PeerTable
 from .runtime.port import ProducerPort
-from .runtime import slots as slot_steps
 from .runtime.slots import Handoffs, Waits
 
 __all__ = ["Producer", "SlotWriter"]
@@ -265,11 +263,12 @@ class Producer(EndpointBase):
             deadline = None if t is None else time.monotonic() + t
             port = self.port
             try:
-                self._wait_nagging(lambda: self._ring.queued == 0, deadline, self._queued_words)
+                h = self._handoffs
+                h.wait_nagging(lambda: self._ring.queued == 0, deadline, h.queued_words)
                 for peer in port.peers:
                     port.say_bye(peer, "producer closed")
-                self._wait_nagging(lambda: not self._ring.busy() and not port.peers
-                                   and not port.forwarder.ledger.pending, deadline, self._held_words)
+                h.wait_nagging(lambda: not self._ring.busy() and not port.peers
+                               and not port.forwarder.ledger.pending, deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
             port.forwarder.abandon()
@@ -313,31 +312,6 @@ class Producer(EndpointBase):
             self.abort(exc)
 
     # ------------------------------------------------------------------ internals
-    def _wait_nagging(self, done: Callable[[], bool], deadline: float | None, words: Callable[[], str]) -> None:
-        """``_wait_until(done)`` until ``deadline``, logging ``words()`` (what close is
-        waiting for) after NAG_S (runtime.slots) and then every NAG_S. Lock held."""
-        nag = time.monotonic() + slot_steps.NAG_S
-        while True:
-            step_end = nag if deadline is None else min(nag, deadline)
-            if self._wait_until(done, max(0.0, step_end - time.monotonic())):
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
-                        "this; abort() ends the stream at once)", self.endpoint.name, words())
-            nag = time.monotonic() + slot_steps.NAG_S
-
-    def _queued_words(self) -> str:
-        n = self._ring.queued
-        if not self._ring.consumers():
-            return f"{n} item(s) sent but no consumer is attached to take them"
-        return f"{n} item(s) queued for consumers whose credits are all in use"
-
-    def _held_words(self) -> str:
-        held = [f"{p.label} holds {len(self._ring.held_by(p.identity))} item(s)"
-                + (" (stalled)" if p.stalled else "") for p in self.port.peers]
-        return "; ".join(held) or f"slot states {self._ring.occupancy()}"
-
     def _refuse_send(self) -> None:
         self._check_open()
         if self._closing:
@@ -367,28 +341,7 @@ class Producer(EndpointBase):
         """Free everything. Lock held (or the object is being collected). ``linger_ms``:
         how long frames already sent may still go out after the socket is closed."""
         port = self.__dict__.get("port")
-        if port is None:  # __init__ failed before the parts existed
-            return
-        try:
-            port.forwarder.abandon()
-        except Exception as exc:
-            log.debug("ipcsync producer teardown: %s", exc)
-        port.peers.close()
-        if linger_ms:
-            try:
-                self._chan.sock.setsockopt(zmq.LINGER, linger_ms)
-            except zmq.ZMQError:
-                pass
-        # Every view of the arena goes (the plans' cached destinations and slot() views
-        # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
-        # export is settled here, not left for the interpreter's exit, where torch would
-        # warn "Producer process has been terminated before all shared CUDA tensors released".
-        self._handoffs.plans.clear()
-        self._slot_views.clear()
-        for closer in (self._chan.close, port.arena.close, self._backend.collect, self._backend.close):
-            try:
-                closer()
-            except Exception as exc:
-                log.debug("ipcsync producer teardown: %s", exc)
+        if port is not None:  # (None: __init__ failed before the parts existed)
+            port.teardown(linger_ms)
 
 

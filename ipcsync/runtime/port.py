@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import zmq
+
 from ..backends import Arena, Backend
 from ..core import protocol as P
 from ..core.producer_session import Kind, ProducerSession
@@ -208,6 +210,31 @@ class ProducerPort:
             self.forwarder.poll()  # it may have been the one a forward still waited for
         self.backend.collect()
         self.handoffs.dispatch()
+
+    def teardown(self, linger_ms: int = 0) -> None:
+        """Free everything (the Producer's ``_teardown``). ``linger_ms``: how long frames
+        already sent may still go out after the socket is closed."""
+        try:
+            self.forwarder.abandon()
+        except Exception as exc:
+            log.debug("ipcsync producer teardown: %s", exc)
+        self.peers.close()
+        if linger_ms:
+            try:
+                self.chan.sock.setsockopt(zmq.LINGER, linger_ms)
+            except zmq.ZMQError:
+                pass
+        # Every view of the arena goes (the plans' cached destinations and slot() views
+        # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
+        # export is settled here, not left for the interpreter's exit, where torch would
+        # warn "Producer process has been terminated before all shared CUDA tensors released".
+        self.handoffs.plans.clear()
+        self.handoffs.slot_views.clear()
+        for closer in (self.chan.close, self.arena.close, self.backend.collect, self.backend.close):
+            try:
+                closer()
+            except Exception as exc:
+                log.debug("ipcsync producer teardown: %s", exc)
 
     # ------------------------------------------------------------------ entries
     def forward(self, item: Any, message: Any, meta: Any = None, timeout: float | None = None,

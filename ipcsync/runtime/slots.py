@@ -147,6 +147,32 @@ class Handoffs:
             plan = self.new_plan(key, Placement(layout, [], data_bytes))
         return plan
 
+    # ------------------------------------------------------------------ close
+    def wait_nagging(self, done: Callable[[], bool], deadline: float | None, words: Callable[[], str]) -> None:
+        """close(): ``wait_until(done)`` until ``deadline``, logging ``words()`` (what it is
+        waiting for) after NAG_S and then every NAG_S."""
+        nag = time.monotonic() + NAG_S
+        while True:
+            step_end = nag if deadline is None else min(nag, deadline)
+            if self.waits.wait_until(done, max(0.0, step_end - time.monotonic())):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
+                        "this; abort() ends the stream at once)", self.name, words())
+            nag = time.monotonic() + NAG_S
+
+    def queued_words(self) -> str:
+        n = self.ring.queued
+        if not self.ring.consumers():
+            return f"{n} item(s) sent but no consumer is attached to take them"
+        return f"{n} item(s) queued for consumers whose credits are all in use"
+
+    def held_words(self) -> str:
+        held = [f"{p.label} holds {len(self.ring.held_by(p.identity))} item(s)"
+                + (" (stalled)" if p.stalled else "") for p in self.peers]
+        return "; ".join(held) or f"slot states {self.ring.occupancy()}"
+
     # ------------------------------------------------------------------ 1. reserve
     def reserve(self, timeout: float | None) -> Acquired:
         """Step 1: a FREE slot, waiting up to ``timeout`` while consumers hold every slot.
