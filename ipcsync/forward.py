@@ -79,7 +79,7 @@ def forward(
     meta = item.meta if meta is _SAME else meta
     if copy is not True:
         try:
-            return out._forward_zero_copy(item, message, meta, timeout, stream)
+            return out.port.forward(item, message, meta, timeout, stream)
         except CannotForward as exc:
             if copy is False:
                 raise ConfigError(

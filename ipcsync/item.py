@@ -7,14 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .core.ring import Acquired
 from .errors import ClosedError
 
 if TYPE_CHECKING:
     from .consumer import Consumer
-    from .producer import Producer
+    from .runtime.port import ProducerPort
 
-__all__ = ["SlotWriter", "Item"]
+__all__ = ["SlotWriter", "SlotEntry", "Item"]
 
 
 class SlotWriter:
@@ -36,28 +35,35 @@ class SlotWriter:
         return self.tensors.keys() if self.tensors is not None else {}.keys()
 
 
-class _SlotContext:
+class SlotEntry:
     """What ``Producer.slot()`` returns: a context manager that reserves the slot on entry
-    and sends it (or, if the block raised, gives it back) on exit."""
+    and sends it (or, if the block raised, gives it back) on exit, through the producer's
+    port (``runtime.port.ProducerPort.open_slot``/``close_slot``)."""
 
-    __slots__ = ("producer", "spec", "meta", "timeout", "stream", "acq", "plan", "writer")
+    __slots__ = ("port", "spec", "meta", "timeout", "stream", "ticket", "writer")
 
-    def __init__(self, producer: "Producer", spec: dict[str, Any], meta: Any,
+    def __init__(self, port: "ProducerPort", spec: dict[str, Any], meta: Any,
                  timeout: float | None, stream: Any) -> None:
-        self.producer = producer
+        self.port = port
         self.spec = spec
         self.meta = meta
         self.timeout = timeout
         self.stream = stream
-        self.acq: Acquired | None = None
+        self.ticket: Any = None
+        self.writer: SlotWriter | None = None
 
     def __enter__(self) -> SlotWriter:
-        if self.acq is not None:
+        if self.ticket is not None:
             raise RuntimeError("a Producer.slot() context can be entered once")
-        return self.producer._slot_enter(self)
+        self.ticket, views = self.port.open_slot(self.spec, self.timeout, self.stream)
+        self.writer = SlotWriter(views, self.meta)
+        return self.writer
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self.producer._slot_exit(self, exc_type is None)
+        writer = self.writer
+        assert writer is not None
+        writer.tensors = None
+        self.port.close_slot(self.ticket, writer.meta, exc_type is None)
         return False
 
 

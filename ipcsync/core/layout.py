@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -39,6 +40,8 @@ __all__ = [
     "place_views",
     "dtype_name",
     "dtype_from_name",
+    "PlanCache",
+    "LayoutIds",
 ]
 
 ALIGN = 256  # byte alignment of every tensor in a slot (CUDA-friendly, >= any itemsize)
@@ -489,3 +492,95 @@ def leaves(msg: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     _flatten(msg, out, 1)
     return out
+
+
+class PlanCache:
+    """The producer's plans by message signature, least recently used dropped first.
+
+    ``get`` is the cache dict's own ``get`` (no Python frame on the send path)."""
+
+    __slots__ = ("plans", "max_plans", "get")
+
+    def __init__(self, max_plans: int = 256) -> None:
+        self.plans: OrderedDict[Any, Plan] = OrderedDict()  # least recently used first
+        self.max_plans = max_plans
+        self.get: Callable[[Any], Plan | None] = self.plans.get
+
+    def put(self, key: Any, plan: Plan) -> None:
+        """Cache ``plan`` under ``key`` (None: not cached), dropping the least recently used."""
+        plan.cache_key = key
+        if key is None:
+            return
+        self.plans[key] = plan
+        if len(self.plans) > self.max_plans:
+            self.plans.popitem(last=False)
+
+    def touch(self, plan: Plan) -> None:
+        """``plan`` was used: most recently used now (if it is still cached)."""
+        ck = plan.cache_key
+        if ck is not None and self.plans.get(ck) is plan:
+            self.plans.move_to_end(ck)
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+
+class LayoutIds:
+    """Which small id stands for which layout, so READY frames can name a layout by id.
+
+    At most ``max_ids`` ids (1..max_ids; 0 means "no id: the layout travels inline") are
+    in use at once; ids are reassigned least recently used first, and only when no item
+    still in a slot uses them (``in_use``). Reassigning id k bumps its version: a consumer
+    whose recorded version of k differs from an item's gets that item's layout inline
+    (and records the new version), so frames naming k are always read with the layout
+    that was last sent with k to that consumer."""
+
+    __slots__ = ("ids", "versions", "clock", "next_id", "max_ids")
+
+    def __init__(self, max_ids: int) -> None:
+        # layout key -> id, least recently used first
+        self.ids: OrderedDict[Any, int] = OrderedDict()
+        self.versions = [0] * (max_ids + 1)  # per id, the version of its current assignment
+        self.clock = 0
+        self.next_id = 1
+        self.max_ids = max_ids
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.ids
+
+    def assign(self, key: Any, in_use: Callable[[], Iterable[int]]) -> tuple[int, int]:
+        """The (id, version) of layout ``key``: its own id (now most recently used), else a
+        fresh one, else the least recently used id not ``in_use()``, else (0, 0)."""
+        ids = self.ids
+        lid = ids.get(key)
+        if lid is not None:
+            ids.move_to_end(key)
+            return lid, self.versions[lid]
+        lid = 0
+        if self.next_id <= self.max_ids:
+            lid = self.next_id
+            self.next_id += 1
+        else:
+            busy = set(in_use())
+            for old_key, old in ids.items():  # least recently used first
+                if old not in busy:
+                    del ids[old_key]
+                    lid = old
+                    break
+        if not lid:
+            return 0, 0
+        ids[key] = lid
+        self.clock += 1
+        self.versions[lid] = self.clock
+        return lid, self.clock
+
+    def current(self, key: Any, lid: int, version: int) -> bool:
+        """True (and ``key`` most recently used) if id ``lid`` still stands for ``key`` at
+        ``version``; False if the id went to another layout meanwhile."""
+        if self.versions[lid] != version:
+            return False
+        self.ids.move_to_end(key)
+        return True

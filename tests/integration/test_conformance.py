@@ -255,7 +255,7 @@ def test_no_view_of_the_arena_outlives_the_stream_and_close(device: str, endpoin
     from torch.multiprocessing.reductions import StorageWeakRef
 
     out = endpoints.add(producer("letgo", device, slots=4))
-    arena = StorageWeakRef(out._arena.tensor.untyped_storage())
+    arena = StorageWeakRef(out.port.arena.tensor.untyped_storage())
     with consumer("letgo", device) as inp:
         def send_then_close() -> None:
             out.send({"x": torch.full((2,), 1, device=device)})

@@ -548,7 +548,7 @@ import multiprocessing as mp, os, sys, time
 def child(q, i):
     import ipcsync
     p = ipcsync.Producer(f"spawned-{i}", slots=1, slot_bytes=4096, device="cpu")
-    q.put((os.getpid(), p._arena.handle))
+    q.put((os.getpid(), p.port.arena.handle))
     time.sleep(3600)
 
 

@@ -428,8 +428,8 @@ class _GatedEvent:
 
 def _gate_release_events(down: ipcsync.Producer, gate: threading.Event) -> _GatedEvent:
     ev = _GatedEvent(gate)
-    with down._lock:
-        (peer,) = down._peers.values()
+    with down.port.lock:
+        (peer,) = down.port.peers
         peer.release_events = [ev] * down.slots
     return ev
 
@@ -451,10 +451,10 @@ def test_host_wait_releases_upstream_once_downstream_release_events_complete() -
         item = sink.get()
         item.release()
         time.sleep(0.3)  # RELEASE processed, event incomplete: the upstream slot stays held
-        assert 0 in down._fwd_pending and up.stats()["occupancy"]["in_flight"] == 1
+        assert 0 in down.port.forwarder.ledger.pending and up.stats()["occupancy"]["in_flight"] == 1
         gate.set()  # completes: released upstream by the next pump
         up.flush(timeout=5)
-        assert not down._fwd_pending and ev.waited == 1
+        assert not down.port.forwarder.ledger.pending and ev.waited == 1
 
         # Again, but the middle's only slot is needed before the event completes: the
         # forward waits for it (polling, never enqueueing an incomplete event).
@@ -466,7 +466,7 @@ def test_host_wait_releases_upstream_once_downstream_release_events_complete() -
         up.send({"x": torch.full((4,), 3.0)}, meta=2)
         nxt = mid.get()
         time.sleep(0.2)
-        assert 0 in down._fwd_pending  # still waiting for the downstream event
+        assert 0 in down.port.forwarder.ledger.pending  # still waiting for the downstream event
         opener = threading.Timer(0.4, gate.set)
         opener.start()
         t0 = time.monotonic()
@@ -496,11 +496,11 @@ def test_host_wait_holder_lost_while_its_event_is_pending() -> None:
             ipcsync.forward(mid.get(), down, copy=False)
             sink.get().release()
             time.sleep(0.2)
-            assert down._fwd_pending
+            assert down.port.forwarder.ledger.pending
         finally:
             sink.close()
         up.flush(timeout=5)  # the holder is gone: released without its event
-        assert not down._fwd_pending and ev.waited == 0 and not gate.is_set()
+        assert not down.port.forwarder.ledger.pending and ev.waited == 0 and not gate.is_set()
 
 
 # --------------------------------------------------------------------------- GPU races

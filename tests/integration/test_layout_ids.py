@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ipcsync
-from ipcsync import producer as producer_mod
+from ipcsync.runtime import slots as slots_mod
 
 
 def msg(shape_index: int, value: int) -> dict[str, Any]:
@@ -66,8 +66,8 @@ def test_cycling_over_2000_shapes_keeps_short_frames(pair: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_reused_ids_with_old_items_held_and_queued(runtime_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(producer_mod, "_MAX_LAYOUT_IDS", 3)
-    monkeypatch.setattr(producer_mod, "_MAX_PLANS", 2)
+    monkeypatch.setattr(slots_mod, "MAX_LAYOUT_IDS", 3)
+    monkeypatch.setattr(slots_mod, "MAX_PLANS", 2)
     with ipcsync.Producer("lidsreuse", slots=8, slot_bytes=1 << 14, heartbeat=None, timeout=10,
                           device="cpu") as out:
         with ipcsync.Consumer("lidsreuse", heartbeat=None, timeout=10, device="cpu",
@@ -116,8 +116,8 @@ def test_reused_ids_with_old_items_held_and_queued(runtime_dir: Any, monkeypatch
 
 @pytest.mark.timeout(120)
 def test_reassigned_ids_reach_every_consumer(runtime_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(producer_mod, "_MAX_LAYOUT_IDS", 2)
-    monkeypatch.setattr(producer_mod, "_MAX_PLANS", 1)
+    monkeypatch.setattr(slots_mod, "MAX_LAYOUT_IDS", 2)
+    monkeypatch.setattr(slots_mod, "MAX_PLANS", 1)
     with ipcsync.Producer("lidsbc", slots=4, slot_bytes=1 << 14, heartbeat=None, timeout=10,
                           device="cpu", policy="broadcast") as out:
         with ipcsync.Consumer("lidsbc", heartbeat=None, timeout=10, device="cpu") as a:

@@ -397,11 +397,10 @@ def test_hello_with_a_made_up_pid_namespace_is_refused() -> None:
 def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch: Any) -> None:
     import zmq
 
-    from ipcsync import producer as producer_mod
     from ipcsync.core import protocol as P
 
-    monkeypatch.setattr(producer_mod, "_HANDSHAKE_S", 0.5)
     out = ipcsync.Producer("live-half", slots=1, slot_bytes=4096)
+    monkeypatch.setattr(out.port.peers, "handshake_s", 0.5)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
@@ -411,11 +410,11 @@ def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch
                                 boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu",
                                 device=None, credits=1, heartbeat_ms=0)))
         assert isinstance(P.decode(s.recv()), P.Setup) if s.poll(5000) else False
-        assert len(out._peers) == 1
+        assert len(out.port.peers) == 1
         deadline = time.monotonic() + 5
-        while out._peers and time.monotonic() < deadline:
+        while out.port.peers and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not out._peers, "a half-open handshake stayed forever"
+        assert not out.port.peers, "a half-open handshake stayed forever"
     finally:
         s.close(0)
         out.close(timeout=0)
@@ -428,7 +427,7 @@ def test_defaults_are_one_set() -> None:
     try:
         assert out.slot_bytes == limits.DEFAULT_SLOT_BYTES == 8 << 20
         assert out.slots == limits.DEFAULT_SLOTS
-        assert out._timeout is None  # data calls wait while the peer lives
+        assert out.port.handoffs.timeout is None  # data calls wait while the peer lives
     finally:
         out.close()
     with pytest.raises(ipcsync.ConfigError, match="1024"):
@@ -439,9 +438,9 @@ def test_defaults_are_one_set() -> None:
 def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any) -> None:
     """The quickstart producer started alone: its send() waits (no timeout by default),
     says after a few seconds that nobody has connected, and delivers once a consumer does."""
-    from ipcsync import producer as producer_mod
+    from ipcsync.runtime import slots as slots_mod
 
-    monkeypatch.setattr(producer_mod, "_CLOSE_NAG_S", 0.5)
+    monkeypatch.setattr(slots_mod, "NAG_S", 0.5)
     out = ipcsync.Producer("live-alone", slots=1, slot_bytes=4096)
     try:
         out.send({"x": torch.ones(2)}, meta=0)

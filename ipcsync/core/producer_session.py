@@ -1,0 +1,213 @@
+"""One consumer connection as the producer sees it, sans I/O (h11 style): frames in,
+events out; the frames the session itself says (SETUP, BYE, BYE ack, ERROR, HEARTBEAT)
+come out of it too. No sockets, no /proc, no clock: ``now`` is passed in.
+
+Rules kept here:
+
+- transitions, for what we receive (``protocol.TRANSITIONS``) and for what we send
+  (``SENDS``): the same table-driven check for both directions;
+- a BYE is said at most once; a BYE received is always acknowledged (the consumer
+  closes its socket only after the ack, which proves its earlier frames arrived);
+- the same HELLO again while we await ATTACH is ignored (ZeroMQ kept the consumer's
+  first HELLO queued across a reconnect and it sent one more on connecting);
+- a bad frame ends the session: an ERROR frame goes back and the caller drops the peer;
+- layouts and foreign arenas sent to this consumer: a READY names a layout by id only
+  when this consumer has that id's current version; a FREADY follows the FOREIGN of
+  its arena's current version;
+- liveness through ``core.liveness`` (heard / spoke / stalled / handshake overdue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Final
+
+from ..errors import ProtocolError
+from . import protocol as P
+from .liveness import HANDSHAKE_S, PeerClock, Verdict, handshake_overdue
+from .protocol import ErrorCode, MsgType, State
+
+__all__ = ["SENDS", "Kind", "SessionEvent", "ProducerSession", "error_frame"]
+
+# What the producer may send in each state of its side of a connection.
+SENDS: Final[dict[State, frozenset[MsgType]]] = {
+    State.AWAIT_HELLO: frozenset({MsgType.ERROR}),
+    State.AWAIT_ATTACH: frozenset({MsgType.SETUP, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
+    State.ACTIVE: frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.HEARTBEAT,
+                             MsgType.BYE, MsgType.ERROR}),
+    State.CLOSED: frozenset({MsgType.BYE}),  # the ack of a BYE received
+}
+
+
+class Kind(Enum):
+    """What a received frame meant."""
+
+    NOTHING = "nothing"  # heartbeat, or a duplicate HELLO: only liveness changed
+    ATTACHED = "attached"  # data: the ATTACH (release event handles)
+    RELEASED = "released"  # data: [(seq, slot, gen)]
+    GOODBYE = "goodbye"  # the consumer said BYE; reply: the ack. Drop the peer.
+    PEER_ERROR = "peer_error"  # data: the consumer's ERROR. Drop the peer.
+    BAD_FRAME = "bad_frame"  # data: the ProtocolError; reply: our ERROR. Drop the peer.
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    kind: Kind
+    data: Any = None
+    reply: bytes | None = None  # a frame to send back before acting on the event
+
+
+def error_frame(exc: ProtocolError) -> bytes:
+    """The ERROR frame answering a frame that broke the protocol."""
+    code = ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) else ErrorCode.PROTOCOL
+    return P.encode(P.Error(code.value, str(exc)[:1000]))
+
+
+_NOTHING: Final = SessionEvent(Kind.NOTHING)
+
+
+class ProducerSession:
+    """The producer's side of one connection, from the consumer's HELLO on."""
+
+    __slots__ = ("identity", "hello", "conv", "clock", "hello_at", "bye_sent", "bye_received",
+                 "layouts", "foreign", "limits")
+
+    def __init__(self, identity: bytes, hello: P.Hello, now: float, heartbeat: float,
+                 limits: P.Limits = P.DEFAULT_LIMITS) -> None:
+        """``heartbeat``: ours (seconds; 0: we send none)."""
+        self.identity = identity
+        self.hello = hello
+        self.limits = limits
+        self.conv = P.Conversation("producer")
+        self.conv.receive(hello)
+        self.clock = PeerClock(hello.heartbeat_ms / 1000, heartbeat, last_recv=now)
+        self.hello_at = now
+        self.bye_sent = False
+        self.bye_received = False
+        self.layouts: dict[int, int] = {}  # layout id -> version this consumer has
+        self.foreign: dict[int, int] = {}  # foreign id -> version described to it (FOREIGN)
+
+    @property
+    def state(self) -> State:
+        return self.conv.state
+
+    @property
+    def label(self) -> str:
+        return f"consumer pid {self.hello.pid}"
+
+    # ------------------------------------------------------------------ receiving
+    def release_entries(self, frame: bytes, now: float) -> list[tuple[int, int, int]] | None:
+        """The steady state's fast path: the entries of a RELEASE received while active
+        (which leaves the state active), else None (use ``receive_frame``)."""
+        if self.conv.state is not State.ACTIVE:
+            return None
+        entries = P.decode_release(frame, self.limits)
+        if entries is not None:
+            self.clock.last_recv = now
+        return entries
+
+    def receive_frame(self, frame: bytes, now: float) -> SessionEvent:
+        try:
+            msg = P.decode(frame, self.limits)
+        except ProtocolError as exc:
+            return self.bad_frame(exc)
+        return self.receive(msg, now)
+
+    def receive(self, msg: P.Message, now: float) -> SessionEvent:
+        self.clock.heard(now)
+        kind = type(msg)
+        if kind is P.Hello and msg == self.hello and self.conv.state is State.AWAIT_ATTACH:
+            return _NOTHING  # the same HELLO again (see the module docstring): SETUP is on its way
+        try:
+            self.conv.receive(msg)
+        except ProtocolError as exc:
+            return self.bad_frame(exc)
+        if kind is P.Release:
+            return SessionEvent(Kind.RELEASED, msg.entries)  # type: ignore[union-attr]
+        if kind is P.Attach:
+            return SessionEvent(Kind.ATTACHED, msg)
+        if kind is P.Bye:
+            self.bye_received = True
+            self.bye_sent = True
+            return SessionEvent(Kind.GOODBYE, reply=self._frame(P.Bye("ack")))
+        if kind is P.Error:
+            return SessionEvent(Kind.PEER_ERROR, msg)
+        return _NOTHING
+
+    def bad_frame(self, exc: ProtocolError) -> SessionEvent:
+        """``exc``: why a frame from this consumer was refused. The session ends."""
+        self.conv.close()
+        return SessionEvent(Kind.BAD_FRAME, exc, error_frame(exc))
+
+    def attach_problem(self, release_events: int, slots: int) -> SessionEvent | None:
+        """A BAD_FRAME event if an ATTACH carrying ``release_events`` does not fit our ring."""
+        if release_events != slots:
+            return self.bad_frame(ProtocolError(
+                f"ATTACH carries {release_events} release events for {slots} slots"))
+        return None
+
+    # ------------------------------------------------------------------ sending
+    def _frame(self, msg: P.Message) -> bytes:
+        self.check_send(MsgType(msg.TYPE))
+        return P.encode(msg)
+
+    def check_send(self, t: MsgType) -> None:
+        """ProtocolError (a bug of ours, never a peer's) if we may not send ``t`` now."""
+        if t not in SENDS[self.conv.state]:
+            raise ProtocolError(f"the producer may not send {t.name} in state {self.conv.state.value!r}")
+
+    def setup(self, msg: P.Setup) -> bytes:
+        """The SETUP answering the HELLO this session began with."""
+        return self._frame(msg)
+
+    def bye(self, reason: str) -> bytes | None:
+        """Our BYE, once (None if one was said already, or the session has ended)."""
+        if self.bye_sent or self.conv.state is State.CLOSED:
+            return None
+        self.bye_sent = True
+        return self._frame(P.Bye(reason))
+
+    def heartbeat(self, now: float) -> bytes | None:
+        """A HEARTBEAT if one is due (we said nothing for a quarter of our heartbeat)."""
+        if self.conv.state is State.CLOSED or not self.clock.heartbeat_due(now):
+            return None
+        return _HEARTBEAT
+
+    def spoke(self, now: float) -> None:
+        self.clock.spoke(now)
+
+    def needs_layout(self, lid: int, version: int) -> bool:
+        """True if a frame for layout ``lid`` at ``version`` must carry the layout to this
+        consumer (it is then recorded as having it)."""
+        if lid and self.layouts.get(lid) == version:
+            return False
+        if lid:
+            self.layouts[lid] = version
+        return True
+
+    def needs_foreign(self, fid: int, version: int) -> bool:
+        """True if this consumer must first get the FOREIGN of arena ``fid`` at ``version``
+        (it is then recorded as having it)."""
+        if self.foreign.get(fid) == version:
+            return False
+        self.foreign[fid] = version
+        return True
+
+    def close(self) -> None:
+        self.conv.close()
+
+    # ------------------------------------------------------------------ liveness
+    def tick(self, now: float, process_gone: bool | None, watching_silence: bool = True,
+             handshake_s: float = HANDSHAKE_S) -> tuple[Verdict, str]:
+        """Judge the consumer at ``now`` (see ``core.liveness``): LOST when its process is
+        provably gone or it never ATTACHed within ``handshake_s``; else STALLED/ANSWERING
+        as its silence says (not while ``watching_silence`` is False)."""
+        if process_gone:
+            return Verdict.LOST, "process exited"
+        if self.conv.state is State.AWAIT_ATTACH and handshake_overdue(now, self.hello_at, handshake_s):
+            return Verdict.LOST, f"no ATTACH within {handshake_s:.0f} s of its HELLO"
+        return self.clock.tick(now, None, watching_silence=watching_silence), ""
+
+
+_HEARTBEAT: Final = P.encode(P.Heartbeat())

@@ -1,0 +1,73 @@
+"""Who may attach to a producer: the checks on a consumer's HELLO and on the kernel's word
+about the connection, and how to watch the admitted consumer's process."""
+
+from __future__ import annotations
+
+import os
+
+from ..core import protocol as P
+from ..core.protocol import ErrorCode
+from . import host
+
+__all__ = ["hello_problem", "credentials_problem", "watch_for"]
+
+
+def hello_problem(hello: P.Hello, backend: str, device: object) -> tuple[str, str] | None:
+    """(error code, text) if a producer on ``backend``/``device`` must refuse ``hello``."""
+    if hello.boot_id != host.boot_id():
+        return ErrorCode.HOST.value, (
+            "consumer runs on another host or boot; shared memory and CUDA IPC need "
+            "both processes on one machine"
+        )
+    if hello.backend != backend:
+        return ErrorCode.BACKEND.value, (
+            f"producer uses the {backend} backend (device {device}) but "
+            f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
+        )
+    if backend == "cuda":
+        # A consumer on another GPU of this host is welcome: it checks on SETUP that it
+        # can see ours and has peer access to it (GPUs are matched by UUID, not index).
+        if hello.pid_ns != host.pid_namespace():
+            return ErrorCode.HOST.value, "CUDA IPC needs both processes in one PID namespace"
+    if hello.credits < 1:
+        return ErrorCode.CREDITS.value, "consumer credits must be at least 1"
+    return None
+
+
+def credentials_problem(hello: P.Hello, cred: tuple[int, int, int] | None) -> tuple[str, str] | None:
+    """On ipc endpoints the kernel says who connected (SO_PEERCRED): only our own
+    user, and only the process the HELLO names: in our PID namespace its pid must be
+    the kernel's; a HELLO claiming another namespace must name the one the kernel
+    shows that process in. Only the kernel's word is trusted: liveness watches the
+    kernel's pid, whatever the HELLO says (see watch_for). (The socket file is 0600
+    in a 0700 directory already; this also holds for ipc:// paths the user chose.)
+    ``cred``: the connection's (pid, uid, gid), None where the OS cannot say (tcp)."""
+    if cred is None:
+        return None
+    pid, uid, _gid = cred
+    if uid != os.getuid():
+        return ErrorCode.UID.value, f"connection from uid {uid}; this producer accepts only its own user ({os.getuid()})"
+    ours = host.pid_namespace()
+    if hello.pid_ns == ours:
+        if pid != hello.pid:
+            return ErrorCode.IDENTITY.value, f"HELLO claims pid {hello.pid} but the connection belongs to pid {pid}"
+    elif pid > 0:
+        try:
+            theirs = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            theirs = None  # cannot tell; the watch still uses the kernel's pid
+        if theirs is not None and theirs != hello.pid_ns:
+            return ErrorCode.IDENTITY.value, (f"HELLO claims PID namespace {hello.pid_ns!r} but the connecting "
+                                              f"process (pid {pid} here) runs in {theirs!r}")
+    return None
+
+
+def watch_for(hello: P.Hello, cred: tuple[int, int, int] | None) -> host.ProcessWatch | None:
+    """How to tell when this consumer's process has exited: the kernel's pid for the
+    connection where there is one (ipc), else the HELLO's (pid, start time) if that
+    process exists in our PID namespace; None if we cannot see it."""
+    if cred is not None and cred[0] > 0:
+        return host.ProcessWatch(cred[0])
+    if hello.pid_ns == host.pid_namespace() and host.read_start_time(hello.pid) == hello.start_time:
+        return host.ProcessWatch(hello.pid, hello.start_time)
+    return None

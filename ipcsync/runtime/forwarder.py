@@ -1,0 +1,194 @@
+"""The forwarding producer's half of zero-copy forwarding (``ipcsync.forward``): send a
+received item on without a copy, and release it upstream when the last downstream holder
+is done. The bookkeeping and its invariants are ``core.forwarding``; the handoff steps
+are ``runtime.slots``; the lending consumer is reached only through ``ForwardOrigin``
+(``runtime.handover``), obtained from the item's public ``origin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from ..backends import Backend, Event
+from ..core import protocol as P
+from ..core.forwarding import ForeignRegistry, Forwarded, ForwardLedger
+from ..core.layout import place_views
+from .handover import CannotForward, ForwardOrigin, ForwardSource, Pumpable
+from .peers import Peer, PeerTable
+from .slots import Handoffs
+
+__all__ = ["Forwarder", "forward_key"]
+
+log = logging.getLogger("ipcsync")
+
+Wait = tuple[Peer, Event]
+
+
+def forward_key(src: ForwardSource) -> tuple[Any, ...]:
+    """Which arena an item lies in (its owner's export, which names it for good)."""
+    return (src.backend, src.pid, src.start_time, src.handle)
+
+
+def _complete(w: Wait) -> bool:
+    return w[1].query()
+
+
+class Forwarder:
+    """Forwards items zero-copy into the slots of one producer (see the module docstring)."""
+
+    def __init__(self, *, handoffs: Handoffs, peers: PeerTable, backend: Backend, device: Any,
+                 lock: threading.Lock, enter: Callable[[], None], touch: Callable[[], None],
+                 default_stream: Any, name: str) -> None:
+        self.handoffs = handoffs
+        self.peers = peers
+        self.ledger: ForwardLedger[Wait] = handoffs.ledger
+        self.registry = ForeignRegistry(handoffs.limits.max_foreign)
+        self.backend = backend
+        self.device = device
+        self.lock = lock
+        self.enter = enter  # refuses a send on a closed (or closing) producer; lock held
+        self.touch = touch  # the user's thread was here
+        self.default_stream = default_stream
+        self.name = name
+        self.reach: dict[tuple[Any, Any], bool] = {}
+        self.forwarded_total = 0
+        handoffs.forwards = self
+
+    def _live(self, w: Wait) -> bool:
+        return self.peers.get(w[0].identity) is w[0]
+
+    # ------------------------------------------------------------------ forwarding
+    def forward(self, item: Any, message: Any, meta: Any, timeout: float | None, stream: Any,
+                out: Pumpable, origin: ForwardOrigin) -> int:
+        """Send ``message`` (views of received ``item``, lent by ``origin``) without a copy;
+        returns its seq. Raises CannotForward (nothing sent, the item untouched) when
+        zero-copy is not possible, and what send() raises otherwise. Takes the lock."""
+        info = origin.take(item, out)  # ownership moves; undone below if we do not send
+        try:
+            placed = place_views(message, info.region)
+            if type(placed) is str:
+                raise CannotForward(placed)
+            layout, data_bytes = placed  # type: ignore[misc]
+            h = self.handoffs
+            with self.lock:
+                self.enter()
+                try:
+                    self.check(origin, info)
+                    plan = h.forward_plan(layout, data_bytes)
+                    foreign = self.registry.arena_for(forward_key(info), lambda fid: P.encode(P.Foreign(
+                        fid, info.backend, info.device, info.pid, info.start_time, info.handle, info.arena_bytes)))
+                    if foreign is None:
+                        raise CannotForward(
+                            f"items of {self.registry.max_foreign} other arenas are in flight already")
+                    acq = h.ring.acquire() or h.reserve(timeout)  # step 1
+                    slot = acq.slot
+                    try:
+                        s = stream if stream is not None else self.default_stream
+                        if s is None:
+                            s = self.backend.current_stream()
+                        # Step 2. Nothing is written to our slot, but its previous holders'
+                        # release events are waited on as for a send: they re-record them for
+                        # this item, perhaps on another stream, and a later send to the slot
+                        # waits only on their latest record.
+                        if acq.last_holders:
+                            h.order_after_readers(acq, s)
+                        elif self.ledger.pending and slot in self.ledger.pending:
+                            self.complete(slot)
+                        # Step 3 (forwarding invariant 2): the downstream ready wait covers
+                        # the upstream write through ours.
+                        info.ready_event.wait(s)
+                        h.ready_events[slot].record(s)
+                        self.ledger.hold(slot, Forwarded(item, origin, s, foreign))
+                        seq = h.publish(acq, plan, meta, (foreign, info.offset, info.nbytes))  # step 4
+                    except BaseException:
+                        self.ledger.unhold(slot)
+                        h.ring.abort(slot)
+                        raise
+                    self.ledger.published(slot)
+                    self.forwarded_total += 1
+                    return seq
+                finally:
+                    self.touch()
+        except BaseException:
+            origin.undo(item)
+            raise
+
+    def check(self, origin: ForwardOrigin, info: ForwardSource) -> None:
+        """CannotForward unless the consumers of this producer can open ``info``'s memory."""
+        backend = self.backend
+        if info.backend != backend.name:
+            raise CannotForward(f"the item is in {info.backend} memory and this producer is on {self.device}")
+        if backend.name == "cuda":
+            if origin.device != self.device:
+                raise CannotForward(
+                    f"the item was received on {origin.device} and this producer is on {self.device}; "
+                    "forward on the device the item was received on")
+            for peer in self.peers:
+                key = (peer.session.hello.device, info.device)
+                ok = self.reach.get(key)
+                if ok is None:
+                    ok = self.reach[key] = backend.can_reach(peer.session.hello.device, info.device)
+                if not ok:
+                    raise CannotForward(
+                        f"{peer.label} runs on GPU {peer.session.hello.device}, which cannot read (or "
+                        f"this process cannot tell whether it can read) the item's GPU {info.device}")
+
+    # ------------------------------------------------------------------ upstream release
+    def freed(self, slot: int) -> None:
+        """Every downstream holder of forwarded ``slot`` has released it or is gone:
+        release the upstream item now (wait="host": once their release events are
+        complete). Lock held."""
+        done = self.ledger.freed(slot, self.handoffs.downstream_waits(slot), _complete,
+                                 host=self.handoffs.wait_mode == "host")
+        if done is not None:
+            self._finish(*done)
+
+    def _finish(self, fwd: Forwarded, waits: list[Wait]) -> None:
+        for w in waits:
+            if self._live(w):  # never wait on a lost peer's event
+                w[1].wait(fwd.stream)
+        fwd.origin.done(fwd.item, fwd.stream)
+
+    def poll(self) -> None:
+        """wait="host": release upstream the forwarded items whose downstream release
+        events have completed (lost holders no longer count). Lock held."""
+        for slot, waits in self.ledger.poll(self._live, _complete):
+            done = self.ledger.finish(slot, waits)
+            if done is not None:
+                self._finish(*done)
+
+    def complete(self, slot: int) -> None:
+        """Slot ``slot`` is acquired again while its forwarded item still waits for
+        downstream release events (wait="host"): finish that first, since its holders
+        re-record those events only for a later item of this slot. Lock held."""
+        def done() -> bool:
+            self.poll()
+            return slot not in self.ledger.pending
+
+        h = self.handoffs
+        t = h.timeout
+        if not h.waits.wait_until(done, t, "release_event", h.stats.waited, poll_event=True):
+            raise h.waits.timeout_error(
+                f"downstream consumers did not finish with forwarded slot {slot}", t,
+                "their GPU work on the item is still running (or wedged)")
+
+    def abandon(self) -> None:
+        """close()/teardown: release upstream every forwarded item still here. Holders that
+        released it are waited on as usual (wait="host": only events already complete,
+        never wedging the close); holders still holding it are warned about. Lock held."""
+        h = self.handoffs
+        held = 0
+        for slot in self.ledger.outstanding_slots():
+            waits = [w for w in h.downstream_waits(slot) if h.wait_mode == "gpu" or w[1].query()]
+            if h.ring.holders[slot] or slot in self.ledger.pending:
+                held += 1
+            done = self.ledger.finish(slot, waits)
+            if done is not None:
+                self._finish(*done)
+        if held:
+            log.warning(
+                "ipcsync producer %r closing with %d forwarded item(s) still held by consumers; "
+                "released upstream anyway: the upstream producer may now overwrite memory they read",
+                self.name, held)

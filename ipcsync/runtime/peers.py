@@ -1,0 +1,238 @@
+"""The producer's peer table: one entry per consumer connection (its session, socket
+identity and fd, process watch, release events, outbox), how frames reach it, and how it
+leaves (goodbye, protocol error, or loss by the liveness rule of ``core.liveness``: lost
+only when its process is provably gone, or its connection closed and it cannot be
+watched; silence only makes it stalled). Used under the producer's lock."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import zmq
+
+from ..backends import Event
+from ..core.liveness import HANDSHAKE_S, Verdict
+from ..core.producer_session import ProducerSession, error_frame
+from ..core.ratelog import RateLog
+from ..core.ring import Ring
+from ..errors import ProtocolError
+from .channel import ProducerChannel
+from .host import ProcessWatch
+
+__all__ = ["Peer", "PeerTable"]
+
+log = logging.getLogger("ipcsync")
+
+
+class Peer:
+    """One consumer connection: its session plus what only I/O knows about it."""
+
+    __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected")
+
+    def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | None) -> None:
+        self.identity = session.identity
+        self.session = session
+        self.clock = session.clock
+        self.fd = fd
+        # The consumer's process, as the kernel named it where it can (SO_PEERCRED), else as
+        # its HELLO claims it when that process exists; None where this producer cannot see
+        # it (another PID namespace over tcp). A peer whose process this watch shows alive
+        # is never declared lost; silence only makes it "stalled".
+        self.watch = watch
+        self.release_events: list[Event] = []  # per slot, opened from its ATTACH
+        self.outbox: deque[bytes] = deque()
+        self.disconnected = False  # connection closed without BYE, process alive: holds stay
+
+    @property
+    def label(self) -> str:
+        return self.session.label
+
+    @property
+    def stalled(self) -> bool:
+        return self.clock.stalled
+
+
+class PeerTable:
+    """Consumers by socket identity. ``on_gone(peer)``: a peer left the table (reclaim what
+    it held); called once per peer, after its last words were flushed."""
+
+    def __init__(self, chan: ProducerChannel, name: str, ring: Ring, ratelog: RateLog,
+                 on_gone: Callable[[Peer], None]) -> None:
+        self.chan = chan
+        self.name = name  # the endpoint's, for messages
+        self.ring = ring
+        self.ratelog = ratelog
+        self.on_gone = on_gone
+        self.by_id: dict[bytes, Peer] = {}
+        self.get = self.by_id.get  # (the dict's own get: no Python frame on the hot paths)
+        self.fd_peer: dict[int, bytes] = {}
+        self.disconnected: list[bytes] = []  # identities whose connection closed
+        self.lost_total = 0  # consumers that died, ever
+        self.stalled_total = 0  # times a live consumer fell silent past 1.5 heartbeats
+        self.bad_frames = 0
+        self.bad_by_peer: dict[bytes, int] = {}
+        self.handshake_s = HANDSHAKE_S  # HELLO -> ATTACH, else the peer is dropped
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Any:
+        return iter(list(self.by_id.values()))
+
+    def add(self, peer: Peer) -> None:
+        self.by_id[peer.identity] = peer
+        if peer.fd >= 0:
+            self.fd_peer[peer.fd] = peer.identity
+
+    def stalled_now(self) -> int:
+        return sum(p.clock.stalled for p in self.by_id.values())
+
+    # ------------------------------------------------------------------ sending
+    def send(self, peer: Peer, frame: bytes) -> None:
+        """Send ``frame`` to ``peer`` in order after what it has queued (queued if the
+        socket would block)."""
+        if peer.outbox or not self.try_send(peer, frame):
+            peer.outbox.append(frame)
+
+    def try_send(self, peer: Peer, frame: bytes) -> bool:
+        if peer.disconnected:
+            return True  # nothing reaches it any more; its holds wait for its exit
+        try:
+            ok = self.chan.send(peer.identity, frame)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+            self.on_disconnect(peer, f"unreachable ({exc})")
+            return True
+        if ok:
+            peer.clock.last_send = time.monotonic()
+        return ok
+
+    def send_raw(self, identity: bytes, frame: bytes) -> None:
+        """A last word to a connection that is (or will be) no peer of ours; never raises."""
+        try:
+            self.chan.send(identity, frame)
+        except zmq.ZMQError:
+            pass
+
+    def flush(self) -> None:
+        for peer in list(self.by_id.values()):
+            while peer.outbox and peer.identity in self.by_id:
+                if not self.try_send(peer, peer.outbox[0]):
+                    break
+                if peer.outbox:
+                    peer.outbox.popleft()
+
+    # ------------------------------------------------------------------ connections
+    def monitor(self, events: Iterable[tuple[int, int]]) -> None:
+        """Socket monitor events: a closed connection is applied by ``apply_disconnects``."""
+        for event, fd in events:
+            if event == zmq.EVENT_DISCONNECTED:
+                identity = self.fd_peer.pop(fd, None)
+                if identity is not None:
+                    self.disconnected.append(identity)
+
+    def apply_disconnects(self) -> None:
+        """After the frames that arrived before them (a BYE followed by a close is a
+        goodbye, not a loss)."""
+        while self.disconnected:
+            peer = self.by_id.get(self.disconnected.pop())
+            if peer is not None:
+                self.on_disconnect(peer, "disconnected")
+
+    def bad_frame(self, identity: bytes, peer: Peer | None, exc: ProtocolError,
+                  reply: bytes | None = None) -> None:
+        """Log (rate-limited), answer ERROR, and end the connection of a known peer. Never
+        raises; never touches another peer's state."""
+        self.bad_frames += 1
+        n = self.bad_by_peer[identity] = self.bad_by_peer.get(identity, 0) + 1
+        if len(self.bad_by_peer) > 1024:  # bounded memory under a flood of identities
+            self.bad_by_peer.clear()
+        who = peer.label if peer else f"unknown peer {identity.hex()[:16]}"
+        self.ratelog.warning("frame", "ipcsync producer %r rejected a frame from %s (%d so far): %s",
+                             self.name, who, n, exc)
+        self.send_raw(identity, reply if reply is not None else error_frame(exc))
+        if peer is not None:
+            self.drop(peer)
+
+    def drop(self, peer: Peer) -> None:
+        """Forget a peer that said goodbye or broke the protocol; reclaim its slots."""
+        if self.by_id.get(peer.identity) is not peer:
+            return
+        self.flush()  # last words (ERROR, BYE) go out before we forget the peer
+        del self.by_id[peer.identity]
+        if self.fd_peer.get(peer.fd) == peer.identity:
+            del self.fd_peer[peer.fd]
+        peer.session.close()
+        self.bad_by_peer.pop(peer.identity, None)
+        self.on_gone(peer)  # never waits on the departed peer's events: it is out of the table
+        peer.release_events = []
+        if peer.watch is not None:
+            peer.watch.close()
+
+    def lose(self, peer: Peer, why: str) -> None:
+        """A consumer died (or cannot be watched and closed its connection): reclaim what
+        it held, serve the others."""
+        if peer.identity not in self.by_id:
+            return
+        held = len(self.ring.held_by(peer.identity))
+        if not peer.session.bye_received and peer.session.state != "closed":
+            self.lost_total += 1
+            self.ratelog.warning("lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
+                                 self.name, peer.label, why, held)
+        self.drop(peer)
+
+    def on_disconnect(self, peer: Peer, why: str) -> None:
+        """The consumer's connection closed without BYE. Memory a consumer can still read
+        is never reused while its process lives, so a consumer whose process we watch is
+        lost only once it has exited (at once if it already has; else its holds stay and
+        nothing more is sent to it until the tick sees it gone). One we cannot watch is
+        lost now: a closed connection is all we can know."""
+        if peer.identity not in self.by_id:
+            return
+        if peer.watch is None or peer.watch.gone() or peer.session.state != "active":
+            self.lose(peer, why if peer.watch is None else "process exited")
+            return
+        if not peer.disconnected:
+            peer.disconnected = True
+            self.ring.suspend(peer.identity)
+            held = len(self.ring.held_by(peer.identity))
+            log.warning("ipcsync producer %r: %s closed its connection without goodbye (%s) but its "
+                        "process still runs; its %d slot(s) stay held until it exits",
+                        self.name, peer.label, why, held)
+
+    # ------------------------------------------------------------------ liveness
+    def tick(self, now: float) -> None:
+        """Liveness, once a tick (the rule: ``core.liveness``): lost only when provably
+        gone (or never ATTACHed within the handshake limit: it holds nothing); silent past
+        1.5 heartbeats is stalled: logged, counted, waited for, never reclaimed. A
+        heartbeat goes to each peer we have not spoken to for a while."""
+        for peer in list(self.by_id.values()):
+            gone = peer.watch is not None and peer.watch.gone()
+            verdict, why = peer.session.tick(now, gone, not peer.disconnected, self.handshake_s)
+            if verdict is Verdict.LOST:
+                self.lose(peer, why)
+                continue
+            if verdict is Verdict.STALLED:
+                self.stalled_total += 1
+                self.ratelog.warning(
+                    "stalled",
+                    "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
+                    "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
+                    self.name, peer.label, peer.clock.silent_for(now), peer.clock.heartbeat,
+                    len(self.ring.held_by(peer.identity)))
+            elif verdict is Verdict.ANSWERING:
+                log.info("ipcsync producer %r: %s is answering again", self.name, peer.label)
+            if not peer.outbox:
+                frame = peer.session.heartbeat(now)
+                if frame is not None:
+                    self.try_send(peer, frame)
+
+    def close(self) -> None:
+        """Teardown: forget every peer without a word."""
+        for peer in self.by_id.values():
+            if peer.watch is not None:
+                peer.watch.close()
+        self.by_id.clear()
+        self.fd_peer.clear()

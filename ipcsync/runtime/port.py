@@ -1,0 +1,314 @@
+"""A Producer's port: its internal composition, as other parts of ipcsync use it (not user
+API). It is ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
+producer pumps it while it waits), the entry of ``ipcsync.forward`` (``forward``) and of
+``Producer.slot()`` blocks (``open_slot``/``close_slot``), and it handles what arrives:
+monitor events, frames (through each consumer's ``ProducerSession``), the handshake, the
+liveness tick. Used under the producer's lock except where a method says it takes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from ..backends import Arena, Backend
+from ..core import protocol as P
+from ..core.producer_session import Kind, ProducerSession
+from ..core.ring import Acquired
+from ..errors import ProtocolError
+from . import host
+from .admission import credentials_problem, hello_problem, watch_for
+from .channel import ProducerChannel
+from .forwarder import Forwarder
+from .handover import ForwardOrigin
+from .peers import Peer, PeerTable
+from .slots import Handoffs
+
+__all__ = ["ProducerPort", "SlotTicket"]
+
+log = logging.getLogger("ipcsync")
+
+
+class SlotTicket:
+    """What ``open_slot`` reserved for one ``Producer.slot()`` block."""
+
+    __slots__ = ("acq", "plan", "stream")
+
+    def __init__(self, acq: Acquired, plan: Any, stream: Any) -> None:
+        self.acq, self.plan, self.stream = acq, plan, stream
+
+
+class ProducerPort:
+    """See the module docstring. ``gate``: refuses a send on a closed or closing producer
+    (and notes that the user's thread is here); ``check_open``: refuses any call on a
+    closed one; ``touch``: notes that the user's thread was here."""
+
+    def __init__(self, *, owner: Any, lock: threading.Lock, chan: ProducerChannel, peers: PeerTable,
+                 handoffs: Handoffs, forwarder: Forwarder, backend: Backend, arena: Arena, stride: int,
+                 heartbeat: float, tick: float, gate: Callable[[], None], check_open: Callable[[], None],
+                 touch: Callable[[], None], default_stream: Any, name: str, ipc: bool) -> None:
+        self.owner = owner  # the Producer (its public ``closed`` only)
+        self.lock = lock
+        self.chan = chan
+        self.peers = peers
+        self.handoffs = handoffs
+        self.forwarder = forwarder
+        self.backend = backend
+        self.arena = arena
+        self.stride = stride
+        self.heartbeat = heartbeat
+        self.tick = tick
+        self.next_tick = 0.0
+        self.gate = gate
+        self.check_open = check_open
+        self.touch = touch
+        self.default_stream = default_stream
+        self.name = name
+        self.ipc = ipc  # the kernel can name the peer of a connection (SO_PEERCRED)
+        self.closing = False
+        self.attached_total = 0  # consumers that completed the handshake, ever
+        self.pid = os.getpid()
+
+    # ------------------------------------------------------------------ Pumpable
+    @property
+    def closed(self) -> bool:
+        return bool(self.owner.closed)
+
+    def sockets(self) -> Sequence[Any]:
+        mon = self.chan.mon
+        return [self.chan.sock] if mon is None else [self.chan.sock, mon]
+
+    def pump(self) -> None:
+        """Handle everything that has arrived, without blocking. Lock held."""
+        chan, peers = self.chan, self.peers
+        peers.monitor(chan.events())
+        recv, on_frame = chan.recv, self.on_frame
+        for _ in range(10_000):  # bounded, so a flood cannot starve the caller
+            got = recv()
+            if got is None:
+                break
+            on_frame(*got)
+        peers.apply_disconnects()  # after the frames that arrived before them
+        fwd = self.forwarder
+        if fwd.ledger.pending:
+            fwd.poll()
+        self.handoffs.dispatch()
+        peers.flush()
+        now = time.monotonic()
+        if now >= self.next_tick:
+            self.next_tick = now + self.tick
+            peers.tick(now)
+
+    # ------------------------------------------------------------------ frames
+    def on_frame(self, identity: bytes, frames: list[bytes], fd: int) -> None:
+        peer = self.peers.get(identity)
+        if peer is not None and len(frames) == 1:
+            # Steady state: a RELEASE from an attached consumer, which leaves it active.
+            entries = peer.session.release_entries(frames[0], time.monotonic())
+            if entries is not None:
+                self.handoffs.released(peer, entries)
+                return
+        if len(frames) != 1:
+            self.peers.bad_frame(identity, peer, ProtocolError(f"expected 1 frame, got {len(frames)}"))
+            return
+        if peer is None:
+            try:
+                msg = P.decode(frames[0], self.handoffs.limits)
+            except ProtocolError as exc:
+                self.peers.bad_frame(identity, None, exc)
+                return
+            if type(msg) is P.Hello:
+                self.on_hello(identity, msg, fd)
+            elif type(msg) is not P.Bye:
+                self.peers.bad_frame(identity, None, ProtocolError(
+                    f"{type(msg).__name__.upper()} from a peer that has not sent HELLO"))
+            return
+        ev = peer.session.receive_frame(frames[0], time.monotonic())
+        kind = ev.kind
+        if kind is Kind.RELEASED:
+            self.handoffs.released(peer, ev.data)
+        elif kind is Kind.ATTACHED:
+            self.on_attach(peer, ev.data)
+        elif kind is Kind.GOODBYE:
+            assert ev.reply is not None
+            self.peers.send(peer, ev.reply)
+            self.peers.drop(peer)
+        elif kind is Kind.PEER_ERROR:
+            self.peers.ratelog.warning("peer_error", "ipcsync: %s reported an error: %s: %s",
+                                       peer.label, ev.data.code, ev.data.message)
+            self.peers.drop(peer)
+        elif kind is Kind.BAD_FRAME:
+            self.peers.bad_frame(identity, peer, ev.data, ev.reply)
+
+    def on_hello(self, identity: bytes, hello: P.Hello, fd: int) -> None:
+        # Monitor events first: a DISCONNECTED of an earlier connection on the same fd must
+        # not be applied to this one.
+        self.peers.monitor(self.chan.events())
+        self.chan.greeted(fd)  # no longer half-open (see ProducerChannel)
+        cred = host.peer_credentials(fd) if self.ipc else None
+        problem = hello_problem(hello, self.backend.name, self.owner.device) or credentials_problem(hello, cred)
+        if problem is not None:
+            code, text = problem
+            self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
+                                       self.name, hello.pid, text)
+            self.peers.send_raw(identity, P.encode(P.Error(code, text)))
+            return
+        session = ProducerSession(identity, hello, time.monotonic(), self.heartbeat, self.handoffs.limits)
+        peer = Peer(session, fd, watch_for(hello, cred))
+        self.peers.add(peer)
+        h = self.handoffs
+        setup = P.Setup(
+            version=P.PROTOCOL_VERSION,
+            pid=self.pid,
+            start_time=host.start_time(self.pid),
+            pid_ns=host.pid_namespace(),
+            backend=self.backend.name,
+            device=self.backend.device_identity(),
+            arenas=[self.arena.export()],
+            arena_bytes=[self.arena.nbytes],
+            slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
+            ready_events=[e.handle() for e in h.ready_events],
+            heartbeat_ms=int(self.heartbeat * 1000),
+        )
+        self.peers.send(peer, session.setup(setup))
+
+    def on_attach(self, peer: Peer, msg: P.Attach) -> None:
+        h = self.handoffs
+        bad = peer.session.attach_problem(len(msg.release_events), h.slots)
+        if bad is not None:
+            self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
+            return
+        try:
+            # Opened on our GPU, whichever GPU the consumer records them on (see
+            # CudaBackend.open_event).
+            peer.release_events = [self.backend.open_event(e) for e in msg.release_events]
+        except Exception as exc:
+            bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
+            self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
+            return
+        h.ring.add_consumer(peer.identity, min(peer.session.hello.credits, h.slots))
+        self.attached_total += 1
+        log.debug("ipcsync producer %r: %s attached", self.name, peer.label)
+        if self.closing and h.ring.queued == 0:
+            self.say_bye(peer, "producer closed")
+        h.dispatch()
+
+    def say_bye(self, peer: Peer, reason: str) -> None:
+        frame = peer.session.bye(reason)
+        if frame is not None:
+            self.peers.send(peer, frame)
+
+    def on_gone(self, peer: Peer) -> None:
+        """A peer left the table (PeerTable's ``on_gone``): reclaim what it held."""
+        self.handoffs.reclaim(peer)
+        if self.forwarder.ledger.pending:
+            self.forwarder.poll()  # it may have been the one a forward still waited for
+        self.backend.collect()
+        self.handoffs.dispatch()
+
+    def teardown(self, linger_ms: int = 0) -> None:
+        """Free everything (the Producer's ``_teardown``). ``linger_ms``: how long frames
+        already sent may still go out after the socket is closed."""
+        try:
+            self.forwarder.abandon()
+        except Exception as exc:
+            log.debug("ipcsync producer teardown: %s", exc)
+        self.peers.close()
+        if linger_ms:
+            try:
+                self.chan.sock.setsockopt(zmq.LINGER, linger_ms)
+            except zmq.ZMQError:
+                pass
+        # Every view of the arena goes (the plans' cached destinations and slot() views
+        # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
+        # export is settled here, not left for the interpreter's exit, where torch would
+        # warn "Producer process has been terminated before all shared CUDA tensors released".
+        self.handoffs.plans.clear()
+        self.handoffs.slot_views.clear()
+        for closer in (self.chan.close, self.arena.close, self.backend.collect, self.backend.close):
+            try:
+                closer()
+            except Exception as exc:
+                log.debug("ipcsync producer teardown: %s", exc)
+
+    # ------------------------------------------------------------------ entries
+    def forward(self, item: Any, message: Any, meta: Any = None, timeout: float | None = None,
+                stream: Any = None) -> int:
+        """``ipcsync.forward``'s zero-copy path (see ``runtime.forwarder``). Takes the lock.
+        CannotForward: nothing was sent and ``item`` is untouched."""
+        origin = origin_of(item, self.owner)
+        return self.forwarder.forward(item, message, meta, timeout, stream, self, origin)
+
+    def open_slot(self, spec: dict[str, Any], timeout: float | None, stream: Any) -> tuple[SlotTicket, Any]:
+        """Steps 1-2 for a ``Producer.slot()`` block: reserve a slot, order it after its
+        previous readers; returns the ticket and the slot's views. Takes the lock."""
+        h = self.handoffs
+        with self.lock:
+            self.gate()
+            plan, recipe = h.empty_plan_for(spec)
+            acq = h.ring.acquire() or h.reserve(timeout)
+            try:
+                s = stream if stream is not None else self.default_stream
+                if acq.last_holders:
+                    h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
+                views = recipe.build(acq.slot, h.slot_views[acq.slot])
+            except BaseException:
+                h.ring.abort(acq.slot)
+                raise
+        return SlotTicket(acq, plan, stream), views
+
+    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
+        """Steps 3-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
+        else the slot is given back). Takes the lock."""
+        h = self.handoffs
+        slot = ticket.acq.slot
+        with self.lock:
+            if not ok:  # the block raised: nothing is sent
+                h.ring.abort(slot)
+                return
+            if self.closed:
+                self.check_open()
+            try:
+                h.ready_events[slot].record(ticket.stream if ticket.stream is not None else self.default_stream)
+                h.publish(ticket.acq, ticket.plan, meta)
+            except BaseException:
+                h.ring.abort(slot)
+                raise
+            finally:
+                self.touch()
+
+
+def origin_of(item: Any, out: Any) -> ForwardOrigin:
+    """The ``ForwardOrigin`` that lent ``item``: its public ``origin``. Items of a
+    Consumer that does not yet set ``origin`` are reached through a transitional adapter."""
+    origin = getattr(item, "origin", None)
+    if origin is not None:
+        return origin  # type: ignore[no-any-return]
+    return _LegacyOrigin(item, out)
+
+
+class _LegacyOrigin:
+    """Transitional: the lending Consumer through its pre-``origin`` methods, until Item
+    carries ``origin`` (then this class goes)."""
+
+    def __init__(self, item: Any, out: Any) -> None:
+        self.consumer = item._consumer
+        self.out = out  # the Producer: what that Consumer's waits use today
+
+    @property
+    def device(self) -> Any:
+        return self.consumer.device
+
+    def take(self, item: Any, _port: Any) -> Any:
+        return self.consumer._forward_take(item, self.out)
+
+    def undo(self, item: Any) -> None:
+        self.consumer._forward_undo(item)
+
+    def done(self, item: Any, stream: Any) -> None:
+        self.consumer._forward_done(item, stream)

@@ -1,0 +1,391 @@
+"""The steps of a handoff, each defined once (send(), slot() and zero-copy forwarding all
+go through them), with the ordering rule each keeps:
+
+1. ``reserve``: a FREE slot. Rule: a slot is reused only after every consumer it went to
+   has released it or is gone (the ring's invariant); backpressure blocks, never drops.
+2. ``order_after_readers``: the overwrite is ordered after the previous holders' reads.
+   Rule: the writing stream waits on each previous holder's release event (``wait="host"``:
+   only once it is complete; a lost holder's event is never waited on).
+3. write, then ``ready_events[slot].record(stream)``. Rule: the ready event is recorded on
+   the stream that wrote the slot, after the write (inlined by the callers: one line).
+4. ``publish``: the slot gets its seq and queued items go out, in seq order, to consumers
+   with free credits. Rule: READY goes out after the ready event was recorded, so a
+   consumer that waits on the event sees the finished write.
+5. ``released``: a consumer's RELEASE. Rule: a stale release never frees a newer item
+   (slot and generation must match); a forwarded slot's upstream release follows the
+   forwarding rules (``core.forwarding``).
+
+Used under the producer's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, NamedTuple, Protocol
+
+import msgpack
+
+from ..backends import Event
+from ..core import protocol as P
+from ..core.forwarding import ForeignArena, ForwardLedger
+from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_empty
+from ..core.ratelog import RateLog
+from ..core.ring import Acquired, Ring
+from ..core.stats import Stats
+from ..errors import ConfigError, IpcTimeoutError, ProtocolError
+from .peers import Peer, PeerTable
+
+__all__ = ["Waits", "Handoffs", "NAG_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
+
+log = logging.getLogger("ipcsync")
+
+NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
+MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
+# Layout ids in use at once (least recently used reused), within what a consumer caches.
+MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
+
+
+class Waits(NamedTuple):
+    """The endpoint's wait machinery, as the handoff steps use it (all: lock held)."""
+
+    pump: Callable[[], None]
+    wait_until: Callable[..., bool]  # EndpointBase's: (done, timeout, cause, stats_wait, ...)
+    timeout_error: Callable[[str, float | None, str], IpcTimeoutError]
+    resolve_timeout: Callable[[float | None], float | None]
+
+
+class ForwardHooks(Protocol):
+    """What the handoff steps tell the forwarding port (see runtime.forwarder)."""
+
+    def freed(self, slot: int) -> None: ...
+
+    def complete(self, slot: int) -> None: ...
+
+
+class Handoffs:
+    """The ring of slots, what each slot holds, and the handoff steps over them."""
+
+    def __init__(self, *, ring: Ring, slot_views: list[Any], ready_events: list[Event], slot_bytes: int,
+                 peers: PeerTable, ledger: ForwardLedger[Any], stats: Stats, limits: P.Limits,
+                 wait_mode: str, timeout: float | None, waits: Waits, name: str, ratelog: RateLog) -> None:
+        self.ring = ring
+        self.slots = ring.nslots
+        self.slot_views = slot_views
+        self.ready_events = ready_events
+        self.slot_bytes = slot_bytes
+        self.peers = peers
+        self.ledger = ledger
+        self.stats = stats
+        self.limits = limits
+        self.wait_mode = wait_mode
+        self.timeout = timeout  # the producer's default: bounds waits on release events
+        self.waits = waits
+        self.name = name
+        self.ratelog = ratelog
+        self.plans = PlanCache(MAX_PLANS)
+        self.layout_ids = LayoutIds(MAX_LAYOUT_IDS)
+        self.layouts_inline = 0  # READY/FREADY frames that carried their layout
+        self.enc = P.Encoder()
+        self.forwards: ForwardHooks | None = None  # set by the forwarding port
+        # Per slot, the item it holds: [layout_id, meta, seq, gen, sent_ns, full READY frame
+        # or None until first needed, short READY frame (without the layout), forwarding
+        # (foreign arena, region offset, region bytes) or None, layout version, layout].
+        self.items: list[list[Any] | None] = [None] * self.slots
+
+    # ------------------------------------------------------------------ plans
+    def new_plan(self, key: Any, placement: Placement) -> Plan:
+        """A plan for ``placement``, cached under ``key`` (None: not cached). ConfigError,
+        and nothing cached, for a layout the consumers' decoder would refuse."""
+        plan = Plan(placement, 0)
+        encoded = msgpack.packb(plan.layout, use_bin_type=True)
+        # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
+        lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
+        if lkey not in self.layout_ids:  # (every layout that has an id was checked)
+            try:
+                P.sendable_layout(plan.layout, self.limits)
+            except ProtocolError as exc:
+                lim = self.limits
+                raise ConfigError(
+                    f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                    f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                    f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                    f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
+                ) from None
+        plan.layout_size = len(encoded)
+        plan.layout_key = lkey
+        self.assign_layout(plan)
+        self.plans.put(key, plan)
+        return plan
+
+    def assign_layout(self, plan: Plan) -> None:
+        """Give ``plan`` its layout's id (see core.layout.LayoutIds): ids of items still in
+        a slot are never reassigned."""
+        plan.layout_id, plan.layout_version = self.layout_ids.assign(
+            plan.layout_key, lambda: [item[0] for item in self.items if item is not None])
+
+    def empty_plan_for(self, spec: dict[str, Any]) -> tuple[Plan, Recipe]:
+        """The plan (and in-place views' recipe) of a ``slot()`` spec."""
+        try:
+            parts: list[Any] = ["slot"]
+            for k, v in spec.items():
+                parts.append((k, tuple(v[0]), v[1]))
+            key: Any = tuple(parts)
+            plan = self.plans.get(key)
+        except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
+            key, plan = None, None
+        if plan is None:
+            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes))
+            plan.recipe = Recipe(plan.layout, self.slot_bytes)
+        assert plan.recipe is not None
+        return plan, plan.recipe
+
+    def forward_plan(self, layout: list[Any], data_bytes: int) -> Plan:
+        key = ("forward", msgpack.packb(layout, use_bin_type=True))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.new_plan(key, Placement(layout, [], data_bytes))
+        return plan
+
+    # ------------------------------------------------------------------ close
+    def wait_nagging(self, done: Callable[[], bool], deadline: float | None, words: Callable[[], str]) -> None:
+        """close(): ``wait_until(done)`` until ``deadline``, logging ``words()`` (what it is
+        waiting for) after NAG_S and then every NAG_S."""
+        nag = time.monotonic() + NAG_S
+        while True:
+            step_end = nag if deadline is None else min(nag, deadline)
+            if self.waits.wait_until(done, max(0.0, step_end - time.monotonic())):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
+                        "this; abort() ends the stream at once)", self.name, words())
+            nag = time.monotonic() + NAG_S
+
+    def queued_words(self) -> str:
+        n = self.ring.queued
+        if not self.ring.consumers():
+            return f"{n} item(s) sent but no consumer is attached to take them"
+        return f"{n} item(s) queued for consumers whose credits are all in use"
+
+    def held_words(self) -> str:
+        held = [f"{p.label} holds {len(self.ring.held_by(p.identity))} item(s)"
+                + (" (stalled)" if p.stalled else "") for p in self.peers]
+        return "; ".join(held) or f"slot states {self.ring.occupancy()}"
+
+    # ------------------------------------------------------------------ 1. reserve
+    def reserve(self, timeout: float | None) -> Acquired:
+        """Step 1: a FREE slot, waiting up to ``timeout`` while consumers hold every slot.
+        (Callers try ``ring.acquire()`` inline first: that is the common case.)"""
+        acq = self.ring.acquire()
+        return acq if acq is not None else self._wait_for_slot(timeout)
+
+    def _wait_for_slot(self, timeout: float | None) -> Acquired:
+        w = self.waits
+        t = w.resolve_timeout(timeout)
+        # Every slot is taken: the releases that already arrived usually free one (what
+        # wait_until would do first, without its set-up).
+        w.pump()
+        acq = self.ring.acquire()
+        if acq is not None:
+            return acq
+        cause = "consumer" if not self.ring.consumers() else "slot"
+        done = lambda: self.ring.free_slots > 0  # noqa: E731
+        waited = self.stats.waited
+        if cause == "consumer" and (t is None or t > NAG_S):
+            # Nobody to take the items: say so after a few seconds (a producer alone waits
+            # for a consumer as long as it takes, as mp.Queue.put waits for a reader).
+            ok = w.wait_until(done, NAG_S, cause, waited, pumped=True)
+            if not ok:
+                log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
+                            "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
+                            "pass timeout= to give up", self.name, self.slots, self.name)
+                ok = w.wait_until(done, None if t is None else t - NAG_S, cause, waited)
+        else:
+            ok = w.wait_until(done, t, cause, waited, pumped=True)
+        if not ok:
+            forwarded = self.ledger.count()
+            raise w.timeout_error(
+                "no free slot", t,
+                f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
+                f"{len(self.ring.consumers())} consumer(s); consumers must release items "
+                "(or connect), or raise timeout/slots"
+                + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
+                   "their upstream slots until released" if forwarded else ""),
+            )
+        acq = self.ring.acquire()
+        assert acq is not None
+        return acq
+
+    # ------------------------------------------------------------------ 2. order after readers
+    def order_after_readers(self, acq: Acquired, stream: Any) -> None:
+        """Step 2: order the overwrite after the previous holders' reads (their release events).
+
+        ``wait="gpu"``: the stream waits on each event at once. ``"host"``: poll ``query()``
+        (pumping, so deaths are noticed) and enqueue only completed events. A holder lost
+        meanwhile is skipped: no wait is ever enqueued on an event a lost peer recorded.
+        A forwarded item of this slot still waiting for downstream events is finished first.
+        """
+        if self.ledger.pending and acq.slot in self.ledger.pending:
+            assert self.forwards is not None
+            self.forwards.complete(acq.slot)
+        peers = self.peers
+        for cid in acq.last_holders:
+            peer = peers.get(cid)  # type: ignore[arg-type]
+            if peer is None or not peer.release_events:
+                continue
+            ev = peer.release_events[acq.slot]
+            # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
+            # which costs far more host time than the query when the event is another
+            # process's. The peer re-records this event only after we hand it the slot again,
+            # so a completed query() stands until then.
+            if ev.query():
+                continue
+            if self.wait_mode == "host":
+                t = self.timeout
+                if not self.waits.wait_until(lambda: peers.get(cid) is not peer or ev.query(),  # type: ignore[arg-type]
+                                             t, "release_event", self.stats.waited, poll_event=True):
+                    raise self.waits.timeout_error(
+                        f"{peer.label} did not finish with slot {acq.slot}", t,
+                        "its GPU work on the slot is still running (or wedged)",
+                    )
+                continue  # complete, or its recorder is lost: no wait either way
+            ev.wait(stream)
+
+    # ------------------------------------------------------------------ 4. publish
+    def publish(self, acq: Acquired, plan: Plan, meta: Any,
+                fwd: tuple[ForeignArena, int, int] | None = None) -> int:
+        """Step 4: commit the slot written (and its ready event recorded) and send what is
+        queued. ``fwd``: (foreign arena, region offset, region bytes) of a zero-copy forward.
+        Returns the item's seq; ConfigError (nothing committed) for a meta the consumers
+        would refuse."""
+        ring = self.ring
+        seq = ring.next_seq
+        slot, gen = acq.slot, acq.gen
+        sent_ns = time.monotonic_ns()
+        lid = plan.layout_id
+        if lid:
+            # Inlined LayoutIds.current(): this runs once per send.
+            ids = self.layout_ids
+            if ids.versions[lid] != plan.layout_version:  # its id went to another layout
+                self.assign_layout(plan)
+                lid = plan.layout_id
+            else:
+                ids.ids.move_to_end(plan.layout_key)
+        ck = plan.cache_key
+        if ck is not None:  # inlined PlanCache.touch()
+            plans = self.plans.plans
+            if plans.get(ck) is plan:
+                plans.move_to_end(ck)
+        try:
+            # Cached layouts: encode the short frame now (what consumers that know the
+            # layout get); the full one only if a consumer needs it (see dispatch).
+            if fwd is None:
+                frame = self.enc.ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout, meta)
+            else:
+                frame = self.enc.forward_ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout,
+                                               meta, fwd[0].fid, fwd[1], fwd[2])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"meta is not msgpack-able: {exc}") from None
+        try:
+            # What the consumers' decoder accepts, under the same limits (the layout was
+            # checked when its plan was made).
+            P.check_outgoing(frame, meta, plan.layout_size if lid else 0, self.limits)
+        except ProtocolError as exc:
+            lim = self.limits
+            raise ConfigError(
+                f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
+                f"at most {lim.max_items} entries in one dict/list and nests at most "
+                f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
+                "bytes (ipcsync.Limits): send less meta or fewer tensors"
+            ) from None
+        committed = ring.commit(slot)
+        assert committed == seq
+        self.items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
+                            plan.layout_version, plan.layout]
+        self.stats.count(plan.data_bytes)
+        if ring.queued:
+            self.dispatch()
+        return seq
+
+    def dispatch(self) -> None:
+        """Queued items to consumers with free credits, in seq order (a forwarded item's
+        FOREIGN first, to a consumer that does not know that arena's current version)."""
+        ring = self.ring
+        if not ring.queued:
+            return
+        peers = self.peers
+        for cid, _seq, slot, _gen in ring.dispatch():
+            peer = peers.get(cid)  # type: ignore[arg-type]
+            if peer is None:  # lost by an earlier send of this loop; the ring freed its slots
+                continue
+            item = self.items[slot]
+            assert item is not None
+            lid = item[0]
+            fwd = item[7]
+            session = peer.session
+            if fwd is not None:  # forwarded zero-copy: the consumer must know the arena first
+                foreign = fwd[0]
+                if session.needs_foreign(foreign.fid, foreign.version):
+                    peers.send(peer, foreign.frame)
+            if lid and session.layouts.get(lid) == item[8]:  # it has this layout under lid (inlined)
+                frame = item[6]
+            else:
+                frame = item[5]
+                if frame is None:
+                    layout = item[9]
+                    if fwd is None:
+                        frame = self.enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
+                    else:
+                        frame = self.enc.forward_ready(item[2], slot, item[3], item[4], lid, layout, item[1],
+                                                       fwd[0].fid, fwd[1], fwd[2])
+                    item[5] = frame
+                session.needs_layout(lid, item[8])  # records it
+                self.layouts_inline += 1
+            peers.send(peer, frame)
+
+    # ------------------------------------------------------------------ 5. release
+    def released(self, peer: Peer, entries: list[tuple[int, int, int]]) -> None:
+        """Step 5: a consumer's RELEASE entries (seq, slot, gen)."""
+        now_ns = time.monotonic_ns()
+        latency = self.stats.latency
+        bad: ProtocolError | None = None
+        nbad = 0
+        for seq, slot, gen in entries:
+            try:
+                freed = self.ring.release(peer.identity, seq, slot, gen)
+            except ProtocolError as exc:
+                # Rejected, not fatal: a stale release can never free a newer item.
+                nbad += 1
+                bad = bad or exc
+                continue
+            if freed:
+                item = self.items[slot]
+                self.items[slot] = None
+                if item is not None:
+                    latency((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
+                    if item[7] is not None:
+                        assert self.forwards is not None
+                        self.forwards.freed(slot)
+        if nbad:  # one (rate-limited) line per RELEASE, however many entries it got wrong
+            self.peers.bad_frames += nbad
+            self.ratelog.warning("release", "ipcsync producer %r ignored %d of %d release entries from %s: %s",
+                                 self.name, nbad, len(entries), peer.label, bad)
+
+    def reclaim(self, peer: Peer) -> None:
+        """``peer`` left: the slots only it held are free (a forwarded one's upstream release
+        never waits on the departed peer's events: it is out of the peer table)."""
+        for slot in self.ring.remove_consumer(peer.identity):
+            self.items[slot] = None
+            if self.ledger.held[slot] is not None:
+                assert self.forwards is not None
+                self.forwards.freed(slot)
+
+    def downstream_waits(self, slot: int) -> list[tuple[Peer, Event]]:
+        """The release event of each connected consumer that released ``slot``."""
+        waits = []
+        for cid in self.ring.released_by(slot):
+            peer = self.peers.get(cid)  # type: ignore[arg-type]
+            if peer is not None and peer.release_events:
+                waits.append((peer, peer.release_events[slot]))
+        return waits
