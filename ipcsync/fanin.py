@@ -83,6 +83,7 @@ class FanIn:
         except BaseException:
             self.close()
             raise
+        self._ports = [c.port for c in self._consumers]
         self._live = list(range(len(self._consumers)))  # sources not yet ended, scan order
         self._next = 0
         self._current: Item | None = None
@@ -180,9 +181,8 @@ class FanIn:
         n = len(self._live)
         for k in range(n):
             pos = (self._next + k) % n
-            c = self._consumers[self._live[pos]]
             try:
-                got, item = c.port.poll()
+                got, item = self._ports[self._live[pos]].poll()
             except (PeerLostError, ProtocolError) as exc:
                 self._error = exc  # sticky, like a Consumer's: no silent merge without a source
                 raise
@@ -201,7 +201,7 @@ class FanIn:
         poller = Poller()
         lent = []
         for i in self._live:
-            port = self._consumers[i].port
+            port = self._ports[i]
             with port.lock:
                 if port.is_closed():
                     raise ClosedError("a FanIn source was closed directly; close the FanIn instead")
