@@ -243,7 +243,7 @@ def _iter_batches(inp: Consumer | FanIn, copy: bool, keep: bool) -> Iterator[Any
                 yield item.tensors, item
             elif copy:
                 # The stream the item's ready-event wait went on (None: the current one).
-                stream = item._consumer._stream
+                stream = item.origin.stream
                 try:
                     owned = _owned(item.tensors, stream)
                 finally:

@@ -11,21 +11,23 @@ Rules:
   FanIn, like a single Consumer would, and again on every later call (the merged stream
   never goes on silently without a source);
 - waiting for the next item pumps every live source (under its lock), then sleeps in
-  one ``select`` on all their sockets' file descriptors with no lock held, so a source's
-  ``stats()`` or ``close()`` from another thread is never blocked by the wait.
+  the one poller of ``runtime.waiting`` on all their sockets (and those of the Producers
+  their items were forwarded to) with no lock held, so a source's ``stats()`` or
+  ``close()`` from another thread is never blocked by the wait. Sources are used only
+  through their ``port`` (``SourcePort``).
 """
 
 from __future__ import annotations
 
 import math
-import select
 import time
 from typing import Any, Iterator, Sequence
 
 from . import limits
-from .runtime.endpoint import check_timeout
+from .runtime.endpoint import UNSET, check_timeout
 from .runtime.channel import resolve_endpoint
-from .consumer import _UNSET, Consumer, Item
+from .runtime.waiting import Poller
+from .consumer import Consumer, Item
 from .errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProtocolError
 
 __all__ = ["FanIn"]
@@ -54,7 +56,7 @@ class FanIn:
         *,
         sources: Sequence[str] | None = None,
         timeout: float | None = limits.DEFAULT_TIMEOUT,
-        connect_timeout: Any = _UNSET,
+        connect_timeout: Any = UNSET,
         idle_timeout: float | None = None,
         auto_release: bool = True,
         **options: Any,
@@ -81,6 +83,7 @@ class FanIn:
         except BaseException:
             self.close()
             raise
+        self._ports = [c.port for c in self._consumers]
         self._live = list(range(len(self._consumers)))  # sources not yet ended, scan order
         self._next = 0
         self._current: Item | None = None
@@ -178,10 +181,8 @@ class FanIn:
         n = len(self._live)
         for k in range(n):
             pos = (self._next + k) % n
-            c = self._consumers[self._live[pos]]
             try:
-                with c._call():
-                    got, item = c._poll()
+                got, item = self._ports[self._live[pos]].poll()
             except (PeerLostError, ProtocolError) as exc:
                 self._error = exc  # sticky, like a Consumer's: no silent merge without a source
                 raise
@@ -196,14 +197,17 @@ class FanIn:
 
     def _wait(self, timeout: float) -> None:
         """Block until any live source's socket is readable, or ``timeout``, holding no
-        source's lock while blocked (their fds are ZMQ_FDs, safe to select on)."""
-        fds: list[int] = []
+        source's lock while blocked."""
+        poller = Poller()
+        lent = []
         for i in self._live:
-            c = self._consumers[i]
-            with c._lock:
-                if c.closed:
+            port = self._ports[i]
+            with port.lock:
+                if port.is_closed():
                     raise ClosedError("a FanIn source was closed directly; close the FanIn instead")
-                if c._io_pending():
-                    return  # something to read already: an edge-triggered fd may not signal
-                fds.extend(c._io_fds())
-        select.select(fds, (), (), max(0.0, timeout))
+                poller.add(port.io_fds(), port.io_pending())
+                lent.extend(port.lent())
+        for other in lent:
+            poller.lend(other)
+        poller.wait(timeout)
+        poller.pump_lent()

@@ -10,7 +10,7 @@ import torch
 from .errors import ClosedError
 
 if TYPE_CHECKING:
-    from .consumer import Consumer
+    from .runtime.foreign import Lender
     from .runtime.port import ProducerPort
 
 __all__ = ["SlotWriter", "SlotEntry", "Item"]
@@ -75,16 +75,18 @@ class Item:
     """One received message: ``tensors`` (the nested structure the producer sent, as views
     of its slot), ``meta``, ``seq`` (the producer's sequence number), ``source`` (which
     producer sent it: its endpoint, or the label a FanIn gave it). ``item["x"]`` indexes
-    ``tensors``.
+    ``tensors``. ``origin``: the receiving side's ``ForwardOrigin`` (what
+    ``ipcsync.forward`` hands the item over through; ``origin.stream`` is the stream the
+    item's ready-event wait went on, None: the current one).
 
     The tensors are valid until ``release()``: after it the producer may overwrite the
     slot, ``item[key]`` raises ClosedError and ``tensors`` is None. Clone what you need to
     keep; views you keep past release() keep the producer's memory mapped in this process.
     """
 
-    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "_consumer")
+    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin")
 
-    def __init__(self, consumer: "Consumer", seq: int, slot: int, gen: int, meta: Any,
+    def __init__(self, origin: "Lender", source: str, seq: int, slot: int, gen: int, meta: Any,
                  tensors: Any, nbytes: int) -> None:
         self.tensors = tensors
         self.meta = meta
@@ -93,8 +95,13 @@ class Item:
         self.gen = gen
         self.nbytes = nbytes
         self.released = False
-        self.source = consumer.source
-        self._consumer = consumer
+        self.source = source
+        self.origin = origin
+
+    @property
+    def _consumer(self) -> "Lender":
+        # The name producer.py still uses for ``origin`` (until it reads ``origin``).
+        return self.origin
 
     def __getitem__(self, key: Any) -> Any:
         if self.released:
@@ -105,7 +112,7 @@ class Item:
         """Give the slot back (after the work queued on ``stream``, default current, is
         done). Idempotent. Implicit at the next iteration when ``auto_release`` is on."""
         if not self.released:  # only ever set to True, under the consumer's lock
-            self._consumer._release(self, stream)
+            self.origin.release(self, stream)
 
     def __enter__(self) -> "Item":
         return self

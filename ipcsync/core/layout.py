@@ -42,6 +42,8 @@ __all__ = [
     "dtype_from_name",
     "PlanCache",
     "LayoutIds",
+    "Recipe",
+    "RecipeCache",
 ]
 
 ALIGN = 256  # byte alignment of every tensor in a slot (CUDA-friendly, >= any itemsize)
@@ -584,3 +586,44 @@ class LayoutIds:
             return False
         self.ids.move_to_end(key)
         return True
+class RecipeCache:
+    """Layouts one producer sent, by layout id (consumer side): each validated once, then
+    reused for every item naming its id. One cache per kind of item (READY, FREADY), as
+    each kind validates against its own region size. Ids are 1..``limit`` (the producer
+    reuses them); id 0 means "not cached": the layout travels with every item."""
+
+    __slots__ = ("kind", "limit", "_by_id", "get")
+
+    def __init__(self, kind: str, limit: int) -> None:
+        self.kind = kind  # "READY" or "FREADY": how errors name the message
+        self.limit = limit
+        self._by_id: dict[int, Recipe] = {}
+        # get(layout_id) -> Recipe | None: the dict's own method, so the per-item lookup
+        # is one C call (it runs for every READY).
+        self.get = self._by_id.get
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def resolve(self, layout_id: int, layout: Any, region_bytes: int) -> Recipe:
+        """The recipe of an item: ``layout`` None names one sent earlier under
+        ``layout_id``; else validate it against ``region_bytes`` and keep it under its
+        id. ProtocolError (nothing kept) for an unknown id, a bad layout or too many."""
+        if layout is None:
+            recipe = self._by_id.get(layout_id)
+            if recipe is None:
+                raise ProtocolError(f"{self.kind} names layout {layout_id}, which was never sent")
+            return recipe
+        try:
+            recipe = Recipe(layout, region_bytes)
+        except ProtocolError as exc:
+            raise ProtocolError(f"producer sent a bad layout: {exc}") from None
+        if layout_id:
+            if len(self._by_id) >= self.limit and layout_id not in self._by_id:
+                raise ProtocolError(f"producer sent over {self.limit} layouts")
+            self._by_id[layout_id] = recipe
+        return recipe
+
+    def clear(self) -> None:
+        """Forget every layout (their recipes cache views of the slots)."""
+        self._by_id.clear()

@@ -24,6 +24,12 @@ class Stats:
         self.handoffs += 1
         self.bytes += nbytes
 
+    def handoff(self, nbytes: int, latency: float) -> None:
+        """``count`` and ``latency`` in one call (the per-item path)."""
+        self.handoffs += 1
+        self.bytes += nbytes
+        self.latencies.append(latency)
+
     def latency(self, seconds: float) -> None:
         self.latencies.append(seconds)
 

@@ -32,23 +32,22 @@ import atexit
 import logging
 import math
 import os
-import select
 import sys
 import threading
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.ratelog import RateLog
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
+from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller
+
+if TYPE_CHECKING:
+    from .handover import Pumpable
 
 log = logging.getLogger("ipcsync")
 
-from ..limits import WAIT_MODES  # noqa: E402 (defined with the other shared limits)
-# How long a wait on a GPU event polls it without sleeping first: such an event is usually
-# complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
-_EVENT_SPIN_S = 50e-6
 
 
 def check_timeout(name: str, value: float | None) -> float | None:
@@ -119,10 +118,10 @@ class EndpointBase:
         not signal again until it is read, so do not block. Lock held."""
         raise NotImplementedError
 
-    def _wait_holding_lock(self, timeout: float) -> bool:
-        """Where a wait must keep the lock (it polls other endpoints' sockets under their
-        locks), wait up to ``timeout`` that way and return True; else False. Lock held."""
-        return False
+    def _lent(self) -> Sequence["Pumpable"]:
+        """Other endpoints whose sockets a wait polls and pumps too (see
+        ``waiting.Poller.lend``): the forwarding Producers holding items we lent. Lock held."""
+        return ()
 
     def _raise_if_broken(self) -> None:
         """Raise the pending error (peer lost, protocol error), if any. Lock held."""
@@ -223,10 +222,16 @@ class EndpointBase:
 
     def _block(self, timeout: float) -> None:
         """Wait up to ``timeout`` for socket activity, without the lock. Lock held."""
-        if self._wait_holding_lock(timeout) or self._io_pending():
+        if self._io_pending():
             return
-        fds = self._io_fds()
-        self._unlocked(lambda: select.select(fds, (), (), max(0.0, timeout)))
+        lent = self._lent()
+        poller = Poller()
+        poller.add(self._io_fds(), False)
+        for other in lent:
+            poller.lend(other)
+        poller.wait(timeout, self._unlocked)
+        if poller.lent:
+            poller.pump_lent()
 
     def _resolve_timeout(self, timeout: float | None) -> float | None:
         t = self._timeout if timeout is None else check_timeout("timeout", timeout)
@@ -258,7 +263,7 @@ class EndpointBase:
         backoff = 1e-5
         try:
             if poll_event:
-                spin_end = time.perf_counter() + (_EVENT_SPIN_S if timeout is None else min(_EVENT_SPIN_S, timeout))
+                spin_end = time.perf_counter() + (EVENT_SPIN_S if timeout is None else min(EVENT_SPIN_S, timeout))
                 while time.perf_counter() < spin_end:
                     if done():
                         return True
@@ -352,3 +357,13 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class Unset:
+    """The type of a keyword argument's "not given" default (where None means forever)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET = Unset()

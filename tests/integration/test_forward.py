@@ -137,8 +137,8 @@ def test_forward_copy_modes_in_process(device: str) -> None:
         assert a.released
         got = sink.get()
         assert got.meta == 0 and got["x"].tolist() == list(range(8))
-        (entry,) = sink._foreign.values()
-        assert entry.msg.handle == mid._setup.arenas[0] and entry.msg.pid == os.getpid()
+        (described,) = sink.session.foreign.values()  # FOREIGN: the original arena
+        assert described.handle == mid.session.setup.arenas[0] and described.pid == os.getpid()
         b = mid.get()
         ipcsync.forward(b, down, lambda t: {"y": t["x"] * 2})  # computed: copied
         got2 = sink.get()
@@ -166,8 +166,8 @@ def test_chain_of_two_middle_stages_passes_the_original_memory_on(device: str) -
         ipcsync.forward(cb.get(), pc, lambda t: {"z": t["x"][1:]}, copy=False)
         item = cc.get()
         assert item.meta == "m" and item["z"].tolist() == [5.0] * 3
-        (entry,) = cc._foreign.values()
-        assert entry.msg.handle == ca._setup.arenas[0]  # the first producer's memory
+        (described,) = cc.session.foreign.values()
+        assert described.handle == ca.session.setup.arenas[0]  # the first producer's memory
         with pytest.raises(ipcsync.IpcTimeoutError):
             pa.send({"x": torch.zeros(4, device=device)}, timeout=0.5)  # its only slot is held
         item.release()
@@ -373,7 +373,7 @@ def test_copy_false_after_the_upstream_producer_is_gone(procs: Any, device: str)
         item = mid.get(timeout=10)
         up.kill()
         deadline = time.monotonic() + 10
-        while mid._error is None:  # noticed by its service thread
+        while mid.session.error is None:  # noticed by its service thread
             assert time.monotonic() < deadline
             time.sleep(0.02)
         with pytest.raises(ipcsync.ConfigError, match="producer is gone"):

@@ -1,0 +1,371 @@
+"""The consumer's side of one connection, sans I/O (h11's rule: frames in, events out;
+the frames to send are made here too, under the same state machine).
+
+Pure: no sockets, no /proc, no clock of its own (``now`` is passed in). The runtime
+(``ipcsync.consumer``) reads frames off its socket, hands each to ``receive`` and acts on
+what comes back; it sends the frames the session makes (``hello``, ``attach``,
+``release_frame``, ``bye``, ``tick``'s heartbeats, and the ERROR frames ``fail`` leaves
+in ``outbox``).
+
+Rules kept here, once:
+
+- what may be received in each state is ``protocol.TRANSITIONS``; what the consumer may
+  send in each state is ``SENDS`` (a send outside it is a bug of ours: ProtocolError);
+- READY items are buffered in ``ready`` in order; a layout travels once per id and is
+  validated once (``RecipeCache``); an item arriving after our BYE is dropped (the
+  producer frees its slot when it reads the BYE);
+- FOREIGN describes another producer's arena before any FREADY names it (FREADY naming
+  an undescribed arena, a slot outside the ring or a region outside the arena is a
+  protocol error);
+- releases are queued in ``pending`` and go out in batches of at most
+  ``limits.max_release_batch`` (``release_frame``); ``release_batch`` is how many the
+  runtime lets gather while the user iterates;
+- BYE: ``bye_received`` (the producer ends the stream), ``bye_sent`` (ours, once, when
+  nothing is held), ``bye_acked`` (its BYE after ours, or its connection closing then);
+- an ERROR from the producer becomes the exception of ``REFUSALS``; the first error is
+  sticky (``error``) and stops the session;
+- liveness (``tick``): the rule of ``core.liveness`` applied to the producer, from SETUP
+  until its BYE; heartbeats from SETUP until our BYE.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, NamedTuple, Union
+
+from ..errors import ConfigError, IpcSyncError, PeerLostError, ProducerFailedError, ProtocolError
+from . import protocol as P
+from .layout import Recipe, RecipeCache
+from .liveness import PeerClock, Verdict
+from .protocol import ErrorCode, MsgType, State
+
+__all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
+           "ReadyEntry"]
+
+# What the consumer may send in each state (what it may receive: protocol.TRANSITIONS).
+SENDS: dict[State, frozenset[MsgType]] = {
+    State.AWAIT_SETUP: frozenset({MsgType.HELLO, MsgType.BYE, MsgType.ERROR}),
+    State.ACTIVE: frozenset({MsgType.ATTACH, MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
+    State.ENDING: frozenset({MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
+    State.CLOSED: frozenset(),
+}
+
+# ERROR from the producer -> the exception this consumer raises (any other code:
+# ProtocolError; "failed" once SETUP arrived: ProducerFailedError, see _on_error).
+REFUSALS: dict[str, type[IpcSyncError]] = {
+    ErrorCode.BACKEND.value: ConfigError,
+    ErrorCode.HOST.value: ConfigError,
+    ErrorCode.CREDITS.value: ConfigError,
+    ErrorCode.DEVICE.value: ConfigError,
+    ErrorCode.CLOSING.value: PeerLostError,
+}
+
+# A buffered item: (seq, slot, gen, sent_ns, meta, recipe). The runtime may put another
+# object with ``build(slot_index, slot)`` and ``nbytes`` in place of the recipe.
+ReadyEntry = tuple[int, int, int, int, Any, Any]
+
+
+class SetupReceived(NamedTuple):
+    """SETUP arrived: check who sent it and open its memory, then ``validate_setup`` and
+    ``attach`` (or ``fail``)."""
+
+    setup: P.Setup
+
+
+class ForeignReceived(NamedTuple):
+    """FOREIGN arrived (recorded in ``foreign``): open that arena for the FREADYs to come."""
+
+    msg: P.Foreign
+
+
+class ForwardedReceived(NamedTuple):
+    """A valid FREADY: buffer it (``ready``) with a view of its region, or, when that
+    memory cannot be opened, drop it and ``release`` it at once."""
+
+    msg: P.ForwardReady
+    recipe: Recipe
+
+
+Event = Union[SetupReceived, ForeignReceived, ForwardedReceived]
+
+_ACTIVE = State.ACTIVE
+_EXCHANGING = (State.ACTIVE, State.ENDING)
+
+
+class ConsumerSession:
+    """The protocol state of one consumer's connection to its producer.
+
+    ``name``: the producer's endpoint name (for messages); ``backend``: this consumer's
+    backend name; ``heartbeat``: ours in seconds (0: none); ``now``: the clock at start.
+    """
+
+    __slots__ = ("name", "backend", "limits", "conv", "enc", "setup", "error", "outbox", "ready", "pending",
+                 "release_batch", "bye_sent", "bye_received", "bye_acked", "recipes", "frecipes", "foreign",
+                 "slot_bytes", "clock", "_hello", "_rehello")
+
+    def __init__(self, name: str, backend: str, heartbeat: float, limits: P.Limits = P.DEFAULT_LIMITS,
+                 now: float = 0.0) -> None:
+        self.name = name
+        self.backend = backend
+        self.limits = limits
+        self.conv = P.Conversation("consumer")
+        self.enc = P.Encoder()
+        self.setup: P.Setup | None = None  # once accepted (memory opened, ATTACH made)
+        self.error: IpcSyncError | None = None
+        self.outbox: list[bytes] = []  # ERROR frames to send (see fail)
+        self.ready: deque[ReadyEntry] = deque()
+        self.pending: list[tuple[int, int, int]] = []  # releases not yet sent: (seq, slot, gen)
+        self.release_batch = 1
+        self.bye_sent = False
+        self.bye_received = False
+        self.bye_acked = False
+        self.recipes = RecipeCache("READY", P.MAX_LAYOUT_IDS)
+        self.frecipes = RecipeCache("FREADY", P.MAX_LAYOUT_IDS)
+        self.foreign: dict[int, P.Foreign] = {}  # FOREIGN id -> its description
+        self.slot_bytes: list[int] = []
+        self.clock = PeerClock(heartbeat=0.0, ours=heartbeat, last_recv=now)
+        self._hello: P.Hello | None = None
+        self._rehello = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> State:
+        return self.conv.state
+
+    @property
+    def exchanging(self) -> bool:
+        """Handshake done and not closed: releases and BYE may go out."""
+        return self.conv.state in _EXCHANGING
+
+    @property
+    def watching(self) -> bool:
+        """The producer's liveness is being judged (``tick`` needs ``process_gone``)."""
+        return self.setup is not None and self.error is None and not self.bye_received
+
+    def finished(self, holding: bool) -> bool:
+        """The producer said BYE and nothing is held, buffered or unsent: say BYE now."""
+        return (self.error is None and self.bye_received and not holding and not self.ready
+                and not self.pending)
+
+    # ------------------------------------------------------------------ sends
+    def _may_send(self, kind: MsgType) -> None:
+        if kind not in SENDS[self.conv.state]:
+            raise ProtocolError(f"the consumer may not send {kind.name} in state {self.conv.state.value!r}")
+
+    def hello(self, msg: P.Hello) -> bytes:
+        """The first frame (again after a reconnect during the handshake: ``connected``)."""
+        self._may_send(MsgType.HELLO)
+        self._hello = msg
+        return P.encode(msg)
+
+    def validate_setup(self, s: P.Setup) -> bool:
+        """SETUP describes a ring this consumer can use; else ``fail`` and False."""
+        problem = None
+        if s.backend != self.backend:
+            problem = f"producer uses the {s.backend} backend, this consumer {self.backend}"
+        elif not s.slots or len(s.slots) != len(s.ready_events):
+            problem = f"SETUP has {len(s.slots)} slots and {len(s.ready_events)} ready events"
+        elif not s.arenas or len(s.arenas) != len(s.arena_bytes):
+            problem = "SETUP arenas and their sizes do not match"
+        else:
+            for i, (a, off, n) in enumerate(s.slots):
+                if a >= len(s.arenas) or off + n > s.arena_bytes[a]:
+                    problem = f"SETUP slot {i} lies outside its arena"
+                    break
+        if problem is None:
+            return True
+        self.fail(ConfigError(problem) if "backend" in problem else ProtocolError(problem), ErrorCode.SETUP)
+        return False
+
+    def attach(self, s: P.Setup, release_handles: list[Any]) -> bytes:
+        """SETUP accepted (its memory is open): the ATTACH frame with our release events."""
+        self._may_send(MsgType.ATTACH)
+        self.setup = s
+        self.slot_bytes = [n for _a, _off, n in s.slots]
+        self.clock.heartbeat = s.heartbeat_ms / 1000
+        self.release_batch = max(1, len(s.slots) // 4)
+        return P.encode(P.Attach(release_handles))
+
+    def release_frame(self) -> tuple[bytes, int] | None:
+        """The next RELEASE to send and how many entries it carries (``sent_releases``
+        once it went out), or None: nothing queued, or no longer exchanging."""
+        pending = self.pending
+        if not pending or self.error is not None or self.conv.state not in _EXCHANGING:
+            return None
+        n = min(len(pending), self.limits.max_release_batch)
+        return self.enc.release(pending[:n]), n
+
+    def sent_releases(self, n: int) -> None:
+        del self.pending[:n]
+
+    def bye(self) -> bytes | None:
+        """Our BYE, once (nothing is held: every caller releases first). Items arriving
+        after it are dropped."""
+        if self.bye_sent:
+            return None
+        self._may_send(MsgType.BYE)
+        self.bye_sent = True
+        return P.encode(P.Bye("consumer closed"))
+
+    def fail(self, error: IpcSyncError, code: str | None) -> None:
+        """Record the first fatal error; with ``code``, an ERROR frame for the producer
+        goes to ``outbox``. Buffered items are dropped."""
+        if self.error is not None:
+            return
+        self.error = error
+        if code is not None and MsgType.ERROR in SENDS[self.conv.state]:
+            self.outbox.append(P.encode(P.Error(str(getattr(code, "value", code)), str(error)[:1000])))
+        self.ready.clear()
+
+    def lost(self, why: str) -> None:
+        """The producer is provably gone (its process exited, or its connection closed)."""
+        pid = self.setup.pid if self.setup else None
+        self.fail(PeerLostError(
+            f"producer (pid {pid}) on endpoint {self.name!r} {why}; items it had "
+            "not delivered are lost. Restart the producer and connect again."
+        ), None)
+
+    # ------------------------------------------------------------------ connection
+    def disconnected(self) -> bool:
+        """The connection dropped. During the handshake: say HELLO again on reconnect
+        (False). After it: True, and call ``closed_by_peer`` once the frames that
+        arrived before the drop are handled."""
+        if self.conv.state is State.AWAIT_SETUP:
+            self._rehello = True
+            return False
+        return True
+
+    def connected(self) -> bytes | None:
+        """(Re)connected: HELLO again if the handshake lost its first one."""
+        if self._rehello and self.conv.state is State.AWAIT_SETUP and self._hello is not None:
+            self._rehello = False
+            return self.hello(self._hello)
+        return None
+
+    def closed_by_peer(self) -> bool:
+        """The producer's connection closed: after our BYE that acks it (a BYE then a
+        close is clean); before its own BYE the producer is lost (True)."""
+        if self.bye_sent:
+            self.bye_acked = True
+        elif not self.bye_received:
+            self.lost("disconnected")
+            return True
+        return False
+
+    def tick(self, now: float, process_gone: bool | None) -> tuple[Verdict, bytes | None]:
+        """Judge the producer at ``now`` (``process_gone``: see PeerClock.tick; asked only
+        while ``watching``): LOST is recorded (``error``); STALLED/ANSWERING are for the
+        runtime to report. Also the HEARTBEAT to send, if one is due: they go on until our
+        BYE, so a consumer still holding items after the producer's BYE does not look dead."""
+        if self.setup is None or self.error is not None:
+            return Verdict.ALIVE, None
+        verdict = Verdict.ALIVE
+        if not self.bye_received:  # after its BYE the producer only waits for our releases
+            verdict = self.clock.tick(now, process_gone)
+            if verdict is Verdict.LOST:
+                self.lost("exited")
+                return verdict, None
+        if not self.bye_sent and self.clock.heartbeat_due(now):
+            return verdict, P.encode(P.Heartbeat())
+        return verdict, None
+
+    # ------------------------------------------------------------------ receives
+    def receive(self, frames: list[bytes]) -> Event | None:
+        """Handle one message from the producer; an event where the runtime must act."""
+        if len(frames) == 1 and self.conv.state is _ACTIVE:
+            # Steady state: a READY whose layout this consumer has (it stays active).
+            r = P.decode_ready(frames[0], self.limits)
+            if r is not None:
+                self._on_ready(r[0], r[1], r[2], r[3], r[4], None, r[5])
+                return None
+        if len(frames) != 1:
+            self.fail(ProtocolError(f"producer sent a message of {len(frames)} frames"), ErrorCode.PROTOCOL)
+            return None
+        try:
+            msg = P.decode(frames[0], self.limits)
+            self.conv.receive(msg)
+        except ProtocolError as exc:
+            code = ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) else ErrorCode.PROTOCOL
+            self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: {exc}"), code)
+            return None
+        kind = type(msg)
+        if kind is P.Ready:
+            m: P.Ready = msg  # type: ignore[assignment]
+            self._on_ready(m.seq, m.slot, m.gen, m.sent_ns, m.layout_id, m.layout, m.meta)
+        elif kind is P.ForwardReady:
+            return self._on_forward_ready(msg)  # type: ignore[arg-type]
+        elif kind is P.Foreign:
+            return self._on_foreign(msg)  # type: ignore[arg-type]
+        elif kind is P.Setup:
+            return SetupReceived(msg)  # type: ignore[arg-type]
+        elif kind is P.Bye:
+            self.bye_received = True
+            if self.bye_sent:
+                self.bye_acked = True
+        elif kind is P.Error:
+            self._on_error(msg)  # type: ignore[arg-type]
+        return None
+
+    def _on_ready(self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int,
+                  layout: Any, meta: Any) -> None:
+        """Buffer a READY: ``layout`` is None when it travelled earlier under ``layout_id``."""
+        if self.bye_sent:
+            return  # we are leaving (see bye)
+        slot_bytes = self.slot_bytes
+        if slot >= len(slot_bytes):
+            self.fail(ProtocolError(f"READY names slot {slot}; the ring has {len(slot_bytes)}"), ErrorCode.PROTOCOL)
+            return
+        # (The cache's get is the dict's own: no Python call on the steady-state path.)
+        recipe = self.recipes.get(layout_id) if layout is None else None
+        if recipe is None:
+            try:
+                recipe = self.recipes.resolve(layout_id, layout, slot_bytes[slot])
+            except ProtocolError as exc:
+                self.fail(exc, ErrorCode.PROTOCOL)
+                return
+        self.ready.append((seq, slot, gen, sent_ns, meta, recipe))
+
+    def _on_foreign(self, m: P.Foreign) -> ForeignReceived | None:
+        if m.backend != self.backend:
+            self.fail(ProtocolError(
+                f"producer on {self.name!r} forwards {m.backend} memory to a {self.backend} consumer"),
+                ErrorCode.PROTOCOL)
+            return None
+        self.foreign[m.fid] = m
+        return ForeignReceived(m)
+
+    def _on_forward_ready(self, m: P.ForwardReady) -> ForwardedReceived | None:
+        if self.bye_sent:
+            return None  # we are leaving (see bye)
+        d = self.foreign.get(m.fid)
+        problem = None
+        if d is None:
+            problem = f"FREADY names foreign arena {m.fid}, which was never described"
+        elif m.slot >= len(self.slot_bytes):
+            problem = f"FREADY names slot {m.slot}; the ring has {len(self.slot_bytes)}"
+        elif m.offset + m.nbytes > d.nbytes:
+            problem = f"FREADY region {m.offset}+{m.nbytes} lies outside foreign arena {m.fid} of {d.nbytes} bytes"
+        if problem is not None:
+            self.fail(ProtocolError(problem), ErrorCode.PROTOCOL)
+            return None
+        try:
+            recipe = self.frecipes.resolve(m.layout_id, m.layout, m.nbytes)
+        except ProtocolError as exc:
+            self.fail(exc, ErrorCode.PROTOCOL)
+            return None
+        if recipe.extent > m.nbytes:
+            self.fail(ProtocolError(f"FREADY layout reaches byte {recipe.extent} of a {m.nbytes}-byte region"),
+                      ErrorCode.PROTOCOL)
+            return None
+        return ForwardedReceived(m, recipe)
+
+    def _on_error(self, msg: P.Error) -> None:
+        if msg.code == ErrorCode.FAILED.value and self.setup is not None:
+            # The producer's with-block raised (or it called abort()): never a clean end.
+            self.fail(ProducerFailedError(
+                f"producer (pid {self.setup.pid}) on endpoint {self.name!r} failed: "
+                f"{msg.message}; its stream ended early and items it had sent but this consumer "
+                "had not yet received are dropped"), None)
+            return
+        text = f"producer on {self.name!r} refused this consumer ({msg.code}): {msg.message}"
+        self.fail(REFUSALS.get(msg.code, ProtocolError)(text), None)

@@ -1,0 +1,342 @@
+"""Zero-copy forwarding, the Consumer's two roles (``ipcsync.forward``; the interfaces
+are in ``handover.py``).
+
+Downstream (``Downstream``): FOREIGN opens another producer's arena (once per id,
+without taking the owner's per-export reference); FREADY buffers an item whose tensors
+are views of it. If that memory cannot be opened (its owner died, or closed past its
+timeout), the items referencing it are dropped with a warning and released, counted in
+``stats()["forwarded_lost"]``; a GPU this consumer cannot read is a ConfigError.
+
+Lending (``Lender``, the ``ForwardOrigin`` of the Consumer's items): ``take`` hands an
+item over to a forwarding Producer (the item counts as released here: no auto-release,
+``release()`` is a no-op, its upstream credit stays held). The Producer later calls
+``done`` from whatever thread processed the last downstream release, after ordering the
+stream on every downstream release event; the release event is recorded on that stream
+and the item queued; the queue is drained under the Consumer's lock by the next pump,
+which ``done`` wakes through an eventfd when that lock is busy. While lent items are
+out, the Consumer does not say BYE, its waits poll the forwarding Producers too
+(``lent``), and its ``close()`` waits (bounded) for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..backends import Arena
+from ..core import protocol as P
+from ..core.layout import Recipe
+from ..core.ratelog import RateLog
+from ..errors import ConfigError
+from .handover import CannotForward, ForwardSource, Pumpable
+
+__all__ = ["ForeignArena", "ForeignUse", "Downstream", "Wake", "Lender"]
+
+log = logging.getLogger("ipcsync")
+
+
+class ForeignArena:
+    """Another producer's arena, described by FOREIGN: open, or why it could not be."""
+
+    __slots__ = ("msg", "arena", "error")
+
+    def __init__(self, msg: P.Foreign, arena: Arena | None, error: str | None) -> None:
+        self.msg, self.arena, self.error = msg, arena, error
+
+
+class ForeignUse:
+    """What a buffered FREADY keeps in place of a Recipe (the Consumer calls ``build`` and
+    reads ``nbytes`` alike): the item's views are built in the foreign region."""
+
+    __slots__ = ("recipe", "entry", "view", "offset", "region_bytes", "nbytes")
+
+    def __init__(self, recipe: Recipe, entry: ForeignArena, view: torch.Tensor, offset: int,
+                 region_bytes: int) -> None:
+        self.recipe, self.entry, self.view = recipe, entry, view
+        self.offset, self.region_bytes = offset, region_bytes
+        self.nbytes = recipe.nbytes
+
+    def build(self, slot_index: int, slot: torch.Tensor) -> Any:
+        return self.recipe.build_at(self.view)
+
+
+class Downstream:
+    """The foreign arenas one Consumer opened, and its items that lie in them."""
+
+    __slots__ = ("backend", "name", "ratelog", "arenas", "uses", "lost")
+
+    def __init__(self, backend: Any, name: str, ratelog: RateLog) -> None:
+        self.backend, self.name, self.ratelog = backend, name, ratelog
+        self.arenas: dict[int, ForeignArena] = {}  # FOREIGN id -> arena
+        self.uses: dict[int, ForeignUse] = {}  # seq -> region, for items from FREADY
+        self.lost = 0  # FREADY items dropped: their memory could not be opened
+
+    def open(self, m: P.Foreign) -> ConfigError | None:
+        """Open the arena FOREIGN ``m`` describes (replacing an older one of its id). The
+        error to fail with when this consumer cannot read that GPU; an arena that cannot
+        be opened (its owner is gone) is kept as such: its items will be dropped."""
+        old = self.arenas.pop(m.fid, None)
+        if old is not None and old.arena is not None:
+            old.arena.close()  # items still viewing it keep their mapping
+        try:
+            where = self.backend.locate(m.device, need_access=True)
+        except ConfigError as exc:
+            return ConfigError(
+                f"producer on {self.name!r} forwards items that live in the memory of "
+                f"producer pid {m.pid} (GPU {m.device}), which this consumer cannot read: {exc}. "
+                "Have the forwarding stage copy them: ipcsync.forward(..., copy=True)")
+        arena: Arena | None = None
+        error: str | None = None
+        try:
+            arena = self.backend.open_borrowed_arena(m.handle, m.nbytes, where)
+        except Exception as exc:  # the owner is gone (or closed past its timeout)
+            error = str(exc)
+            self.ratelog.warning(
+                "foreign",
+                "ipcsync consumer %r: cannot open the memory of producer pid %d that items are "
+                "forwarded from (%s); items forwarded from it will be dropped",
+                self.name, m.pid, error)
+        self.arenas[m.fid] = ForeignArena(m, arena, error)
+        return None
+
+    def use(self, m: P.ForwardReady, recipe: Recipe) -> ForeignUse | None:
+        """Where FREADY ``m``'s item lies (kept until it is released or lent), or None when
+        its memory is gone: the caller drops the item and releases its slot at once."""
+        entry = self.arenas[m.fid]
+        if entry.arena is None:
+            self.lost += 1
+            self.ratelog.warning(
+                "foreign_lost", "ipcsync consumer %r dropped forwarded item %d (%d so far): the memory "
+                "of producer pid %d it lies in cannot be opened (%s)",
+                self.name, m.seq, self.lost, entry.msg.pid, entry.error)
+            return None
+        view = entry.arena.tensor[m.offset : m.offset + m.nbytes]
+        use = self.uses[m.seq] = ForeignUse(recipe, entry, view, m.offset, m.nbytes)
+        return use
+
+    def close(self) -> None:
+        """Drop the foreign arenas (on close and when the producer is lost); items still
+        held keep their own mappings."""
+        self.uses.clear()
+        for entry in self.arenas.values():
+            if entry.arena is not None:
+                try:
+                    entry.arena.close()
+                except Exception as exc:
+                    log.debug("ipcsync consumer: closing a foreign arena: %s", exc)
+        self.arenas.clear()
+
+
+class Wake:
+    """An eventfd that another thread writes to wake our poll. Closed when collected, not
+    at teardown: a thread that still holds a reference may be writing to it, and a closed
+    fd number can be reused by anything."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except OSError:  # not set (EAGAIN)
+            pass
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class _ProducerPort:
+    """``Pumpable`` over a Producer that does not offer it itself yet (it has no
+    ``sockets()``): the one place that reads a Producer's lock, channel and pump. Goes
+    once producer.py hands ``take`` its public port."""
+
+    __slots__ = ("producer", "lock")
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.lock = producer._lock
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.producer.closed)
+
+    def sockets(self) -> Sequence[Any]:
+        chan = self.producer._chan
+        return [chan.sock] if chan.mon is None else [chan.sock, chan.mon]
+
+    def pump(self) -> None:
+        self.producer._pump()
+
+
+def as_pumpable(out: Any) -> Pumpable:
+    """The ``Pumpable`` behind what ``take`` received."""
+    return out if hasattr(out, "sockets") else _ProducerPort(out)
+
+
+class Lender:
+    """The ``ForwardOrigin`` of one Consumer's items (``item.origin``): lends them to
+    forwarding Producers and takes them back. ``held`` and ``current`` are the consumer's
+    (its items held, and each iterating thread's current one); ``link`` its
+    ``ProducerLink`` (session, memory, foreign arenas, flush); ``lock`` its lock."""
+
+    __slots__ = ("lock", "device", "stream", "release", "link", "held", "current", "is_closed", "forwarded",
+                 "back", "wake", "outs")
+
+    def __init__(self, lock: threading.Lock, device: torch.device, stream: Any,
+                 release: Callable[[Any, Any], None], link: Any, held: dict[int, Any],
+                 current: dict[int, Any], is_closed: Callable[[], bool]) -> None:
+        self.lock = lock
+        self.device = device
+        self.stream = stream  # the stream the consumer orders its waits on (None: current)
+        self.release = release  # release(item, stream): what Item.release() calls
+        self.link, self.held, self.current, self.is_closed = link, held, current, is_closed
+        self.forwarded: dict[int, Any] = {}  # seq -> item lent to a forwarding Producer
+        self.back: deque[Any] = deque()  # lent items given back (appended by any thread)
+        self.wake: Wake | None = None  # among the consumer's wait fds, made at the first take
+        self.outs: dict[Any, Pumpable] = {}  # the Producers we lent to
+
+    # ------------------------------------------------------------------ ForwardOrigin
+    def take(self, item: Any, out: Any) -> ForwardSource:
+        """Hand ``item`` over to the Producer behind ``out``; returns where it lies; raises
+        CannotForward (nothing changed) if it cannot be. The caller holds no endpoint's
+        lock."""
+        with self.lock:
+            if self.is_closed():
+                raise CannotForward("the consumer it came from is closed")
+            s, mem = self.link.session, self.link.memory
+            if s.error is not None:
+                raise CannotForward(f"its producer is gone or broke the protocol ({s.error})")
+            if item.released or self.held.get(item.seq) is not item:
+                raise CannotForward(f"item {item.seq} is not held by its consumer")
+            setup = s.setup
+            uses = self.link.downstream.uses
+            use = uses.get(item.seq) if uses else None
+            if use is not None:  # itself forwarded to us: pass on the original owner's arena
+                m = use.entry.msg
+                src = ForwardSource(m.backend, m.device, m.pid, m.start_time, m.handle, m.nbytes,
+                                    use.offset, use.region_bytes, use.view, mem.ready_events[item.slot])
+            else:
+                a, off, n = setup.slots[item.slot]
+                src = ForwardSource(setup.backend, setup.device, setup.pid, setup.start_time, setup.arenas[a],
+                                    setup.arena_bytes[a], off, n, mem.slot_views[item.slot],
+                                    mem.ready_events[item.slot])
+            if self.wake is None:
+                self.wake = Wake()
+            if out not in self.outs:
+                self.outs[out] = as_pumpable(out)
+            # Ownership moves: no auto-release, release() is a no-op; the credit stays held.
+            item.released = True
+            del self.held[item.seq]
+            self.forwarded[item.seq] = item
+            for tid, cur in list(self.current.items()):
+                if cur is item:
+                    del self.current[tid]
+            return src
+
+    def undo(self, item: Any) -> None:
+        """The forwarding Producer could not send ``item`` after all: take it back."""
+        with self.lock:
+            if self.forwarded.pop(item.seq, None) is item and not self.is_closed():
+                item.released = False
+                self.held[item.seq] = item
+
+    def done(self, item: Any, stream: Any) -> None:
+        """Every downstream holder released ``item`` and ``stream`` is ordered after their
+        release events: record our release event there and queue the RELEASE. Called
+        from any thread holding its own lock, so it never waits for ours: the queue is
+        drained now if our lock is free, else by the pump that the eventfd wakes."""
+        self._record(item, stream)
+        self.back.append(item)
+        if self.lock.acquire(blocking=False):
+            try:
+                if not self.is_closed():
+                    self.drain()
+            finally:
+                self.lock.release()
+            return
+        wake = self.wake
+        if wake is not None:
+            wake.set()
+
+    # The names producer.py still calls (until it calls take/undo/done).
+    _forward_take = take
+    _forward_undo = undo
+    _forward_done = done
+
+    # ------------------------------------------------------------------ the consumer's side
+    def _record(self, item: Any, stream: Any) -> None:
+        if self.link.session.error is None and not self.is_closed():
+            try:
+                self.link.memory.release_events[item.slot].record(stream)
+            except IndexError:  # torn down meanwhile
+                pass
+
+    def _give_back(self, items: list[Any]) -> None:
+        """Queue the RELEASEs of ``items`` and send them. Lock held."""
+        uses, pending = self.link.downstream.uses, self.link.session.pending
+        for item in items:
+            if uses:
+                uses.pop(item.seq, None)
+            pending.append((item.seq, item.slot, item.gen))
+        self.link.flush_releases()
+
+    def drain(self) -> None:
+        """Release upstream the lent items that came back. Lock held."""
+        if self.wake is not None:
+            self.wake.clear()
+        back = self.back
+        if not back:
+            return
+        items = []
+        while back:
+            item = back.popleft()
+            if self.forwarded.pop(item.seq, None) is not None:
+                items.append(item)
+        self._give_back(items)
+
+    def lent(self) -> list[Pumpable]:
+        """The forwarding Producers to poll while lent items are out (closed ones dropped).
+        Lock held."""
+        if not self.forwarded:
+            return []
+        for key, port in list(self.outs.items()):
+            if port.closed:
+                del self.outs[key]
+        return list(self.outs.values())
+
+    def close(self, wait: Callable[[Callable[[], bool]], Any], name: str) -> None:
+        """close() with lent items still held downstream: ``wait(done)`` for the
+        forwarding Producers to give them back, then release what is left, with a
+        warning. Lock held."""
+        s = self.link.session
+        if s.error is None and s.exchanging:
+            wait(lambda: not self.forwarded or s.error is not None)
+        self.drain()
+        if self.forwarded:
+            log.warning(
+                "ipcsync consumer %r closing while %d item(s) it forwarded zero-copy are still held "
+                "downstream; releasing them to the producer, which may now overwrite memory those "
+                "consumers read (close the forwarding Producer before this Consumer)",
+                name, len(self.forwarded))
+            items = list(self.forwarded.values())
+            self.forwarded.clear()
+            for item in items:
+                if s.error is None:
+                    self.link.memory.release_events[item.slot].record(self.stream)
+            self._give_back(items)

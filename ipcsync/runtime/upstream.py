@@ -1,0 +1,326 @@
+"""The consumer's I/O toward its producer (``ProducerLink``), around the session's rules
+(``core.consumer_session``): what HELLO says about this process, who answered the
+handshake (or why nobody did), the producer's memory and events opened at SETUP, the
+foreign arenas FOREIGN names, the producer's liveness, and the stale socket files of a
+dead producer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from ..backends import Arena, Event
+from ..backends.cpu import reclaim_dead_segments, segment_owner
+from ..core import protocol as P
+from ..core.consumer_session import ConsumerSession, ForeignReceived, SetupReceived
+from ..core.liveness import Verdict
+from ..core.protocol import ErrorCode
+from ..core.ratelog import RateLog
+from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError
+from . import host
+from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
+from .foreign import Downstream
+
+__all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "remove_stale_endpoint",
+           "ProducerLink"]
+
+log = logging.getLogger("ipcsync")
+
+
+def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
+    """HELLO: who this consumer is (process identity, host) and where it runs."""
+    pid = os.getpid()
+    return P.Hello(
+        version=P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.boot_id(),
+        pid_ns=host.pid_namespace(), backend=backend.name, device=backend.device_identity(),
+        credits=credits, heartbeat_ms=int(heartbeat * 1000),
+    )
+
+
+def unanswered_error(endpoint: Endpoint, t: float | None) -> IpcSyncError:
+    """The handshake timed out: say why where the socket file can tell."""
+    text = f"no producer answered on endpoint {endpoint.name!r} ({endpoint.url}) within {t} s"
+    why = diagnose_unanswered(endpoint)
+    if why is not None and why[0]:
+        return ConfigError(f"{text}: {why[1]}")
+    if why is not None:
+        return IpcTimeoutError(f"{text}: {why[1]}; is it running, with the same name?")
+    return IpcTimeoutError(f"{text}; is it running, with the same name?")
+
+
+def identity_problem(endpoint: Endpoint, connection_fd: int, backend_name: str, s: P.Setup) -> str | None:
+    """Who answered must be the producer the SETUP describes, of this user (see
+    ``channel.producer_identity_problem``); on the CPU backend its arenas must be named
+    after its pid (the segment's owner uid is checked when it is opened)."""
+    problem = producer_identity_problem(endpoint, connection_fd, s.pid, s.pid_ns)
+    if problem is None and backend_name == "cpu":
+        for handle in s.arenas:
+            owner = segment_owner(handle) if type(handle) is str else None
+            if owner is not None and owner.pid != s.pid:
+                return (f"the producer on {endpoint.name!r} (pid {s.pid}) names shared memory "
+                        f"{handle} of pid {owner.pid}; refusing it")
+    return problem
+
+
+class RingMemory:
+    """The producer's ring as this consumer sees it: its arenas, a view per slot, its ready
+    events, and our release events (one per slot)."""
+
+    __slots__ = ("arenas", "slot_views", "ready_events", "release_events")
+
+    def __init__(self) -> None:
+        self.arenas: list[Arena] = []
+        self.slot_views: list[torch.Tensor] = []
+        self.ready_events: list[Event] = []
+        self.release_events: list[Event] = []
+
+    def open(self, backend: Any, s: P.Setup, where: Any) -> None:
+        """Open what SETUP ``s`` exports (``where``: the device its memory lies on).
+        BackendError if it cannot be."""
+        try:
+            self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
+            self.slot_views = [self.arenas[a].tensor[off : off + n] for a, off, n in s.slots]
+            self.ready_events = [backend.open_event(h) for h in s.ready_events]
+            self.release_events = [backend.create_event() for _ in s.slots]
+        except IpcSyncError as exc:
+            raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
+
+    def let_go(self) -> None:
+        """Drop the slot views and close the arena imports (tensors the user still holds
+        keep their memory mapped until they go)."""
+        self.slot_views = []
+        arenas, self.arenas = self.arenas, []
+        for arena in arenas:
+            try:
+                arena.close()
+            except Exception as exc:  # best effort
+                log.debug("ipcsync consumer: closing an arena: %s", exc)
+
+    def drop_events(self) -> None:
+        self.ready_events = []
+        self.release_events = []
+
+
+def remove_stale_endpoint(endpoint: Endpoint, setup: P.Setup | None, alive: Callable[[], bool],
+                          wait: float) -> None:
+    """Whoever notices a dead producer removes its stale socket files. A killed process
+    keeps its files (and its bind lock) until its last thread has exited, which can be
+    after its main thread shows as a zombie: retry for up to ``wait`` seconds."""
+    if setup is None or setup.pid_ns != host.pid_namespace():
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        if not any(os.path.exists(f) for f in (endpoint.path, endpoint.lock_path) if f):
+            return  # removed already (by us, another consumer or a successor's bind)
+        if not alive() and remove_stale(endpoint):
+            log.debug("ipcsync consumer: removed stale endpoint %s", endpoint.path)
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
+class ProducerLink:
+    """One consumer's connection to its producer: the channel, the session's frames in and
+    out, the ring's memory and the foreign arenas opened as the session asks, and the
+    producer's liveness. Every method runs under the consumer's lock.
+
+    ``held``: the consumer's items held now (read to know when to say BYE); ``lender``:
+    its ForwardOrigin (``forwarded``, ``wake`` and ``drain`` are read here)."""
+
+    def __init__(self, endpoint: Endpoint, chan: Any, session: ConsumerSession, backend: Any, stream: Any,
+                 ratelog: RateLog, held: dict[int, Any]) -> None:
+        self.endpoint, self.chan, self.session = endpoint, chan, session
+        self.backend, self.stream, self.ratelog, self.held = backend, stream, ratelog, held
+        self.memory = RingMemory()
+        self.downstream = Downstream(backend, endpoint.name, ratelog)
+        self.watch: host.ProcessWatch | None = None  # set at SETUP (same PID namespace)
+        self.lender: Any = None  # set by the consumer
+
+    # ------------------------------------------------------------------ sends
+    def send(self, frame: bytes) -> bool:
+        ok = self.chan.send(frame)
+        if ok:
+            self.session.clock.last_send = time.monotonic()  # (clock.spoke, inlined: per batch)
+        return ok
+
+    def send_errors(self) -> None:
+        outbox = self.session.outbox
+        for frame in outbox:
+            try:
+                self.chan.send(frame)
+            except zmq.ZMQError:
+                pass
+        outbox.clear()
+
+    def fail(self, error: IpcSyncError, code: str | None) -> None:
+        """Record a fatal error; tell the producer if it is ours to report."""
+        self.session.fail(error, code)
+        self.send_errors()
+
+    def flush_releases(self) -> None:
+        # Runs once per release batch: send and session.sent_releases are inlined (two
+        # Python calls here, as many as before the session took the rules over).
+        s = self.session
+        out = s.release_frame()
+        if out is not None and self.chan.send(out[0]):
+            s.clock.last_send = time.monotonic()
+            del s.pending[: out[1]]
+
+    def say_bye(self) -> None:
+        """Nothing is held (every caller releases first)."""
+        frame = self.session.bye()
+        if frame is not None:
+            self.let_go_of_memory()
+            self.send(frame)
+
+    def let_go_of_memory(self) -> None:
+        """Drop our references to the producer's memory (slot views, the recipes' cached
+        views, the arena imports, foreign arenas) before our BYE, after which the producer
+        may free its arena and exit: with CUDA, torch then drops its IPC reference to the
+        arena now, instead of the producer exiting first and torch warning there ("Producer
+        process has been terminated before all shared CUDA tensors released"). Tensors the
+        user still holds keep their memory mapped until they go."""
+        self.session.recipes.clear()
+        self.session.frecipes.clear()
+        self.memory.let_go()
+        self.downstream.close()
+
+    # ------------------------------------------------------------------ receives
+    def pump(self) -> None:
+        """Handle everything that has arrived, without blocking."""
+        lender, s = self.lender, self.session
+        if lender.wake is not None:
+            lender.drain()
+        dropped = False
+        for ev, _fd in self.chan.events():
+            if ev == zmq.EVENT_DISCONNECTED:
+                dropped = s.disconnected() or dropped
+            elif ev == zmq.EVENT_CONNECTED:
+                frame = s.connected()
+                if frame is not None:
+                    self.send(frame)
+        recv, receive = self.chan.recv, s.receive
+        heard = False
+        for _ in range(10_000):
+            if s.error is not None:
+                break
+            frames = recv()
+            if frames is None:
+                break
+            heard = True
+            event = receive(frames)
+            if event is not None:
+                self.on_event(event)
+        if heard:
+            s.clock.heard(time.monotonic())
+        if s.outbox:
+            self.send_errors()
+        # Frames that arrived before the disconnect count (a BYE then a close is clean).
+        if dropped and s.closed_by_peer():
+            self.on_lost()
+        if s.error is None:
+            if not s.ready:
+                self.flush_releases()
+            if s.finished(bool(self.held) or bool(lender.forwarded)):
+                self.say_bye()
+
+    def on_event(self, event: Any) -> None:
+        kind = type(event)
+        if kind is SetupReceived:
+            self.on_setup(event.setup)
+        elif kind is ForeignReceived:
+            error = self.downstream.open(event.msg)
+            if error is not None:
+                self.fail(error, ErrorCode.DEVICE)
+        else:  # ForwardedReceived
+            m = event.msg
+            use = self.downstream.use(m, event.recipe)
+            if use is None:  # its memory is gone: drop it, give the slot back at once
+                self.memory.release_events[m.slot].record(self.stream)
+                self.session.pending.append((m.seq, m.slot, m.gen))
+            else:
+                self.session.ready.append((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))
+
+    def on_setup(self, s: P.Setup) -> None:
+        problem = identity_problem(self.endpoint, self.chan.current_connection_fd(), self.backend.name, s)
+        if problem is not None:
+            self.fail(ConfigError(problem), ErrorCode.IDENTITY)
+            return
+        if not self.session.validate_setup(s):
+            self.send_errors()
+            return
+        try:
+            # The producer's GPU may be another one of this host (peer access required);
+            # items are then views of its memory, on its device.
+            where = self.backend.locate(s.device, need_access=True)
+        except ConfigError as exc:
+            self.fail(exc, ErrorCode.DEVICE)
+            return
+        try:
+            self.memory.open(self.backend, s, where)
+        except BackendError as exc:
+            self.fail(exc, ErrorCode.BACKEND)
+            return
+        if s.pid_ns == host.pid_namespace():
+            self.watch = host.ProcessWatch(s.pid, s.start_time)
+        self.send(self.session.attach(s, [e.handle() for e in self.memory.release_events]))
+
+    # ------------------------------------------------------------------ liveness
+    def producer_alive(self) -> bool:
+        """False only when the producer's process is provably gone."""
+        w = self.watch
+        return w is None or not w.gone()  # None: cannot tell from here
+
+    def tick(self, now: float) -> None:
+        s = self.session
+        gone = (not self.producer_alive()) if s.watching else None
+        verdict, frame = s.tick(now, gone)
+        if verdict is Verdict.LOST:
+            self.on_lost()
+            return
+        if verdict is Verdict.STALLED:
+            # A silent producer whose process lives is stalled (paused, a long GC,
+            # SIGSTOP), not lost: waited for, reported.
+            self.ratelog.warning("stalled",
+                                 "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
+                                 "(heartbeat %.2f s) but its process is alive: stalled, waiting",
+                                 self.endpoint.name, s.setup.pid, s.clock.silent_for(now), s.clock.heartbeat)
+        elif verdict is Verdict.ANSWERING:
+            log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, s.setup.pid)
+        if frame is not None:
+            self.send(frame)
+
+    def on_lost(self) -> None:
+        """The session declared the producer lost: the I/O side of it."""
+        self.downstream.close()  # items still held keep their own mappings
+        # Stop ZeroMQ from silently reconnecting to a successor on the same path.
+        try:
+            self.chan.sock.disconnect(self.endpoint.url)
+        except zmq.ZMQError:
+            pass
+        self.remove_stale(0.0)
+        reclaim_dead_segments()  # a dead producer's /dev/shm arena, whoever tracks it
+
+    def remove_stale(self, wait: float) -> None:
+        remove_stale_endpoint(self.endpoint, self.session.setup, self.producer_alive, wait)
+
+    def teardown(self) -> None:
+        error = self.session.error
+        if isinstance(error, PeerLostError) and not isinstance(error, ProducerFailedError):
+            self.remove_stale(0.5)
+        self.session.ready.clear()
+        self.let_go_of_memory()
+        if self.watch is not None:
+            self.watch.close()
+        self.memory.drop_events()
+        for closer in (self.chan.close, self.backend.collect):
+            try:
+                closer()
+            except Exception as exc:
+                log.debug("ipcsync consumer teardown: %s", exc)
