@@ -98,11 +98,6 @@ class Item:
         self.source = source
         self.origin = origin
 
-    @property
-    def _consumer(self) -> "Lender":
-        # The name producer.py still uses for ``origin`` (until it reads ``origin``).
-        return self.origin
-
     def __getitem__(self, key: Any) -> Any:
         if self.released:
             raise ClosedError(f"item {self.seq} was released; its slot may hold another item now")

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -161,34 +161,6 @@ class Wake:
             pass
 
 
-class _ProducerPort:
-    """``Pumpable`` over a Producer that does not offer it itself yet (it has no
-    ``sockets()``): the one place that reads a Producer's lock, channel and pump. Goes
-    once producer.py hands ``take`` its public port."""
-
-    __slots__ = ("producer", "lock")
-
-    def __init__(self, producer: Any) -> None:
-        self.producer = producer
-        self.lock = producer._lock
-
-    @property
-    def closed(self) -> bool:
-        return bool(self.producer.closed)
-
-    def sockets(self) -> Sequence[Any]:
-        chan = self.producer._chan
-        return [chan.sock] if chan.mon is None else [chan.sock, chan.mon]
-
-    def pump(self) -> None:
-        self.producer._pump()
-
-
-def as_pumpable(out: Any) -> Pumpable:
-    """The ``Pumpable`` behind what ``take`` received."""
-    return out if hasattr(out, "sockets") else _ProducerPort(out)
-
-
 class Lender:
     """The ``ForwardOrigin`` of one Consumer's items (``item.origin``): lends them to
     forwarding Producers and takes them back. ``held`` and ``current`` are the consumer's
@@ -212,7 +184,7 @@ class Lender:
         self.outs: dict[Any, Pumpable] = {}  # the Producers we lent to
 
     # ------------------------------------------------------------------ ForwardOrigin
-    def take(self, item: Any, out: Any) -> ForwardSource:
+    def take(self, item: Any, out: Pumpable) -> ForwardSource:
         """Hand ``item`` over to the Producer behind ``out``; returns where it lies; raises
         CannotForward (nothing changed) if it cannot be. The caller holds no endpoint's
         lock."""
@@ -239,7 +211,7 @@ class Lender:
             if self.wake is None:
                 self.wake = Wake()
             if out not in self.outs:
-                self.outs[out] = as_pumpable(out)
+                self.outs[out] = out
             # Ownership moves: no auto-release, release() is a no-op; the credit stays held.
             item.released = True
             del self.held[item.seq]
@@ -273,11 +245,6 @@ class Lender:
         wake = self.wake
         if wake is not None:
             wake.set()
-
-    # The names producer.py still calls (until it calls take/undo/done).
-    _forward_take = take
-    _forward_undo = undo
-    _forward_done = done
 
     # ------------------------------------------------------------------ the consumer's side
     def _record(self, item: Any, stream: Any) -> None:

@@ -25,7 +25,6 @@ from . import host
 from .admission import credentials_problem, hello_problem, watch_for
 from .channel import ProducerChannel
 from .forwarder import Forwarder
-from .handover import ForwardOrigin
 from .peers import Peer, PeerTable
 from .slots import Handoffs
 
@@ -241,8 +240,9 @@ class ProducerPort:
                 stream: Any = None) -> int:
         """``ipcsync.forward``'s zero-copy path (see ``runtime.forwarder``). Takes the lock.
         CannotForward: nothing was sent and ``item`` is untouched."""
-        origin = origin_of(item, self.owner)
-        return self.forwarder.forward(item, message, meta, timeout, stream, self, origin)
+        # The item's lender, reached only through the ForwardOrigin protocol; this port is
+        # the Pumpable it polls while the item is out.
+        return self.forwarder.forward(item, message, meta, timeout, stream, self, item.origin)
 
     def open_slot(self, spec: dict[str, Any], timeout: float | None, stream: Any) -> tuple[SlotTicket, Any]:
         """Steps 1-2 for a ``Producer.slot()`` block: reserve a slot, order it after its
@@ -281,34 +281,3 @@ class ProducerPort:
                 raise
             finally:
                 self.touch()
-
-
-def origin_of(item: Any, out: Any) -> ForwardOrigin:
-    """The ``ForwardOrigin`` that lent ``item``: its public ``origin``. Items of a
-    Consumer that does not yet set ``origin`` are reached through a transitional adapter."""
-    origin = getattr(item, "origin", None)
-    if origin is not None:
-        return origin  # type: ignore[no-any-return]
-    return _LegacyOrigin(item, out)
-
-
-class _LegacyOrigin:
-    """Transitional: the lending Consumer through its pre-``origin`` methods, until Item
-    carries ``origin`` (then this class goes)."""
-
-    def __init__(self, item: Any, out: Any) -> None:
-        self.consumer = item._consumer
-        self.out = out  # the Producer: what that Consumer's waits use today
-
-    @property
-    def device(self) -> Any:
-        return self.consumer.device
-
-    def take(self, item: Any, _port: Any) -> Any:
-        return self.consumer._forward_take(item, self.out)
-
-    def undo(self, item: Any) -> None:
-        self.consumer._forward_undo(item)
-
-    def done(self, item: Any, stream: Any) -> None:
-        self.consumer._forward_done(item, stream)

@@ -19,6 +19,8 @@ import logging
 import select
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ..limits import WAIT_MODES  # the one definition (the launcher checks specs against it)
+
 if TYPE_CHECKING:  # (this module loads neither torch nor zmq: the launcher's spec imports it)
     from .handover import Pumpable
 
@@ -26,7 +28,6 @@ __all__ = ["WAIT_MODES", "EVENT_SPIN_S", "Poller", "SourcePort", "wait_ready_eve
 
 log = logging.getLogger("ipcsync")
 
-from ..limits import WAIT_MODES  # the one definition (the launcher checks specs against it)
 # How long a wait on a GPU event polls it without sleeping first: such an event is usually
 # complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
 EVENT_SPIN_S = 50e-6
