@@ -46,27 +46,14 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __geta
 __version__ = "0.1.0"
 
 __all__ = [
-    "Producer",
-    "Consumer",
-    "Item",
-    "FanIn",
-    "forward",
-    "CurveKeys",
-    "SlotWriter",
-    "IpcEvent",
-    "export_tensor",
-    "import_tensor",
-    "IpcSyncError",
-    "ProtocolError",
-    "PeerLostError",
-    "ProducerFailedError",
-    "ClosedError",
-    "IpcTimeoutError",
-    "ConfigError",
-    "BackendError",
-    "PROTOCOL_VERSION",
-    "Limits",
-    "__version__",
+    # endpoints and what they hand out
+    "Producer", "Consumer", "Item", "FanIn", "forward", "CurveKeys", "SlotWriter",
+    # the low-level layer
+    "IpcEvent", "export_tensor", "import_tensor",
+    # the one exception tree (ipcsync.errors)
+    "IpcSyncError", "ProtocolError", "PeerLostError", "ProducerFailedError", "ClosedError",
+    "IpcTimeoutError", "ConfigError", "BackendError",
+    "PROTOCOL_VERSION", "Limits", "__version__",
 ]
 
 # public name -> the submodule that defines it (loaded on first access)

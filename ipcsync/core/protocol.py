@@ -370,11 +370,11 @@ class Setup:
 
     TYPE: ClassVar[int] = MsgType.SETUP
     version: int
-    pid: int
+    pid: int  # the producer; with start_time, checked against the connection's peer
     start_time: int
     pid_ns: str
     backend: str
-    device: str | None
+    device: str | None  # the GPU UUID of the arenas (None on the CPU backend)
     arenas: list[bytes | str]  # backend handles, one per arena
     arena_bytes: list[int]  # size of each arena
     slots: list[tuple[int, int, int]]  # per slot: (arena index, byte offset, nbytes)
@@ -728,41 +728,19 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
 
 # State machine of one connection, as data: (role, state) -> {received type: next state}.
 # A message type absent from a state's table is a protocol violation in that state.
+# BYE or ERROR ends a connection in every state but the consumer's "ending" (after the
+# producer's BYE it still releases what it holds, then says BYE, which the producer acks).
+_ENDS: Final = {Bye: State.CLOSED, Error: State.CLOSED}
 TRANSITIONS: Final[dict[tuple[str, State], dict[type, State]]] = {
-    ("producer", State.AWAIT_HELLO): {Hello: State.AWAIT_ATTACH, Bye: State.CLOSED, Error: State.CLOSED},
-    ("producer", State.AWAIT_ATTACH): {
-        Attach: State.ACTIVE,
-        Heartbeat: State.AWAIT_ATTACH,
-        Bye: State.CLOSED,
-        Error: State.CLOSED,
-    },
-    ("producer", State.ACTIVE): {
-        Release: State.ACTIVE,
-        Heartbeat: State.ACTIVE,
-        Bye: State.CLOSED,
-        Error: State.CLOSED,
-    },
-    ("consumer", State.AWAIT_SETUP): {
-        Setup: State.ACTIVE,
-        Heartbeat: State.AWAIT_SETUP,
-        Bye: State.CLOSED,
-        Error: State.CLOSED,
-    },
+    ("producer", State.AWAIT_HELLO): {Hello: State.AWAIT_ATTACH, **_ENDS},
+    ("producer", State.AWAIT_ATTACH): {Attach: State.ACTIVE, Heartbeat: State.AWAIT_ATTACH, **_ENDS},
+    ("producer", State.ACTIVE): {Release: State.ACTIVE, Heartbeat: State.ACTIVE, **_ENDS},
+    ("consumer", State.AWAIT_SETUP): {Setup: State.ACTIVE, Heartbeat: State.AWAIT_SETUP, **_ENDS},
     ("consumer", State.ACTIVE): {
-        Ready: State.ACTIVE,
-        Foreign: State.ACTIVE,
-        ForwardReady: State.ACTIVE,
-        Heartbeat: State.ACTIVE,
-        Bye: State.ENDING,
-        Error: State.CLOSED,
+        Ready: State.ACTIVE, Foreign: State.ACTIVE, ForwardReady: State.ACTIVE, Heartbeat: State.ACTIVE,
+        Bye: State.ENDING, Error: State.CLOSED,
     },
-    # After the producer's BYE: no more items; the consumer still releases what it holds,
-    # then says BYE, which the producer acknowledges with a BYE of its own.
-    ("consumer", State.ENDING): {
-        Heartbeat: State.ENDING,
-        Bye: State.ENDING,
-        Error: State.CLOSED,
-    },
+    ("consumer", State.ENDING): {Heartbeat: State.ENDING, Bye: State.ENDING, Error: State.CLOSED},
 }
 _INITIAL: Final = {"producer": State.AWAIT_HELLO, "consumer": State.AWAIT_SETUP}
 

@@ -13,7 +13,20 @@ import logging
 import time
 from typing import Any, Callable
 
-__all__ = ["RateLog"]
+__all__ = ["RateLog", "best_effort"]
+
+_log = logging.getLogger("ipcsync")
+
+
+def best_effort(what: str, *steps: Callable[[], Any]) -> None:
+    """Run each cleanup step in turn; one that raises is logged at debug level, naming
+    ``what`` was being cleaned up, and the others still run. Never raises (a close or a
+    teardown must not fail because one resource was already gone)."""
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            _log.debug("ipcsync %s: %s", what, exc)
 
 
 class RateLog:

@@ -31,7 +31,7 @@ import torch
 from ..backends import Arena
 from ..core import protocol as P
 from ..core.layout import Recipe
-from ..core.ratelog import RateLog
+from ..core.ratelog import RateLog, best_effort
 from ..errors import ConfigError
 from .handover import CannotForward, ForwardSource, Pumpable
 
@@ -123,12 +123,8 @@ class Downstream:
         """Drop the foreign arenas (on close and when the producer is lost); items still
         held keep their own mappings."""
         self.uses.clear()
-        for entry in self.arenas.values():
-            if entry.arena is not None:
-                try:
-                    entry.arena.close()
-                except Exception as exc:
-                    log.debug("ipcsync consumer: closing a foreign arena: %s", exc)
+        best_effort("consumer: closing a foreign arena",
+                    *(e.arena.close for e in self.arenas.values() if e.arena is not None))
         self.arenas.clear()
 
 

@@ -20,6 +20,7 @@ from ..backends import Arena, Backend
 from ..core import protocol as P
 from ..core.producer_session import Kind, ProducerSession
 from ..core.ring import Acquired
+from ..core.ratelog import best_effort
 from ..errors import ProtocolError
 from . import host
 from .admission import credentials_problem, hello_problem, watch_for
@@ -213,10 +214,7 @@ class ProducerPort:
     def teardown(self, linger_ms: int = 0) -> None:
         """Free everything (the Producer's ``_teardown``). ``linger_ms``: how long frames
         already sent may still go out after the socket is closed."""
-        try:
-            self.forwarder.abandon()
-        except Exception as exc:
-            log.debug("ipcsync producer teardown: %s", exc)
+        best_effort("producer teardown", self.forwarder.abandon)
         self.peers.close()
         if linger_ms:
             try:
@@ -229,11 +227,7 @@ class ProducerPort:
         # warn "Producer process has been terminated before all shared CUDA tensors released".
         self.handoffs.plans.clear()
         self.handoffs.slot_views.clear()
-        for closer in (self.chan.close, self.arena.close, self.backend.collect, self.backend.close):
-            try:
-                closer()
-            except Exception as exc:
-                log.debug("ipcsync producer teardown: %s", exc)
+        best_effort("producer teardown", self.chan.close, self.arena.close, self.backend.collect, self.backend.close)
 
     # ------------------------------------------------------------------ entries
     def forward(self, item: Any, message: Any, meta: Any = None, timeout: float | None = None,

@@ -20,7 +20,7 @@ from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession, ForeignReceived, SetupReceived
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
-from ..core.ratelog import RateLog
+from ..core.ratelog import RateLog, best_effort
 from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError
 from . import host
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
@@ -95,11 +95,7 @@ class RingMemory:
         keep their memory mapped until they go)."""
         self.slot_views = []
         arenas, self.arenas = self.arenas, []
-        for arena in arenas:
-            try:
-                arena.close()
-            except Exception as exc:  # best effort
-                log.debug("ipcsync consumer: closing an arena: %s", exc)
+        best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
     def drop_events(self) -> None:
         self.ready_events = []
@@ -319,8 +315,4 @@ class ProducerLink:
         if self.watch is not None:
             self.watch.close()
         self.memory.drop_events()
-        for closer in (self.chan.close, self.backend.collect):
-            try:
-                closer()
-            except Exception as exc:
-                log.debug("ipcsync consumer teardown: %s", exc)
+        best_effort("consumer teardown", self.chan.close, self.backend.collect)

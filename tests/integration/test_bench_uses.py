@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from test_pngchart import count, read_png
-
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "bench.py"
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the PNG reader of the chart's unit tests
+from test_pngchart import count, read_png  # noqa: E402
 import bench  # noqa: E402
 import pngchart  # noqa: E402
 
