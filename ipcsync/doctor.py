@@ -641,9 +641,11 @@ def cuda_ipc_probe(timeout: float = DEFAULT_IPC_TIMEOUT) -> Check:
         seen = importer.read(deadline)
         exporter.send({"verify": True})
         back = exporter.read(deadline)
-        importer.send({"exit": True})
-        exporter.send({"exit": True})
-        for child in children:
+        # The importer goes first: torch counts its references to the exporter's memory,
+        # and an exporter that exits while they are held warns ("Producer process has been
+        # terminated before all shared CUDA tensors released").
+        for child in (importer, exporter):
+            child.send({"exit": True})
             child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except (OSError, ValueError, RuntimeError, TimeoutError, EOFError, subprocess.TimeoutExpired) as exc:
         log.debug("CUDA IPC probe failed", exc_info=True)
@@ -703,6 +705,8 @@ def probe_child(role: str) -> None:
                 seen = [int(t[0].item()) for t, _ in keep]
                 ok = all(bool((t == PROBE_VALUE + i + 1).all().item()) for i, (t, _) in enumerate(keep))
                 _say({"ok": ok, "seen": seen})
+            keep.clear()  # the importer has exited: its references are gone
+            torch.cuda.ipc_collect()
         elif role == "import":
             for offer_msg in _lines_in():
                 seen, ok = [], True
