@@ -362,7 +362,7 @@ class Procs:
         with ``env`` added to the environment."""
         full = dict(os.environ)
         full.update(env or {})
-        full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
+        full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
         full["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
             [sys.executable, "-c", _LAUNCH, module, role, json.dumps(args)],
