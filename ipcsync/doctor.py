@@ -12,7 +12,7 @@ found and, for WARN and FAIL, the fix. The checks:
   edge: slots x slot_bytes x replicas of the producing stage; arenas of GPU stages live in
   GPU memory); a container hint (``--shm-size``, ``--ipc=host``) where it is small.
 - the runtime directory, where bare endpoint names live (chosen as
-  ``ipcsync.runtime.channel.runtime_dir`` chooses it), and the ipc path length it leaves.
+  ``ipcsync.runtime.paths.runtime_dir`` chooses it), and the ipc path length it leaves.
 - ``RLIMIT_NOFILE``.
 - versions: Python, torch, pyzmq and libzmq, msgpack, numpy.
 - namespaces: a container, and whether PID 1 is the init of a private PID namespace.
@@ -234,7 +234,7 @@ def check_shm(spec: Any = None, shm_dir: str = SHM_DIR, gpus: int | None = None)
 # --------------------------------------------------------------------------- runtime dir
 def runtime_dir_path() -> tuple[str, str]:
     """The runtime directory ipcsync would use and why, without creating or changing it
-    (the choice ``ipcsync.runtime.channel.runtime_dir`` makes): ``$IPCSYNC_RUNTIME_DIR``,
+    (the choice ``ipcsync.runtime.paths.runtime_dir`` makes): ``$IPCSYNC_RUNTIME_DIR``,
     else ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``."""
     explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
     if explicit:

@@ -10,7 +10,8 @@ Two ways, chosen per call (``copy=``):
   to export imported memory, but the original handle opens anywhere) and read it there.
   The upstream slot is released only once every downstream holder has released the
   item: on the forwarding stream, after waiting on each downstream release event (see
-  ``ipcsync/producer.py`` for the ordering invariants). Until then the item counts
+  ``ipcsync/core/forwarding.py`` for the forwarding invariants and
+  ``ipcsync/runtime/slots.py`` for the handoff steps). Until then the item counts
   against the middle stage's credits upstream: the middle holds at most ``out.slots``
   upstream items at once, and a downstream consumer can hold at most
   ``min(upstream slots, out.slots)`` forwarded items at once (one that waits for more

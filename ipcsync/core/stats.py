@@ -13,8 +13,8 @@ __all__ = ["Stats"]
 class Stats:
     """Handoffs, bytes, latency samples and time spent waiting, by cause."""
 
-    def __init__(self, window: int = 4096) -> None:
-        self.started = time.monotonic()
+    def __init__(self, window: int = 4096, *, now: float | None = None) -> None:
+        self.started = time.monotonic() if now is None else now
         self.handoffs = 0
         self.bytes = 0
         self.latencies: deque[float] = deque(maxlen=window)  # seconds, newest last
@@ -36,8 +36,10 @@ class Stats:
     def waited(self, cause: str, seconds: float) -> None:
         self.waiting[cause] = self.waiting.get(cause, 0.0) + seconds
 
-    def snapshot(self, **extra: Any) -> dict[str, Any]:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+    def snapshot(self, *, now: float | None = None, **extra: Any) -> dict[str, Any]:
+        """The counters as a dict (``extra`` added as is). ``now``: the monotonic time to
+        compute rates at (default: the clock's)."""
+        elapsed = max((time.monotonic() if now is None else now) - self.started, 1e-9)
         lat = sorted(self.latencies)
 
         def pct(p: float) -> float | None:

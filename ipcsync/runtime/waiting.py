@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..limits import WAIT_MODES  # the one definition (the launcher checks specs against it)
 
-if TYPE_CHECKING:  # (this module loads neither torch nor zmq: the launcher's spec imports it)
+if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
     from .handover import Pumpable
 
 __all__ = ["WAIT_MODES", "EVENT_SPIN_S", "Poller", "SourcePort", "wait_ready_event"]
