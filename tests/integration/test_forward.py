@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import ipcsync
-import peers
+from peers.common import check, expected, say
 
 pytestmark = pytest.mark.timeout(90)
 
-SIZE = 16  # peers.expected(i, SIZE): the upstream's item i
+SIZE = 16  # expected(i, SIZE): the upstream's item i
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -40,12 +40,12 @@ def start_role(procs: Any, role: str, **args: Any) -> Any:
 
 
 def part(t: Any) -> dict[str, Any]:
-    """The part of peers.expected(i) the partial forward sends: a slice and a strided view."""
+    """The part of expected(i) the partial forward sends: a slice and a strided view."""
     return {"a": t["a"][3:11], "c": t["c"]}
 
 
 def check_part(got: Any, i: int, device: str) -> str | None:
-    exp = part(peers.expected(i, SIZE, device))
+    exp = part(expected(i, SIZE, device))
     for k in ("a", "c"):
         g, e = got[k], exp[k]
         if g.shape != e.shape or g.stride() != e.stride() or not torch.equal(g, e):
@@ -63,7 +63,7 @@ def role_middle(a: dict[str, Any]) -> None:
                            policy=a.get("policy", "shard"), wait=a.get("out_wait", "host"),
                            heartbeat=hb, timeout=30)
     inp = ipcsync.Consumer(a["up"], device=device, wait=a.get("in_wait", "gpu"), heartbeat=hb, timeout=30)
-    peers.say(event="ready", pid=os.getpid())
+    say(event="ready", pid=os.getpid())
     if a.get("wait_consumers"):
         out.wait_for_consumers(a["wait_consumers"], timeout=30)
     n, end = 0, "stop"
@@ -75,20 +75,20 @@ def role_middle(a: dict[str, Any]) -> None:
             n += 1
     except ipcsync.PeerLostError as exc:
         end = "peer-lost"
-        peers.say(event="peer-lost", message=str(exc))
+        say(event="peer-lost", message=str(exc))
     out.close(timeout=30)
     stats = out.stats()
     inp.close()
-    peers.say(event="done", end=end, forwarded=n, zero_copy=stats["forwarded"], lost=stats["consumers_lost"])
+    say(event="done", end=end, forwarded=n, zero_copy=stats["forwarded"], lost=stats["consumers_lost"])
 
 
 def role_part_sink(a: dict[str, Any]) -> None:
-    """Consume partial forwards, checking each against part(peers.expected(i))."""
+    """Consume partial forwards, checking each against part(expected(i))."""
     device = a.get("device", "cpu")
     errors: list[str] = []
     got: list[int] = []
     with ipcsync.Consumer(a["endpoint"], device=device, timeout=30) as inp:
-        peers.say(event="connected")
+        say(event="connected")
         for item in inp:
             i = item.meta["from"]["i"]
             if item.meta["n"] != len(got) or (got and i != got[-1] + 1):
@@ -98,14 +98,14 @@ def role_part_sink(a: dict[str, Any]) -> None:
                 errors.append(err)
             got.append(i)
         lost = inp.stats()["forwarded_lost"]
-    peers.say(event="done", received=len(got), distinct=len(set(got)), errors=errors[:20], lost=lost)
+    say(event="done", received=len(got), distinct=len(set(got)), errors=errors[:20], lost=lost)
 
 
 # --------------------------------------------------------------------------- chains
 @pytest.mark.parametrize("part_only", [False, True], ids=["all", "part"])
 def test_chain_forwards_every_item_without_a_copy(procs: Any, device: str, part_only: bool) -> None:
     n = 300
-    up = procs.start("produce", endpoint="fw-up", n=n, size=SIZE, slots=4, device=device)
+    up = procs.start("produce", module="peers.basic", endpoint="fw-up", n=n, size=SIZE, slots=4, device=device)
     up.read_until(lambda l: l.get("event") == "bound")
     mid = start_role(procs, "middle", up="fw-up", down="fw-down", device=device, part=part_only,
                      wait_consumers=1, slots=3)
@@ -113,7 +113,7 @@ def test_chain_forwards_every_item_without_a_copy(procs: Any, device: str, part_
     if part_only:
         sink = start_role(procs, "part_sink", endpoint="fw-down", device=device)
     else:
-        sink = procs.start("consume", endpoint="fw-down", size=SIZE, device=device)
+        sink = procs.start("consume", module="peers.basic", endpoint="fw-down", size=SIZE, device=device)
     r = sink.result(timeout=60)
     assert not r["errors"], r["errors"]
     assert r["received"] == n and r["distinct"] == n  # no loss, no duplicate, in order
@@ -176,78 +176,66 @@ def test_chain_of_two_middle_stages_passes_the_original_memory_on(device: str) -
 
 
 # --------------------------------------------------------------------------- holding
-def test_upstream_slot_is_held_while_a_downstream_consumer_holds_the_item(procs: Any, device: str) -> None:
+def test_upstream_slot_is_held_while_a_downstream_consumer_holds_the_item(procs: Any, endpoints: Any, device: str) -> None:
     """The upstream producer (here) blocks once its ring is full of items that a slow
     downstream consumer (here) holds; each downstream release frees one upstream slot, and
     the held items are never overwritten meanwhile."""
     slots = 2
-    up = ipcsync.Producer("fwh-up", slots=slots, slot_bytes=1 << 16, device=device, timeout=10)
-    sink = None
-    try:
-        mid = start_role(procs, "middle", up="fwh-up", down="fwh-down", device=device, wait_consumers=1, slots=4)
-        mid.read_until(lambda l: l.get("event") == "ready")
-        sink = ipcsync.Consumer("fwh-down", device=device, auto_release=False, timeout=20)
-        up.wait_for_consumers(1, timeout=10)
-        for i in range(slots):
-            up.send(peers.expected(i, SIZE, device), meta={"i": i, "tag": f"item-{i}"})
-        held = [sink.get(timeout=20) for _ in range(slots)]
-        assert [h.meta["i"] for h in held] == [0, 1]
-        t0 = time.monotonic()
-        with pytest.raises(ipcsync.IpcTimeoutError):  # every upstream slot is held downstream
-            up.send(peers.expected(2, SIZE, device), meta={"i": 2, "tag": "item-2"}, timeout=0.7)
-        assert time.monotonic() - t0 >= 0.69
-        assert up.stats()["occupancy"]["in_flight"] == slots
-        held[0].release()  # frees exactly one upstream slot
-        up.send(peers.expected(2, SIZE, device), meta={"i": 2, "tag": "item-2"}, timeout=10)
-        with pytest.raises(ipcsync.IpcTimeoutError):
-            up.send(peers.expected(3, SIZE, device), meta={"i": 3, "tag": "item-3"}, timeout=0.5)
-        assert peers.check(held[1], 1, SIZE, device) is None  # not overwritten while held
-        third = sink.get(timeout=20)
-        assert peers.check(third, 2, SIZE, device) is None
-        held[1].release()
-        third.release()
-        up.send(peers.expected(3, SIZE, device), meta={"i": 3, "tag": "item-3"}, timeout=10)
-        last = sink.get(timeout=20)
-        assert peers.check(last, 3, SIZE, device) is None
-        last.release()
-        up.close(timeout=20)
-        assert sink.get(timeout=20) is None  # the middle closed after the upstream
-        m = mid.result(timeout=30)
-        assert m["forwarded"] == 4 and m["zero_copy"] == 4
-    finally:
-        up.close(timeout=0)
-        if sink is not None:
-            sink.close()
+    up = endpoints.producer("fwh-up", slots=slots, slot_bytes=1 << 16, device=device, timeout=10)
+    mid = start_role(procs, "middle", up="fwh-up", down="fwh-down", device=device, wait_consumers=1, slots=4)
+    mid.read_until(lambda l: l.get("event") == "ready")
+    sink = endpoints.consumer("fwh-down", device=device, auto_release=False, timeout=20)
+    up.wait_for_consumers(1, timeout=10)
+    for i in range(slots):
+        up.send(expected(i, SIZE, device), meta={"i": i, "tag": f"item-{i}"})
+    held = [sink.get(timeout=20) for _ in range(slots)]
+    assert [h.meta["i"] for h in held] == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(ipcsync.IpcTimeoutError):  # every upstream slot is held downstream
+        up.send(expected(2, SIZE, device), meta={"i": 2, "tag": "item-2"}, timeout=0.7)
+    assert time.monotonic() - t0 >= 0.69
+    assert up.stats()["occupancy"]["in_flight"] == slots
+    held[0].release()  # frees exactly one upstream slot
+    up.send(expected(2, SIZE, device), meta={"i": 2, "tag": "item-2"}, timeout=10)
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        up.send(expected(3, SIZE, device), meta={"i": 3, "tag": "item-3"}, timeout=0.5)
+    assert check(held[1], 1, SIZE, device) is None  # not overwritten while held
+    third = sink.get(timeout=20)
+    assert check(third, 2, SIZE, device) is None
+    held[1].release()
+    third.release()
+    up.send(expected(3, SIZE, device), meta={"i": 3, "tag": "item-3"}, timeout=10)
+    last = sink.get(timeout=20)
+    assert check(last, 3, SIZE, device) is None
+    last.release()
+    up.close(timeout=20)
+    assert sink.get(timeout=20) is None  # the middle closed after the upstream
+    m = mid.result(timeout=30)
+    assert m["forwarded"] == 4 and m["zero_copy"] == 4
 
 
-def test_broadcast_downstream_releases_upstream_only_after_both(procs: Any, device: str) -> None:
-    up = ipcsync.Producer("fwb-up", slots=1, slot_bytes=1 << 16, device=device, timeout=10)
-    sinks: list[ipcsync.Consumer] = []
-    try:
-        mid = start_role(procs, "middle", up="fwb-up", down="fwb-down", device=device, policy="broadcast",
-                         wait_consumers=2, slots=2)
-        mid.read_until(lambda l: l.get("event") == "ready")
-        sinks = [ipcsync.Consumer("fwb-down", device=device, auto_release=False, timeout=20) for _ in range(2)]
-        up.wait_for_consumers(1, timeout=10)
-        for i in range(3):
-            up.send(peers.expected(i, SIZE, device), meta={"i": i, "tag": f"item-{i}"}, timeout=10)
-            a, b = sinks[0].get(timeout=20), sinks[1].get(timeout=20)
-            assert peers.check(a, i, SIZE, device) is None and peers.check(b, i, SIZE, device) is None
-            first, second = (a, b) if i % 2 == 0 else (b, a)
-            first.release()
-            with pytest.raises(ipcsync.IpcTimeoutError):  # the other one still holds it
-                up.send(peers.expected(i + 1, SIZE, device), meta={"i": i + 1, "tag": "x"}, timeout=0.5)
-            assert peers.check(second, i, SIZE, device) is None
-            second.release()
-            up.flush(timeout=10)  # both released: the upstream slot comes back
-        up.close(timeout=20)
-        for s in sinks:
-            assert s.get(timeout=20) is None
-        assert mid.result(timeout=30)["zero_copy"] == 3
-    finally:
-        up.close(timeout=0)
-        for s in sinks:
-            s.close()
+def test_broadcast_downstream_releases_upstream_only_after_both(procs: Any, endpoints: Any, device: str) -> None:
+    up = endpoints.producer("fwb-up", slots=1, slot_bytes=1 << 16, device=device, timeout=10)
+    mid = start_role(procs, "middle", up="fwb-up", down="fwb-down", device=device, policy="broadcast",
+                     wait_consumers=2, slots=2)
+    mid.read_until(lambda l: l.get("event") == "ready")
+    sinks = [endpoints.consumer("fwb-down", device=device, auto_release=False, timeout=20) for _ in range(2)]
+    up.wait_for_consumers(1, timeout=10)
+    for i in range(3):
+        up.send(expected(i, SIZE, device), meta={"i": i, "tag": f"item-{i}"}, timeout=10)
+        a, b = sinks[0].get(timeout=20), sinks[1].get(timeout=20)
+        assert check(a, i, SIZE, device) is None and check(b, i, SIZE, device) is None
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        first.release()
+        with pytest.raises(ipcsync.IpcTimeoutError):  # the other one still holds it
+            up.send(expected(i + 1, SIZE, device), meta={"i": i + 1, "tag": "x"}, timeout=0.5)
+        assert check(second, i, SIZE, device) is None
+        second.release()
+        up.flush(timeout=10)  # both released: the upstream slot comes back
+    up.close(timeout=20)
+    for s in sinks:
+        assert s.get(timeout=20) is None
+    assert mid.result(timeout=30)["zero_copy"] == 3
 
 
 # --------------------------------------------------------------------------- failures
@@ -256,14 +244,14 @@ def test_downstream_consumer_sigkilled_holding_forwarded_items(procs: Any, devic
     releases the upstream items (never waiting on the dead consumer's events); the other
     downstream consumer gets everything, the upstream finishes."""
     n = 200
-    up = procs.start("produce", endpoint="fwk-up", n=n, size=SIZE, slots=4, device=device, heartbeat=0.5)
+    up = procs.start("produce", module="peers.basic", endpoint="fwk-up", n=n, size=SIZE, slots=4, device=device, heartbeat=0.5)
     up.read_until(lambda l: l.get("event") == "bound")
     mid = start_role(procs, "middle", up="fwk-up", down="fwk-down", device=device, policy="broadcast",
                      wait_consumers=2, slots=4, heartbeat=0.5)
     mid.read_until(lambda l: l.get("event") == "ready")
-    victim = procs.start("consume", endpoint="fwk-down", size=SIZE, device=device, kill_after=15,
+    victim = procs.start("consume", module="peers.basic", endpoint="fwk-down", size=SIZE, device=device, kill_after=15,
                          heartbeat=0.5, delay=0.01)
-    survivor = procs.start("consume", endpoint="fwk-down", size=SIZE, device=device, heartbeat=0.5)
+    survivor = procs.start("consume", module="peers.basic", endpoint="fwk-down", size=SIZE, device=device, heartbeat=0.5)
     victim.read_until(lambda l: l.get("event") == "dying", timeout=60)
     r = survivor.result(timeout=60)
     assert not r["errors"], r["errors"]
@@ -273,64 +261,54 @@ def test_downstream_consumer_sigkilled_holding_forwarded_items(procs: Any, devic
     assert up.result(timeout=60)["sent"] == n
 
 
-def test_upstream_sigkilled_while_downstream_holds_forwarded_items(procs: Any, device: str) -> None:
+def test_upstream_sigkilled_while_downstream_holds_forwarded_items(procs: Any, endpoints: Any, device: str) -> None:
     """The upstream producer dies while a downstream consumer holds forwarded items: the
     held items stay readable (their memory stays mapped), the middle gets PeerLostError,
     closes its producer once they are released, and the downstream stream ends cleanly."""
-    up = procs.start("produce", endpoint="fwd-up", n=2, size=SIZE, slots=2, device=device,
+    up = procs.start("produce", module="peers.basic", endpoint="fwd-up", n=2, size=SIZE, slots=2, device=device,
                      heartbeat=0.5, linger=60)
     up.read_until(lambda l: l.get("event") == "bound")
     mid = start_role(procs, "middle", up="fwd-up", down="fwd-down", device=device, wait_consumers=1,
                      heartbeat=0.5, in_wait="host")
     mid.read_until(lambda l: l.get("event") == "ready")
-    sink = ipcsync.Consumer("fwd-down", device=device, auto_release=False, timeout=20, heartbeat=0.5)
-    try:
-        held = [sink.get(timeout=20) for _ in range(2)]
-        up.kill()
-        mid.read_until(lambda l: l.get("event") == "peer-lost", timeout=30)
-        for i, h in enumerate(held):
-            assert peers.check(h, i, SIZE, device) is None  # still readable, unchanged
-            h.release()
-        assert sink.get(timeout=20) is None  # the middle closed: a clean end
-        m = mid.result(timeout=30)
-        assert m["end"] == "peer-lost" and m["forwarded"] == 2
-    finally:
-        sink.close()
+    sink = endpoints.consumer("fwd-down", device=device, auto_release=False, timeout=20, heartbeat=0.5)
+    held = [sink.get(timeout=20) for _ in range(2)]
+    up.kill()
+    mid.read_until(lambda l: l.get("event") == "peer-lost", timeout=30)
+    for i, h in enumerate(held):
+        assert check(h, i, SIZE, device) is None  # still readable, unchanged
+        h.release()
+    assert sink.get(timeout=20) is None  # the middle closed: a clean end
+    m = mid.result(timeout=30)
+    assert m["end"] == "peer-lost" and m["forwarded"] == 2
 
 
-def test_items_whose_memory_is_gone_are_dropped_downstream(procs: Any, device: str,
+def test_items_whose_memory_is_gone_are_dropped_downstream(procs: Any, endpoints: Any, device: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     """A consumer that attaches after the upstream producer died cannot open the forwarded
     memory: the items are dropped with a warning and released, never a crash or a wedge."""
     if device == "cuda":
         pytest.skip("here the sink shares the middle's process, whose CUDA import it reuses")
-    out = ipcsync.Producer("fwg-down", slots=2, slot_bytes=4096, device="cpu", timeout=10, heartbeat=0.5)
-    mid = sink = None
-    try:
-        up = procs.start("produce", endpoint="fwg-up", n=1, size=SIZE, slots=2, heartbeat=0.5, linger=60)
-        up.read_until(lambda l: l.get("event") == "bound")
-        mid = ipcsync.Consumer("fwg-up", device="cpu", timeout=10, heartbeat=0.5)
-        item = mid.get(timeout=10)
-        ipcsync.forward(item, out, copy=False)  # queued: no consumer yet
-        up.kill()
-        deadline = time.monotonic() + 10  # its resource tracker unlinks the arena
-        while any(n.startswith(f"ipcsync-{up.pid}-") for n in os.listdir("/dev/shm")):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        with caplog.at_level(logging.WARNING, logger="ipcsync"):
-            sink = ipcsync.Consumer("fwg-down", device="cpu", timeout=10, heartbeat=0.5)
-            with pytest.raises(ipcsync.IpcTimeoutError):
-                sink.get(timeout=0.5)
-        assert sink.stats()["forwarded_lost"] == 1
-        assert "dropped forwarded item" in caplog.text
-        out.flush(timeout=10)  # the dropped item was released
-        with pytest.raises(ipcsync.PeerLostError):
-            mid.get(timeout=10)
-    finally:
-        out.close(timeout=2)
-        for c in (mid, sink):
-            if c is not None:
-                c.close()
+    out = endpoints.producer("fwg-down", slots=2, slot_bytes=4096, device="cpu", timeout=10, heartbeat=0.5)
+    up = procs.start("produce", module="peers.basic", endpoint="fwg-up", n=1, size=SIZE, slots=2, heartbeat=0.5, linger=60)
+    up.read_until(lambda l: l.get("event") == "bound")
+    mid = endpoints.consumer("fwg-up", device="cpu", timeout=10, heartbeat=0.5)
+    item = mid.get(timeout=10)
+    ipcsync.forward(item, out, copy=False)  # queued: no consumer yet
+    up.kill()
+    deadline = time.monotonic() + 10  # its resource tracker unlinks the arena
+    while any(n.startswith(f"ipcsync-{up.pid}-") for n in os.listdir("/dev/shm")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        sink = endpoints.consumer("fwg-down", device="cpu", timeout=10, heartbeat=0.5)
+        with pytest.raises(ipcsync.IpcTimeoutError):
+            sink.get(timeout=0.5)
+    assert sink.stats()["forwarded_lost"] == 1
+    assert "dropped forwarded item" in caplog.text
+    out.flush(timeout=10)  # the dropped item was released
+    with pytest.raises(ipcsync.PeerLostError):
+        mid.get(timeout=10)
 
 
 # --------------------------------------------------------------------------- errors
@@ -365,7 +343,7 @@ def test_copy_false_says_why_zero_copy_is_impossible(device: str) -> None:
 
 
 def test_copy_false_after_the_upstream_producer_is_gone(procs: Any, device: str) -> None:
-    up = procs.start("produce", endpoint="fwx-up", n=1, size=SIZE, slots=2, device=device,
+    up = procs.start("produce", module="peers.basic", endpoint="fwx-up", n=1, size=SIZE, slots=2, device=device,
                      heartbeat=0.5, linger=60)
     up.read_until(lambda l: l.get("event") == "bound")
     with ipcsync.Producer("fwx-down", slots=2, slot_bytes=1 << 16, device=device, timeout=10) as down, \
@@ -382,31 +360,25 @@ def test_copy_false_after_the_upstream_producer_is_gone(procs: Any, device: str)
             ipcsync.forward(item, mid, copy=False)  # type: ignore[arg-type]
 
 
-def test_consumer_closed_first_waits_for_forwarded_items(device: str) -> None:
+def test_consumer_closed_first_waits_for_forwarded_items(endpoints: Any, device: str) -> None:
     """Closing the middle's Consumer while items it forwarded are held downstream waits for
     them (the forwarding Producer gives them back as they are released)."""
     P = dict(slots=2, slot_bytes=4096, device=device, timeout=10)
-    up = ipcsync.Producer("fwc-up", **P)
-    down = ipcsync.Producer("fwc-down", **P)
-    mid = ipcsync.Consumer("fwc-up", device=device, timeout=10)
-    sink = ipcsync.Consumer("fwc-down", device=device, timeout=10, auto_release=False)
-    try:
-        up.send({"x": torch.ones(4, device=device)}, meta=1)
-        ipcsync.forward(mid.get(), down, copy=False)
-        held = sink.get()
-        timer = threading.Timer(0.5, held.release)
-        timer.start()
-        t0 = time.monotonic()
-        mid.close(timeout=10)
-        assert 0.4 <= time.monotonic() - t0 < 8
-        timer.join()
-        up.close(timeout=5)
-        assert up.stats()["occupancy"]["free"] == 2
-    finally:
-        sink.close()
-        down.close(timeout=0)
-        mid.close(timeout=0)
-        up.close(timeout=0)
+    up = endpoints.producer("fwc-up", **P)
+    down = endpoints.producer("fwc-down", **P)
+    mid = endpoints.consumer("fwc-up", device=device, timeout=10)
+    sink = endpoints.consumer("fwc-down", device=device, timeout=10, auto_release=False)
+    up.send({"x": torch.ones(4, device=device)}, meta=1)
+    ipcsync.forward(mid.get(), down, copy=False)
+    held = sink.get()
+    timer = threading.Timer(0.5, held.release)
+    timer.start()
+    t0 = time.monotonic()
+    mid.close(timeout=10)
+    assert 0.4 <= time.monotonic() - t0 < 8
+    timer.join()
+    up.close(timeout=5)
+    assert up.stats()["occupancy"]["free"] == 2
 
 
 # --------------------------------------------------------------------------- wait="host"
@@ -480,25 +452,23 @@ def test_host_wait_releases_upstream_once_downstream_release_events_complete() -
         up.flush(timeout=5)
 
 
-def test_host_wait_holder_lost_while_its_event_is_pending() -> None:
+def test_host_wait_holder_lost_while_its_event_is_pending(endpoints: Any) -> None:
     """A downstream consumer lost while the upstream release waits on its (incomplete)
     release event: the event is never waited on, the upstream item is released."""
     P = dict(slot_bytes=4096, device="cpu", timeout=10)
     with ipcsync.Producer("fwl-up", slots=2, **P) as up, \
             ipcsync.Producer("fwl-down", slots=2, wait="host", **P) as down, \
             ipcsync.Consumer("fwl-up", device="cpu", timeout=10) as mid:
-        sink = ipcsync.Consumer("fwl-down", device="cpu", timeout=10, auto_release=False)
-        try:
-            down.wait_for_consumers(1)
-            gate = threading.Event()
-            ev = _gate_release_events(down, gate)
-            up.send({"x": torch.ones(4)}, meta=0)
-            ipcsync.forward(mid.get(), down, copy=False)
-            sink.get().release()
-            time.sleep(0.2)
-            assert down.port.forwarder.ledger.pending
-        finally:
-            sink.close()
+        sink = endpoints.consumer("fwl-down", device="cpu", timeout=10, auto_release=False)
+        down.wait_for_consumers(1)
+        gate = threading.Event()
+        ev = _gate_release_events(down, gate)
+        up.send({"x": torch.ones(4)}, meta=0)
+        ipcsync.forward(mid.get(), down, copy=False)
+        sink.get().release()
+        time.sleep(0.2)
+        assert down.port.forwarder.ledger.pending
+        sink.close()  # the holder goes away
         up.flush(timeout=5)  # the holder is gone: released without its event
         assert not down.port.forwarder.ledger.pending and ev.waited == 0 and not gate.is_set()
 
@@ -510,11 +480,11 @@ def test_cuda_forwarded_item_is_read_after_the_upstream_write(procs: Any, in_wai
     """The upstream fills its slot after ~1 s of GPU work and returns at once; the
     downstream consumer, two hops away, must read the final values (ready ordering is
     transitive through the middle's ready event)."""
-    up = procs.start("race_produce", endpoint="fwr-up", sleep=1.0, values=[42.0])
+    up = procs.start("race_produce", module="peers.gpu", endpoint="fwr-up", sleep=1.0, values=[42.0])
     mid = start_role(procs, "middle", up="fwr-up", down="fwr-down", device="cuda", wait_consumers=1,
                      in_wait=in_wait)
     mid.read_until(lambda l: l.get("event") == "ready")
-    down = procs.start("race_consume", endpoint="fwr-down")
+    down = procs.start("race_consume", module="peers.gpu", endpoint="fwr-down")
     r = down.result(timeout=90)
     assert r["items"] == [{"expected": 42.0, "min": 42.0, "max": 42.0}], r
     assert mid.result(timeout=60)["zero_copy"] == 1
@@ -527,11 +497,11 @@ def test_cuda_upstream_slot_is_not_overwritten_before_downstream_gpu_reads(procs
     """One upstream slot; the downstream consumer queues ~1 s of GPU work before reading
     each item and releases at once: the upstream's next write into that slot must wait
     for that read (release ordering through the middle), so each item reads its value."""
-    up = procs.start("race_produce", endpoint="fwo-up", slots=1, sleep=0.0, values=[1.0, 2.0, 3.0])
+    up = procs.start("race_produce", module="peers.gpu", endpoint="fwo-up", slots=1, sleep=0.0, values=[1.0, 2.0, 3.0])
     mid = start_role(procs, "middle", up="fwo-up", down="fwo-down", device="cuda", wait_consumers=1,
                      out_wait=out_wait)
     mid.read_until(lambda l: l.get("event") == "ready")
-    down = procs.start("race_consume", endpoint="fwo-down", slow=1.0)
+    down = procs.start("race_consume", module="peers.gpu", endpoint="fwo-down", slow=1.0)
     r = down.result(timeout=120)
     assert r["items"] == [{"expected": v, "min": v, "max": v} for v in (1.0, 2.0, 3.0)], r
     assert mid.result(timeout=60)["zero_copy"] == 3
