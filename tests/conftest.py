@@ -355,11 +355,11 @@ class Procs:
     def __init__(self) -> None:
         self.peers: list[Peer] = []
 
-    def start(self, role: str, *, module: str = "peers", env: dict[str, str] | None = None,
+    def start(self, role: str, *, module: str, env: dict[str, str] | None = None,
               **args: Any) -> Peer:
         """Run ``<module>.<role>(args)`` (a module of tests/integration: ``peers.basic``,
-        ``peers.faults``, ...; by default the ``peers`` package, which re-exports every role) in a child
-        with ``env`` added to the environment."""
+        ``peers.faults``, ``liveness_peers``, ...) in a child with ``env`` added to the
+        environment."""
         full = dict(os.environ)
         full.update(env or {})
         full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])

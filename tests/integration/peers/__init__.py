@@ -6,22 +6,7 @@
 - ``peers.gpu``: CUDA races and profiles (need a GPU);
 - ``peers.faults``: the fault matrix's dying endpoints and hand-made wire peers.
 
-A test starts a role with ``procs.start("consume", module="peers.basic", ...)``; by hand,
-``python3 -m peers ROLE JSON-ARGS`` from tests/integration. This package also
-re-exports every role and helper, so ``procs.start(role)`` (module ``peers``) and
-``import peers; peers.expected(...)`` keep working.
+A test starts a role with ``procs.start("consume", module="peers.basic", ...)`` and imports
+helpers from the module that defines them (``from peers.common import expected``); by hand,
+``python3 -m peers basic consume JSON-ARGS`` from tests/integration.
 """
-
-from __future__ import annotations
-
-from .basic import consume, produce, stage_sink, stage_src, tagged_produce
-from .common import check, expected, plain, say
-from .faults import fault_check, fault_consume, fault_msg, fault_produce, raw_hello, raw_peer, raw_producer
-from .gpu import cuda_consume_and_die, cuda_profile, cuda_serve, race_consume, race_produce
-
-__all__ = [
-    "say", "expected", "check", "plain",
-    "produce", "consume", "tagged_produce", "stage_src", "stage_sink",
-    "race_produce", "race_consume", "cuda_profile", "cuda_serve", "cuda_consume_and_die",
-    "fault_msg", "fault_check", "fault_consume", "fault_produce", "raw_hello", "raw_peer", "raw_producer",
-]
