@@ -26,7 +26,6 @@ import torch
 
 import ipcsync
 from ipcsync.runtime import host as _host
-from ipcsync.runtime.endpoint import _open_endpoints
 
 from conftest import ROOT
 
@@ -94,22 +93,19 @@ def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: 
 
 
 @pytest.mark.timeout(60)
-def test_killed_consumer_is_still_detected_at_once(procs: Any) -> None:
+def test_killed_consumer_is_still_detected_at_once(procs: Any, endpoints: Any) -> None:
     """Real deaths stay fast: a SIGKILLed consumer's slots come back within ~2 heartbeats."""
-    p = ipcsync.Producer("live-kill", slots=2, slot_bytes=8192, heartbeat=0.2)
-    try:
-        cons = procs.start("consume", module="liveness_peers", endpoint="live-kill", hold=0,
-                           hold_s=60, heartbeat=0.2)
-        p.send({"x": torch.zeros(1024)}, meta=0)
-        cons.read_until(_event("holding"), timeout=30)
-        p.send({"x": torch.zeros(1024)}, meta=1)
-        t0 = time.monotonic()
-        cons.kill()
-        p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
-        assert time.monotonic() - t0 < 5.0  # (the kill matrix holds the tight bound)
-        assert p.stats()["consumers_lost"] == 1
-    finally:
-        p.close(timeout=0)
+    p = endpoints.producer("live-kill", slots=2, slot_bytes=8192, heartbeat=0.2)
+    cons = procs.start("consume", module="liveness_peers", endpoint="live-kill", hold=0,
+                       hold_s=60, heartbeat=0.2)
+    p.send({"x": torch.zeros(1024)}, meta=0)
+    cons.read_until(_event("holding"), timeout=30)
+    p.send({"x": torch.zeros(1024)}, meta=1)
+    t0 = time.monotonic()
+    cons.kill()
+    p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
+    assert time.monotonic() - t0 < 5.0  # (the kill matrix holds the tight bound)
+    assert p.stats()["consumers_lost"] == 1
 
 
 # --------------------------------------------------------------------------- /proc errors
@@ -186,14 +182,15 @@ def test_a_program_dying_of_an_exception_without_a_with_block_is_no_clean_end(pr
 
 
 @pytest.mark.timeout(60)
-def test_abort_and_exception_close_at_once_and_propagate(device: str) -> None:
+def test_abort_and_exception_close_at_once_and_propagate(endpoints: Any, device: str) -> None:
     """An exception inside the with-block (items in flight, a consumer that will never
     release them) closes within a second and propagates unchanged."""
     inp = None
     t0 = time.monotonic()
     with pytest.raises(KeyError, match="mine"):
+        # A with block on purpose: its exit on an exception is what is tested.
         with ipcsync.Producer("live-exc", slots=2, slot_bytes=4096, device=device) as out:
-            inp = ipcsync.Consumer("live-exc", device=device)
+            inp = endpoints.consumer("live-exc", device=device)
             out.send({"x": torch.ones(2, device=device)}, meta=0)
             inp.get(timeout=10)  # held, never released
             out.send({"x": torch.ones(2, device=device)}, meta=1)
@@ -204,7 +201,6 @@ def test_abort_and_exception_close_at_once_and_propagate(device: str) -> None:
     assert inp is not None
     with pytest.raises(ipcsync.ProducerFailedError, match="KeyError"):
         inp.get(timeout=10)
-    inp.close()
 
 
 @pytest.mark.timeout(60)
@@ -248,55 +244,47 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
 
 
 @pytest.mark.timeout(60)
-def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
-    out = ipcsync.Producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
-    inp = ipcsync.Consumer("live-thr-p", device=device)
-    try:
-        out.send({"x": torch.ones(2, device=device)}, meta=0)
-        held = inp.get(timeout=10)  # holds the only slot
-        t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
-        time.sleep(0.5)
-        assert t.is_alive()  # blocked: backpressure
-        t0 = time.monotonic()
-        assert out.stats()["occupancy"]["in_flight"] == 1
-        assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked send()"
-        t0 = time.monotonic()
-        out.close(timeout=0)
-        t.join(5)
-        assert not t.is_alive() and time.monotonic() - t0 < 2.0
-        assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
-        assert held.meta == 0
-    finally:
-        inp.close()
-        out.close(timeout=0)
+def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
+    out = endpoints.producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
+    inp = endpoints.consumer("live-thr-p", device=device)
+    out.send({"x": torch.ones(2, device=device)}, meta=0)
+    held = inp.get(timeout=10)  # holds the only slot
+    t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
+    time.sleep(0.5)
+    assert t.is_alive()  # blocked: backpressure
+    t0 = time.monotonic()
+    assert out.stats()["occupancy"]["in_flight"] == 1
+    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked send()"
+    t0 = time.monotonic()
+    out.close(timeout=0)
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
+    assert held.meta == 0
 
 
 @pytest.mark.timeout(60)
-def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(device: str) -> None:
-    out = ipcsync.Producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
-    inp = ipcsync.Consumer("live-thr-c", device=device)
-    try:
-        t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
-        time.sleep(0.5)
-        assert t.is_alive()
-        t0 = time.monotonic()
-        inp.stats()
-        assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked next()"
-        t0 = time.monotonic()
-        inp.close()
-        t.join(5)
-        assert not t.is_alive() and time.monotonic() - t0 < 2.0
-        assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
-    finally:
-        inp.close()
-        out.close(timeout=0)
+def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
+    out = endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
+    inp = endpoints.consumer("live-thr-c", device=device)
+    t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
+    time.sleep(0.5)
+    assert t.is_alive()
+    t0 = time.monotonic()
+    inp.stats()
+    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked next()"
+    t0 = time.monotonic()
+    inp.close()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
 
 
 @pytest.mark.timeout(60)
-def test_two_threads_iterating_one_consumer_never_release_each_others_items(device: str) -> None:
+def test_two_threads_iterating_one_consumer_never_release_each_others_items(endpoints: Any, device: str) -> None:
     n = 200
-    out = ipcsync.Producer("live-2thr", slots=4, slot_bytes=8192, device=device)
-    inp = ipcsync.Consumer("live-2thr", device=device)
+    out = endpoints.producer("live-2thr", slots=4, slot_bytes=8192, device=device)
+    inp = endpoints.consumer("live-2thr", device=device)
     seen: list[int] = []
     bad: list[Any] = []
     lock = threading.Lock()
@@ -322,15 +310,14 @@ def test_two_threads_iterating_one_consumer_never_release_each_others_items(devi
     out.close(timeout=30)
     for t in ts:
         t.join(20)
-    inp.close()
     assert bad == []
     assert sorted(seen) == list(range(n))
 
 
 # --------------------------------------------------------------------------- close, exit, fork
 @pytest.mark.timeout(60)
-def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(device: str) -> None:
-    out = ipcsync.Producer("live-late", slots=2, slot_bytes=4096, device=device)
+def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(endpoints: Any, device: str) -> None:
+    out = endpoints.producer("live-late", slots=2, slot_bytes=4096, device=device)
     out.send({"x": torch.full((4,), 7.0, device=device)}, meta=7)
     t = threading.Thread(target=out.close, kwargs={"timeout": 30}, daemon=True)
     t.start()
@@ -343,13 +330,14 @@ def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(device
 
 
 def test_the_atexit_list_does_not_grow_with_endpoints() -> None:
+    """One atexit hook for all endpoints; that each one closed and left nothing running
+    is the `no_leftovers` check's."""
     before = atexit._ncallbacks()
-    base = len(_open_endpoints)
     for k in range(50):
+        # with blocks on purpose: each endpoint's whole life, open to closed
         with ipcsync.Producer(f"live-ax{k}", slots=1, slot_bytes=4096), ipcsync.Consumer(f"live-ax{k}"):
             pass
     assert atexit._ncallbacks() == before
-    assert len(_open_endpoints) == base
 
 
 @pytest.mark.timeout(60)
@@ -364,96 +352,79 @@ def test_a_forked_child_never_touches_its_parents_endpoints(procs: Any) -> None:
 
 # --------------------------------------------------------------------------- handshake trust
 @pytest.mark.timeout(30)
-def test_hello_with_a_made_up_pid_namespace_is_refused() -> None:
+def test_hello_with_a_made_up_pid_namespace_is_refused(endpoints: Any, sockets: Any) -> None:
     import msgpack
     import zmq
 
     from ipcsync.core import protocol as P
 
-    out = ipcsync.Producer("live-hello", slots=1, slot_bytes=4096)
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        s.connect(out.endpoint.url)
-        hello = P.Hello(version=P.PROTOCOL_VERSION, pid=1, start_time=1, boot_id=_host.boot_id(),
-                        pid_ns="pid:[1]", backend="cpu", device=None, credits=1, heartbeat_ms=0)
-        s.send(P.encode(hello))
-        deadline = time.monotonic() + 10
-        reply = None
-        while time.monotonic() < deadline and reply is None:
-            out.stats()  # the service thread answers meanwhile
-            if s.poll(100):
-                reply = P.decode(s.recv())
-        assert isinstance(reply, P.Error) and reply.code == "identity", reply
-        assert out.consumers == 0
-    finally:
-        s.close(0)
-        out.close(timeout=0)
+    out = endpoints.producer("live-hello", slots=1, slot_bytes=4096)
+    s = sockets(zmq.DEALER)
+    s.connect(out.endpoint.url)
+    hello = P.Hello(version=P.PROTOCOL_VERSION, pid=1, start_time=1, boot_id=_host.boot_id(),
+                    pid_ns="pid:[1]", backend="cpu", device=None, credits=1, heartbeat_ms=0)
+    s.send(P.encode(hello))
+    deadline = time.monotonic() + 10
+    reply = None
+    while time.monotonic() < deadline and reply is None:
+        out.stats()  # the service thread answers meanwhile
+        if s.poll(100):
+            reply = P.decode(s.recv())
+    assert isinstance(reply, P.Error) and reply.code == "identity", reply
+    assert out.consumers == 0
     del msgpack
 
 
 @pytest.mark.timeout(30)
-def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch: Any) -> None:
+def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch: Any, endpoints: Any, sockets: Any) -> None:
     import zmq
 
     from ipcsync.core import protocol as P
 
-    out = ipcsync.Producer("live-half", slots=1, slot_bytes=4096)
+    out = endpoints.producer("live-half", slots=1, slot_bytes=4096)
     monkeypatch.setattr(out.port.peers, "handshake_s", 0.5)
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        s.connect(out.endpoint.url)
-        me = os.getpid()
-        s.send(P.encode(P.Hello(version=P.PROTOCOL_VERSION, pid=me, start_time=_host.start_time(me),
-                                boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu",
-                                device=None, credits=1, heartbeat_ms=0)))
-        assert isinstance(P.decode(s.recv()), P.Setup) if s.poll(5000) else False
-        assert len(out.port.peers) == 1
-        deadline = time.monotonic() + 5
-        while out.port.peers and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not out.port.peers, "a half-open handshake stayed forever"
-    finally:
-        s.close(0)
-        out.close(timeout=0)
+    s = sockets(zmq.DEALER)
+    s.connect(out.endpoint.url)
+    me = os.getpid()
+    s.send(P.encode(P.Hello(version=P.PROTOCOL_VERSION, pid=me, start_time=_host.start_time(me),
+                            boot_id=_host.boot_id(), pid_ns=_host.pid_namespace(), backend="cpu",
+                            device=None, credits=1, heartbeat_ms=0)))
+    assert isinstance(P.decode(s.recv()), P.Setup) if s.poll(5000) else False
+    assert len(out.port.peers) == 1
+    deadline = time.monotonic() + 5
+    while out.port.peers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not out.port.peers, "a half-open handshake stayed forever"
 
 
-def test_defaults_are_one_set() -> None:
+def test_defaults_are_one_set(endpoints: Any) -> None:
     from ipcsync import limits
 
-    out = ipcsync.Producer("live-def")
-    try:
-        assert out.slot_bytes == limits.DEFAULT_SLOT_BYTES == 8 << 20
-        assert out.slots == limits.DEFAULT_SLOTS
-        assert out.port.handoffs.timeout is None  # data calls wait while the peer lives
-    finally:
-        out.close()
+    out = endpoints.producer("live-def")
+    assert out.slot_bytes == limits.DEFAULT_SLOT_BYTES == 8 << 20
+    assert out.slots == limits.DEFAULT_SLOTS
+    assert out.port.handoffs.timeout is None  # data calls wait while the peer lives
     with pytest.raises(ipcsync.ConfigError, match="1024"):
         ipcsync.Producer("live-def2", slots=limits.MAX_SLOTS + 1)
 
 
 @pytest.mark.timeout(60)
-def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any) -> None:
+def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any, endpoints: Any) -> None:
     """The quickstart producer started alone: its send() waits (no timeout by default),
     says after a few seconds that nobody has connected, and delivers once a consumer does."""
     from ipcsync.runtime import slots as slots_mod
 
     monkeypatch.setattr(slots_mod, "NAG_S", 0.5)
-    out = ipcsync.Producer("live-alone", slots=1, slot_bytes=4096)
-    try:
-        out.send({"x": torch.ones(2)}, meta=0)
-        with caplog.at_level("WARNING", logger="ipcsync"):
-            t, caught = _in_thread(lambda: out.send({"x": torch.ones(2)}, meta=1))
-            deadline = time.monotonic() + 10
-            while "waiting for a consumer to connect" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert "waiting for a consumer to connect" in caplog.text
-        assert t.is_alive() and not caught
-        with ipcsync.Consumer("live-alone") as inp:
-            assert [inp.get(timeout=10).meta, inp.get(timeout=10).meta] == [0, 1]
-        t.join(5)
-        assert not caught
-    finally:
-        out.close(timeout=1)
+    out = endpoints.producer("live-alone", slots=1, slot_bytes=4096)
+    out.send({"x": torch.ones(2)}, meta=0)
+    with caplog.at_level("WARNING", logger="ipcsync"):
+        t, caught = _in_thread(lambda: out.send({"x": torch.ones(2)}, meta=1))
+        deadline = time.monotonic() + 10
+        while "waiting for a consumer to connect" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "waiting for a consumer to connect" in caplog.text
+    assert t.is_alive() and not caught
+    with ipcsync.Consumer("live-alone") as inp:
+        assert [inp.get(timeout=10).meta, inp.get(timeout=10).meta] == [0, 1]
+    t.join(5)
+    assert not caught
