@@ -265,7 +265,7 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
 
 @pytest.mark.timeout(60)
 def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
-    out = endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
+    endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
     inp = endpoints.consumer("live-thr-c", device=device)
     t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
     time.sleep(0.5)
