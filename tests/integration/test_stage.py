@@ -260,79 +260,66 @@ def test_unknown_input_or_output_names_the_actual_ones(fresh, runtime_dir):
     assert os.listdir(plan.run_dir) == ["stats"]  # nothing was bound
 
 
-def test_in_process_flow_options_and_stats_report(fresh, runtime_dir):
+def test_in_process_flow_options_and_stats_report(fresh, runtime_dir, endpoints):
     """src/0's output and sink/0's input in one process (switching the wiring between them):
     edge options apply, keyword arguments override them, and the stats report is written."""
     plan = make_plan(runtime_dir)
     src, sink = instance(plan, "src/0"), instance(plan, "sink/0")
-    out = inp = None
-    try:
-        become(fresh, src)
-        out = stage.output("sink", wait_for_consumers=False, timeout=5)
-        assert isinstance(out, ipcsync.Producer)
-        assert out.slots == 2 and out.slot_bytes == 64 << 10 and out.policy == "shard"
-        assert out.endpoint.url == src.wiring["outputs"]["sink"]["endpoint"]
-        src_made = list(stage._made)
-        become(fresh, sink)
-        fresh.setattr(stage, "_made", [])
-        inp = stage.input("src", timeout=5)
-        assert isinstance(inp, Consumer) and not isinstance(inp, FanIn)
-        assert inp.source == "src/0" and inp.wait_mode == "host"
-        out.wait_for_consumers(1, timeout=5)
-        got = []
-        for i in range(5):
-            out.send({"x": torch.tensor([i])}, meta={"i": i})
-            item = inp.get(timeout=5)
-            got.append((item.source, int(item["x"][0]), item.meta["i"]))
-        item.release()
-        out.close(timeout=5)
-        assert inp.get(timeout=5) is None
-        assert got == [("src/0", i, i) for i in range(5)]
-        # The stats report the launcher collects, for each side.
-        stage._write_stats()
-        report = json.loads(Path(sink.wiring["stats_path"]).read_text())
-        assert report["stage"] == "sink" and report["replica"] == 0
-        assert report["inputs"]["src"]["handoffs"] == 5 and report["outputs"] == {}
-        stage._wiring_cache = src.wiring
-        fresh.setattr(stage, "_made", src_made)
-        stage._write_stats()
-        report = json.loads(Path(src.wiring["stats_path"]).read_text())
-        assert report["stage"] == "src" and report["outputs"]["sink"]["handoffs"] == 5
-    finally:
-        for ep in (inp, out):
-            if ep is not None:
-                ep.close()
+    become(fresh, src)
+    out = endpoints.add(stage.output("sink", wait_for_consumers=False, timeout=5))
+    assert isinstance(out, ipcsync.Producer)
+    assert out.slots == 2 and out.slot_bytes == 64 << 10 and out.policy == "shard"
+    assert out.endpoint.url == src.wiring["outputs"]["sink"]["endpoint"]
+    src_made = list(stage._made)
+    become(fresh, sink)
+    fresh.setattr(stage, "_made", [])
+    inp = endpoints.add(stage.input("src", timeout=5))
+    assert isinstance(inp, Consumer) and not isinstance(inp, FanIn)
+    assert inp.source == "src/0" and inp.wait_mode == "host"
+    out.wait_for_consumers(1, timeout=5)
+    got = []
+    for i in range(5):
+        out.send({"x": torch.tensor([i])}, meta={"i": i})
+        item = inp.get(timeout=5)
+        got.append((item.source, int(item["x"][0]), item.meta["i"]))
+    item.release()
+    out.close(timeout=5)
+    assert inp.get(timeout=5) is None
+    assert got == [("src/0", i, i) for i in range(5)]
+    # The stats report the launcher collects, for each side.
+    stage._write_stats()
+    report = json.loads(Path(sink.wiring["stats_path"]).read_text())
+    assert report["stage"] == "sink" and report["replica"] == 0
+    assert report["inputs"]["src"]["handoffs"] == 5 and report["outputs"] == {}
+    stage._wiring_cache = src.wiring
+    fresh.setattr(stage, "_made", src_made)
+    stage._write_stats()
+    report = json.loads(Path(src.wiring["stats_path"]).read_text())
+    assert report["stage"] == "src" and report["outputs"]["sink"]["handoffs"] == 5
 
 
-def test_input_of_replicated_stage_is_a_fanin_over_its_replicas(fresh, runtime_dir):
+def test_input_of_replicated_stage_is_a_fanin_over_its_replicas(fresh, runtime_dir, endpoints):
     plan = make_plan(runtime_dir, src_replicas=2)
     sink = instance(plan, "sink/0")
     edge = sink.wiring["inputs"]["src"]
-    prods = [ipcsync.Producer(url, slots=2, slot_bytes=4096, device="cpu", timeout=5) for url in edge["endpoints"]]
-    inp = None
-    try:
-        become(fresh, sink)
-        inp = stage.input("src")
-        assert isinstance(inp, FanIn)
-        assert inp.sources == ["src/0", "src/1"]
-        assert [c.endpoint.url for c in inp.consumers] == edge["endpoints"]
-        assert [entry[0] for entry in stage._made] == ["inputs"] and stage._made[0][1] == "src"
-        for r, p in enumerate(prods):
-            p.wait_for_consumers(1, timeout=5)
-            p.send({"x": torch.tensor([r])}, meta={"r": r})
-        got = []
-        for _ in range(2):
-            item = inp.get(timeout=5)
-            got.append((item.source, int(item["x"][0])))
-        assert sorted(got) == [("src/0", 0), ("src/1", 1)]
-    finally:
-        if inp is not None:
-            inp.close()
-        for p in prods:
-            p.close(timeout=1)
+    prods = [endpoints.producer(url, slots=2, slot_bytes=4096, device="cpu", timeout=5) for url in edge["endpoints"]]
+    become(fresh, sink)
+    inp = endpoints.add(stage.input("src"))
+    assert isinstance(inp, FanIn)
+    assert inp.sources == ["src/0", "src/1"]
+    assert [c.endpoint.url for c in inp.consumers] == edge["endpoints"]
+    assert [entry[0] for entry in stage._made] == ["inputs"] and stage._made[0][1] == "src"
+    for r, p in enumerate(prods):
+        p.wait_for_consumers(1, timeout=5)
+        p.send({"x": torch.tensor([r])}, meta={"r": r})
+    got = []
+    for _ in range(2):
+        item = inp.get(timeout=5)
+        got.append((item.source, int(item["x"][0])))
+    assert sorted(got) == [("src/0", 0), ("src/1", 1)]
 
 
-def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, runtime_dir):
+def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, runtime_dir, endpoints):
     plan = make_plan(runtime_dir, timeout=0.3)
     src = instance(plan, "src/0")
     become(fresh, src)
@@ -343,8 +330,7 @@ def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, ru
     assert stage._made == []
     assert sorted(os.listdir(plan.run_dir)) == ["stats"]  # socket and lock files removed
     # The endpoint can be bound again.
-    p = stage.output("sink", wait_for_consumers=False)
-    p.close(timeout=0)
+    endpoints.add(stage.output("sink", wait_for_consumers=False))
 
 
 # --------------------------------------------------------------------------- across processes
@@ -391,37 +377,33 @@ def test_item_flows_between_stage_processes_and_stats_are_reported(procs, runtim
 
 
 @pytest.mark.timeout(60)
-def test_edge_timeout_bounds_the_handshake_only_data_waits_while_the_peer_lives(fresh, runtime_dir):
+def test_edge_timeout_bounds_the_handshake_only_data_waits_while_the_peer_lives(fresh, runtime_dir, endpoints):
     """An edge timeout of 0.5 s: stage.output() and stage.input() still wait for each
     other at most that long, but once connected a send() blocked on a full ring and a
     get() on an idle stream wait past it (before: IpcTimeoutError after the edge timeout,
     which killed loaders while their trainer checkpointed)."""
     plan = make_plan(runtime_dir, timeout=0.5, slots=1)
     src, sink = instance(plan, "src/0"), instance(plan, "sink/0")
-    out = inp = None
-    try:
-        become(fresh, src)
-        out = stage.output("sink", wait_for_consumers=False)
-        become(fresh, sink)
-        inp = stage.input("src")
-        out.wait_for_consumers(1, timeout=5)
-        out.send({"x": torch.tensor([0])}, meta=0)
-        held = inp.get()
-        late = threading.Timer(1.5, held.release)
-        late.start()
-        t0 = time.monotonic()
-        out.send({"x": torch.tensor([1])}, meta=1)  # waits for the release, 1.5 s > 0.5 s
-        assert time.monotonic() - t0 >= 1.0
-        threading.Timer(1.5, lambda: out.send({"x": torch.tensor([2])}, meta=2)).start()
-        assert inp.get().meta == 1
-        t0 = time.monotonic()
-        assert inp.get().meta == 2  # an idle stream for 1.5 s: no IpcTimeoutError
-        assert time.monotonic() - t0 >= 1.0
-        late.join()
-    finally:
-        for ep in (inp, out):
-            if ep is not None:
-                ep.close()
+    become(fresh, src)
+    out = endpoints.add(stage.output("sink", wait_for_consumers=False))
+    become(fresh, sink)
+    inp = endpoints.add(stage.input("src"))
+    out.wait_for_consumers(1, timeout=5)
+    out.send({"x": torch.tensor([0])}, meta=0)
+    held = inp.get()
+    late = threading.Timer(1.5, held.release)
+    late.start()
+    t0 = time.monotonic()
+    out.send({"x": torch.tensor([1])}, meta=1)  # waits for the release, 1.5 s > 0.5 s
+    assert time.monotonic() - t0 >= 1.0
+    threading.Timer(1.5, lambda: out.send({"x": torch.tensor([2])}, meta=2)).start()
+    assert inp.get().meta == 1
+    t0 = time.monotonic()
+    assert inp.get().meta == 2  # an idle stream for 1.5 s: no IpcTimeoutError
+    assert time.monotonic() - t0 >= 1.0
+    late.join()
+    inp.close()
+    out.close()
     # The handshake is still bounded by the edge timeout: nobody on the other side.
     become(fresh, sink)
     t0 = time.monotonic()
