@@ -110,7 +110,9 @@ def url() -> str:
 
 @contextlib.contextmanager
 def dealer() -> Iterator[zmq.Socket]:
-    """A raw DEALER with its own random identity, linger 0, always closed."""
+    """A raw DEALER with its own random identity, linger 0, always closed. A with block
+    rather than the `sockets` fixture on purpose: each peer's connection ends with its block,
+    which the checks of dropped peers wait for."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     try:
         s.setsockopt(zmq.LINGER, 0)
@@ -196,9 +198,9 @@ class Stream:
     """The producer (this process), a feeder thread that can pause, and the real consumer
     read by a thread that checks every item and can hold one aside (unreleased)."""
 
-    def __init__(self) -> None:
-        self.prod = ipcsync.Producer(EP, slots=SLOTS, slot_bytes=4096, heartbeat=HB, timeout=10, device="cpu")
-        self.cons = ipcsync.Consumer(EP, device="cpu", heartbeat=HB, timeout=10, auto_release=False)
+    def __init__(self, endpoints: Any) -> None:
+        self.prod = endpoints.producer(EP, slots=SLOTS, slot_bytes=4096, heartbeat=HB, timeout=10, device="cpu")
+        self.cons = endpoints.consumer(EP, device="cpu", heartbeat=HB, timeout=10, auto_release=False)
         self.sent = 0
         self.got: list[int] = []
         self.errors: list[str] = []
@@ -273,6 +275,7 @@ class Stream:
             f"the stream stalled at {len(self.got)} items (wanted {target}); errors {self.errors[:5]}"
 
     def close(self) -> None:
+        """Stop both threads, release the held item, close both endpoints (idempotent)."""
         self.stop.set()
         self.go.set()
         for t in self.threads:
@@ -280,9 +283,39 @@ class Stream:
         alive = [t for t in self.threads if t.is_alive()]
         if self.held is not None:
             self.held.release()
+            self.held = None
         self.cons.close()
         self.prod.close(timeout=2)
         assert not alive, "a stream thread did not end"
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LogCapture, list[Any]]]:
+    """(capture, thread_errors): the ``ipcsync`` logger at WARNING into ``capture``, and
+    every uncaught thread exception into ``thread_errors``; both restored at teardown."""
+    log = logging.getLogger("ipcsync")
+    capture = LogCapture()
+    old_level = log.level
+    log.addHandler(capture)
+    log.setLevel(logging.WARNING)
+    thread_errors: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    try:
+        yield capture, thread_errors
+    finally:
+        log.removeHandler(capture)
+        log.setLevel(old_level)
+
+
+@pytest.fixture
+def stream(watched: Any, endpoints: Any) -> Iterator[Stream]:
+    """The stream, started once `watched` observes logs and thread exceptions, closed at
+    teardown before they are restored (the test closes it itself before its last checks)."""
+    s = Stream(endpoints)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 class _Touch:
@@ -334,7 +367,7 @@ def mutations(draw: Any, bases: dict[str, bytes]) -> tuple[str, bytes]:
 
 
 # --------------------------------------------------------------------------- the test
-def test_live_producer_survives_raw_socket_attacks(runtime_dir: Path) -> None:
+def test_live_producer_survives_raw_socket_attacks(runtime_dir: Path, watched: Any, stream: Stream) -> None:
     marker = runtime_dir / "pickle-ran"
     marker2 = runtime_dir / "pickle-ran-system"
     # The payloads are live: unpickled here (with another path) they do create their file.
@@ -342,188 +375,175 @@ def test_live_producer_survives_raw_socket_attacks(runtime_dir: Path) -> None:
     pickle.loads(pickle.dumps(_Touch(str(probe)))).close()
     assert probe.exists()
     probe.unlink()
-    log = logging.getLogger("ipcsync")
-    capture = LogCapture()
-    old_level = log.level
-    log.addHandler(capture)
-    log.setLevel(logging.WARNING)
-    thread_errors: list[Any] = []
-    old_hook = threading.excepthook
-    threading.excepthook = lambda args: thread_errors.append(args)
+    capture, thread_errors = watched
     counts = Counts()
     rss: dict[str, float] = {}
     timing: dict[str, float] = {}
-    stream = Stream()
-    try:
-        stream.prod.wait_for_consumers(1, timeout=10)
-        stream.advance(200)
-        rss["start"] = rss_mb()
-        bases = base_frames()
+    stream.prod.wait_for_consumers(1, timeout=10)
+    stream.advance(200)
+    rss["start"] = rss_mb()
+    bases = base_frames()
 
-        # -- random bytes: each example a fresh peer, 1-4 frames, then the sentinel.
-        @settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(st.lists(st.binary(max_size=300), min_size=1, max_size=4))
-        def random_bytes(frames: list[bytes]) -> None:
-            with dealer() as s:
-                for f in frames:
-                    counts.send(s, "random_bytes", f)
-                counts.sync(s)
-
-        random_bytes()
-        stream.advance(50)
-
-        # -- mutated real frames.
-        @settings(max_examples=MUTATED_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(mutations(bases))
-        def mutated(case: tuple[str, bytes]) -> None:
-            name, frame = case
-            if not counts.undecodable(frame):
-                counts.mutated_decodable += 1  # still a well-formed message after mutation
-            with dealer() as s:
-                counts.send(s, f"mutated_{name}", frame)
-                counts.sync(s)
-
-        mutated()
-        stream.advance(50)
-
-        # -- multi-part messages (always bad), an over-size frame, pickle payloads.
+    # -- random bytes: each example a fresh peer, 1-4 frames, then the sentinel.
+    @settings(max_examples=RANDOM_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.binary(max_size=300), min_size=1, max_size=4))
+    def random_bytes(frames: list[bytes]) -> None:
         with dealer() as s:
-            parts = [[b"two", b"parts"], [hello(), b""], [b"", hello()], [b"a", b"b", b"c", b"d", b"e"],
-                     [bases["release"], bases["release"]], [pickle.dumps(_Touch(str(marker))), b"x"]]
-            for msg in parts * 3:
-                s.send_multipart(msg)
-                counts.add("multipart")
-                counts.must_be_bad += 1
-            counts.send(s, "oversize", b"\x00" * (P.DEFAULT_LIMITS.max_frame + 10))
-            for payload in (pickle.dumps(_Touch(str(marker))), pickle.dumps(_System(str(marker2))),
-                            pickle.dumps(_Touch(str(marker)), protocol=0)):
-                counts.send(s, "pickle", payload)
-                # ... and inside otherwise well-formed frames (bytes where text is due, etc.)
-                in_hello = [P.Hello.TYPE, P.PROTOCOL_VERSION, 1, 1, "b", "n", "cpu", payload, 1, 0]
-                counts.send(s, "pickle", msgpack.packb(in_hello))
-                counts.send(s, "pickle", msgpack.packb([P.Release.TYPE, [payload]]))
-                counts.send(s, "pickle", msgpack.packb([P.Error.TYPE, payload, payload]))
+            for f in frames:
+                counts.send(s, "random_bytes", f)
             counts.sync(s)
-        stream.advance(50)
 
-        # -- garbage before and after a valid HELLO; a RELEASE before ATTACH.
-        for k in range(10):
-            with dealer() as s:
-                for f in (b"\xc1", msgpack.packb([99]), bases["heartbeat"], bases["attach"][:-1]):
-                    counts.send(s, "around_hello", f)
-                s.send(hello(heartbeat_ms=500))
-                counts.add("around_hello")
-                expect(s, P.Setup)
-                after = [bases["release"], b"\xff\xfe", bases["hello"]][k % 3]
-                counts.send(s, "around_hello", after, fresh=False)  # invalid in await_attach
-                if not counts.undecodable(after):
-                    counts.must_be_bad += 1
-                counts.send(s, "around_hello", msgpack.packb([42, "after the drop"]))  # unknown again
-                counts.sync(s)
-        stream.advance(50)
+    random_bytes()
+    stream.advance(50)
 
-        # -- peers that send HELLO and never finish the handshake. Their process (this one)
-        # lives, so silence alone never drops them (the liveness rule; the handshake bound
-        # of 30 s is tested in test_liveness.py): they go when their connection closes.
-        lost0 = stream.prod.stats()["consumers_lost"]
-        with dealer() as silent_hb, dealer() as silent:
-            silent_hb.send(hello(heartbeat_ms=500))  # silent past 1.5 x 0.5 s: kept
-            silent.send(hello(heartbeat_ms=0))  # no heartbeat at all: kept
-            counts.add("silent_hello", 2)
-            time.sleep(2 * HB + 0.5)
-            assert stream.prod.stats()["consumers_lost"] == lost0, "a silent but living peer was dropped"
-            stream.advance(50)
-
-            # -- an attached raw peer RELEASEs what it was never given, the real consumer's
-            # held item among them. (The feeder is paused while it is attached, so no item
-            # is sharded to it and the real consumer still gets every item.)
-            stream.hold_next.set()
-            assert wait_for(lambda: stream.held is not None, 10)
-            stream.pause()
-            assert stream.caught_up()
-            held = stream.held
-            # Everything else released: only the held item is in flight.
-            assert wait_for(lambda: stream.prod.stats()["occupancy"].get("in_flight") == 1, 5), \
-                stream.prod.stats()["occupancy"]
-            occupancy = stream.prod.stats()["occupancy"]
-            with dealer() as s:
-                s.send(hello(credits=1))
-                setup = expect(s, P.Setup)
-                s.send(P.encode(P.Attach(list(setup.ready_events))))
-                counts.add("bogus_release_peer", 2)
-                assert wait_for(lambda: stream.prod.consumers == 2, 5), "the raw peer did not attach"
-                bad0 = stream.prod.stats()["bad_frames"]
-                entries = [(held.seq, held.slot, held.gen), (held.seq, held.slot, held.gen + 1),
-                           (held.seq + 1, held.slot, held.gen), (0, 0, 0)]
-                entries += [(seq, slot, gen) for seq in (1, 17, 2**40) for slot in range(SLOTS + 2)
-                            for gen in (0, 1, 3)]
-                for chunk in (entries[:4], entries[4:30], entries[30:]):
-                    s.send(P.encode(P.Release(chunk)))
-                counts.add("bogus_release_entries", len(entries))
-                counts.must_be_bad += len(entries)
-                assert wait_for(lambda: stream.prod.stats()["bad_frames"] >= bad0 + len(entries), 5), \
-                    (stream.prod.stats()["bad_frames"], bad0, len(entries))
-                # Rejected, not fatal: still attached; nothing was freed; the item is intact.
-                assert stream.prod.consumers == 2
-                assert stream.prod.stats()["occupancy"] == occupancy
-                assert item_ok(held, held.meta["i"])
-                s.send(P.encode(P.Bye("done")))
-                expect(s, P.Bye)  # the producer acknowledges a consumer's BYE
-                assert wait_for(lambda: stream.prod.consumers == 1, 5)
-            stream.resume()
-            stream.advance(100)  # the held slot stays held while the others cycle
-            assert item_ok(held, held.meta["i"]), "a bogus RELEASE freed the real consumer's slot"
-            held.release()
-            stream.held = None
-        # Both half-open peers are dropped once their sockets are gone.
-        t0 = time.monotonic()
-        assert wait_for(lambda: stream.prod.stats()["consumers_lost"] >= lost0 + 2, 5)
-        timing["half_open_dropped_s"] = round(time.monotonic() - t0, 3)
-
-        # -- the flood.
-        rss["before_flood"] = rss_mb()
-        t0 = time.monotonic()
+    # -- mutated real frames.
+    @settings(max_examples=MUTATED_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mutations(bases))
+    def mutated(case: tuple[str, bytes]) -> None:
+        name, frame = case
+        if not counts.undecodable(frame):
+            counts.mutated_decodable += 1  # still a well-formed message after mutation
         with dealer() as s:
-            for k in range(FLOOD):
-                frame = [b"\xc1", b"\x00", msgpack.packb([k % 250]), os.urandom(8), b"\x91" * 20][k % 5]
-                counts.send(s, "flood", frame)
-            answers = counts.sync(s, timeout=60)
-        timing["flood_s"] = round(time.monotonic() - t0, 3)
-        rss["after_flood"] = rss_mb()
-        stream.advance(200)
+            counts.send(s, f"mutated_{name}", frame)
+            counts.sync(s)
 
-        # -- the stream is intact: every item, in order, contents checked.
+    mutated()
+    stream.advance(50)
+
+    # -- multi-part messages (always bad), an over-size frame, pickle payloads.
+    with dealer() as s:
+        parts = [[b"two", b"parts"], [hello(), b""], [b"", hello()], [b"a", b"b", b"c", b"d", b"e"],
+                 [bases["release"], bases["release"]], [pickle.dumps(_Touch(str(marker))), b"x"]]
+        for msg in parts * 3:
+            s.send_multipart(msg)
+            counts.add("multipart")
+            counts.must_be_bad += 1
+        counts.send(s, "oversize", b"\x00" * (P.DEFAULT_LIMITS.max_frame + 10))
+        for payload in (pickle.dumps(_Touch(str(marker))), pickle.dumps(_System(str(marker2))),
+                        pickle.dumps(_Touch(str(marker)), protocol=0)):
+            counts.send(s, "pickle", payload)
+            # ... and inside otherwise well-formed frames (bytes where text is due, etc.)
+            in_hello = [P.Hello.TYPE, P.PROTOCOL_VERSION, 1, 1, "b", "n", "cpu", payload, 1, 0]
+            counts.send(s, "pickle", msgpack.packb(in_hello))
+            counts.send(s, "pickle", msgpack.packb([P.Release.TYPE, [payload]]))
+            counts.send(s, "pickle", msgpack.packb([P.Error.TYPE, payload, payload]))
+        counts.sync(s)
+    stream.advance(50)
+
+    # -- garbage before and after a valid HELLO; a RELEASE before ATTACH.
+    for k in range(10):
+        with dealer() as s:
+            for f in (b"\xc1", msgpack.packb([99]), bases["heartbeat"], bases["attach"][:-1]):
+                counts.send(s, "around_hello", f)
+            s.send(hello(heartbeat_ms=500))
+            counts.add("around_hello")
+            expect(s, P.Setup)
+            after = [bases["release"], b"\xff\xfe", bases["hello"]][k % 3]
+            counts.send(s, "around_hello", after, fresh=False)  # invalid in await_attach
+            if not counts.undecodable(after):
+                counts.must_be_bad += 1
+            counts.send(s, "around_hello", msgpack.packb([42, "after the drop"]))  # unknown again
+            counts.sync(s)
+    stream.advance(50)
+
+    # -- peers that send HELLO and never finish the handshake. Their process (this one)
+    # lives, so silence alone never drops them (the liveness rule; the handshake bound
+    # of 30 s is tested in test_liveness.py): they go when their connection closes.
+    lost0 = stream.prod.stats()["consumers_lost"]
+    with dealer() as silent_hb, dealer() as silent:
+        silent_hb.send(hello(heartbeat_ms=500))  # silent past 1.5 x 0.5 s: kept
+        silent.send(hello(heartbeat_ms=0))  # no heartbeat at all: kept
+        counts.add("silent_hello", 2)
+        time.sleep(2 * HB + 0.5)
+        assert stream.prod.stats()["consumers_lost"] == lost0, "a silent but living peer was dropped"
+        stream.advance(50)
+
+        # -- an attached raw peer RELEASEs what it was never given, the real consumer's
+        # held item among them. (The feeder is paused while it is attached, so no item
+        # is sharded to it and the real consumer still gets every item.)
+        stream.hold_next.set()
+        assert wait_for(lambda: stream.held is not None, 10)
         stream.pause()
-        assert stream.caught_up(), f"the real consumer has {len(stream.got)} of {stream.sent} items"
-        stats = stream.prod.stats()
-        rss["end"] = rss_mb()
-        assert stream.errors == [], stream.errors[:10]
-        assert stream.failures == [], stream.failures
-        assert stream.got == list(range(stream.sent))
-        assert stream.prod.consumers == 1
-        frames_total = sum(counts.sent.values()) + counts.sentinels
-        report = {
-            "fuzz": dict(sorted(counts.sent.items())), "sentinels": counts.sentinels,
-            "frames_total": frames_total,
-            "mutated_still_decodable": counts.mutated_decodable, "bad_frames": stats["bad_frames"],
-            "bad_frames_at_least": counts.must_be_bad, "flood_answers": answers,
-            "consumers_lost": stats["consumers_lost"], "items_streamed": stream.sent,
-            "rss_mb": {k: round(v, 1) for k, v in rss.items()}, **timing,
-        }
-        sys.__stderr__.write("\n" + json.dumps(report) + "\n")  # xdist does not relay stdout
-        sys.__stderr__.flush()
-        most = frames_total + counts.sent["bogus_release_entries"]
-        assert counts.must_be_bad <= stats["bad_frames"] <= most, (counts.must_be_bad, stats["bad_frames"])
-        assert answers.get("Error", 0) >= FLOOD  # every flood frame was answered with an ERROR
-        assert rss["after_flood"] - rss["before_flood"] < RSS_FLOOD_MB, rss
-        assert rss["end"] - rss["start"] < RSS_TOTAL_MB, rss
-    finally:
-        stream.close()
-        threading.excepthook = old_hook
-        log.removeHandler(capture)
-        log.setLevel(old_level)
+        assert stream.caught_up()
+        held = stream.held
+        # Everything else released: only the held item is in flight.
+        assert wait_for(lambda: stream.prod.stats()["occupancy"].get("in_flight") == 1, 5), \
+            stream.prod.stats()["occupancy"]
+        occupancy = stream.prod.stats()["occupancy"]
+        with dealer() as s:
+            s.send(hello(credits=1))
+            setup = expect(s, P.Setup)
+            s.send(P.encode(P.Attach(list(setup.ready_events))))
+            counts.add("bogus_release_peer", 2)
+            assert wait_for(lambda: stream.prod.consumers == 2, 5), "the raw peer did not attach"
+            bad0 = stream.prod.stats()["bad_frames"]
+            entries = [(held.seq, held.slot, held.gen), (held.seq, held.slot, held.gen + 1),
+                       (held.seq + 1, held.slot, held.gen), (0, 0, 0)]
+            entries += [(seq, slot, gen) for seq in (1, 17, 2**40) for slot in range(SLOTS + 2)
+                        for gen in (0, 1, 3)]
+            for chunk in (entries[:4], entries[4:30], entries[30:]):
+                s.send(P.encode(P.Release(chunk)))
+            counts.add("bogus_release_entries", len(entries))
+            counts.must_be_bad += len(entries)
+            assert wait_for(lambda: stream.prod.stats()["bad_frames"] >= bad0 + len(entries), 5), \
+                (stream.prod.stats()["bad_frames"], bad0, len(entries))
+            # Rejected, not fatal: still attached; nothing was freed; the item is intact.
+            assert stream.prod.consumers == 2
+            assert stream.prod.stats()["occupancy"] == occupancy
+            assert item_ok(held, held.meta["i"])
+            s.send(P.encode(P.Bye("done")))
+            expect(s, P.Bye)  # the producer acknowledges a consumer's BYE
+            assert wait_for(lambda: stream.prod.consumers == 1, 5)
+        stream.resume()
+        stream.advance(100)  # the held slot stays held while the others cycle
+        assert item_ok(held, held.meta["i"]), "a bogus RELEASE freed the real consumer's slot"
+        held.release()
+        stream.held = None
+    # Both half-open peers are dropped once their sockets are gone.
+    t0 = time.monotonic()
+    assert wait_for(lambda: stream.prod.stats()["consumers_lost"] >= lost0 + 2, 5)
+    timing["half_open_dropped_s"] = round(time.monotonic() - t0, 3)
+
+    # -- the flood.
+    rss["before_flood"] = rss_mb()
+    t0 = time.monotonic()
+    with dealer() as s:
+        for k in range(FLOOD):
+            frame = [b"\xc1", b"\x00", msgpack.packb([k % 250]), os.urandom(8), b"\x91" * 20][k % 5]
+            counts.send(s, "flood", frame)
+        answers = counts.sync(s, timeout=60)
+    timing["flood_s"] = round(time.monotonic() - t0, 3)
+    rss["after_flood"] = rss_mb()
+    stream.advance(200)
+
+    # -- the stream is intact: every item, in order, contents checked.
+    stream.pause()
+    assert stream.caught_up(), f"the real consumer has {len(stream.got)} of {stream.sent} items"
+    stats = stream.prod.stats()
+    rss["end"] = rss_mb()
+    assert stream.errors == [], stream.errors[:10]
+    assert stream.failures == [], stream.failures
+    assert stream.got == list(range(stream.sent))
+    assert stream.prod.consumers == 1
+    frames_total = sum(counts.sent.values()) + counts.sentinels
+    report = {
+        "fuzz": dict(sorted(counts.sent.items())), "sentinels": counts.sentinels,
+        "frames_total": frames_total,
+        "mutated_still_decodable": counts.mutated_decodable, "bad_frames": stats["bad_frames"],
+        "bad_frames_at_least": counts.must_be_bad, "flood_answers": answers,
+        "consumers_lost": stats["consumers_lost"], "items_streamed": stream.sent,
+        "rss_mb": {k: round(v, 1) for k, v in rss.items()}, **timing,
+    }
+    sys.__stderr__.write("\n" + json.dumps(report) + "\n")  # xdist does not relay stdout
+    sys.__stderr__.flush()
+    most = frames_total + counts.sent["bogus_release_entries"]
+    assert counts.must_be_bad <= stats["bad_frames"] <= most, (counts.must_be_bad, stats["bad_frames"])
+    assert answers.get("Error", 0) >= FLOOD  # every flood frame was answered with an ERROR
+    assert rss["after_flood"] - rss["before_flood"] < RSS_FLOOD_MB, rss
+    assert rss["end"] - rss["start"] < RSS_TOTAL_MB, rss
+    stream.close()  # its closing is observed too
     assert not marker.exists() and not marker2.exists(), "a pickle payload was executed"
     assert thread_errors == [], [str(a.exc_value) for a in thread_errors]
     loud = [r for r in capture.records if r.levelno > logging.WARNING or r.exc_info]
