@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -45,6 +45,55 @@ def arenas() -> Iterator[list[CpuArena]]:
     finally:
         for a in reversed(made):
             a.close()
+
+
+class Children:
+    """Raw child processes, each in a process group of its own: ``start(args, **popen)``.
+    At teardown every group is killed (resource trackers included) and reaped."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    kids = Children()
+    try:
+        yield kids
+    finally:
+        kids.close()
+
+
+@pytest.fixture
+def shm_names() -> Iterator[list[str]]:
+    """Names of /dev/shm files the test made or expects others to leave: removed at teardown."""
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        for name in names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
 
 
 # --------------------------------------------------------------------------- arenas
@@ -105,17 +154,17 @@ def test_open_arena_may_map_a_prefix(backend: CpuBackend, arenas: list[CpuArena]
     assert peer.tensor.shape == (1000,) and int(peer.tensor.sum()) == 3000
 
 
-def test_close_unlinks_but_live_views_stay_readable(backend: CpuBackend) -> None:
+def test_close_unlinks_but_live_views_stay_readable(backend: CpuBackend, arenas: list[CpuArena]) -> None:
     a = backend.create_arena(4096)
+    arenas.append(a)
     path = a.path
-    try:
-        view = a.tensor[1000:1016]
-        view.copy_(torch.arange(16, dtype=torch.uint8))
-        peer = backend.open_arena(a.handle, 4096)
-        peer_view = peer.tensor[:]
-        peer.close()
-    finally:
-        a.close()
+    view = a.tensor[1000:1016]
+    view.copy_(torch.arange(16, dtype=torch.uint8))
+    peer = backend.open_arena(a.handle, 4096)
+    arenas.append(peer)
+    peer_view = peer.tensor[:]
+    peer.close()
+    a.close()
     assert not os.path.exists(path)
     assert a.tensor.numel() == 0  # the arena dropped its own view
     # The mapping lives while tensors view it: reads and writes still work.
@@ -199,46 +248,25 @@ def read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
     return buf.split(b"\n", 1)[0]
 
 
-def test_segment_of_a_killed_process_is_removed(tmp_path: Path) -> None:
+def test_segment_of_a_killed_process_is_removed(tmp_path: Path, children: Children, shm_names: list[str]) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     err_path = tmp_path / "child.err"
-    name = ""
     with open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD],
-            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
-        )
-    try:
-        name = read_line(proc, timeout=20.0).decode()
-        assert NAME_RE.fullmatch(name), (
-            f"child did not print an arena name: {name!r}; stderr: {err_path.read_text()[-2000:]}"
-        )
-        assert name.startswith(f"ipcsync-{proc.pid}-")
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-        path = os.path.join(SHM_DIR, name)
-        # The child's resource tracker (still in its process group) unlinks the segment.
-        deadline = time.monotonic() + 10.0
-        while os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not os.path.exists(path), f"{path} survived its creator's SIGKILL"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the resource tracker, if still there
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if name and NAME_RE.fullmatch(name):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
+        proc = children.start([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=err, env=env)
+    name = read_line(proc, timeout=20.0).decode()
+    assert NAME_RE.fullmatch(name), (
+        f"child did not print an arena name: {name!r}; stderr: {err_path.read_text()[-2000:]}"
+    )
+    shm_names.append(name)  # removed at teardown if its creator's tracker did not
+    assert name.startswith(f"ipcsync-{proc.pid}-")
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    path = os.path.join(SHM_DIR, name)
+    # The child's resource tracker (still in its process group) unlinks the segment.
+    deadline = time.monotonic() + 10.0
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), f"{path} survived its creator's SIGKILL"
 
 
 # --------------------------------------------------------------------------- events
@@ -420,23 +448,9 @@ def proc_state(pid: int) -> str:
 
 
 @pytest.fixture
-def child() -> Iterator[subprocess.Popen[bytes]]:
+def child(children: Children) -> subprocess.Popen[bytes]:
     """A sleeping child, killed (with its process group) at teardown."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
-        stdin=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    return children.start([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
 def test_a_reaped_child_is_not_alive(child: subprocess.Popen[bytes]) -> None:
@@ -463,31 +477,21 @@ def test_a_zombie_child_is_not_alive(child: subprocess.Popen[bytes]) -> None:
     assert not _host.process_alive(child.pid, st)
 
 
-def test_start_time_parses_a_command_with_parentheses_and_spaces(tmp_path: Path) -> None:
+def test_start_time_parses_a_command_with_parentheses_and_spaces(tmp_path: Path, children: Children) -> None:
     """The command name (field 2 of /proc/<pid>/stat) may hold ') ' and spaces."""
     exe = tmp_path / "a) b (c"
     os.symlink(sys.executable, exe)
-    proc = subprocess.Popen(
-        [str(exe), "-c", "import time; time.sleep(60)"],
-        stdin=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            with open(f"/proc/{proc.pid}/stat", "rb") as f:
-                if b"a) b (c" in f.read():
-                    break
-            time.sleep(0.01)
-        st = _host.start_time(proc.pid)
-        assert st > 0
-        assert st >= _host.start_time(os.getpid())
-        assert _host.process_alive(proc.pid, st)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+    proc = children.start([str(exe), "-c", "import time; time.sleep(60)"])
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            if b"a) b (c" in f.read():
+                break
+        time.sleep(0.01)
+    st = _host.start_time(proc.pid)
+    assert st > 0
+    assert st >= _host.start_time(os.getpid())
+    assert _host.process_alive(proc.pid, st)
 
 
 # --------------------------------------------------------------------------- exhaustion: a small /dev/shm
@@ -566,59 +570,47 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(90)
-def test_segments_of_killed_spawn_children_are_reclaimed_while_the_parent_lives(tmp_path: Path) -> None:
+def test_segments_of_killed_spawn_children_are_reclaimed_while_the_parent_lives(tmp_path: Path, children: Children,
+                                                                          shm_names: list[str]) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     script = tmp_path / "spawn_parent.py"
     script.write_text(SPAWN_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
-                              start_new_session=True)
-    names: list[str] = []
-    try:
-        kids = []
-        for _ in range(3):
-            pid, name = read_line(parent, timeout=60.0).decode().split()
-            kids.append(int(pid))
-            names.append(name)
-            assert name.startswith(f"ipcsync-{pid}-") and os.path.exists(os.path.join(SHM_DIR, name))
-            # read_line keeps no buffer: lines come one per write, each flushed.
-        for pid in kids:
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while any(_host.start_time(pid) != -1 for pid in kids) and time.monotonic() < deadline:
-            time.sleep(0.02)  # reaped by the parent's multiprocessing (or zombies: gone too)
-        arena = CpuBackend().create_arena(4096)  # a new producer's arena sweeps
-        arena.close()
-        deadline = time.monotonic() + 5
-        while any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert parent.poll() is None, "the parent must still live (its tracker removes nothing yet)"
-        left = [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
-        assert not left, f"segments of SIGKILLed spawn children survive while their parent lives: {left}"
-    finally:
-        try:
-            os.killpg(parent.pid, signal.SIGKILL)  # parent, children, resource tracker
-        except ProcessLookupError:
-            pass
-        parent.wait(timeout=10)
-        if parent.stdout is not None:
-            parent.stdout.close()
-        for n in names:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except FileNotFoundError:
-                pass
+    # killed at teardown with its group: the parent, its children, its resource tracker
+    parent = children.start([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env)
+    names = shm_names  # the children's segments, removed at teardown whatever happens
+    kids = []
+    for _ in range(3):
+        pid, name = read_line(parent, timeout=60.0).decode().split()
+        kids.append(int(pid))
+        names.append(name)
+        assert name.startswith(f"ipcsync-{pid}-") and os.path.exists(os.path.join(SHM_DIR, name))
+        # read_line keeps no buffer: lines come one per write, each flushed.
+    for pid in kids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_host.start_time(pid) != -1 for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.02)  # reaped by the parent's multiprocessing (or zombies: gone too)
+    arena = CpuBackend().create_arena(4096)  # a new producer's arena sweeps
+    arena.close()
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert parent.poll() is None, "the parent must still live (its tracker removes nothing yet)"
+    left = [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
+    assert not left, f"segments of SIGKILLed spawn children survive while their parent lives: {left}"
 
 
 def test_reclaim_leaves_live_foreign_and_unprovable_segments_alone(
-        monkeypatch: pytest.MonkeyPatch, backend: CpuBackend, arenas: list[CpuArena]) -> None:
+        monkeypatch: pytest.MonkeyPatch, backend: CpuBackend, arenas: list[CpuArena],
+        shm_names: list[str]) -> None:
     from ipcsync.backends import cpu
 
     mine = backend.create_arena(4096)
     arenas.append(mine)
     ns = cpu._pid_ns_inode()
-    made = []
+    made = shm_names  # removed at teardown
 
     def make(name: str) -> str:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -635,18 +627,11 @@ def test_reclaim_leaves_live_foreign_and_unprovable_segments_alone(
     real_gone = _host.owner_gone
     monkeypatch.setattr(_host, "owner_gone",
                         lambda pid, st: None if pid == NO_SUCH_PID + 1 else real_gone(pid, st))
-    try:
-        removed = cpu.reclaim_dead_segments()
-        assert dead in removed and reused in removed
-        for keep in (mine.handle, other_ns, legacy, unprovable):
-            assert os.path.exists(os.path.join(SHM_DIR, keep)), keep
-            assert keep not in removed
-    finally:
-        for n in made:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except FileNotFoundError:
-                pass
+    removed = cpu.reclaim_dead_segments()
+    assert dead in removed and reused in removed
+    for keep in (mine.handle, other_ns, legacy, unprovable):
+        assert os.path.exists(os.path.join(SHM_DIR, keep)), keep
+        assert keep not in removed
 
 
 def test_owner_gone_needs_proof(monkeypatch: pytest.MonkeyPatch) -> None:
