@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -103,9 +104,8 @@ def test_producer_sigkilled_consumer_gets_peer_lost_fast(procs, runtime_dir):
     assert leftover_files(runtime_dir) == []
 
 
-def _raw_socket(endpoint: str) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
+def _raw_socket(sockets: Any, endpoint: str) -> zmq.Socket:
+    s = sockets(zmq.DEALER)
     s.connect(resolve_endpoint(endpoint).url)
     return s
 
@@ -130,30 +130,26 @@ class _Boom:
         return (os.system, ("touch /tmp/ipcsync-pwned",))
 
 
-def test_garbage_frames_rejected_producer_keeps_serving(procs, runtime_dir):
+def test_garbage_frames_rejected_producer_keeps_serving(procs, runtime_dir, sockets):
     marker = "/tmp/ipcsync-pwned"
     if os.path.exists(marker):
         os.unlink(marker)
     prod = procs.start("produce", module="peers.basic", endpoint="fuzzed", n=3000, wait_consumers=1, progress=500)
     cons = procs.start("consume", module="peers.basic", endpoint="fuzzed", start=0)
     prod.read_until(lambda l: l.get("event") == "sent")
-    sockets = [_raw_socket("fuzzed") for _ in range(3)]
-    try:
-        for s in sockets:
-            for frame in GARBAGE + [pickle.dumps(_Boom())]:
-                s.send(frame)
-            s.send_multipart([b"two", b"frames"])
-        # A raw peer gets an ERROR answer naming the problem.
-        sockets[0].setsockopt(zmq.RCVTIMEO, 5000)
-        answer = P.decode(sockets[0].recv())
-        assert isinstance(answer, P.Error)
-        c = cons.result()
-        p = prod.result()
-    finally:
-        for s in sockets:
-            s.close(linger=0)
+    raws = [_raw_socket(sockets, "fuzzed") for _ in range(3)]
+    for s in raws:
+        for frame in GARBAGE + [pickle.dumps(_Boom())]:
+            s.send(frame)
+        s.send_multipart([b"two", b"frames"])
+    # A raw peer gets an ERROR answer naming the problem.
+    raws[0].setsockopt(zmq.RCVTIMEO, 5000)
+    answer = P.decode(raws[0].recv())
+    assert isinstance(answer, P.Error)
+    c = cons.result()
+    p = prod.result()
     assert c["errors"] == [] and c["received"] == 3000
-    assert p["stats"]["bad_frames"] >= len(sockets) * len(GARBAGE)
+    assert p["stats"]["bad_frames"] >= len(raws) * len(GARBAGE)
     assert "rejected a frame" in prod.stderr()
     assert not os.path.exists(marker), "a pickle payload was executed"
 
