@@ -721,27 +721,24 @@ def _gpu_works(timeout: float = 20.0) -> bool:
 
 
 # --------------------------------------------------------------------------- close after a loss
-def test_close_after_peer_lost_is_prompt(procs: Any, runtime_dir: Path) -> None:
+def test_close_after_peer_lost_is_prompt(procs: Any, endpoints: Any, runtime_dir: Path) -> None:
     victim = procs.start("fault_produce", module="peers.faults", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
     victim.read_until(event("bound"), timeout=30)
-    cons = ipcsync.Consumer("pk-close", device="cpu", heartbeat=HB, timeout=10)
-    try:
-        assert fault_check(cons.get(timeout=10), 0) is None
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.proc.wait(timeout=10)
-        with pytest.raises(PeerLostError):
-            while True:
-                cons.get(timeout=5)
-        # The stale socket files are gone (whoever noticed first removed them).
-        for name in ("pk-close.sock", "pk-close.sock.lock"):
-            wait_for(lambda: not (runtime_dir / name).exists(), 1.0, step=0.01)
-            if (runtime_dir / name).exists():
-                os.unlink(runtime_dir / name)
-        t0 = time.monotonic()
-        cons.close()
-        took = time.monotonic() - t0
-    finally:
-        cons.close()
+    cons = endpoints.consumer("pk-close", device="cpu", heartbeat=HB, timeout=10)
+    assert fault_check(cons.get(timeout=10), 0) is None
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    with pytest.raises(PeerLostError):
+        while True:
+            cons.get(timeout=5)
+    # The stale socket files are gone (whoever noticed first removed them).
+    for name in ("pk-close.sock", "pk-close.sock.lock"):
+        wait_for(lambda: not (runtime_dir / name).exists(), 1.0, step=0.01)
+        if (runtime_dir / name).exists():
+            os.unlink(runtime_dir / name)
+    t0 = time.monotonic()
+    cons.close()
+    took = time.monotonic() - t0
     report(fault="consumer.close() after PeerLostError, socket files already removed", side="consumer",
            device="cpu", result="closed", close_s=round(took, 3))
     assert took < 0.2, f"close() took {took:.3f} s with nothing left to clean up"
