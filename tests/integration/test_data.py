@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import ipcsync
 import test_launch_cli as cli
+from specfile import toml_spec
 from ipcsync.data import batches, serve
 from ipcsync.errors import ConfigError
 
@@ -420,7 +421,7 @@ def launcher(tmp_path: Path, runtime_dir: Path) -> Iterator[cli.Launcher]:
 
 def example_spec(launcher: cli.Launcher, loader_batches: int, train_batches: int, epochs: int) -> Path:
     sizes = ["--batch-size", "4", "--size", "16", "--epochs", str(epochs)]
-    return launcher.spec_file(cli.toml_spec(
+    return launcher.spec_file(toml_spec(
         {"loader": {"cmd": [cli.PY, str(EXAMPLE / "loader.py"), "--batches", str(loader_batches), *sizes],
                     "replicas": 2, "device": "cpu"},
          "train": {"cmd": [cli.PY, str(EXAMPLE / "train.py"), "--batches", str(train_batches), *sizes,

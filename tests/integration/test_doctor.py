@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from specfile import toml_spec
 
 from ipcsync import doctor
 
@@ -75,19 +76,7 @@ def checks_of(spec: Path | str | None = None) -> tuple[int, dict[str, dict[str, 
 
 
 def write_spec(path: Path, stages: dict[str, dict[str, Any]], edges: list[dict[str, Any]]) -> Path:
-    def value(v: Any) -> str:
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v)  # strings and integers are TOML as JSON writes them
-
-    lines = []
-    for name, body in stages.items():
-        lines.append(f"[stages.{name}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
-    for e in edges:
-        lines.append("[[edges]]")
-        lines += [f"{k} = {value(v)}" for k, v in e.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(toml_spec(stages, edges))
     return path
 
 

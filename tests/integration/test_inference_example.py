@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 import test_launch_cli as cli
+from specfile import toml_spec
 
 EXAMPLE = cli.ROOT / "examples" / "inference"
 DONE_RE = re.compile(r"\[frontend/0\] frontend: done, (\d+) requests, \d+ req/s, p50 [0-9.]+ ms, p99 [0-9.]+ ms")
@@ -30,7 +31,7 @@ def launcher(tmp_path: Path, runtime_dir: Path) -> Iterator[cli.Launcher]:
 
 def tiny_spec(launcher: cli.Launcher, requests: int, workers: int) -> Path:
     vocab = ["--vocab", "50"]
-    return launcher.spec_file(cli.toml_spec(
+    return launcher.spec_file(toml_spec(
         {"frontend": {"cmd": [cli.PY, str(EXAMPLE / "frontend.py"), "--requests", str(requests),
                               "--batch-size", "8", "--seq", "12", "--rate", "2000", "--max-wait-ms", "2",
                               "--log-every", "16", "--timeout", "120", *vocab],

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from specfile import toml_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = Path(__file__).resolve().parent / "stages"
@@ -52,32 +53,6 @@ STARTED_RE = re.compile(r"ipcsync-run: started (\d+) processes of pipeline '[^']
 def stage(script: str, *args: Any) -> list[str]:
     """The command of a stage script in tests/integration/stages."""
     return [PY, str(STAGES / script), *(str(a) for a in args)]
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a TOML basic string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(v)
-
-
-def toml_spec(stages: dict[str, dict[str, Any]], edges: list[dict[str, Any]] = (), **top: Any) -> str:
-    """A TOML spec: top-level keys, [stages.NAME] tables, [[edges]]."""
-    lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
-    for name, body in stages.items():
-        lines.append(f"\n[stages.{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
-    for e in edges:
-        lines.append("\n[[edges]]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in e.items()]
-    return "\n".join(lines) + "\n"
 
 
 def proc_state(pid: int) -> tuple[str, int] | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from specfile import toml_spec
 
 from ipcsync import limits
 from ipcsync.launch import cli
@@ -29,23 +30,7 @@ PY = "/opt/venv/bin/python3"
 
 
 # ---------------------------------------------------------------------------- helpers
-def toml(stages: dict[str, dict[str, Any]], edges: list[dict[str, Any]] = (), **top: Any) -> str:
-    """A TOML spec from tables (values written as JSON, which TOML reads alike here)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        return json.dumps(v)
-
-    lines = [f"{k} = {value(v)}" for k, v in top.items()]
-    for name, body in stages.items():
-        lines.append(f"[stages.{name}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
-    for e in edges:
-        lines.append("[[edges]]")
-        lines += [f"{k} = {value(v)}" for k, v in e.items()]
-    return "\n".join(lines) + "\n"
+toml = toml_spec  # (shorter in the tests below)
 
 
 def two_stage(src: dict[str, Any] | None = None, sink: dict[str, Any] | None = None, **edge: Any) -> PipelineSpec:
