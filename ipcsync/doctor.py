@@ -50,6 +50,7 @@ from typing import IO, Any, Callable, Iterator, Sequence
 
 from . import __version__
 from .limits import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, IPC_PATH_MAX
+from .runtime.paths import FALLBACK_SUFFIX, runtime_dir_choice
 
 __all__ = [
     "PASS",
@@ -67,7 +68,6 @@ __all__ = [
     "check_spec",
     "cuda_ipc_probe",
     "probe_child",
-    "runtime_dir_path",
     "parse_args",
     "main",
 ]
@@ -232,19 +232,6 @@ def check_shm(spec: Any = None, shm_dir: str = SHM_DIR, gpus: int | None = None)
 
 
 # --------------------------------------------------------------------------- runtime dir
-def runtime_dir_path() -> tuple[str, str]:
-    """The runtime directory ipcsync would use and why, without creating or changing it
-    (the choice ``ipcsync.runtime.paths.runtime_dir`` makes): ``$IPCSYNC_RUNTIME_DIR``,
-    else ``$XDG_RUNTIME_DIR/ipcsync``, else ``/tmp/ipcsync-<uid>``."""
-    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
-    if explicit:
-        return explicit, "IPCSYNC_RUNTIME_DIR"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return os.path.join(xdg, "ipcsync"), "XDG_RUNTIME_DIR"
-    return f"/tmp/ipcsync-{os.getuid()}", "the default"
-
-
 def _dir_problem(path: str) -> tuple[str | None, bool]:
     """(what is wrong with ``path`` as a runtime directory or None, and whether it is
     only the mode, which the library fixes itself on a default path). Read-only except
@@ -284,7 +271,7 @@ def _dir_problem(path: str) -> tuple[str | None, bool]:
 def check_runtime_dir() -> list[Check]:
     """The runtime directory (exists or can be made, ours, mode 0700, writable) and the
     ipc path length it leaves for endpoint names."""
-    path, why = runtime_dir_path()
+    path, why = runtime_dir_choice()
     name = "runtime dir"
     problem, mode_only = _dir_problem(path)
     explicit = why == "IPCSYNC_RUNTIME_DIR"
@@ -302,7 +289,7 @@ def check_runtime_dir() -> list[Check]:
         checks.append(Check(WARN, name, f"{path} (from {why}) {problem}; ipcsync makes it 0700 on first use",
                             f"chmod 700 {path}"))
     else:
-        alt = path + "-alt"
+        alt = path + FALLBACK_SUFFIX
         alt_problem, alt_mode_only = _dir_problem(alt)
         if alt_problem is None or alt_mode_only:
             used = alt
@@ -848,7 +835,7 @@ def run_checks(spec_path: str | None = None, cuda_ipc: bool = True,
     ]
     if spec_check is not None:
         steps.append(("spec", lambda: [spec_check] + (
-            check_spec(spec, gpus, runtime_dir_path()[0]) if spec is not None else [])))
+            check_spec(spec, gpus, runtime_dir_choice()[0]) if spec is not None else [])))
     for name, step in steps:
         try:
             got = step()

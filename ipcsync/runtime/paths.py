@@ -12,10 +12,23 @@ import warnings
 
 from ..errors import ConfigError
 
-__all__ = ["runtime_dir", "FALLBACK_SUFFIX"]
+__all__ = ["runtime_dir", "runtime_dir_choice", "FALLBACK_SUFFIX"]
 
 FALLBACK_SUFFIX = "-alt"
 _warned_fallback: set[str] = set()
+
+
+def runtime_dir_choice() -> tuple[str, str]:
+    """The runtime directory the environment names, and which setting named it
+    (``"IPCSYNC_RUNTIME_DIR"``, ``"XDG_RUNTIME_DIR"`` or ``"the default"``), without
+    creating or checking anything (``runtime_dir`` does that; ``ipcsync doctor`` reports)."""
+    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
+    if explicit:
+        return explicit, "IPCSYNC_RUNTIME_DIR"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "ipcsync"), "XDG_RUNTIME_DIR"
+    return f"/tmp/ipcsync-{os.getuid()}", "the default"
 
 
 def runtime_dir() -> str:
@@ -35,8 +48,9 @@ def runtime_dir() -> str:
       consumers still meet there; if it is taken too, that is a ConfigError telling the
       user to set IPCSYNC_RUNTIME_DIR. Nothing is ever used that another user controls.
     """
-    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
-    if explicit:
+    chosen, source = runtime_dir_choice()
+    if source == "IPCSYNC_RUNTIME_DIR":
+        explicit = chosen
         try:
             parent = os.path.dirname(explicit.rstrip("/"))
             if parent:
@@ -47,8 +61,7 @@ def runtime_dir() -> str:
         if problem is not None:
             raise ConfigError(f"runtime directory {explicit} (IPCSYNC_RUNTIME_DIR) {problem}")
         return explicit
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(xdg, "ipcsync") if xdg and os.path.isdir(xdg) else f"/tmp/ipcsync-{os.getuid()}"
+    base = chosen
     problem = _private_dir(base, fix_mode=True)
     if problem is None:
         return base
