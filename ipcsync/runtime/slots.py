@@ -304,8 +304,7 @@ class Handoffs:
         self.items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
                             plan.layout_version, plan.layout]
         self.stats.count(plan.data_bytes)
-        if ring.queued:
-            self.dispatch()
+        self.dispatch()  # (it returns at once when nothing is queued)
         return seq
 
     def dispatch(self) -> None:
