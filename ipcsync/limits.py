@@ -24,6 +24,8 @@ __all__ = [
     "IPC_PATH_MAX",
     "WAIT_MODES",
     "POLICIES",
+    "DEFAULT_SPIN_US",
+    "MAX_SPIN_US",
 ]
 
 DEFAULT_SLOTS = 4
@@ -36,3 +38,9 @@ DEFAULT_HEARTBEAT = 1.0  # seconds between liveness messages of an idle endpoint
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 WAIT_MODES = ("gpu", "host")  # how a consumer waits on a producer's events
 POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers
+# How long a blocking call polls its sockets before it sleeps in select (microseconds).
+# A peer that answers within this window is seen without a sleep and a wake-up; an idle
+# endpoint spins once per wait, not per tick. IPCSYNC_SPIN_US overrides it (0: never spin).
+DEFAULT_SPIN_US = 0
+MAX_SPIN_US = 10_000
+

@@ -23,6 +23,11 @@ handoff   For each message size a producer process sends N messages holding one 
           producer send to consumer receipt with the pipeline full, so it includes
           queueing behind up to `slots` earlier items.
 
+latency   Request/reply round trips, one request in flight (4K and 1M of the --sizes),
+          with and without a host read of the answer, against two torch.multiprocessing
+          queues and a raw pyzmq+msgpack round trip; and the CPU cost of an idle endpoint.
+          See scripts/bench_latency.py.
+
 train     The training loop of examples/dataloader (its SyntheticImages dataset: images
           generated from the index and augmented on the CPU in the loader processes, random
           crop + flip, nothing downloaded; its conv net, or --train-model resnet18 for a
@@ -1090,7 +1095,7 @@ def save_plot(path: str, device: str, command: str, handoff: list[tuple[Any, ...
 
 
 # ================================================================== main
-SUITES = ("handoff", "train", "infer")
+SUITES = ("handoff", "latency", "train", "infer")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1127,7 +1132,7 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, train, infer, or all (default: handoff)")
+                    help="comma-separated: handoff, latency, train, infer, or all (default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: fewer handoff messages, tiny train/infer sizes")
@@ -1190,12 +1195,22 @@ def main(argv: list[str] | None = None) -> int:
     train_cfg = train_config(args) if "train" in args.suites else None
     infer_cfg = infer_config(args) if "infer" in args.suites else None
     handoff_rows = None
+    latency_res: dict[str, Any] | None = None
     train_res: dict[str, dict[str, Any]] = {}
     infer_res: dict[str, dict[str, Any]] = {}
     try:
         if "handoff" in args.suites:
             handoff_rows = run_handoff(args)
             print_handoff(handoff_rows, device, args.slots, command)
+        if "latency" in args.suites:
+            import bench_latency as bl
+
+            lat_sizes = tuple(x for x in args.sizes.split(",") if x in bl.LAT_SIZES) or bl.LAT_SIZES
+            try:
+                latency_res = bl.run_latency(device, lat_sizes, args.quick, SIZES, _progress)
+            except bl.LatencyError as exc:
+                raise BenchError(str(exc)) from None
+            bl.print_latency(latency_res, lambda: _header("latency", device, command))
         if train_cfg is not None:
             for method in (*IPCSYNC_TRAIN, "dataloader"):
                 _progress(f"train {method}: {train_cfg['batches']} batches of {train_cfg['batch']} "

@@ -4,6 +4,11 @@ under cProfile and prints, for each side, its rate, time spent waiting by cause 
 top functions by own time. A development tool; scripts/bench.py is the benchmark.
 
     python3 scripts/profile_handoff.py [--device cuda] [--n 20000] [--slots 16] [--mode send]
+    python3 scripts/profile_handoff.py --roundtrip [--read] [--device cuda]
+
+``--roundtrip``: request/reply with one request in flight, as ``bench.py --suite latency``
+runs it: the host time of each step on each side per round trip, and what is left for
+transport and wake-ups.
 
 ``--ops``: the host cost of each primitive the hot path is made of (torch ops, events,
 msgpack, a ZeroMQ send, a lock, a Python call), one at a time, on this host: the budget
@@ -130,6 +135,99 @@ def per_call(n: int, batch: int, slots: int, device: str, mode: str) -> None:
           f"release {spent['release'] / n * 1e6:.2f} us")
 
 
+def _rt_requester(n, device, read, q, profile=False):
+    import ipcsync
+
+    prof = cProfile.Profile()
+    x = torch.zeros(4096, dtype=torch.uint8, device=device)
+    steps = {"send": 0, "get (wait for the answer)": 0, "touch/read": 0, "release": 0}
+    rt = []
+    with ipcsync.Producer("rt-req", slots=4, slot_bytes=8192, device=device) as req, \
+            ipcsync.Consumer("rt-rep", device=device, timeout=60) as rep:
+        req.wait_for_consumers(1, timeout=60)
+        for k in range(n + 200):
+            if profile and k == 200:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            req.send({"x": x})
+            t1 = time.perf_counter_ns()
+            item = rep.get()
+            t2 = time.perf_counter_ns()
+            (lambda y: int(y[0]) if read else _touch(y))(item["y"])
+            t3 = time.perf_counter_ns()
+            item.release()
+            t4 = time.perf_counter_ns()
+            if k >= 200:
+                for name, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    steps[name] += dt
+                rt.append(t4 - t0)
+    prof.disable()
+    q.put(("requester", steps, sorted(rt), _top(prof) if profile else ""))
+
+
+def _top(prof: cProfile.Profile) -> str:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue()
+
+
+def _rt_responder(n, device, q, profile=False):
+    import ipcsync
+
+    prof = cProfile.Profile()
+    steps = {"get (wait for a request)": 0, "slot + add + publish": 0, "release": 0}
+    with ipcsync.Producer("rt-rep", slots=4, slot_bytes=8192, device=device) as rep, \
+            ipcsync.Consumer("rt-req", device=device, timeout=60) as req:
+        rep.wait_for_consumers(1, timeout=60)
+        for k in range(n + 200):
+            if profile and k == 200:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            item = req.get()
+            t1 = time.perf_counter_ns()
+            with rep.slot(y=((4096,), torch.uint8)) as s:
+                torch.add(item["x"], 1, out=s["y"])
+            t2 = time.perf_counter_ns()
+            item.release()
+            t3 = time.perf_counter_ns()
+            if k >= 200:
+                for name, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2)):
+                    steps[name] += dt
+    prof.disable()
+    q.put(("responder", steps, None, _top(prof) if profile else ""))
+
+
+def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
+    """Request/reply with one request in flight (as bench.py --suite latency): the host time
+    of each step on each side, per round trip. What neither side spends in its own steps
+    (the round trip minus the requester's send/read/release and the responder's work) is
+    transport and wake-ups."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rt_responder, args=(n, device, q, profile)),
+          ctx.Process(target=_rt_requester, args=(n, device, read, q, profile))]
+    for p in ps:
+        p.start()
+    got = dict((role, (steps, rt, top)) for role, steps, rt, top in (q.get(timeout=300) for _ in ps))
+    for p in ps:
+        p.join(60)
+    rt = got["requester"][1]
+    print(f"round trip ({device}, 4 KiB, {n} after 200 warm-up, host read: {read}): "
+          f"p50 {rt[len(rt) // 2] / 1e3:.1f} us, mean {sum(rt) / len(rt) / 1e3:.1f} us")
+    own = 0.0
+    for role in ("requester", "responder"):
+        for name, total in got[role][0].items():
+            us = total / n / 1e3
+            print(f"  {role:9s} {name:28s} {us:8.1f} us")
+            if not name.startswith("get"):
+                own += us
+    mean = sum(rt) / len(rt) / 1e3
+    print(f"  {'':9s} {'transport + wake-ups':28s} {mean - own:8.1f} us (the rest of the mean)")
+    for role in ("requester", "responder") if profile else ():
+        print(f"== {role} under cProfile (the times above were taken without it only if --profile is off)")
+        print(got[role][2])
+
+
 def ops(n: int, device: str) -> None:
     import threading
 
@@ -213,12 +311,19 @@ def main() -> None:
     ap.add_argument("--per-call", action="store_true", help="time each hot call alone, in one process")
     ap.add_argument("--batch", type=int, default=4, help="--per-call: calls per timed round")
     ap.add_argument("--ops", action="store_true", help="time each primitive alone")
+    ap.add_argument("--roundtrip", action="store_true",
+                    help="request/reply, one in flight: host time of each step on each side")
+    ap.add_argument("--read", action="store_true", help="--roundtrip: read the answer on the host")
+    ap.add_argument("--profile", action="store_true", help="--roundtrip: also under cProfile, top functions")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("IPCSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="ipcs-prof-", dir="/tmp"))
     if a.ops:
         torch.set_num_threads(1)
         ops(min(a.n, 5000), a.device)
+        return
+    if a.roundtrip:
+        roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)
         return
     if a.per_call:
         torch.set_num_threads(1)

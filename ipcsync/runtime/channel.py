@@ -54,7 +54,7 @@ __all__ = [
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 # Plain ints on the hot path: pyzmq's flag enums cost an Enum operation per use.
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _SNDMORE, _SRCFD = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.SRCFD)
 _NO_EVENTS: tuple[tuple[int, int], ...] = ()
 # pyzmq's Python-level Socket.send adds only routing_id/group handling (unused here) to
@@ -256,6 +256,7 @@ class _Channel:
 
     def _setup_monitor(self) -> None:
         self.mon = self.sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._mget = _backend_method(self.mon, "get")
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.mon, zmq.POLLIN)
@@ -283,13 +284,12 @@ class _Channel:
         """True if the socket or its monitor has something to read now."""
         if self._get(_EVENTS) & _POLLIN:
             return True
-        mon = self.mon
-        return mon is not None and bool(mon.getsockopt(_EVENTS) & _POLLIN)
+        return self.mon is not None and bool(self._mget(_EVENTS) & _POLLIN)
 
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon
-        if mon is None or not mon.getsockopt(_EVENTS) & _POLLIN:
+        if mon is None or not self._mget(_EVENTS) & _POLLIN:
             return _NO_EVENTS
         out = []
         while True:
@@ -306,13 +306,16 @@ class _Channel:
             return None
         recv = self._recv
         try:
-            parts = [recv(_NOBLOCK, copy)]
+            frame = recv(_NOBLOCK, False)
         except zmq.Again:
             return None
         # The parts of a message arrive together: the rest never raises zmq.Again.
-        while self._get(_RCVMORE):
-            parts.append(recv(_NOBLOCK, copy))
-        return parts
+        # (``Frame.more`` rather than a ZMQ_RCVMORE getsockopt: no option lookup per part.)
+        parts = [frame]
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
+            parts.append(frame)
+        return [f.bytes for f in parts] if copy else parts
 
     def close(self) -> None:
         sock = getattr(self, "sock", None)

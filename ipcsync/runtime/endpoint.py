@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.ratelog import RateLog
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
-from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller
+from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller, spin_seconds
 
 if TYPE_CHECKING:
     from .handover import Pumpable
@@ -98,6 +98,10 @@ class EndpointBase:
         self._waiters = 0  # calls blocked in _unlocked() right now (lock released)
         self._closer: int | None = None  # thread ident running close(), once it started
         self._ratelog = RateLog(log)  # warnings a peer can trigger
+        try:
+            self._spin = spin_seconds()  # polled before the first sleep of a wait
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------ to implement
     def _pump(self) -> None:
@@ -262,6 +266,16 @@ class EndpointBase:
         deadline = None if timeout is None else start + timeout
         backoff = 1e-5
         try:
+            if self._spin and not poll_event:
+                # A bounded spin (lock held: others wait at most this long) before the
+                # first sleep: an answer that comes within it costs no wake-up.
+                spin_end = time.perf_counter() + (self._spin if timeout is None else min(self._spin, timeout))
+                pending = self._io_pending
+                while time.perf_counter() < spin_end:
+                    if pending():
+                        self._pump()
+                        if done():
+                            return True
             if poll_event:
                 spin_end = time.perf_counter() + (EVENT_SPIN_S if timeout is None else min(EVENT_SPIN_S, timeout))
                 while time.perf_counter() < spin_end:
