@@ -125,7 +125,10 @@ def test_peer_lost_raises_as_sync(procs: Any, endpoints: Any) -> None:
             await inp.aget(timeout=1.0)
         return got
 
-    assert run(main()) == list(range(5))
+    got = run(main())
+    # In order, and never past the death (items buffered when the loss is seen are dropped,
+    # as the sync calls drop them: the error comes first).
+    assert got == list(range(len(got))) and len(got) <= 5
 
 
 def test_close_while_awaiting_raises_closed(endpoints: Any) -> None:
