@@ -35,10 +35,11 @@ from .backends import backend_for, resolve_device
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
 from .core.stats import Stats
-from .errors import IpcSyncError, IpcTimeoutError
+from .errors import ClosedError, IpcSyncError, IpcTimeoutError
 from .item import Item
 from .runtime.channel import ConsumerChannel, CurveKeys, check_transport, resolve_endpoint
 from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout, check_wait
+from .runtime import aio
 from .runtime.foreign import Lender
 from .runtime.upstream import ProducerLink, make_hello, unanswered_error
 from .runtime.waiting import SourcePort, wait_ready_event
@@ -109,6 +110,7 @@ class Consumer(EndpointBase):
         # Per iterating thread, its current item (auto-released at that thread's next
         # next()): one thread never releases another's item.
         self._current: dict[int, Item] = {}
+        self._task_items = aio.TaskItems()  # the same, per asyncio task (aget)
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
@@ -168,6 +170,49 @@ class Consumer(EndpointBase):
         if item is None:
             raise StopIteration
         return item
+
+    # ------------------------------------------------------------------ asyncio
+    async def aget(self, timeout: float | None = None) -> Item | None:
+        """``get()`` for asyncio: the same result, timeout and errors (IpcTimeoutError,
+        PeerLostError, ClosedError), and the event loop runs other tasks while it waits.
+
+        Cancellation-safe: a cancelled ``aget`` took nothing; the item it was waiting for
+        is returned by the next ``aget``/``get``. With ``auto_release``, the item this task
+        got from ``aget`` last is released when it calls ``aget`` again (per task, as
+        ``get``'s is per thread). Any number of tasks may wait on one consumer at once. On
+        CUDA with ``wait="host"`` the item's ready event is polled inline (bounded by the
+        producer's copy); ``"gpu"``, the default, never waits on the host."""
+        t = self._resolve_timeout(timeout)
+        if self.auto_release:
+            self._task_items.release_previous()
+        item = await self._anext_item(t)
+        self._task_items.remember(item)
+        return item
+
+    def __aiter__(self) -> aio.AsyncItems:
+        """``async for item in consumer``: like ``for``, on the event loop (each ``async
+        for`` has its own current item, released at its next step with ``auto_release``;
+        ``idle_timeout`` applies)."""
+        t = self._idle_timeout
+        return aio.AsyncItems(self._anext_item, None if t is None or math.isinf(t) else t, self.auto_release)
+
+    async def _anext_item(self, timeout: float | None) -> Item | None:
+        """The next item (None: the stream ended), awaiting without blocking the loop."""
+        port = self.port
+        return await aio.wait_for_attempt(
+            self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
+            self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+
+    def _last_attempt(self, timeout: float | None) -> Item | None:
+        got, item = self._poll()
+        if got:
+            return item
+        raise IpcTimeoutError(
+            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
+            "it is alive but sent nothing (pass a larger timeout, or None to wait)")
+
+    def _closed_error(self) -> Exception:
+        return ClosedError(f"this {self._role} was closed while this call waited")
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent

@@ -24,6 +24,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 from . import limits
+from .runtime import aio
 from .runtime.endpoint import UNSET, check_timeout
 from .runtime.channel import resolve_endpoint
 from .runtime.waiting import Poller
@@ -89,6 +90,7 @@ class FanIn:
         self._current: Item | None = None
         self._error: IpcSyncError | None = None  # a source broke: the merged stream stays broken
         self._closed = False
+        self._task_items = aio.TaskItems()  # aget's current item, per asyncio task
 
     # ------------------------------------------------------------------ public API
     @property
@@ -116,6 +118,25 @@ class FanIn:
         if item is None:
             raise StopIteration
         return item
+
+    async def aget(self, timeout: float | None = None) -> Item | None:
+        """``get()`` for asyncio: the same result, timeout and errors; the event loop runs
+        other tasks while it waits on all the sources. Cancellation-safe: a cancelled
+        ``aget`` took nothing (the next ``aget``/``get`` returns what it waited for). With
+        ``auto_release`` the item this task got from ``aget`` last is released when it
+        calls ``aget`` again."""
+        t = self._timeout if timeout is None else check_timeout("timeout", timeout)
+        if self.auto_release:
+            self._task_items.release_previous()
+        item = await self._anext_item(None if t is None or math.isinf(t) else t)
+        self._task_items.remember(item)
+        return item
+
+    def __aiter__(self) -> aio.AsyncItems:
+        """``async for item in fanin``: like ``for``, on the event loop (``idle_timeout``
+        applies; each ``async for`` has its own current item)."""
+        t = self._idle_timeout
+        return aio.AsyncItems(self._anext_item, None if t is None or math.isinf(t) else t, self.auto_release)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the sources, and each source's own ``stats()`` under ``sources``."""
@@ -199,15 +220,42 @@ class FanIn:
         """Block until any live source's socket is readable, or ``timeout``, holding no
         source's lock while blocked."""
         poller = Poller()
-        lent = []
-        for i in self._live:
-            port = self._ports[i]
-            with port.lock:
-                if port.is_closed():
-                    raise ClosedError("a FanIn source was closed directly; close the FanIn instead")
-                poller.add(port.io_fds(), port.io_pending())
-                lent.extend(port.lent())
-        for other in lent:
-            poller.lend(other)
+        self._fill(poller)
         poller.wait(timeout)
         poller.pump_lent()
+
+    def _fill(self, poller: Poller) -> None:
+        """The live sources' fds and pending input (each under its lock), and the producers
+        their items were lent to."""
+        aio.fill_from_ports(poller, [self._ports[i] for i in self._live], _closed_directly)
+
+    # ------------------------------------------------------------------ asyncio internals
+    async def _anext_item(self, timeout: float | None) -> Item | None:
+        """The next item (None: every source ended), awaiting without blocking the loop."""
+        return await aio.wait_for_attempt(self._attempt, self._fill, timeout, _TICK,
+                                          lambda: self._last_attempt(timeout))
+
+    def _attempt(self) -> tuple[bool, Item | None]:
+        """One non-blocking step: ``(True, item)``, ``(True, None)`` once every source
+        ended, ``(False, None)`` when no source has an item now."""
+        if self._closed:
+            raise ClosedError("this FanIn is closed; create a new one")
+        if self._error is not None:
+            raise self._error
+        item = self._scan() if self._live else None
+        if item is not None or not self._live:
+            return True, item
+        return False, None
+
+    def _last_attempt(self, timeout: float | None) -> Item | None:
+        got, item = self._attempt()
+        if got:
+            return item
+        raise IpcTimeoutError(
+            f"no item from any of {len(self._live)} live sources within {timeout} s "
+            "(pass a larger timeout, or None to wait)"
+        )
+
+
+def _closed_directly() -> Exception:
+    return ClosedError("a FanIn source was closed directly; close the FanIn instead")

@@ -3,7 +3,7 @@ block fills in place) and ``Item`` (one received message)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .runtime.foreign import Lender
     from .runtime.port import ProducerPort
 
-__all__ = ["SlotWriter", "SlotEntry", "Item"]
+__all__ = ["SlotWriter", "SlotEntry", "AsyncSlotEntry", "Item"]
 
 
 class SlotWriter:
@@ -65,6 +65,26 @@ class SlotEntry:
         writer.tensors = None
         self.port.close_slot(self.ticket, writer.meta, exc_type is None)
         return False
+
+
+class AsyncSlotEntry:
+    """What ``Producer.aslot()`` returns: ``async with out.aslot(...) as s``. Entering
+    awaits a free slot without blocking the event loop (``enter``: reserves it through
+    ``entry.__enter__`` once one is free), then it is a ``SlotEntry``: exiting sends the
+    slot, or gives it back if the block raised (a cancellation included). Cancelled while
+    entering, it reserved nothing."""
+
+    __slots__ = ("entry", "enter")
+
+    def __init__(self, entry: SlotEntry, enter: Callable[[], Awaitable[SlotWriter]]) -> None:
+        self.entry = entry
+        self.enter = enter
+
+    async def __aenter__(self) -> SlotWriter:
+        return await self.enter()
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return self.entry.__exit__(exc_type, exc, tb)
 
 
 # ---------------------------------------------------------------------------------------

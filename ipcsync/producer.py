@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -27,8 +27,9 @@ from .core.forwarding import ForwardLedger
 from .core.layout import ALIGN, plan_message, signature
 from .core.ring import POLICIES, Ring
 from .core.stats import Stats
-from .errors import ConfigError
-from .item import SlotWriter, SlotEntry
+from .errors import ConfigError, IpcTimeoutError
+from .item import AsyncSlotEntry, SlotWriter, SlotEntry
+from .runtime import aio
 from .runtime.channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .runtime.endpoint import EndpointBase, check_positive_int, check_wait
 from .runtime.forwarder import Forwarder
@@ -42,6 +43,7 @@ log = logging.getLogger("ipcsync")
 
 DEFAULT_SLOT_BYTES = limits.DEFAULT_SLOT_BYTES
 _MAX_SLOTS = limits.MAX_SLOTS
+_T = TypeVar("_T")
 
 
 class Producer(EndpointBase):
@@ -210,6 +212,101 @@ class Producer(EndpointBase):
         """
         spec = {**fields, **named_fields} if fields else named_fields
         return SlotEntry(self.port, spec, meta, timeout, stream)
+
+    # ------------------------------------------------------------------ asyncio
+    async def asend(self, message: Any, meta: Any = None, *, timeout: float | None = None,
+                    stream: Any = None) -> int:
+        """``send()`` for asyncio: the same copy, result, timeout and errors; while every
+        slot is in use it awaits a release without blocking the event loop.
+
+        Cancellation-safe: the only wait is before a slot is reserved, and the copy and
+        publish then run without awaiting. So a cancelled ``asend`` sent nothing (the
+        message was not copied, no slot is taken; send it again if you still want it), and
+        an ``asend`` that returned a seq sent it. On CUDA with ``wait="host"`` (the
+        default) a reused slot's previous readers' release events are polled inline
+        (bounded by their GPU work on that slot); ``wait="gpu"`` enqueues that wait."""
+        return await self._when_slot_free(lambda: self.send(message, meta, timeout=0, stream=stream), timeout)
+
+    def aslot(
+        self,
+        fields: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
+        *,
+        meta: Any = None,
+        timeout: float | None = None,
+        stream: Any = None,
+        **named_fields: tuple[Sequence[int], torch.dtype],
+    ) -> AsyncSlotEntry:
+        """``slot()`` for asyncio: ``async with out.aslot(x=(shape, dtype)) as s: ...``.
+        Entering awaits a free slot without blocking the event loop; a cancelled entry
+        reserved nothing. The block itself is ``slot()``'s: sent on a clean exit, the slot
+        given back if it raises (a cancellation inside it included)."""
+        spec = {**fields, **named_fields} if fields else named_fields
+        entry = SlotEntry(self.port, spec, meta, 0.0, stream)
+        return AsyncSlotEntry(entry, lambda: self._when_slot_free(entry.__enter__, timeout))
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """``close()`` for asyncio: refuses new sends at once, awaits (without blocking the
+        event loop) until every item sent was delivered and released, or its holders are
+        gone, then runs ``close()`` with what is left of ``timeout`` (default: the
+        producer's), whose remaining goodbye exchange is a round trip. Lets consumers on
+        the same event loop finish their items."""
+        t = self._resolve_timeout(timeout)
+        deadline = None if t is None else time.monotonic() + t
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = self.port.closing = True
+
+        def drained() -> tuple[bool, None]:
+            with self._lock:
+                if self._closed:
+                    return True, None
+                self._pump()
+                return self._ring.queued == 0 and not self._ring.busy(), None
+
+        def fill(poller: Any) -> None:
+            with self._lock:
+                if not self._closed:
+                    poller.add(self._io_fds(), self._io_pending())
+
+        await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
+        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    async def _when_slot_free(self, reserve: Callable[[], _T], timeout: float | None) -> _T:
+        """Await a free slot (up to ``timeout``, default the producer's), then ``reserve()``
+        (a call that reserves with timeout 0, so it never blocks). Lost to another thread
+        in between: wait again. Time over: ``reserve()`` once more, which raises the sync
+        call's IpcTimeoutError if still no slot is free."""
+        t = self._resolve_timeout(timeout)
+        deadline = None if t is None else time.monotonic() + t
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await aio.wait_for_attempt(self._slot_free, self._fill_poller, left, self._tick, lambda: None,
+                                       self._waited_for_slot)
+            try:
+                return reserve()
+            except IpcTimeoutError:
+                with self._lock:
+                    taken = self._ring.free_slots == 0  # by another thread since we looked
+                if not taken or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+
+    def _slot_free(self) -> tuple[bool, None]:
+        """A non-blocking look: is a slot free (after handling what arrived)? Refused on
+        a closed or closing producer."""
+        with self._lock:
+            self._enter_send()
+            if self._ring.free_slots == 0:
+                self._pump()
+            return self._ring.free_slots > 0, None
+
+    def _fill_poller(self, poller: Any) -> None:
+        with self._lock:
+            self._enter_send()
+            poller.add(self._io_fds(), self._io_pending())
+
+    def _waited_for_slot(self, seconds: float) -> None:
+        self._stats.waited("slot" if self._ring.consumers() else "consumer", seconds)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item sent so far has been released by its consumers (or they

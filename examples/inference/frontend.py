@@ -5,8 +5,9 @@ examples/inference/pipeline.toml).
 Makes ``--requests`` requests (random token sequences, seeded) arriving at ``--rate``
 requests/s, batches them dynamically (a batch leaves when it holds ``--batch-size``
 requests or ``--max-wait-ms`` after its first request arrived), sends each batch to the
-worker stage and receives the answers over the reply edge (on a thread of its own, so
-sending and receiving never wait on each other). Each answer is mapped back to its
+worker stage and receives the answers over the reply edge. Sending and receiving are two
+asyncio tasks on one event loop (``await out.asend(...)``, ``async for item in inp``), as
+in an asyncio server: neither ever blocks the other. Each answer is mapped back to its
 requests by the ids in its meta and checked: every request answered exactly once, the
 checksum of its token ids as the worker saw them, a prediction that is the argmax of the
 returned logits. Prints progress, then
@@ -17,6 +18,7 @@ missing answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import sys
 import threading
@@ -47,12 +49,18 @@ def sleep_until(t: float) -> None:
         time.sleep(d)
 
 
-class Receiver(threading.Thread):
-    """Receives every answer, checks it, and records per-request latency."""
+async def asleep_until(t: float) -> None:
+    d = t - time.monotonic()
+    if d > 0:
+        await asyncio.sleep(d)
+
+
+class Checker:
+    """Checks every answer and records per-request latency. ``all_done`` is set once every
+    request was answered, or on the first error (then the sender stops)."""
 
     def __init__(self, inp: Any, n: int, vocab: int, expected_sums: list[int], arrivals: list[float],
                  log_every: int) -> None:
-        super().__init__(name="receiver", daemon=True)
         self.inp, self.n, self.vocab = inp, n, vocab
         self.expected_sums, self.arrivals, self.log_every = expected_sums, arrivals, log_every
         self.latency: list[float | None] = [None] * n
@@ -65,17 +73,21 @@ class Receiver(threading.Thread):
     def error(self, msg: str) -> None:
         if len(self.errors) < 20:
             self.errors.append(msg)
-        self.all_done.set()  # the main thread stops waiting
+        self.all_done.set()  # the sender stops waiting
 
-    def run(self) -> None:
+    async def receive(self, done: asyncio.Event) -> None:
+        """Every answer of ``inp`` (a Consumer or FanIn), until its stream ends; ``done``
+        is set whenever ``all_done`` is."""
         try:
-            for item in self.inp:
-                now = time.monotonic()
-                self.check(item, now)
+            async for item in self.inp:
+                self.check(item, time.monotonic())
+                if self.all_done.is_set():
+                    done.set()
         except Exception as exc:  # a worker died, a timeout, ...
             self.error(f"receiving answers: {type(exc).__name__}: {exc}")
         finally:
             self.all_done.set()
+            done.set()
 
     def check(self, item: Any, now: float) -> None:
         ids = item.meta.get("ids") if isinstance(item.meta, dict) else None
@@ -109,6 +121,70 @@ class Receiver(threading.Thread):
             print(f"frontend: {self.received}/{self.n} answered, {rate:.0f} req/s", flush=True)
         if self.received == self.n:
             self.all_done.set()
+
+
+class Receiver(Checker, threading.Thread):
+    """The same checks on a thread of its own, for a blocking source of answers
+    (scripts/bench.py runs it over torch.multiprocessing queues as well as ipcsync)."""
+
+    def __init__(self, inp: Any, n: int, vocab: int, expected_sums: list[int], arrivals: list[float],
+                 log_every: int) -> None:
+        Checker.__init__(self, inp, n, vocab, expected_sums, arrivals, log_every)
+        threading.Thread.__init__(self, name="receiver", daemon=True)
+
+    def run(self) -> None:
+        try:
+            for item in self.inp:
+                self.check(item, time.monotonic())
+        except Exception as exc:  # a worker died, a timeout, ...
+            self.error(f"receiving answers: {type(exc).__name__}: {exc}")
+        finally:
+            self.all_done.set()
+
+
+async def serve(out: Any, rx: Checker, tokens: torch.Tensor, arrivals: list[float], batch_size: int,
+                max_wait: float, timeout: float) -> tuple[int, float, float]:
+    """Send every request in dynamic batches while ``rx`` receives the answers from
+    ``rx.inp``, on one event loop; then close the output and wait for the answers to end.
+    Returns (batches, when the last batch left, when the last answer was in)."""
+    n = len(arrivals)
+    done = asyncio.Event()
+    receiving = asyncio.ensure_future(rx.receive(done))
+    batches = 0
+    sent_all = answered = time.monotonic()
+    try:
+        i = 0
+        while i < n and not rx.errors:
+            # Dynamic batching: the batch opens with the next arrival and leaves when full or
+            # max_wait after that arrival, whichever comes first; when sending fell behind
+            # (backpressure from busy workers), it takes every request that arrived meanwhile.
+            await asleep_until(arrivals[i])
+            deadline = max(arrivals[i] + max_wait, time.monotonic())
+            j = i + 1
+            while j < n and j - i < batch_size and arrivals[j] <= deadline:
+                j += 1
+            if j - i < batch_size and j < n:
+                await asleep_until(deadline)  # not full: wait out the window (no arrival in it)
+            else:
+                await asleep_until(arrivals[j - 1])
+            await out.asend({"ids": tokens[i:j]}, meta={"ids": list(range(i, j)), "sent": time.time()})
+            batches += 1
+            i = j
+        sent_all = time.monotonic()
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        except asyncio.TimeoutError:
+            rx.error(f"timed out after {timeout:.0f} s with {rx.received}/{n} answers")
+        answered = time.monotonic()
+    finally:
+        # The workers' iteration ends; they close their replies, ending ours. Awaited, so
+        # answers still arriving are received meanwhile.
+        await out.aclose()
+        try:
+            await asyncio.wait_for(receiving, 60)
+        except asyncio.TimeoutError:
+            rx.error("the answers did not end after the front end closed its output")
+    return batches, sent_all, answered
 
 
 def main() -> int:
@@ -146,38 +222,15 @@ def main() -> int:
           f"rate {args.rate or 'unlimited'} req/s, {workers} worker(s)", flush=True)
     t0 = time.monotonic()
     arrivals = [t0 + o for o in offsets]
-    rx = Receiver(inp, n, args.vocab, expected_sums, arrivals, args.log_every)
+    rx = Checker(inp, n, args.vocab, expected_sums, arrivals, args.log_every)
     rx.t0 = t0
-    rx.start()
-    batches = 0
     try:
-        i = 0
-        while i < n and not rx.errors:
-            # Dynamic batching: the batch opens with the next arrival and leaves when full or
-            # max_wait after that arrival, whichever comes first; when sending fell behind
-            # (backpressure from busy workers), it takes every request that arrived meanwhile.
-            sleep_until(arrivals[i])
-            deadline = max(arrivals[i] + max_wait, time.monotonic())
-            j = i + 1
-            while j < n and j - i < args.batch_size and arrivals[j] <= deadline:
-                j += 1
-            if j - i < args.batch_size and j < n:
-                sleep_until(deadline)  # not full: wait out the window (no arrival in it)
-            else:
-                sleep_until(arrivals[j - 1])
-            out.send({"ids": tokens[i:j]}, meta={"ids": list(range(i, j)), "sent": time.time()})
-            batches += 1
-            i = j
-        sent_all = time.monotonic()
-        if not rx.all_done.wait(args.timeout):
-            rx.error(f"timed out after {args.timeout:.0f} s with {rx.received}/{n} answers")
-        elapsed = time.monotonic() - t0
+        batches, sent_all, answered = asyncio.run(serve(out, rx, tokens, arrivals, args.batch_size, max_wait,
+                                                        args.timeout))
+        elapsed = answered - t0
     finally:
-        out.close()  # the workers' iteration ends; they close their replies, ending ours
-        rx.join(timeout=60)
+        out.close()  # (already closed, unless serve() failed before its end)
         inp.close()
-    if rx.is_alive():
-        rx.error("the answers did not end after the front end closed its output")
     missing = [r for r, lat in enumerate(rx.latency) if lat is None]
     if missing and not rx.errors:
         rx.error(f"{len(missing)} requests not answered: {missing[:10]}")

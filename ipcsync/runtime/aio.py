@@ -1,0 +1,175 @@
+"""How the endpoints wait under asyncio: the event loop watches the same file descriptors
+the blocking waits sleep on (``waiting.Poller``: ``ZMQ_FD`` of each socket, the lender's
+eventfd, the sockets of endpoints items were lent to), as ``zmq.asyncio`` does, instead of
+a thread per wait.
+
+Every async call is one loop of: a non-blocking attempt under the endpoint's lock (pump,
+then take an item / reserve a slot), and, when it got nothing, an ``await`` on
+``readable()`` for at most one tick. Rules:
+
+- **The loop never blocks on a peer.** An attempt never sleeps on a socket; the await is
+  a future woken by ``loop.add_reader`` or a timer.
+- **Cancellation loses nothing.** The only suspension point is ``readable()``, before the
+  attempt that takes anything: a cancelled call took nothing (an item stays buffered for
+  the next call, a message was not sent). Once an attempt took something, the call returns
+  it without awaiting again.
+- **Nothing leaks.** ``readable()`` watches private duplicates of the descriptors (so
+  tasks waiting on the same socket never replace each other's reader, and an endpoint
+  closed meanwhile never leaves the loop watching a closed or reused descriptor number);
+  however the await ends (woken, timed out, cancelled), its readers, its timer and its
+  duplicates are gone.
+- **Liveness and close are seen within a tick**, as in the blocking waits: the await
+  wakes at least once a tick and the next attempt pumps (heartbeats, dead peers) and
+  raises the endpoint's error (PeerLostError, ClosedError).
+
+Imports neither torch nor zmq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
+
+from .waiting import Poller, SourcePort
+
+if TYPE_CHECKING:
+    from ..item import Item
+
+__all__ = ["readable", "wait_for_attempt", "fill_from_ports", "TaskItems", "AsyncItems"]
+
+T = TypeVar("T")
+
+
+async def readable(fds: Iterable[int], timeout: float) -> None:
+    """Return when any of ``fds`` is readable, or after ``timeout`` seconds, whichever is
+    first. Never blocks the loop. Cancellable: the readers, the timer and the duplicated
+    descriptors are removed however it ends."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    dups: list[int] = []
+    timer = loop.call_later(max(0.0, timeout), wake)
+    try:
+        for fd in fds:
+            d = os.dup(fd)
+            dups.append(d)
+            loop.add_reader(d, wake)
+        await fut
+    finally:
+        timer.cancel()
+        for d in dups:
+            try:
+                loop.remove_reader(d)
+            finally:
+                os.close(d)
+
+
+async def wait_for_attempt(
+    attempt: Callable[[], tuple[bool, T]],
+    fill: Callable[[Poller], None],
+    timeout: float | None,
+    tick: float,
+    expired: Callable[[], T],
+    waited: Callable[[float], None] | None = None,
+) -> T:
+    """``attempt()`` until it returns ``(True, value)``; return ``value``.
+
+    ``attempt`` never blocks: it pumps and takes what is there, ``(False, None)`` when
+    nothing is; it raises the endpoint's errors. Between attempts, ``fill(poller)`` puts
+    the descriptors to watch into a ``Poller`` (under the owners' locks, with their pending
+    input: then there is no sleep) and the call awaits ``readable()`` for at most ``tick``.
+    ``timeout`` (None: forever) over: returns ``expired()``, which makes one last attempt
+    or raises the sync call's IpcTimeoutError. ``waited(seconds)``: told how long the call
+    was suspended, if it was (the endpoint's ``stats()["waiting_s"]``)."""
+    done, value = attempt()
+    if done:
+        return value
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    try:
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return expired()
+            poller = Poller()
+            fill(poller)
+            if not poller.ready:
+                await readable(poller.fds, tick if deadline is None else min(tick, deadline - now))
+            else:
+                await asyncio.sleep(0)  # input queued already: let the other tasks run first
+            if poller.lent:
+                poller.pump_lent()
+            done, value = attempt()
+            if done:
+                return value
+    finally:
+        if waited is not None:
+            waited(time.monotonic() - start)
+
+
+def fill_from_ports(poller: Poller, ports: Iterable[SourcePort], closed: Callable[[], Exception]) -> None:
+    """``fill`` for readers of Consumers (one, or a FanIn's): each port's fds and pending
+    input under its lock, then the endpoints its items were lent to. A closed port raises
+    ``closed()``."""
+    lent = []
+    for port in ports:
+        with port.lock:
+            if port.is_closed():
+                raise closed()
+            poller.add(port.io_fds(), port.io_pending())
+            lent.extend(port.lent())
+    for other in lent:
+        poller.lend(other)
+
+
+class TaskItems:
+    """``aget()``'s auto-release, per asyncio task (as ``get()``'s is per thread): the
+    item a task got last is released when that task asks for the next one."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: "weakref.WeakKeyDictionary[asyncio.Task[Any], Item]" = weakref.WeakKeyDictionary()
+
+    def release_previous(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            cur = self.current.pop(task, None)
+            if cur is not None:
+                cur.release()
+
+    def remember(self, item: "Item | None") -> None:
+        task = asyncio.current_task()
+        if task is not None and item is not None:
+            self.current[task] = item
+
+
+class AsyncItems:
+    """The iterator of ``async for item in consumer`` (or a FanIn): one per loop, so
+    each task iterating has its own current item. ``auto_release``: the item it returned
+    last is released at the next step, and when the stream ends."""
+
+    def __init__(self, next_item: Callable[[float | None], Awaitable["Item | None"]], timeout: float | None,
+                 auto_release: bool) -> None:
+        self._next_item, self._timeout, self._auto_release = next_item, timeout, auto_release
+        self._current: "Item | None" = None
+
+    def __aiter__(self) -> "AsyncItems":
+        return self
+
+    async def __anext__(self) -> "Item":
+        cur, self._current = self._current, None
+        if cur is not None and self._auto_release:
+            cur.release()
+        item = await self._next_item(self._timeout)
+        if item is None:
+            raise StopAsyncIteration
+        self._current = item
+        return item
