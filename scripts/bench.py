@@ -84,10 +84,14 @@ Sizes: the defaults are "real sizes" for a GPU (--train-*: 224x224 images, batch
 128 tokens in batches of 32, bf16 on CUDA); --quick makes every default tiny (a smoke run
 on a small CPU machine); any explicit size option wins over both.
 
+--plot PATH.png draws every comparison run in one figure (scripts/benchchart.py), which
+needs matplotlib: pip install 'ipcsync[bench]' (pip install -e '.[bench]' in a checkout).
+Without it the bench refuses --plot at once and runs as ever without.
+
 Usage:
     python3 scripts/bench.py [--quick] [--sizes 4K,1M,64M] [--slots 4]
     python3 scripts/bench.py --suite train,infer --quick --plot /tmp/uses.png
-    python3 scripts/bench.py --device cuda --suite all --plot bench.png
+    python3 scripts/bench.py --device cuda --slots 16 --sizes 4K,1M,64M,256M --suite all --plot docs/bench-h200.png
 """
 
 from __future__ import annotations
@@ -114,6 +118,9 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reducers: tensors
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # ipcsync from this checkout when it is not installed
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+import benchchart  # noqa: E402  (imports matplotlib only to draw, for --plot)
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
 COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}  # CPU backend: host memcpy speeds
@@ -1049,49 +1056,70 @@ def print_infer(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str
 
 
 # ------------------------------------------------------------------ chart
-def save_plot(path: str, device: str, command: str, handoff: list[tuple[Any, ...]] | None,
-              train: tuple[dict[str, Any], dict[str, Any]] | None,
-              infer: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import pngchart as pc
+# One panel builder per suite: its results -> benchchart panels (title, unit, higher or
+# lower is better, groups of (label, value) or (label, p50, p99) bars). main() hands the
+# panels of the suites run to save_plot(), which draws them all in one figure.
+def handoff_panels(rows: list[tuple[Any, ...]] | None) -> list[benchchart.Panel]:
+    if not rows:
+        return []
+    rates: dict[str, benchchart.Group] = {}
+    lats: dict[str, benchchart.Group] = {}
+    for name, label, rate, p50, p99, ratio, _host in rows:
+        rates.setdefault(name, benchchart.Group(name)).bars.append(
+            benchchart.Bar(label, rate, text=f"{rate:,.0f}/s ({ratio:.1f}x)"))
+        lats.setdefault(name, benchchart.Group(name)).bars.append(benchchart.Bar(label, p50 * 1e3, p99 * 1e3))
+    return [benchchart.Panel("handoff: throughput at the consumer", "handoffs/s", True, list(rates.values()),
+                             group_axis="message size"),
+            benchchart.Panel("handoff: latency, producer send to consumer receipt with the ring full",
+                             "ms", False, list(lats.values()), group_axis="message size")]
 
-    def color(method: str, k: int = 0) -> tuple[int, int, int]:
-        return pc.IPCSYNC_ALT[k % len(pc.IPCSYNC_ALT)] if method.startswith("ipcsync") else pc.BASELINE
 
-    panels = []
-    if handoff:
-        groups: dict[str, Any] = {}
-        for name, label, rate, _p50, _p99, ratio, _host in handoff:
-            g = groups.setdefault(name, pc.Group(f"{name} messages", []))
-            k = sum(1 for b in g.bars if b.label.startswith("ipcsync"))
-            g.bars.append(pc.Bar(label, rate, color(label, k), f"{rate:,.0f}/s ({ratio:.1f}x)"))
-        panels.append(pc.Panel("handoff: handoffs/s, higher is better", list(groups.values())))
-    if train:
-        res, cfg = train
-        shade = {m: k for k, m in enumerate(IPCSYNC_TRAIN)}  # one colour per ipcsync row
-        bars = [pc.Bar(train_label(m, cfg, device), r["samples_per_s"], color(m, shade.get(m, 0)),
-                       f"{r['samples_per_s']:,.0f}") for m, r in res.items()]
-        panels.append(pc.Panel(f"training: samples/s, higher is better ({cfg['loaders']} loaders, batch "
-                               f"{cfg['batch']}, {cfg['image']}x{cfg['image']})", [pc.Group("", bars)]))
-        key, what = (("gpu_idle", "GPU idle") if device.startswith("cuda") else
-                     ("wait_frac", "trainer waiting for data"))
-        bars = [pc.Bar(train_label(m, cfg, device), 100 * r[key], color(m, shade.get(m, 0)),
-                       f"{100 * r[key]:.1f}%") for m, r in res.items()]
-        panels.append(pc.Panel(f"training: {what} %, lower is better", [pc.Group("", bars)]))
-    if infer:
-        res, cfg = infer
-        bars = [pc.Bar(infer_label(m), r["rps"], color(m), f"{r['rps']:,.0f}") for m, r in res.items()]
-        panels.append(pc.Panel(f"inference: requests/s, higher is better (batch {cfg['batch']}, "
-                               f"{cfg['seq']} tokens)", [pc.Group("", bars)]))
-        groups_l = [pc.Group(q, [pc.Bar(infer_label(m), r[f"{q}_ms"], color(m), f"{r[f'{q}_ms']:.3f} ms")
-                                  for m, r in res.items()]) for q in ("p50", "p99")]
-        panels.append(pc.Panel("inference: request latency ms, lower is better", groups_l))
+def train_panels(res: dict[str, dict[str, Any]] | None, cfg: dict[str, Any] | None,
+                 device: str) -> list[benchchart.Panel]:
+    if not res or cfg is None:
+        return []
+    setup = f"{cfg['loaders']} loaders, batches of {cfg['batch']} x {cfg['image']}x{cfg['image']}"
+    rates = [benchchart.Bar(train_label(m, cfg, device), r["samples_per_s"]) for m, r in res.items()]
+    key, what = ("gpu_idle", "GPU idle") if device.startswith("cuda") else ("wait_frac", "trainer waiting for data")
+    idle = [benchchart.Bar(train_label(m, cfg, device), 100 * r[key], text=f"{100 * r[key]:.1f}%")
+            for m, r in res.items()]
+    return [benchchart.Panel(f"training: {setup}", "samples/s", True, [benchchart.Group("", rates)]),
+            benchchart.Panel(f"training: {what}", "% of trainer wall time", False, [benchchart.Group("", idle)],
+                             log=False)]
+
+
+def infer_panels(res: dict[str, dict[str, Any]] | None, cfg: dict[str, Any] | None) -> list[benchchart.Panel]:
+    if not res or cfg is None:
+        return []
+    setup = f"batches of up to {cfg['batch']} requests of {cfg['seq']} tokens"
+    rps = [benchchart.Bar(infer_label(m), r["rps"]) for m, r in res.items()]
+    lat = [benchchart.Bar(infer_label(m), r["p50_ms"], r["p99_ms"]) for m, r in res.items()]
+    return [benchchart.Panel(f"inference: {setup}", "requests/s", True, [benchchart.Group("", rps)]),
+            benchchart.Panel("inference: request latency", "ms", False, [benchchart.Group("", lat)])]
+
+
+def plot_problem(path: str | None) -> str | None:
+    """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
+    if path is None:
+        return None
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        return f"--plot: the folder {parent} does not exist; create it or choose another path"
+    problem = benchchart.missing()
+    if problem:
+        return f"--plot: {problem} (without --plot the bench runs and prints its tables)"
+    return None
+
+
+def save_plot(path: str, device: str, command: str, panels: list[benchchart.Panel]) -> None:
+    """One PNG figure of ``panels``, titled with the device, versions, date and command."""
+    if not panels:
+        _progress("no chart: the suites run have nothing to plot")
+        return
     notes = [f"{_hardware(device)}, torch {torch.__version__}, python {sys.version.split()[0]}, "
-             f"{time.strftime('%Y-%m-%d')}", command,
-             "Bars of a group share one scale from zero; the numbers are the data."]
-    canvas = pc.bar_chart(f"ipcsync bench, device={device}", panels, notes)
-    canvas.save(path)
-    _progress(f"chart saved to {path} ({canvas.width}x{canvas.height})")
+             f"{time.strftime('%Y-%m-%d')}", f"command: {command}"]
+    width, height = benchchart.render(path, f"ipcsync bench, device={device}", notes, panels)
+    _progress(f"chart saved to {path} ({width}x{height})")
 
 
 # ================================================================== main
@@ -1139,7 +1167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=4,
                     help="ring slots (handoff; per loader in train; per edge in infer, and the "
                          "torch.multiprocessing queues' maxsize there)")
-    ap.add_argument("--plot", metavar="PATH.png", help="also save a PNG chart of the comparisons run")
+    ap.add_argument("--plot", metavar="PATH.png",
+                    help="also save a PNG chart of the comparisons run (needs matplotlib: "
+                         f"{benchchart.INSTALL_HINT})")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds for one method of the train/infer suites (default 600)")
     h = ap.add_argument_group("handoff suite")
@@ -1184,6 +1214,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = plot_problem(args.plot)
+    if problem:  # before the bench runs, not after
+        print(f"bench.py: error: {problem}", file=sys.stderr)
+        return 2
     command = _command(argv)
     # One intra-op thread per process for every method (as torchrun does), so the processes
     # of a run do not spin against each other in OpenMP on a small machine.
@@ -1224,9 +1258,9 @@ def main(argv: list[str] | None = None) -> int:
             print_infer(infer_res, infer_cfg, device, args.slots, command)
         sys.stdout.flush()
         if args.plot:
-            save_plot(args.plot, device, command, handoff_rows,
-                      (train_res, train_cfg) if train_res else None,
-                      (infer_res, infer_cfg) if infer_res else None)
+            save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
+                                                   *train_panels(train_res, train_cfg, device),
+                                                   *infer_panels(infer_res, infer_cfg)])
     except BenchError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this checkout: a Python environment with torch, ipcsync (editable, with the
 # `ipcsync-run` command) and its runtime dependencies; `--test` adds the test dependencies
-# (pytest, pytest-xdist, hypothesis). Safe to run again: it installs only what is missing.
+# (pytest, pytest-xdist, hypothesis) and the bench extra (matplotlib, for
+# `scripts/bench.py --plot` and its tests). Safe to run again: it installs only what is missing.
 #
 # The environment is the active virtual environment if there is one (VIRTUAL_ENV, or a
 # python3 whose sys.prefix is not its base prefix); otherwise .venv in the checkout, made
@@ -124,12 +125,12 @@ has torch || die "torch still does not import in $PY"
 needs="ipcsync, zmq, msgpack, numpy"
 extra=""
 if [ "$TEST" = 1 ]; then
-    needs="$needs, pytest, xdist, hypothesis"
-    extra="[test]"
+    needs="$needs, pytest, xdist, hypothesis, matplotlib"
+    extra="[test,bench]"
 fi
 installed_at=$(cd / && "$PY" -c "import $needs, os; print(os.path.dirname(os.path.dirname(ipcsync.__file__)))" 2>/dev/null || true)
 if [ "$installed_at" != "$ROOT" ] || [ ! -x "$(dirname "$PY")/ipcsync-run" ]; then
-    say "installing ipcsync (editable) with its ${extra:+test }dependencies"
+    say "installing ipcsync (editable) with its ${extra:+test and bench }dependencies"
     pip_install -e ".$extra" || die "installing ipcsync failed (see above)"
 fi
 installed_at=$(cd / && "$PY" -c "import $needs, os; print(os.path.dirname(os.path.dirname(ipcsync.__file__)))" 2>/dev/null || true)
