@@ -89,6 +89,7 @@ class FanIn:
         self._current: Item | None = None
         self._error: IpcSyncError | None = None  # a source broke: the merged stream stays broken
         self._closed = False
+        self._waited = 0.0  # seconds blocked in _wait: no source had an item
 
     # ------------------------------------------------------------------ public API
     @property
@@ -130,6 +131,7 @@ class FanIn:
             "elapsed_s": elapsed,
             "rate_per_s": handoffs / elapsed,
             "bytes_per_s": nbytes / elapsed,
+            "waiting_s": {"producer": self._waited},  # for items, from any source
             "sources": per,
         }
 
@@ -209,5 +211,7 @@ class FanIn:
                 lent.extend(port.lent())
         for other in lent:
             poller.lend(other)
+        start = time.monotonic()
         poller.wait(timeout)
+        self._waited += time.monotonic() - start
         poller.pump_lent()

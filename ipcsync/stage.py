@@ -41,6 +41,7 @@ from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
 from .launch.plan import ENV_WIRING, WIRING_VERSION
 from .producer import Producer
+from .runtime import telemetry
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -201,6 +202,24 @@ def _track(direction: str, peer: str, ep: Any) -> None:
         if not _made:
             atexit.register(_write_stats)
         _made.append((direction, peer, ep))
+    w = _wiring_cache
+    if w is not None:  # under ipcsync-run --monitor/--stats-file: snapshots while running
+        telemetry.publish_periodically(f"{w['stage']}.{w['replica']}", _report)
+
+
+def _report() -> dict[str, Any]:
+    """This process's per-edge stats: ``{"stage", "replica", "inputs": {upstream stage:
+    stats()}, "outputs": {downstream stage: stats()}}``."""
+    w = _wiring_cache or {}
+    report: dict[str, Any] = {"stage": w.get("stage"), "replica": w.get("replica"), "inputs": {}, "outputs": {}}
+    with _lock:
+        made = list(_made)
+    for direction, peer, ep in made:
+        try:
+            report[direction][peer] = ep.stats()
+        except Exception:
+            continue
+    return report
 
 
 def _write_stats() -> None:
@@ -208,12 +227,7 @@ def _write_stats() -> None:
     w = _wiring_cache
     if w is None or not _made:
         return
-    report: dict[str, Any] = {"stage": w["stage"], "replica": w["replica"], "inputs": {}, "outputs": {}}
-    for direction, peer, ep in _made:
-        try:
-            report[direction][peer] = ep.stats()
-        except Exception:
-            continue
+    report = _report()
     path = w["stats_path"]
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
