@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
-from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE
+from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
 
 __all__ = [
     "STATS_VERSION", "BOUND", "EdgeView", "Analysis", "analyze", "read_snapshots", "status_lines",
@@ -291,8 +291,8 @@ def stats_records(a: Analysis, reports: dict[tuple[str, Any], dict[str, Any]], *
 # ---------------------------------------------------------------------------- files
 def read_snapshots(directory: str) -> dict[tuple[str, Any], dict[str, Any]]:
     """The stages' latest snapshots in ``directory``, keyed by (stage, replica). Files
-    that cannot be read, are too large, are not JSON or not of the expected shape are
-    skipped."""
+    that cannot be read, are too large, are not JSON, not of this snapshot version or
+    not of the expected shape are skipped (fields inside are checked where used)."""
     out: dict[tuple[str, Any], dict[str, Any]] = {}
     try:
         names = sorted(os.listdir(directory))
@@ -309,7 +309,7 @@ def read_snapshots(directory: str) -> dict[tuple[str, Any], dict[str, Any]]:
             report = json.loads(raw)
         except (OSError, ValueError, RecursionError):
             continue
-        if (isinstance(report, dict) and isinstance(report.get("stage"), str)
+        if (isinstance(report, dict) and report.get("v") == SNAPSHOT_VERSION and isinstance(report.get("stage"), str)
                 and isinstance(report.get("mono"), (int, float))
                 and isinstance(report.get("inputs", {}), dict) and isinstance(report.get("outputs", {}), dict)):
             out[_key(report)] = report
