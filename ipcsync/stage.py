@@ -18,7 +18,9 @@ Keyword arguments override them.
 The launcher passes the wiring as JSON in ``IPCSYNC_WIRING``. Outside ``ipcsync-run`` these
 functions raise ConfigError: create ``ipcsync.Producer``/``Consumer`` with an endpoint.
 
-At exit, the stats of every endpoint made here are written for the launcher's summary.
+At exit, the stats of every endpoint made here are written for the launcher's summary;
+under ``ipcsync-run --monitor`` or ``--stats-file`` also every interval while the stage
+runs (``runtime/telemetry.py``).
 A stage that dies of an unhandled exception leaves a one-line failure report beside them
 (``<stage>.<replica>.error``): its exception, and whether it is only the consequence of a
 peer's failure (a ``PeerLostError``, such as the ``ProducerFailedError`` of a consumer
