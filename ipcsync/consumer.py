@@ -41,6 +41,7 @@ from .runtime.channel import ConsumerChannel, CurveKeys, check_transport, resolv
 from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout, check_wait
 from .runtime import aio
 from .runtime.foreign import Lender
+from .runtime.telemetry import tracer_for
 from .runtime.upstream import ProducerLink, make_hello, unanswered_error
 from .runtime.waiting import SourcePort, wait_ready_event
 
@@ -104,6 +105,7 @@ class Consumer(EndpointBase):
         self._stream = stream
         self._backend = backend_for(self.device)
         self._stats = Stats()
+        self._trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
         self.session = s = ConsumerSession(self.endpoint.name, self._backend.name, self._heartbeat, limits,
                                            time.monotonic())
         self._held: dict[int, Item] = {}
@@ -335,7 +337,10 @@ class Consumer(EndpointBase):
         # nothing to wait for. Tested here, not in wait_ready_event: a call less per item.
         if not ev.query():
             wait_ready_event(ev, self.wait_mode, self._stream, self._poll_event)
-        self._stats.handoff(recipe.nbytes, (time.monotonic_ns() - sent_ns) / 1e9)
+        now = time.monotonic_ns()
+        self._stats.handoff(recipe.nbytes, (now - sent_ns) / 1e9)
+        if self._trace is not None:
+            self._trace.received(seq, now)
         return item
 
     def _poll_event(self, done: Any) -> None:
@@ -356,6 +361,8 @@ class Consumer(EndpointBase):
         s = self.session
         if s.error is None:
             self._memory.release_events[item.slot].record(stream if stream is not None else self._stream)
+        if self._trace is not None:
+            self._trace.released(item.seq)
         pending = self._pending
         pending.append((item.seq, item.slot, item.gen))
         # Batched: queued releases go out together when this many are waiting, when the

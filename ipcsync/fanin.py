@@ -91,6 +91,7 @@ class FanIn:
         self._error: IpcSyncError | None = None  # a source broke: the merged stream stays broken
         self._closed = False
         self._task_items = aio.TaskItems()  # aget's current item, per asyncio task
+        self._waited = 0.0  # seconds blocked in _wait: no source had an item
 
     # ------------------------------------------------------------------ public API
     @property
@@ -151,6 +152,7 @@ class FanIn:
             "elapsed_s": elapsed,
             "rate_per_s": handoffs / elapsed,
             "bytes_per_s": nbytes / elapsed,
+            "waiting_s": {"producer": self._waited},  # for items, from any source
             "sources": per,
         }
 
@@ -221,7 +223,9 @@ class FanIn:
         source's lock while blocked."""
         poller = Poller()
         self._fill(poller)
+        start = time.monotonic()
         poller.wait(timeout)
+        self._waited += time.monotonic() - start
         poller.pump_lent()
 
     def _fill(self, poller: Poller) -> None:

@@ -18,7 +18,9 @@ Keyword arguments override them.
 The launcher passes the wiring as JSON in ``IPCSYNC_WIRING``. Outside ``ipcsync-run`` these
 functions raise ConfigError: create ``ipcsync.Producer``/``Consumer`` with an endpoint.
 
-At exit, the stats of every endpoint made here are written for the launcher's summary.
+At exit, the stats of every endpoint made here are written for the launcher's summary;
+under ``ipcsync-run --monitor`` or ``--stats-file`` also every interval while the stage
+runs (``runtime/telemetry.py``).
 A stage that dies of an unhandled exception leaves a one-line failure report beside them
 (``<stage>.<replica>.error``): its exception, and whether it is only the consequence of a
 peer's failure (a ``PeerLostError``, such as the ``ProducerFailedError`` of a consumer
@@ -41,6 +43,7 @@ from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
 from .launch.plan import ENV_WIRING, WIRING_VERSION
 from .producer import Producer
+from .runtime import telemetry
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -201,6 +204,24 @@ def _track(direction: str, peer: str, ep: Any) -> None:
         if not _made:
             atexit.register(_write_stats)
         _made.append((direction, peer, ep))
+    w = _wiring_cache
+    if w is not None:  # under ipcsync-run --monitor/--stats-file: snapshots while running
+        telemetry.publish_periodically(f"{w['stage']}.{w['replica']}", _report)
+
+
+def _report() -> dict[str, Any]:
+    """This process's per-edge stats: ``{"stage", "replica", "inputs": {upstream stage:
+    stats()}, "outputs": {downstream stage: stats()}}``."""
+    w = _wiring_cache or {}
+    report: dict[str, Any] = {"stage": w.get("stage"), "replica": w.get("replica"), "inputs": {}, "outputs": {}}
+    with _lock:
+        made = list(_made)
+    for direction, peer, ep in made:
+        try:
+            report[direction][peer] = ep.stats()
+        except Exception:
+            continue
+    return report
 
 
 def _write_stats() -> None:
@@ -208,12 +229,7 @@ def _write_stats() -> None:
     w = _wiring_cache
     if w is None or not _made:
         return
-    report: dict[str, Any] = {"stage": w["stage"], "replica": w["replica"], "inputs": {}, "outputs": {}}
-    for direction, peer, ep in _made:
-        try:
-            report[direction][peer] = ep.stats()
-        except Exception:
-            continue
+    report = _report()
     path = w["stats_path"]
     try:
         tmp = f"{path}.{os.getpid()}.tmp"

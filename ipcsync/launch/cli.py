@@ -83,6 +83,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="print the resolved plan, check every stage's cwd and command, and exit")
     ap.add_argument("--no-summary", action="store_true", help="do not print the per-edge summary")
+    ap.add_argument("--monitor", action="store_true",
+                    help="print per-edge rates, slot use, who waits on whom and the bottleneck stage "
+                         "every --monitor-interval seconds while the pipeline runs")
+    ap.add_argument("--monitor-interval", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds between --monitor reports and --stats-file records (default 1)")
+    ap.add_argument("--stats-file", default=None, metavar="PATH",
+                    help="append per-edge, per-endpoint and pipeline stats to PATH as JSON lines every "
+                         "interval (schema version 1: see docs/monitoring.md)")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="write a Chrome/Perfetto trace (JSON) of every handoff of every stage to PATH "
+                         "(open it in ui.perfetto.dev)")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return ap.parse_args(argv)
 
@@ -173,7 +184,8 @@ def _say(line: str) -> None:
     print(f"ipcsync-run: {line}", file=sys.stderr, flush=True)
 
 
-def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True) -> int:
+def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, monitor: bool = False,
+        monitor_interval: float = 1.0, stats_file: str | None = None, trace: str | None = None) -> int:
     from ..runtime.paths import runtime_dir
 
     base = runtime_dir()
@@ -199,17 +211,34 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True) -> i
         return 0
     from .supervisor import Supervisor
 
-    return Supervisor(
-        make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary,
-        contain=True,
-    ).run()
+    observer = None
+    if monitor or stats_file or trace:
+        from .monitor import Observer
+
+        if not 0.05 <= monitor_interval <= 3600:
+            raise ConfigError(f"--monitor-interval must be from 0.05 to 3600 seconds, got {monitor_interval}")
+        if trace and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+            raise ConfigError(f"--trace {trace}: its directory does not exist; create it or give another path")
+        try:
+            observer = Observer(monitor=monitor, stats_file=stats_file, trace_file=trace, interval=monitor_interval)
+        except OSError as exc:
+            raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
+    try:
+        return Supervisor(
+            make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary,
+            contain=True, observer=observer,
+        ).run()
+    finally:
+        if observer is not None:
+            observer.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         spec = config_from_args(args)
-        return run(spec, dry_run=args.dry_run, summary=not args.no_summary)
+        return run(spec, dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
+                   monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace)
     except ConfigError as exc:  # SpecError included
         _say(f"error: {exc}")
         return EXIT_LAUNCHER_ERROR

@@ -119,10 +119,12 @@ class Supervisor:
         err: IO[str] | None = None,
         summary: bool = True,
         contain: bool = False,
+        observer: Any = None,
     ) -> None:
         """``contain``: this process does nothing but supervise (the launcher): it becomes
         a child subreaper, and at the end of every attempt kills every descendant it
-        has, whichever group or session it moved to."""
+        has, whichever group or session it moved to. ``observer``: a
+        ``monitor.Observer`` (``--monitor``, ``--stats-file``, ``--trace``) or None."""
         self._make_plan = make_plan
         self._base = runtime_base
         self._restart = restart
@@ -135,6 +137,8 @@ class Supervisor:
         self._signals = 0  # how many
         self._out_broken = False  # our stdout's reader is gone
         self._procs: list[_Proc] = []
+        self._observer = observer
+        self._extra_env: dict[str, str] = {}  # the observer's, for this attempt's stages
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -189,8 +193,11 @@ class Supervisor:
         code = 0
         interrupted: int | None = None
         stats: list[dict[str, Any]] = []
+        plan: Plan | None = None
         try:
             plan = self._make_plan(run_id, run_dir, attempt)
+            if self._observer is not None:
+                self._extra_env = self._observer.env(run_dir)
             for inst in plan.instances:
                 proc = self._start(inst)
                 self._procs.append(proc)
@@ -214,6 +221,8 @@ class Supervisor:
             next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
             while cause is None and interrupted is None and any(p.running for p in self._procs):
                 self._pump(sel, 0.1)
+                if self._observer is not None:
+                    self._observer.tick(run_id, run_dir, [s.name for s in plan.spec.stages])
                 if self._contain and time.monotonic() >= next_orphan_reap:
                     _reap_orphans(self._popen_pids())
                     next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
@@ -250,6 +259,9 @@ class Supervisor:
                 interrupted = self._signal
             if cause is None:
                 stats = _read_stats(os.path.join(run_dir, "stats"))
+            if self._observer is not None and plan is not None:
+                self._observer.finish(run_id, run_dir, [s.name for s in plan.spec.stages],
+                                      {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
             _remove_run(run_dir, run_id)
             sel.close()
         return Outcome(code, cause, interrupted, stats)
@@ -297,6 +309,7 @@ class Supervisor:
     def _start(self, inst: Instance) -> _Proc:
         env = dict(os.environ)
         env.update(inst.env)
+        env.update(self._extra_env)
         parent = os.getpid()
         try:
             popen = subprocess.Popen(

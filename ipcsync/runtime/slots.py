@@ -35,6 +35,7 @@ from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..errors import ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
+from .telemetry import tracer_for
 
 __all__ = ["Waits", "Handoffs", "NAG_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
@@ -92,6 +93,7 @@ class Handoffs:
         # or None until first needed, short READY frame (without the layout), forwarding
         # (foreign arena, region offset, region bytes) or None, layout version, layout].
         self.items: list[list[Any] | None] = [None] * self.slots
+        self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
 
     # ------------------------------------------------------------------ plans
     def new_plan(self, key: Any, placement: Placement) -> Plan:
@@ -304,6 +306,8 @@ class Handoffs:
         self.items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
                             plan.layout_version, plan.layout]
         self.stats.count(plan.data_bytes)
+        if self.trace is not None:
+            self.trace.sent(seq, slot, sent_ns, plan.data_bytes)
         self.dispatch()  # (it returns at once when nothing is queued)
         return seq
 
@@ -314,6 +318,7 @@ class Handoffs:
         if not ring.queued:
             return
         peers = self.peers
+        trace = self.trace
         for cid, _seq, slot, _gen in ring.dispatch():
             peer = peers.get(cid)  # type: ignore[arg-type]
             if peer is None:  # lost by an earlier send of this loop; the ring freed its slots
@@ -341,6 +346,8 @@ class Handoffs:
                     item[5] = frame
                 session.needs_layout(lid, item[8])  # records it
                 self.layouts_inline += 1
+            if trace is not None:  # (before the send: the consumer may stamp its receipt at once)
+                trace.ready(_seq, peer.label)
             peers.send(peer, frame)
 
     # ------------------------------------------------------------------ 5. release
@@ -350,6 +357,7 @@ class Handoffs:
         latency = self.stats.latency
         bad: ProtocolError | None = None
         nbad = 0
+        trace = self.trace
         for seq, slot, gen in entries:
             try:
                 freed = self.ring.release(peer.identity, seq, slot, gen)
@@ -363,6 +371,8 @@ class Handoffs:
                 self.items[slot] = None
                 if item is not None:
                     latency((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
+                    if trace is not None:
+                        trace.freed(seq, now_ns)
                     if item[7] is not None:
                         assert self.forwards is not None
                         self.forwards.freed(slot)

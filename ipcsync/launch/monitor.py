@@ -1,0 +1,451 @@
+"""``ipcsync-run --monitor``, ``--stats-file`` and ``--trace``: a live view of a running
+pipeline, as status lines, JSON lines and a Chrome/Perfetto trace.
+
+How the numbers get here: the launcher sets ``$IPCSYNC_TELEMETRY_DIR`` (and
+``$IPCSYNC_TRACE_DIR`` for ``--trace``) to directories of the attempt's run directory;
+every stage process writes its per-edge ``stats()`` there every interval
+(``runtime/telemetry.py``, from ``ipcsync.stage``) and appends its trace events. The
+``Observer`` reads the snapshots each interval (a file that is missing, partial, not
+JSON or of the wrong shape is skipped, never fatal), turns the differences between two
+snapshots into per-edge rates and waits (``analyze``, pure), prints and writes them, and
+at the end of each attempt merges the trace files (``core/trace.py``).
+
+Who waits on whom. A producer waiting for a free slot (``waiting_s["slot"]``, and
+``"release_event"``) is held up by its consumers: the edge is *downstream-bound*. A
+consumer waiting for an item (``waiting_s["producer"]``) is held up by its producer: the
+edge is *upstream-bound*. The *bottleneck* is the stage that is busy (neither waiting
+for its inputs nor for its outputs) while its neighbours wait on it: the stage with the
+highest ``busy + (how much its producers wait on it) + (how much its consumers wait on
+it)``, named only when some edge is bound (someone waits at least ``BOUND`` of the time).
+
+Stats file (``--stats-file PATH``): JSON lines, each an object with ``"v": 1`` (the
+schema version) and ``"type"``:
+
+- ``"edge"``: ``run_id``, ``time`` (Unix), ``run_s`` (since the launcher started),
+  ``edge`` (``"src->dst"``), ``src``, ``dst``, ``items`` and ``bytes`` (sent so far, summed
+  over the producers), ``received`` (summed over the consumers), ``items_per_s``,
+  ``bytes_per_s`` (over the last interval), ``slots``, ``slots_used``, ``occupancy``
+  (``free``/``writing``/``queued``/``in_flight``), ``producer_wait`` and ``consumer_wait``
+  (fraction of the interval), ``bound`` (``"downstream"``, ``"upstream"`` or
+  ``"flowing"``), ``producers``, ``consumers``, ``final``;
+- ``"endpoint"``: ``run_id``, ``time``, ``run_s``, ``stage``, ``replica``, ``pid``,
+  ``direction`` (``"output"``/``"input"``), ``peer`` (the stage at the other end),
+  ``handoffs``, ``bytes``, ``waiting_s``, ``final``;
+- ``"pipeline"``: ``run_id``, ``time``, ``run_s``, ``bottleneck`` (a stage or null),
+  ``stages`` (per stage ``busy``, ``in_wait``, ``out_wait``), ``final``.
+
+One set per interval (rates and waits over that interval); the last set of an attempt
+(``final: true``) holds the counts the stages reported at exit, with rates and waits over
+each process's lifetime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterable
+
+from ..core.trace import ProcessTrace, chrome_trace, parse_lines
+from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
+
+__all__ = [
+    "STATS_VERSION", "BOUND", "EdgeView", "Analysis", "analyze", "read_snapshots", "status_lines",
+    "stats_records", "merge_trace", "Observer",
+]
+
+STATS_VERSION = 1
+BOUND = 0.2  # a side waiting at least this fraction of the time makes an edge bound
+_MAX_SNAPSHOT = 1 << 20
+_MAX_TRACE_EVENTS = 2_000_000  # merged, over all processes and attempts
+_PRODUCER_WAITS = ("slot", "release_event")
+
+
+# ---------------------------------------------------------------------------- pure analysis
+@dataclass
+class EdgeView:
+    """One edge over one interval."""
+
+    src: str
+    dst: str
+    items: int = 0
+    bytes: int = 0
+    received: int = 0
+    items_per_s: float = 0.0
+    bytes_per_s: float = 0.0
+    slots: int = 0
+    occupancy: dict[str, int] = field(default_factory=dict)
+    producer_wait: float = 0.0
+    consumer_wait: float = 0.0
+    producers: int = 0
+    consumers: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+    @property
+    def slots_used(self) -> int:
+        return self.slots - self.occupancy.get("free", 0)
+
+    @property
+    def bound(self) -> str:
+        """``downstream`` (producers wait for slots), ``upstream`` (consumers wait for
+        items) or ``flowing`` (neither waits ``BOUND`` of the time)."""
+        p, c = self.producer_wait, self.consumer_wait
+        if p >= BOUND and p >= c:
+            return "downstream"
+        if c >= BOUND:
+            return "upstream"
+        return "flowing"
+
+
+@dataclass
+class Analysis:
+    edges: list[EdgeView]
+    stages: dict[str, dict[str, float]]  # name -> busy, in_wait, out_wait
+    bottleneck: str | None
+
+
+def _key(report: dict[str, Any]) -> tuple[str, Any]:
+    return (str(report.get("stage")), report.get("replica"))
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def _waits(stats: dict[str, Any], causes: Iterable[str] | None) -> float:
+    w = stats.get("waiting_s")
+    if not isinstance(w, dict):
+        return 0.0
+    return sum(_num(v) for k, v in w.items() if causes is None or k in causes)
+
+
+def _consumer_wait(stats: dict[str, Any]) -> float:
+    """Seconds a consumer (or a FanIn: its own wait plus its sources') waited for items."""
+    total = _waits(stats, ("producer",))
+    sources = stats.get("sources")
+    if isinstance(sources, dict):
+        total += sum(_waits(s, ("producer",)) for s in sources.values() if isinstance(s, dict))
+    return total
+
+
+def _frac(now: float, before: float, dt: float) -> float:
+    return min(1.0, max(0.0, (now - before) / dt)) if dt > 0 else 0.0
+
+
+def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, Any], dict[str, Any]],
+            order: Iterable[str] = ()) -> Analysis:
+    """Edges, stages and bottleneck over the interval between two sets of stage reports
+    (keyed by (stage, replica); each as ``ipcsync.stage`` writes it, with ``mono``: the
+    monotonic time it was taken). A report without a predecessor counts from zero over
+    its own ``elapsed_s``. ``order``: stage names in spec order (for a stable output)."""
+    edges: dict[tuple[str, str], EdgeView] = {}
+    in_wait: dict[str, list[float]] = {}
+    out_wait: dict[str, list[float]] = {}
+    stage_names = list(order)
+
+    def edge(src: str, dst: str) -> EdgeView:
+        return edges.setdefault((src, dst), EdgeView(src, dst))
+
+    for key, r in sorted(cur.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        stage = key[0]
+        if stage not in stage_names:
+            stage_names.append(stage)
+        before = prev.get(key) or {}
+        dt = _num(r.get("mono")) - _num(before.get("mono")) if before else 0.0
+        outs, ins = r.get("outputs"), r.get("inputs")
+        b_outs, b_ins = before.get("outputs") or {}, before.get("inputs") or {}
+        waits_out: list[float] = []
+        waits_in: list[float] = []
+        for dst, s in (outs.items() if isinstance(outs, dict) else ()):
+            if not isinstance(s, dict):
+                continue
+            b = b_outs.get(dst) if isinstance(b_outs.get(dst), dict) else {}
+            span = dt if before else _num(s.get("elapsed_s"))
+            e = edge(stage, str(dst))
+            e.producers += 1
+            items, nbytes = int(_num(s.get("handoffs"))), int(_num(s.get("bytes")))
+            e.items += items
+            e.bytes += nbytes
+            if span > 0:
+                e.items_per_s += max(0, items - int(_num(b.get("handoffs")))) / span
+                e.bytes_per_s += max(0, nbytes - int(_num(b.get("bytes")))) / span
+            occ = s.get("occupancy")
+            if isinstance(occ, dict):
+                for k, v in occ.items():
+                    e.occupancy[str(k)] = e.occupancy.get(str(k), 0) + int(_num(v))
+                e.slots += int(sum(_num(v) for v in occ.values()))
+            w = _frac(_waits(s, _PRODUCER_WAITS), _waits(b, _PRODUCER_WAITS), span)
+            # A wait is counted when it ends: a producer stuck in one with every slot
+            # taken and nothing sent this interval is waiting all along.
+            if (before and items == int(_num(b.get("handoffs"))) and isinstance(occ, dict)
+                    and occ and _num(occ.get("free")) == 0):
+                w = 1.0
+            waits_out.append(w)
+            e.producer_wait += w
+        for src, s in (ins.items() if isinstance(ins, dict) else ()):
+            if not isinstance(s, dict):
+                continue
+            b = b_ins.get(src) if isinstance(b_ins.get(src), dict) else {}
+            span = dt if before else _num(s.get("elapsed_s"))
+            e = edge(str(src), stage)
+            e.consumers += 1
+            e.received += int(_num(s.get("handoffs")))
+            w = _frac(_consumer_wait(s), _consumer_wait(b), span)
+            waits_in.append(w)
+            e.consumer_wait += w
+        in_wait.setdefault(stage, []).append(sum(waits_in))
+        out_wait.setdefault(stage, []).append(sum(waits_out))
+    for e in edges.values():
+        if e.producers:
+            e.producer_wait /= e.producers
+        if e.consumers:
+            e.consumer_wait /= e.consumers
+    stages: dict[str, dict[str, float]] = {}
+    score: dict[str, float] = {}
+    for name in stage_names:
+        if name not in in_wait:
+            continue
+        iw = sum(in_wait[name]) / len(in_wait[name])
+        ow = sum(out_wait[name]) / len(out_wait[name])
+        busy = max(0.0, 1.0 - min(1.0, iw + ow))
+        stages[name] = {"busy": busy, "in_wait": min(1.0, iw), "out_wait": min(1.0, ow)}
+        ups = [e.producer_wait for e in edges.values() if e.dst == name]
+        downs = [e.consumer_wait for e in edges.values() if e.src == name]
+        score[name] = (busy + (sum(ups) / len(ups) if ups else 0.0)
+                       + (sum(downs) / len(downs) if downs else 0.0))
+    bottleneck = None
+    if score and any(e.bound != "flowing" for e in edges.values()):
+        bottleneck = max(score, key=lambda n: (score[n], -stage_names.index(n)))
+    ordered = sorted(edges.values(), key=lambda e: (_index(stage_names, e.src), _index(stage_names, e.dst)))
+    return Analysis(ordered, stages, bottleneck)
+
+
+def _index(names: list[str], name: str) -> int:
+    return names.index(name) if name in names else len(names)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB/s" if n >= 1e5 else f"{n / 1e3:.1f} kB/s"
+
+
+def status_lines(a: Analysis, run_s: float) -> list[str]:
+    """The monitor's lines for one interval: a headline naming the bottleneck, then one
+    line per edge."""
+    if a.bottleneck is not None:
+        st = a.stages.get(a.bottleneck, {})
+        waiting = [f"{e.src} waits for slots {e.producer_wait:.0%}" for e in a.edges
+                   if e.dst == a.bottleneck and e.bound == "downstream"]
+        waiting += [f"{e.dst} waits for items {e.consumer_wait:.0%}" for e in a.edges
+                    if e.src == a.bottleneck and e.bound == "upstream"]
+        head = (f"bottleneck: {a.bottleneck} (busy {st.get('busy', 0):.0%}"
+                + (f"; {', '.join(waiting)}" if waiting else "") + ")")
+    elif a.edges:
+        head = "no bottleneck: no stage waits on another"
+    else:
+        head = "waiting for the stages' first report"
+    lines = [f"monitor {run_s:6.1f} s  {head}"]
+    for e in a.edges:
+        occ = e.occupancy
+        bound = {"downstream": "downstream-bound", "upstream": "upstream-bound", "flowing": "flowing"}[e.bound]
+        lines.append(
+            f"  {e.src} -> {e.dst}: {e.items_per_s:7.1f} items/s {_mb(e.bytes_per_s):>10}, "
+            f"slots {e.slots_used}/{e.slots} used ({occ.get('queued', 0)} queued, {occ.get('in_flight', 0)} in flight), "
+            f"producer waits for slots {e.producer_wait:4.0%}, consumer waits for items {e.consumer_wait:4.0%}: "
+            f"{bound}; {e.items} sent"
+        )
+    return lines
+
+
+def stats_records(a: Analysis, reports: dict[tuple[str, Any], dict[str, Any]], *, run_id: str,
+                  now: float, run_s: float, final: bool) -> list[dict[str, Any]]:
+    """The ``--stats-file`` objects of one interval (schema: the module docstring)."""
+    common = {"v": STATS_VERSION, "run_id": run_id, "time": now, "run_s": round(run_s, 3), "final": final}
+    out: list[dict[str, Any]] = []
+    for e in a.edges:
+        out.append({**common, "type": "edge", "edge": e.name, "src": e.src, "dst": e.dst, "items": e.items,
+                    "bytes": e.bytes, "received": e.received, "items_per_s": e.items_per_s,
+                    "bytes_per_s": e.bytes_per_s, "slots": e.slots, "slots_used": e.slots_used,
+                    "occupancy": dict(e.occupancy), "producer_wait": e.producer_wait,
+                    "consumer_wait": e.consumer_wait, "bound": e.bound, "producers": e.producers,
+                    "consumers": e.consumers})
+    for (stage, replica), r in sorted(reports.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        for direction, key in (("output", "outputs"), ("input", "inputs")):
+            side = r.get(key)
+            for peer, s in (side.items() if isinstance(side, dict) else ()):
+                if not isinstance(s, dict):
+                    continue
+                waiting = {"producer": _consumer_wait(s)} if direction == "input" else s.get("waiting_s")
+                out.append({**common, "type": "endpoint", "stage": stage, "replica": replica,
+                            "pid": r.get("pid"), "direction": direction, "peer": peer,
+                            "handoffs": int(_num(s.get("handoffs"))), "bytes": int(_num(s.get("bytes"))),
+                            "waiting_s": waiting if isinstance(waiting, dict) else {}})
+    out.append({**common, "type": "pipeline", "bottleneck": a.bottleneck, "stages": a.stages})
+    return out
+
+
+# ---------------------------------------------------------------------------- files
+def read_snapshots(directory: str) -> dict[tuple[str, Any], dict[str, Any]]:
+    """The stages' latest snapshots in ``directory``, keyed by (stage, replica). Files
+    that cannot be read, are too large, are not JSON, not of this snapshot version or
+    not of the expected shape are skipped (fields inside are checked where used)."""
+    out: dict[tuple[str, Any], dict[str, Any]] = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                raw = f.read(_MAX_SNAPSHOT + 1)
+            if len(raw) > _MAX_SNAPSHOT:
+                continue
+            report = json.loads(raw)
+        except (OSError, ValueError, RecursionError):
+            continue
+        if (isinstance(report, dict) and report.get("v") == SNAPSHOT_VERSION and isinstance(report.get("stage"), str)
+                and isinstance(report.get("mono"), (int, float))
+                and isinstance(report.get("inputs", {}), dict) and isinstance(report.get("outputs", {}), dict)):
+            out[_key(report)] = report
+    return out
+
+
+def read_traces(directory: str, labels: dict[int, str], limit: int) -> list[ProcessTrace]:
+    """The per-process trace files of ``directory`` (``<pid>.jsonl``); unreadable ones
+    skipped. ``labels``: pid -> ``stage/replica`` for processes whose header lacks it."""
+    traces = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return traces
+    for name in names:
+        if not name.endswith(".jsonl"):
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                t = parse_lines(f, limit=max(0, limit))
+        except OSError:
+            continue
+        if t is None:
+            continue
+        if t.label.startswith("pid ") and t.pid in labels:
+            t.label = labels[t.pid]
+        limit -= len(t.events)
+        traces.append(t)
+    return traces
+
+
+def merge_trace(traces: list[ProcessTrace], path: str, *, other: dict[str, Any] | None = None) -> int:
+    """Write the Chrome trace of ``traces`` to ``path`` (whole, then moved into place);
+    returns its number of events."""
+    data = chrome_trace(traces, other=other)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+    os.replace(tmp, path)
+    return len(data["traceEvents"])
+
+
+# ---------------------------------------------------------------------------- the launcher's part
+class Observer:
+    """What the supervisor calls: ``env(run_dir)`` before starting an attempt's stages,
+    ``tick(run_id, run_dir, order)`` in its poll loop, ``finish(...)`` before it removes
+    the run directory (after the stages exited, also when one failed), ``close()`` at
+    the end."""
+
+    def __init__(self, *, monitor: bool = False, stats_file: str | None = None, trace_file: str | None = None,
+                 interval: float = 1.0, out: IO[str] | None = None) -> None:
+        self.monitor = monitor
+        self.interval = interval
+        self.trace_file = trace_file
+        self.out = out if out is not None else sys.stderr
+        self.started = time.monotonic()
+        self._stats = open(stats_file, "a") if stats_file else None
+        self._next = time.monotonic() + interval
+        self._prev: dict[tuple[str, Any], dict[str, Any]] = {}
+        self._traces: list[ProcessTrace] = []
+        self._trace_budget = _MAX_TRACE_EVENTS
+
+    @property
+    def telemetry(self) -> bool:
+        return self.monitor or self._stats is not None
+
+    def env(self, run_dir: str) -> dict[str, str]:
+        """Variables for the attempt's stages; creates the directories they name."""
+        env: dict[str, str] = {}
+        if self.telemetry:
+            d = os.path.join(run_dir, "telemetry")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            env[ENV_TELEMETRY] = d
+            env[ENV_INTERVAL] = str(max(0.05, min(self.interval / 2, 0.5)))
+        if self.trace_file:
+            d = os.path.join(run_dir, "trace")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            env[ENV_TRACE] = d
+        return env
+
+    def tick(self, run_id: str, run_dir: str, order: Iterable[str]) -> None:
+        """Every interval: read the snapshots, print and write what changed. Never raises."""
+        if not self.telemetry or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.interval
+        try:
+            self._report(run_id, run_dir, list(order), final=False)
+        except Exception as exc:  # the view must never take the pipeline down
+            self._say(f"monitor: skipped an interval ({type(exc).__name__}: {exc})")
+
+    def finish(self, run_id: str, run_dir: str, order: Iterable[str], labels: dict[int, str]) -> None:
+        """The attempt is over (its stages exited): the final stats and the merged trace."""
+        if self.telemetry:
+            try:
+                self._report(run_id, run_dir, list(order), final=True)
+            except Exception as exc:
+                self._say(f"monitor: no final report ({type(exc).__name__}: {exc})")
+        self._prev = {}
+        if self.trace_file:
+            try:
+                traces = read_traces(os.path.join(run_dir, "trace"), labels, self._trace_budget)
+                for t in traces:
+                    t.label = f"{t.label} run {run_id}" if len(self._traces) else t.label
+                self._trace_budget -= sum(len(t.events) for t in traces)
+                self._traces.extend(traces)
+                n = merge_trace(self._traces, self.trace_file, other={"run_ids": run_id})
+                dropped = sum(t.dropped for t in self._traces)
+                self._say(f"trace: {n} events from {len(self._traces)} processes written to {self.trace_file}"
+                          + (f" ({dropped} events dropped: over the cap)" if dropped else ""))
+            except Exception as exc:
+                self._say(f"trace: not written ({type(exc).__name__}: {exc})")
+
+    def close(self) -> None:
+        if self._stats is not None:
+            self._stats.close()
+            self._stats = None
+
+    def _report(self, run_id: str, run_dir: str, order: list[str], final: bool) -> None:
+        cur = read_snapshots(os.path.join(run_dir, "telemetry"))
+        if not cur and not final:
+            return
+        # The final report covers the whole attempt (rates and waits over each
+        # process's lifetime); the others, the last interval.
+        a = analyze({} if final else self._prev, cur, order)
+        run_s = time.monotonic() - self.started
+        if self.monitor and (cur or final):
+            for line in status_lines(a, run_s):
+                self._say(line if not final else line.replace("monitor", "monitor (final)", 1))
+        if self._stats is not None:
+            for rec in stats_records(a, cur, run_id=run_id, now=time.time(), run_s=run_s, final=final):
+                self._stats.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self._stats.flush()
+        self._prev = cur
+
+    def _say(self, line: str) -> None:
+        try:
+            print(f"ipcsync-run: {line}", file=self.out, flush=True)
+        except (OSError, ValueError):
+            pass

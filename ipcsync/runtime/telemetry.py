@@ -1,0 +1,232 @@
+"""What a stage process tells a monitoring launcher: periodic stats snapshots and a trace
+of its handoffs. Off unless ``ipcsync-run`` asked for it through the environment; a
+process not started by a monitoring launcher does nothing here (the endpoints' hooks see
+``None`` and skip, one attribute check each).
+
+- ``$IPCSYNC_TELEMETRY_DIR`` (``ipcsync-run --monitor`` / ``--stats-file``): a daemon
+  thread writes ``report()`` (the stage's per-edge ``stats()``, see ``ipcsync.stage``) as
+  JSON to ``<dir>/<stage>.<replica>.json`` every ``$IPCSYNC_TELEMETRY_INTERVAL`` seconds
+  (default 0.5) and once more at exit; each write is a new file moved into place, so a
+  reader sees a whole snapshot or the previous one.
+- ``$IPCSYNC_TRACE_DIR`` (``ipcsync-run --trace``): every endpoint of the process gets an
+  ``EdgeTracer`` whose events (send, ready, receipt, release, freed) go into one bounded
+  per-process buffer; a daemon thread appends them to ``<dir>/<pid>.jsonl`` every
+  interval and at exit. Memory is bounded: at most ``BUFFER_CAP`` events wait between
+  flushes and at most ``$IPCSYNC_TRACE_MAX_EVENTS`` are written; the rest are counted as
+  dropped (the file says how many).
+
+Trace file lines (JSON, no pickle): a header object ``{"v": 1, "pid", "stage",
+"replica"}``, then one array per event ``[kind, edge, seq, ts_ns, tid, arg]`` (``ts_ns``:
+``time.monotonic_ns()``, one clock for every process of the host), ``["T", tid, name]``
+the first time a thread records, and ``{"dropped": n}`` whenever the count grows. The
+launcher (``ipcsync.launch.monitor``) merges the files into a Chrome trace.
+
+Imports neither torch nor zmq.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+__all__ = [
+    "ENV_TELEMETRY", "ENV_TRACE", "ENV_INTERVAL", "ENV_TRACE_MAX", "TRACE_VERSION", "SNAPSHOT_VERSION",
+    "BUFFER_CAP", "EdgeTracer", "TraceBuffer", "tracer_for", "edge_key", "publish_periodically",
+]
+
+ENV_TELEMETRY = "IPCSYNC_TELEMETRY_DIR"
+ENV_TRACE = "IPCSYNC_TRACE_DIR"
+ENV_INTERVAL = "IPCSYNC_TELEMETRY_INTERVAL"
+ENV_TRACE_MAX = "IPCSYNC_TRACE_MAX_EVENTS"
+TRACE_VERSION = 1
+SNAPSHOT_VERSION = 1
+BUFFER_CAP = 200_000  # events waiting for the next flush, at most
+DEFAULT_TRACE_MAX = 1_000_000  # events one process writes, at most
+DEFAULT_INTERVAL = 0.5
+
+# Event kinds, as written.
+SEND, READY, RECEIPT, RELEASE, FREED = "send", "ready", "receipt", "release", "freed"
+
+
+def _interval() -> float:
+    try:
+        value = float(os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL))
+    except ValueError:
+        return DEFAULT_INTERVAL
+    return value if 0.01 <= value <= 3600 else DEFAULT_INTERVAL
+
+
+def edge_key(name: str) -> str:
+    """The name both ends of a connection use for endpoint ``name`` in a trace: for
+    ``ipc://`` the socket's file name without ``.sock`` (``loader.0-train`` under
+    ipcsync-run), else the name as given (a bare name, ``tcp://...``)."""
+    if name.startswith("ipc://"):
+        base = os.path.basename(name)
+        return base[:-5] if base.endswith(".sock") else base
+    return name
+
+
+class TraceBuffer:
+    """This process's trace events, flushed to ``<dir>/<pid>.jsonl`` by a daemon thread.
+
+    ``add`` may be called from any thread: a deque's append and popleft are atomic, and
+    only the flusher pops. Bounded: ``cap`` events between flushes, ``max_events`` in all;
+    the others are counted in ``dropped``."""
+
+    def __init__(self, directory: str, *, cap: int = BUFFER_CAP, max_events: int = DEFAULT_TRACE_MAX,
+                 interval: float = DEFAULT_INTERVAL) -> None:
+        self.path = os.path.join(directory, f"{os.getpid()}.jsonl")
+        self.pid = os.getpid()
+        self.cap = cap
+        self.max_events = max_events
+        self.interval = interval
+        self.events: deque[Any] = deque()
+        self.dropped = 0
+        self.written = 0
+        self.tids: set[int] = set()
+        self._dropped_said = 0
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._header = {"v": TRACE_VERSION, "pid": self.pid, "stage": os.environ.get("IPCSYNC_STAGE", ""),
+                        "replica": os.environ.get("IPCSYNC_REPLICA", "")}
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        threading.Thread(target=self._loop, name="ipcsync.trace", daemon=True).start()
+        atexit.register(self.flush)
+
+    def add(self, kind: str, edge: str, seq: int, ts_ns: int, arg: Any = None) -> None:
+        if len(self.events) >= self.cap or self.written + len(self.events) >= self.max_events:
+            self.dropped += 1
+            return
+        tid = threading.get_native_id()
+        if tid not in self.tids:
+            self.tids.add(tid)
+            self.events.append(["T", tid, threading.current_thread().name])
+        self.events.append([kind, edge, seq, ts_ns, tid, arg])
+
+    def flush(self) -> None:
+        """Append what is buffered to the file (never raises: a run directory removed
+        under us means nobody wants the trace any more)."""
+        if os.getpid() != self.pid:  # a forked child: the buffer is the parent's
+            return
+        with self._flush_lock:
+            n = len(self.events)
+            if not n and self.dropped == self._dropped_said and self.written:
+                return
+            lines = []
+            if not self.written and not os.path.exists(self.path):
+                lines.append(json.dumps(self._header))
+            pop = self.events.popleft
+            for _ in range(n):
+                lines.append(json.dumps(pop(), separators=(",", ":"), default=str))
+            if self.dropped != self._dropped_said:
+                self._dropped_said = self.dropped
+                lines.append(json.dumps({"dropped": self.dropped}))
+            self.written += n
+            if not lines:
+                return
+            try:
+                with open(self.path, "a") as f:
+                    f.write("\n".join(lines) + "\n")
+            except OSError:
+                pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush()
+
+
+class EdgeTracer:
+    """One endpoint's view of the process's ``TraceBuffer``: what it records per item.
+    ``ts_ns`` arguments are clock readings the hot path made anyway; the others read the
+    clock here (only ever when tracing)."""
+
+    __slots__ = ("buf", "edge")
+
+    def __init__(self, buf: TraceBuffer, edge: str) -> None:
+        self.buf = buf
+        self.edge = edge
+
+    def sent(self, seq: int, slot: int, ts_ns: int, nbytes: int) -> None:
+        self.buf.add(SEND, self.edge, seq, ts_ns, [slot, nbytes])
+
+    def ready(self, seq: int, consumer: str) -> None:
+        self.buf.add(READY, self.edge, seq, time.monotonic_ns(), consumer)
+
+    def received(self, seq: int, ts_ns: int) -> None:
+        self.buf.add(RECEIPT, self.edge, seq, ts_ns)
+
+    def released(self, seq: int) -> None:
+        self.buf.add(RELEASE, self.edge, seq, time.monotonic_ns())
+
+    def freed(self, seq: int, ts_ns: int) -> None:
+        self.buf.add(FREED, self.edge, seq, ts_ns)
+
+
+_buffer: TraceBuffer | None = None
+_buffer_lock = threading.Lock()
+
+
+def tracer_for(name: str) -> EdgeTracer | None:
+    """The tracer of the endpoint named ``name``, or None when this
+    process is not traced (no ``$IPCSYNC_TRACE_DIR``): the endpoints' hooks then skip."""
+    global _buffer
+    directory = os.environ.get(ENV_TRACE)
+    if not directory:
+        return None
+    with _buffer_lock:
+        if _buffer is None or _buffer.pid != os.getpid():
+            try:
+                cap = int(os.environ.get(ENV_TRACE_MAX, DEFAULT_TRACE_MAX))
+            except ValueError:
+                cap = DEFAULT_TRACE_MAX
+            _buffer = TraceBuffer(directory, max_events=max(0, cap), interval=_interval())
+            _buffer.start()
+        return EdgeTracer(_buffer, edge_key(name))
+
+
+_publisher_started = False
+
+
+def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> bool:
+    """With ``$IPCSYNC_TELEMETRY_DIR`` set, write ``report()`` to ``<dir>/<name>.json`` every
+    interval and at exit (once per process; later calls do nothing). False when off."""
+    global _publisher_started
+    directory = os.environ.get(ENV_TELEMETRY)
+    if not directory:
+        return False
+    with _buffer_lock:
+        if _publisher_started:
+            return True
+        _publisher_started = True
+    path = os.path.join(directory, f"{name}.json")
+    interval = _interval()
+
+    def write(final: bool) -> None:
+        try:
+            snap = report()
+            snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(), final=final)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(snap, f, default=str)
+            os.replace(tmp, path)
+        except Exception:  # a snapshot is best effort: never disturb the stage
+            pass
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            write(False)
+
+    threading.Thread(target=loop, name="ipcsync.telemetry", daemon=True).start()
+    atexit.register(write, True)
+    return True
