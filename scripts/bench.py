@@ -1098,6 +1098,19 @@ def infer_panels(res: dict[str, dict[str, Any]] | None, cfg: dict[str, Any] | No
             benchchart.Panel("inference: request latency", "ms", False, [benchchart.Group("", lat)])]
 
 
+def latency_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The latency suite's round trips (scripts/bench_latency.py), p50 and p99 per method,
+    grouped by size and host read."""
+    if not res:
+        return []
+    groups: dict[str, benchchart.Group] = {}
+    for size, method, read, p50, p99 in res["rows"]:
+        name = "no tensor" if size == "-" else f"{size}{', host read' if read else ''}"
+        groups.setdefault(name, benchchart.Group(name)).bars.append(benchchart.Bar(method, p50, p99))
+    return [benchchart.Panel("latency: request/reply round trip, one in flight", "us", False,
+                             list(groups.values()), group_axis="message")]
+
+
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1259,6 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
+                                                   *latency_panels(latency_res),
                                                    *train_panels(train_res, train_cfg, device),
                                                    *infer_panels(infer_res, infer_cfg)])
     except BenchError as exc:
