@@ -342,6 +342,8 @@ class Handoffs:
                 session.needs_layout(lid, item[8])  # records it
                 self.layouts_inline += 1
             peers.send(peer, frame)
+            if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
+                peer.remote.send(slot, item[9])
 
     # ------------------------------------------------------------------ 5. release
     def released(self, peer: Peer, entries: list[tuple[int, int, int]]) -> None:
