@@ -131,6 +131,10 @@ class Consumer(EndpointBase):
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
                 self._raise_if_broken()
+                if link.remote is not None:
+                    # A producer on another host: its items' recvs are polled with the control
+                    # channel pumped, so its death ends a wait at once (runtime.remote).
+                    self.wait_mode = "host"
         except BaseException:
             self._closed = True
             self._teardown()

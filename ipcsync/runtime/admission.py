@@ -9,22 +9,29 @@ from ..core import protocol as P
 from ..core.protocol import ErrorCode
 from . import host
 
-__all__ = ["hello_problem", "credentials_problem", "watch_for"]
+__all__ = ["is_remote", "hello_problem", "credentials_problem", "watch_for"]
 
 
-def hello_problem(hello: P.Hello, backend: str, device: object) -> tuple[str, str] | None:
-    """(error code, text) if a producer on ``backend``/``device`` must refuse ``hello``."""
-    if hello.boot_id != host.boot_id():
+def is_remote(hello: P.Hello) -> bool:
+    """The consumer runs on another host (``host.host_identity``; see core.remote_session)."""
+    return hello.boot_id != host.host_identity()
+
+
+def hello_problem(hello: P.Hello, backend: str, device: object, remote_ok: bool = False) -> tuple[str, str] | None:
+    """(error code, text) if a producer on ``backend``/``device`` must refuse ``hello``.
+    ``remote_ok``: a consumer on another host is welcome (tcp endpoints: a remote edge)."""
+    remote = is_remote(hello)
+    if remote and not remote_ok:
         return ErrorCode.HOST.value, (
             "consumer runs on another host or boot; shared memory and CUDA IPC need "
-            "both processes on one machine"
+            "both processes on one machine (a tcp:// endpoint serves consumers on other hosts)"
         )
     if hello.backend != backend:
         return ErrorCode.BACKEND.value, (
             f"producer uses the {backend} backend (device {device}) but "
             f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
         )
-    if backend == "cuda":
+    if backend == "cuda" and not remote:
         # A consumer on another GPU of this host is welcome: it checks on SETUP that it
         # can see ours and has peer access to it (GPUs are matched by UUID, not index).
         if hello.pid_ns != host.pid_namespace():

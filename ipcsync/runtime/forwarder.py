@@ -118,6 +118,9 @@ class Forwarder:
     def check(self, origin: ForwardOrigin, info: ForwardSource) -> None:
         """CannotForward unless the consumers of this producer can open ``info``'s memory."""
         backend = self.backend
+        for peer in self.peers:
+            if peer.remote is not None:
+                raise CannotForward(f"{peer.label} is on another host: its items travel by copy")
         if info.backend != backend.name:
             raise CannotForward(f"the item is in {info.backend} memory and this producer is on {self.device}")
         if backend.name == "cuda":

@@ -11,7 +11,7 @@ import functools
 import os
 import select
 
-__all__ = ["boot_id", "pid_namespace", "start_time", "read_start_time", "process_alive",
+__all__ = ["boot_id", "host_identity", "HOST_ID_ENV", "pid_namespace", "start_time", "read_start_time", "process_alive",
            "ProcessWatch", "GONE", "owner_gone", "peer_credentials"]
 
 
@@ -23,6 +23,19 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+HOST_ID_ENV = "IPCSYNC_HOST_ID"
+
+
+def host_identity() -> str:
+    """What a HELLO's ``boot_id`` field says about where this process runs: the boot id,
+    followed by ``/`` and ``$IPCSYNC_HOST_ID`` when that is set. Two processes are on one
+    host exactly when their identities are equal, so setting the variable differently makes
+    processes of one machine count as different hosts (their edges become remote edges;
+    see ``core.remote_session``). Read at each call: the variable belongs to the process."""
+    extra = os.environ.get(HOST_ID_ENV, "")
+    return boot_id() + "/" + extra if extra else boot_id()
 
 
 @functools.cache

@@ -30,7 +30,8 @@ log = logging.getLogger("ipcsync")
 class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
-    __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected")
+    __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected",
+                 "remote")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | None) -> None:
         self.identity = session.identity
@@ -45,6 +46,9 @@ class Peer:
         self.release_events: list[Event] = []  # per slot, opened from its ATTACH
         self.outbox: deque[bytes] = deque()
         self.disconnected = False  # connection closed without BYE, process alive: holds stay
+        # A consumer on another host (core.remote_session): its runtime.remote.ProducerEdge,
+        # whose SendEvents are its release_events; None for every local consumer.
+        self.remote: Any = None
 
     @property
     def label(self) -> str:
@@ -191,7 +195,8 @@ class PeerTable:
         lost now: a closed connection is all we can know."""
         if peer.identity not in self.by_id:
             return
-        if peer.watch is None or peer.watch.gone() or peer.session.state != "active":
+        # A remote consumer reads no memory of ours: its closed connection is loss at once.
+        if peer.watch is None or peer.remote is not None or peer.watch.gone() or peer.session.state != "active":
             self.lose(peer, why if peer.watch is None else "process exited")
             return
         if not peer.disconnected:

@@ -19,11 +19,12 @@ import zmq
 from ..backends import Arena, Backend
 from ..core import protocol as P
 from ..core.producer_session import Kind, ProducerSession
+from ..core.remote_session import READY_PLACEHOLDER
 from ..core.ring import Acquired
 from ..core.ratelog import best_effort
 from ..errors import ProtocolError
 from . import host
-from .admission import credentials_problem, hello_problem, watch_for
+from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import ProducerChannel
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
@@ -73,6 +74,7 @@ class ProducerPort:
         self.closing = False
         self.attached_total = 0  # consumers that completed the handshake, ever
         self.pid = os.getpid()
+        self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
 
     # ------------------------------------------------------------------ Pumpable
     @property
@@ -151,7 +153,8 @@ class ProducerPort:
         self.peers.monitor(self.chan.events())
         self.chan.greeted(fd)  # no longer half-open (see ProducerChannel)
         cred = host.peer_credentials(fd) if self.ipc else None
-        problem = hello_problem(hello, self.backend.name, self.owner.device) or credentials_problem(hello, cred)
+        problem = (hello_problem(hello, self.backend.name, self.owner.device, remote_ok=not self.ipc)
+                   or credentials_problem(hello, cred))
         if problem is not None:
             code, text = problem
             self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
@@ -159,6 +162,9 @@ class ProducerPort:
             self.peers.send_raw(identity, P.encode(P.Error(code, text)))
             return
         session = ProducerSession(identity, hello, time.monotonic(), self.heartbeat, self.handoffs.limits)
+        if is_remote(hello):
+            self.on_remote_hello(identity, session, fd)
+            return
         peer = Peer(session, fd, watch_for(hello, cred))
         self.peers.add(peer)
         h = self.handoffs
@@ -177,20 +183,59 @@ class ProducerPort:
         )
         self.peers.send(peer, session.setup(setup))
 
+    def on_remote_hello(self, identity: bytes, session: ProducerSession, fd: int) -> None:
+        """A consumer on another host (core.remote_session): a remote edge, whose SETUP
+        names the edge's rendezvous instead of our memory and events."""
+        from .remote import RemoteHub, RemoteWatch  # noqa: PLC0415 (torch.distributed only when used)
+
+        h = self.handoffs
+        try:
+            if self.remote_hub is None:
+                self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
+                                            self.name)
+            edge = self.remote_hub.new_edge(session.label)
+        except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
+            text = f"this producer cannot open a remote edge: {exc}"
+            self.peers.ratelog.warning("hello", "ipcsync producer %r refused remote consumer %s: %s",
+                                       self.name, session.label, text)
+            self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
+            return
+        peer = Peer(session, fd, RemoteWatch(session.clock))
+        peer.remote = edge
+        peer.watch.edge = edge
+        self.peers.add(peer)
+        setup = P.Setup(
+            version=P.PROTOCOL_VERSION, pid=self.pid, start_time=host.start_time(self.pid),
+            pid_ns=host.pid_namespace(), backend=self.backend.name, device=self.backend.device_identity(),
+            arenas=[edge.address.encode()], arena_bytes=[self.arena.nbytes],
+            slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
+            ready_events=[READY_PLACEHOLDER] * h.slots, heartbeat_ms=int(self.heartbeat * 1000),
+        )
+        self.peers.send(peer, session.setup(setup))
+
     def on_attach(self, peer: Peer, msg: P.Attach) -> None:
         h = self.handoffs
         bad = peer.session.attach_problem(len(msg.release_events), h.slots)
         if bad is not None:
             self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
             return
-        try:
-            # Opened on our GPU, whichever GPU the consumer records them on (see
-            # CudaBackend.open_event).
-            peer.release_events = [self.backend.open_event(e) for e in msg.release_events]
-        except Exception as exc:
-            bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
-            self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
-            return
+        if peer.remote is not None:
+            # The consumer joined the edge's group before its ATTACH: a short wait.
+            why = peer.remote.attach(peer.remote.timeout)
+            if why is not None:
+                bad = peer.session.bad_frame(ProtocolError(f"remote edge: {why}"))
+                self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
+                return
+            peer.release_events = list(peer.remote.release_events)
+        else:
+            try:
+                # Opened on our GPU, whichever GPU the consumer records them on (see
+                # CudaBackend.open_event).
+                peer.release_events = [self.backend.open_event(e) for e in msg.release_events]
+            except Exception as exc:
+                bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
+                self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
+                return
         h.ring.add_consumer(peer.identity, min(peer.session.hello.credits, h.slots))
         self.attached_total += 1
         log.debug("ipcsync producer %r: %s attached", self.name, peer.label)
@@ -205,6 +250,8 @@ class ProducerPort:
 
     def on_gone(self, peer: Peer) -> None:
         """A peer left the table (PeerTable's ``on_gone``): reclaim what it held."""
+        if peer.remote is not None:
+            peer.remote.close()  # aborts what is still pending with it (a lost peer)
         self.handoffs.reclaim(peer)
         if self.forwarder.ledger.pending:
             self.forwarder.poll()  # it may have been the one a forward still waited for
@@ -215,6 +262,8 @@ class ProducerPort:
         """Free everything (the Producer's ``_teardown``). ``linger_ms``: how long frames
         already sent may still go out after the socket is closed."""
         best_effort("producer teardown", self.forwarder.abandon)
+        if self.remote_hub is not None:
+            best_effort("producer teardown", self.remote_hub.close)
         self.peers.close()
         if linger_ms:
             try:

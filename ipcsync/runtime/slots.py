@@ -349,6 +349,8 @@ class Handoffs:
             if trace is not None:  # (before the send: the consumer may stamp its receipt at once)
                 trace.ready(_seq, peer.label)
             peers.send(peer, frame)
+            if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
+                peer.remote.send(slot, item[9])
 
     # ------------------------------------------------------------------ 5. release
     def released(self, peer: Peer, entries: list[tuple[int, int, int]]) -> None:

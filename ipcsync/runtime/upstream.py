@@ -20,6 +20,7 @@ from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession, ForeignReceived, SetupReceived
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
+from ..core.remote_session import RELEASE_PLACEHOLDER, is_remote_handle
 from ..core.ratelog import RateLog, best_effort
 from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError
 from . import host
@@ -36,7 +37,7 @@ def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
     """HELLO: who this consumer is (process identity, host) and where it runs."""
     pid = os.getpid()
     return P.Hello(
-        version=P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.boot_id(),
+        version=P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.host_identity(),
         pid_ns=host.pid_namespace(), backend=backend.name, device=backend.device_identity(),
         credits=credits, heartbeat_ms=int(heartbeat * 1000),
     )
@@ -137,6 +138,9 @@ class ProducerLink:
         self.downstream = Downstream(backend, endpoint.name, ratelog)
         self.watch: host.ProcessWatch | None = None  # set at SETUP (same PID namespace)
         self.lender: Any = None  # set by the consumer
+        # A producer on another host: the runtime.remote.ConsumerEdge its SETUP named, whose
+        # receive ring fills ``memory``; None on every local edge.
+        self.remote: Any = None
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -215,6 +219,8 @@ class ProducerLink:
                 self.on_event(event)
         if heard:
             s.clock.heard(time.monotonic())
+            if self.remote is not None:  # the bytes of READYs just buffered: post their recvs
+                self.remote.post(s.ready)
         if s.outbox:
             self.send_errors()
         # Frames that arrived before the disconnect count (a BYE then a close is clean).
@@ -251,6 +257,9 @@ class ProducerLink:
         if not self.session.validate_setup(s):
             self.send_errors()
             return
+        if is_remote_handle(s.arenas[0]):
+            self.on_remote_setup(s)
+            return
         try:
             # The producer's GPU may be another one of this host (peer access required);
             # items are then views of its memory, on its device.
@@ -266,6 +275,24 @@ class ProducerLink:
         if s.pid_ns == host.pid_namespace():
             self.watch = host.ProcessWatch(s.pid, s.start_time)
         self.send(self.session.attach(s, [e.handle() for e in self.memory.release_events]))
+
+    def on_remote_setup(self, s: P.Setup) -> None:
+        """A producer on another host (core.remote_session): join the edge its SETUP names
+        (blocks for the rendezvous), receive into our own ring, ATTACH once joined."""
+        from .remote import RemoteWatch, open_consumer_edge  # noqa: PLC0415 (only when used)
+
+        try:
+            edge = open_consumer_edge(s.arenas[0], self.backend.device, s.arena_bytes[0], s.slots,
+                                      f"producer pid {s.pid} on {self.endpoint.name!r}")
+        except IpcSyncError as exc:
+            self.fail(exc, ErrorCode.BACKEND)
+            return
+        self.remote = edge
+        m = self.memory
+        m.arenas, m.slot_views = [edge.arena], list(edge.slot_views)
+        m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)
+        self.watch = RemoteWatch(self.session.clock, edge)  # type: ignore[assignment]
+        self.send(self.session.attach(s, [RELEASE_PLACEHOLDER] * len(s.slots)))
 
     # ------------------------------------------------------------------ liveness
     def producer_alive(self) -> bool:
@@ -295,6 +322,8 @@ class ProducerLink:
     def on_lost(self) -> None:
         """The session declared the producer lost: the I/O side of it."""
         self.downstream.close()  # items still held keep their own mappings
+        if self.remote is not None:
+            self.remote.fail("producer lost")  # abandons (aborts) its pending recvs
         # Stop ZeroMQ from silently reconnecting to a successor on the same path.
         try:
             self.chan.sock.disconnect(self.endpoint.url)
@@ -314,5 +343,7 @@ class ProducerLink:
         self.let_go_of_memory()
         if self.watch is not None:
             self.watch.close()
+        if self.remote is not None:
+            best_effort("consumer teardown", self.remote.close)
         self.memory.drop_events()
         best_effort("consumer teardown", self.chan.close, self.backend.collect)

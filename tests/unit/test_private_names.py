@@ -48,7 +48,10 @@ def _violations(path: Path) -> list[str]:
 
 # Underscore names of other projects that ipcsync needs on purpose: torch's CUDA IPC
 # machinery (what torch.multiprocessing's reductions use) and os._exit in a forked child.
-THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "_release_ipc_counter", "_exit"}
+THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "_release_ipc_counter", "_exit",
+               # torch.distributed's process-group options (runtime/remote.py: a group built
+               # on a store without init_process_group has no public way to set them)
+               "_Options", "_devices", "_timeout"}
 
 # Private attributes of a module's own classes used on other objects of that module
 # (e.g. a helper class reading its owner's state): allowed only within that module.

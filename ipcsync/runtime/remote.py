@@ -1,0 +1,529 @@
+"""Remote edges: the I/O of ``core.remote_session`` (read its invariants first).
+
+A producer and a consumer on different hosts keep the ZeroMQ control channel (tcp://,
+CURVE) and move each item's bytes with torch.distributed point-to-point: gloo for CPU
+tensors, NCCL for CUDA tensors, through the same code. Each edge (one producer, one
+consumer connection) has its own two-rank process group built directly on a
+``PrefixStore`` of a c10d ``TCPStore`` that the producer serves: no
+``init_process_group``, so a user's default process group is never touched, and no
+``*_object_list`` (no pickle).
+
+- Producer: ``RemoteHub`` (the store, made at the first remote HELLO) makes a
+  ``ProducerEdge`` per remote consumer (rank 0). Its ``send(slot, layout)`` posts one send
+  of the item's extent, tag = slot; ``release_events`` (one ``SendEvent`` per slot) stand
+  for the consumer's release events, so ``runtime.slots`` orders an overwrite after the
+  previous send as it orders it after a local reader.
+- Consumer: ``open_consumer_edge`` (rank 1) makes the receive ring (``ConsumerEdge``) on the
+  consumer's device, fills the link's ``RingMemory`` with its views and events, and
+  ``post`` posts the recv of each buffered READY; ``RecvEvent`` is the item's ready event.
+- Loss: ``RemoteWatch`` makes silence for ``LOSS_HEARTBEATS`` heartbeats loss; on loss the
+  edge is aborted (``ProcessGroup.abort``/``shutdown`` where this torch has them) and its
+  pending work abandoned, never waited for.
+
+Security: torch.distributed's store and data connections are neither authenticated nor
+encrypted (as under torchrun); only the control channel is (CURVE). Remote edges are for a
+trusted network; see docs/remote.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ..backends import Arena, Event
+from ..core.remote_session import (
+    READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, layout_extent, silence_is_loss,
+)
+from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
+from .channel import Endpoint
+
+__all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
+           "open_consumer_edge", "transport_for", "OP_TIMEOUT_ENV", "op_timeout"]
+
+log = logging.getLogger("ipcsync")
+
+OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
+DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
+_POLL_S = 0.0005
+
+
+def op_timeout() -> float:
+    """How long one rendezvous or one transfer may take before the edge is declared lost
+    (``$IPCSYNC_REMOTE_TIMEOUT``, seconds; default 120)."""
+    raw = os.environ.get(OP_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_OP_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"${OP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"${OP_TIMEOUT_ENV} must be > 0 seconds, got {raw!r}")
+    return value
+
+
+def transport_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _tcp_host(endpoint: Endpoint) -> tuple[str, int]:
+    rest = endpoint.url[len("tcp://"):]
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """The address of this host's interface that routes to ``host`` (no packet is sent)."""
+    try:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect((host, port or 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def _make_group(transport: str, store: Any, rank: int, device: torch.device, data_host: str,
+                timeout: float) -> Any:
+    """A two-rank process group of ``transport`` on ``store`` (a PrefixStore of the edge);
+    blocks until both ranks joined (or raises after ``timeout``)."""
+    import torch.distributed as dist  # noqa: PLC0415 (only for remote edges)
+
+    td = datetime.timedelta(seconds=timeout)
+    if transport == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=data_host)]
+        opts._timeout = td
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    # NCCL: the same point-to-point code; the communicator is made at the first operation.
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = td
+    torch.cuda.set_device(device)
+    pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return pg
+
+
+def _abort(pg: Any) -> None:
+    """End a process group whose peer is gone: pending work is abandoned, never waited
+    for (torch >= 2.6 has ``abort``; older gloo groups only time out)."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 (the peer is gone; nothing else to do)
+                log.debug("ipcsync remote edge: %s() raised %s", name, exc)
+            return
+
+
+class _Completer:
+    """Waits, in a thread of its own, for an edge's gloo works in the order they were
+    posted, and marks each event done (gloo's ``Work.is_completed`` turns True only once
+    someone waited). A failed wait breaks the edge. After the edge is aborted its thread
+    ends at the latest when the pending wait times out (``op_timeout``); it is a daemon."""
+
+    def __init__(self, edge: Any, name: str) -> None:
+        self.edge = edge
+        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self.thread.start()
+
+    def add(self, ev: Any, work: Any) -> None:
+        ev.posted += 1
+        ev.work = work
+        self.q.put((ev, work, ev.posted))
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            got = self.q.get()
+            if got is None:
+                return
+            ev, work, n = got
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 (a failed transfer is a lost edge)
+                if self.edge.broken is None:
+                    self.edge.broken = f"transfer failed: {exc}"
+                return
+            ev.completed = n
+
+
+class RemoteWatch:
+    """``ProcessWatch``'s place for a remote peer: no process to watch on another host, so
+    silence is loss (invariant 6), as is a failed transfer on its edge."""
+
+    def __init__(self, clock: Any, edge: "ProducerEdge | ConsumerEdge | None" = None) -> None:
+        self.clock = clock
+        self.edge = edge
+
+    def gone(self) -> bool:
+        edge = self.edge
+        if edge is not None and edge.broken is not None:
+            return True
+        clock = self.clock
+        return silence_is_loss(clock.silent_for(time.monotonic()), clock.heartbeat)
+
+    def close(self) -> None:
+        self.edge = None
+
+
+# ---------------------------------------------------------------------------- producer
+
+
+class SendEvent(Event):
+    """The producer's stand-in for a remote consumer's release event of one slot: the
+    last send from that slot. Complete when no send is pending (invariant 5)."""
+
+    __slots__ = ("edge", "work", "cuda_event", "posted", "completed")
+
+    def __init__(self, edge: "ProducerEdge") -> None:
+        self.edge = edge
+        self.work: Any = None
+        self.cuda_event: Any = None  # NCCL: recorded on the edge's stream after the send
+        self.posted = 0  # gloo: sends posted from this slot / completed (see _Completer)
+        self.completed = 0
+
+    def record(self, stream: Any = None) -> None:
+        raise BackendError("a remote edge's send event is recorded by its send")
+
+    def query(self) -> bool:
+        w = self.work
+        if w is None:
+            return True
+        if self.edge.broken is not None:
+            return True  # abandoned with its group: nothing reads the slot any more
+        if self.cuda_event is not None:
+            return bool(self.cuda_event.query())
+        return self.completed == self.posted
+
+    def wait(self, stream: Any = None) -> None:
+        if self.cuda_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
+            return
+        self.synchronize(self.edge.timeout)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.query():
+            if deadline is not None and time.monotonic() > deadline:
+                raise IpcTimeoutError(f"a send to {self.edge.label} did not complete within {timeout} s")
+            time.sleep(_POLL_S)
+
+    def handle(self) -> bytes:
+        return RELEASE_PLACEHOLDER.encode()
+
+
+class RemoteHub:
+    """The producer's rendezvous for its remote edges: one c10d TCPStore (made at the
+    first remote HELLO, on an ephemeral port) and a key prefix per edge."""
+
+    def __init__(self, endpoint: Endpoint, device: torch.device, slot_views: Sequence[torch.Tensor],
+                 ready_events: Sequence[Event], name: str) -> None:
+        self.host, self.port = _tcp_host(endpoint)
+        self.device = device
+        self.transport = transport_for(device)
+        self.slot_views = slot_views
+        self.ready_events = ready_events
+        self.name = name
+        self.store: Any = None
+        self.edges: list[ProducerEdge] = []
+        self.timeout = op_timeout()
+
+    def advertised_host(self) -> str:
+        """The address consumers reach this producer at: the endpoint's host, or for a
+        wildcard bind ``$IPCSYNC_REMOTE_ADDR`` (else this host's name)."""
+        if self.host in ("*", "0.0.0.0", "::", ""):
+            return os.environ.get("IPCSYNC_REMOTE_ADDR") or socket.getfqdn()
+        return self.host
+
+    def new_edge(self, label: str) -> "ProducerEdge":
+        import torch.distributed as dist  # noqa: PLC0415
+
+        host = self.advertised_host()
+        if self.store is None:
+            self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout),
+                                       wait_for_workers=False)
+        key = os.urandom(12).hex()
+        addr = EdgeAddress(self.transport, host, int(self.store.port), key, host)
+        edge = ProducerEdge(self, addr, label)
+        self.edges.append(edge)
+        return edge
+
+    def close(self) -> None:
+        for edge in self.edges:
+            edge.close()
+        self.edges = []
+        self.store = None
+
+
+class ProducerEdge:
+    """Rank 0 of one remote edge. The group is built in a thread (its rendezvous waits
+    for the consumer), ``attach`` waits for it; ``send`` posts one item's transfer."""
+
+    def __init__(self, hub: RemoteHub, addr: EdgeAddress, label: str) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.hub = hub
+        self.address = addr
+        self.label = label
+        self.timeout = hub.timeout
+        self.pg: Any = None
+        self.broken: str | None = None
+        self.release_events = [SendEvent(self) for _ in hub.slot_views]
+        self.stream: Any = torch.cuda.Stream(hub.device) if addr.transport == "nccl" else None
+        self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}")
+        store = dist.PrefixStore(f"ipcsync/{addr.edge}/", hub.store)
+        self._thread = threading.Thread(target=self._build, args=(store,), daemon=True,
+                                        name=f"ipcsync-remote-{addr.edge[:8]}")
+        self._thread.start()
+
+    def _build(self, store: Any) -> None:
+        try:
+            self.pg = _make_group(self.address.transport, store, 0, self.hub.device, self.address.data_host,
+                                  self.timeout)
+        except Exception as exc:  # noqa: BLE001 (reported through `broken`)
+            self.broken = f"rendezvous failed: {exc}"
+
+    def attach(self, timeout: float) -> str | None:
+        """Wait (bounded) for the group: None when it is up, else why not. The consumer
+        sends ATTACH only after its own rank joined, so this is a short wait."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return f"the remote edge's rendezvous did not complete within {timeout} s"
+        return self.broken
+
+    def send(self, slot: int, layout: Any) -> None:
+        """Post the send of the item in ``slot`` (invariant 3). Its ready event was recorded
+        before READY was queued; NCCL's stream is made to wait on it."""
+        if self.broken is not None or self.pg is None:
+            return  # lost: the ring reclaims its slots; nothing to send to
+        nbytes = layout_extent(layout)
+        if nbytes == 0:
+            return
+        view = self.hub.slot_views[slot][:nbytes]
+        ev = self.release_events[slot]
+        try:
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    self.hub.ready_events[slot].wait(self.stream)
+                    ev.work = self.pg.send([view], 1, slot)
+                    cuda_event = ev.cuda_event or torch.cuda.Event()
+                    cuda_event.record(self.stream)
+                    ev.cuda_event = cuda_event
+            else:
+                self.completer.add(ev, self.pg.send([view], 1, slot))
+        except Exception as exc:  # noqa: BLE001 (a failed send is a lost edge)
+            self.fail(f"send failed: {exc}")
+
+    def fail(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            log.warning("ipcsync producer %r: remote edge to %s failed: %s", self.hub.name, self.label, why)
+        self.close()
+
+    def close(self) -> None:
+        """Abort the group if anything is pending (a lost peer), else shut it down."""
+        self.completer.stop()
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        if self.broken is None and all(e.query() for e in self.release_events):
+            self.broken = "closed"
+            fn = getattr(pg, "shutdown", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    _abort(pg)
+            return
+        self.broken = self.broken or "closed"
+        _abort(pg)
+
+
+# ---------------------------------------------------------------------------- consumer
+
+
+class RecvEvent(Event):
+    """A remote item's ready event (invariant 4): the recv into its receive slot."""
+
+    __slots__ = ("edge", "work", "cuda_event", "posted", "completed")
+
+    def __init__(self, edge: "ConsumerEdge") -> None:
+        self.edge = edge
+        self.work: Any = None
+        self.cuda_event: Any = None
+        self.posted = 0  # gloo: recvs posted into this slot / completed (see _Completer)
+        self.completed = 0
+
+    def record(self, stream: Any = None) -> None:
+        raise BackendError("a remote edge's ready event is recorded by its recv")
+
+    def query(self) -> bool:
+        w = self.work
+        if w is None:
+            return True
+        if self.edge.broken is not None:
+            raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
+        if self.cuda_event is not None:
+            return bool(self.cuda_event.query())
+        if self.completed != self.posted:
+            return False
+        self.work = None
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        if self.cuda_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
+            return
+        self.synchronize(self.edge.timeout)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.query():
+            if deadline is not None and time.monotonic() > deadline:
+                self.edge.fail(f"no data within {timeout} s")
+                raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
+            time.sleep(_POLL_S)
+
+    def handle(self) -> bytes:
+        return READY_PLACEHOLDER.encode()
+
+
+class _ReleaseEvent(Event):
+    """The consumer's release event on a remote edge: CPU reads are done when ``release()``
+    is called; CUDA records a real event, which the next recv into the slot waits on."""
+
+    __slots__ = ("cuda_event",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda_event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def record(self, stream: Any = None) -> None:
+        if self.cuda_event is not None:
+            self.cuda_event.record(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        if self.cuda_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
+
+    def query(self) -> bool:
+        return True if self.cuda_event is None else bool(self.cuda_event.query())
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+
+    def handle(self) -> bytes:
+        return RELEASE_PLACEHOLDER.encode()
+
+
+class _ReceiveArena(Arena):
+    """The receive ring's memory: this process's own, on its device."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.handle = "receive-ring"
+        self.nbytes = nbytes
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def close(self) -> None:
+        pass  # freed with the last view; the edge keeps it while a recv may write it
+
+
+class ConsumerEdge:
+    """Rank 1 of one remote edge: the receive ring and its recvs."""
+
+    def __init__(self, addr: EdgeAddress, device: torch.device, arena_bytes: int,
+                 slots: Sequence[tuple[int, int, int]], label: str, timeout: float) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.address = addr
+        self.label = label
+        self.timeout = timeout
+        self.broken: str | None = None
+        self.arena = _ReceiveArena(arena_bytes, device)
+        self.slot_views = [self.arena.tensor[off: off + n] for _a, off, n in slots]
+        self.ready_events = [RecvEvent(self) for _ in slots]
+        self.release_events = [_ReleaseEvent(device) for _ in slots]
+        self.ledger = RecvLedger()
+        self.stream: Any = torch.cuda.Stream(device) if addr.transport == "nccl" else None
+        self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}")
+        store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        data_host = _local_address_towards(addr.host, addr.port)
+        self.pg: Any = _make_group(addr.transport, dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 1, device,
+                                   data_host, timeout)
+        self._store = store
+
+    def post(self, ready: Sequence[tuple[Any, ...]]) -> None:
+        """Post the recv of every buffered READY entry that has none yet, in seq order
+        (entries: ``(seq, slot, gen, sent_ns, meta, recipe)``)."""
+        if self.broken is not None:
+            return
+        for entry in self.ledger.to_post(ready):
+            slot, recipe = entry[1], entry[5]
+            nbytes = recipe.extent
+            ev = self.ready_events[slot]
+            if nbytes == 0:
+                ev.work = None
+                continue
+            view = self.slot_views[slot][:nbytes]
+            try:
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.release_events[slot].wait(self.stream)  # after our reads of the slot
+                        ev.work = self.pg.recv([view], 0, slot)
+                        cuda_event = ev.cuda_event or torch.cuda.Event()
+                        cuda_event.record(self.stream)
+                        ev.cuda_event = cuda_event
+                else:
+                    self.completer.add(ev, self.pg.recv([view], 0, slot))
+            except Exception as exc:  # noqa: BLE001
+                self.fail(f"recv failed: {exc}")
+                return
+
+    def fail(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+        self.close()
+
+    def close(self) -> None:
+        self.completer.stop()
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        pending = any(e.work is not None and e.completed != e.posted for e in self.ready_events)
+        self.broken = self.broken or "closed"
+        if pending:
+            _abort(pg)
+        else:
+            fn = getattr(pg, "shutdown", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    _abort(pg)
+
+
+def open_consumer_edge(handle: Any, device: torch.device, arena_bytes: int,
+                       slots: Sequence[tuple[int, int, int]], label: str) -> ConsumerEdge:
+    """Join the edge a remote SETUP names (blocks for the rendezvous, bounded by
+    ``op_timeout()``). ProtocolError for a malformed address, BackendError when the
+    rendezvous fails, ConfigError when the transport does not fit ``device``."""
+    addr = EdgeAddress.parse(handle)
+    if addr.transport != transport_for(device):
+        raise ConfigError(f"the producer sends over {addr.transport} but this consumer is on {device}; "
+                          "use the same kind of device on both sides")
+    try:
+        return ConsumerEdge(addr, device, arena_bytes, slots, label, op_timeout())
+    except (RuntimeError, ValueError) as exc:
+        raise BackendError(f"cannot join the remote edge at {addr.host}:{addr.port}: {exc}") from None

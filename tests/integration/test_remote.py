@@ -1,0 +1,114 @@
+"""Remote edges over gloo on one machine: producer and consumers count as different hosts
+(``IPCSYNC_HOST_ID`` differs), so every edge between them is remote (core.remote_session):
+the control channel is tcp://127.0.0.1 (CURVE, or insecure=True), the data goes by
+torch.distributed point-to-point."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+import ipcsync
+
+MODULE = "peers.remote"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def host(name: str) -> dict[str, str]:
+    return {"IPCSYNC_HOST_ID": name}
+
+
+@pytest.fixture
+def curve() -> dict[str, Any]:
+    server = ipcsync.CurveKeys.generate()
+    return {"public": server.public.decode(), "secret": server.secret.decode(), "server": server.public.decode()}
+
+
+def start_pair(procs: Any, args: dict[str, Any], producer: dict[str, Any] | None = None,
+               consumer: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    p = procs.start("produce", module=MODULE, env=host("producer-host"), **{**args, **(producer or {})})
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("consume", module=MODULE, env=host("consumer-host"), **{**args, **(consumer or {})})
+    return p, c
+
+
+@pytest.mark.timeout(90)
+def test_contents_order_and_meta_over_a_remote_edge(procs: Any, curve: dict[str, Any]) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 40, "size": 1000, **curve}
+    p, c = start_pair(procs, args)
+    got = c.result(60)
+    assert got["end"] == "stop" and got["errors"] == []
+    assert got["got"] == list(range(40))
+    assert p.result(60)["sent"] == 40
+
+
+@pytest.mark.timeout(90)
+def test_insecure_remote_edge(procs: Any) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 10, "insecure": True}
+    p, c = start_pair(procs, args)
+    assert c.result(60)["got"] == list(range(10))
+    p.result(60)
+
+
+@pytest.mark.timeout(90)
+def test_backpressure_consumer_holding_every_receive_slot_blocks_the_producer(procs: Any) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 8, "insecure": True, "slots": 4}
+    p, c = start_pair(procs, args, producer={"timeout": 2.0}, consumer={"hold": True})
+    c.read_until(lambda l: l.get("event") == "got" and l.get("n") == 4, 60)
+    blocked = p.read_until(lambda l: l.get("event") == "timeout", 60)
+    assert blocked["sent"] == 4  # every slot held remotely: the 5th send waits, never overwrites
+    p.result(30)
+
+
+@pytest.mark.timeout(90)
+def test_broadcast_to_two_remote_consumers(procs: Any, curve: dict[str, Any]) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 30, **curve}
+    p = procs.start("produce", module=MODULE, env=host("h0"), policy="broadcast", wait_consumers=2, **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    cs = [procs.start("consume", module=MODULE, env=host(f"h{k}"), **args) for k in (1, 2)]
+    for c in cs:
+        got = c.result(60)
+        assert got["got"] == list(range(30)) and got["errors"] == []
+    p.result(60)
+
+
+@pytest.mark.timeout(90)
+def test_remote_consumer_killed_is_dropped_and_the_producer_does_not_hang(procs: Any) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 50, "insecure": True, "slots": 4}
+    p, c = start_pair(procs, args, producer={"timeout": 10.0}, consumer={"kill_after": 3, "hold": True})
+    c.proc.wait(timeout=60)
+    out = p.read_until(lambda l: l.get("event") == "timeout", 60)
+    assert out["consumers"] == 0  # lost, its slots reclaimed; nobody left to take items
+    assert out["stats"]["consumers_lost"] == 1
+    p.result(30)
+
+
+@pytest.mark.timeout(90)
+def test_remote_producer_killed_gives_the_consumer_peer_lost(procs: Any) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 50, "insecure": True}
+    p, c = start_pair(procs, args, producer={"kill_after": 5})
+    got = c.result(60)
+    assert got["end"] == "lost"
+    assert got["got"] == list(range(len(got["got"]))) and len(got["got"]) <= 5
+    p.proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_curve_key_is_refused(procs: Any, curve: dict[str, Any]) -> None:
+    impostor = ipcsync.CurveKeys.generate()
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 1, **curve}
+    p, c = start_pair(procs, args, producer={"timeout": 3.0},
+                      consumer={"server": impostor.public.decode(), "connect_timeout": 2.0})
+    out = c.result(30)
+    assert out["event"] == "done"
+    refused = c.read_until(lambda l: l.get("event") == "refused", 5)
+    assert refused["error"] == "IpcTimeoutError"
+    p.proc.kill()
+    p.proc.wait(timeout=10)

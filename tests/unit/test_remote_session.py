@@ -1,0 +1,54 @@
+"""The pure rules of remote edges (ipcsync.core.remote_session)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ipcsync.core.layout import Recipe, plan_message
+from ipcsync.core.remote_session import EdgeAddress, RecvLedger, is_remote_handle, layout_extent, silence_is_loss
+from ipcsync.errors import ProtocolError
+
+
+def test_edge_address_round_trips_and_is_recognised() -> None:
+    addr = EdgeAddress("gloo", "10.0.0.2", 29500, "a1b2c3", "10.0.0.2")
+    assert EdgeAddress.parse(addr.encode()) == addr
+    assert is_remote_handle(addr.encode())
+    assert not is_remote_handle("ipcsync-1-2-3-abc") and not is_remote_handle(b"bytes")
+
+
+@pytest.mark.parametrize("bad", [
+    "ipcsync-remote/1 tcp 10.0.0.2 29500 k h", "ipcsync-remote/1 gloo 10.0.0.2 0 k h",
+    "ipcsync-remote/1 gloo 10.0.0.2 70000 k h", "ipcsync-remote/1 gloo 10.0.0.2 29500 k/../x h",
+    "ipcsync-remote/1 gloo host;rm 29500 k h", "ipcsync-remote/1 gloo 10.0.0.2 29500 k", 7, b"x",
+])
+def test_edge_address_refuses_what_encode_never_makes(bad: object) -> None:
+    with pytest.raises(ProtocolError):
+        EdgeAddress.parse(bad)
+
+
+@pytest.mark.parametrize("msg", [
+    {"x": torch.zeros(10)},
+    {"a": torch.arange(7, dtype=torch.int8), "b": [torch.ones(3, 2).t(), (torch.tensor(True),)]},
+    {"c": torch.arange(12.0).reshape(3, 4)[:, ::2], "e": torch.zeros(0)},
+    {"e": torch.zeros(0)},
+])
+def test_layout_extent_is_what_the_consumer_recipe_reaches(msg: dict) -> None:
+    placement = plan_message(msg, 1 << 16)
+    assert layout_extent(placement.layout) == Recipe(placement.layout, 1 << 16).extent
+
+
+def test_silence_is_loss_after_three_heartbeats_and_never_without_heartbeats() -> None:
+    assert not silence_is_loss(2.9, 1.0)
+    assert silence_is_loss(3.1, 1.0)
+    assert not silence_is_loss(1e9, 0.0)
+
+
+def test_recv_ledger_posts_each_buffered_entry_once_in_order() -> None:
+    ledger = RecvLedger()
+    ready = [(0, 0), (1, 1)]
+    assert ledger.to_post(ready) == [(0, 0), (1, 1)]
+    assert ledger.to_post(ready) == []
+    ready = [(1, 1), (5, 2), (9, 3)]  # 0 taken, two more buffered (shard: seqs skip)
+    assert ledger.to_post(ready) == [(5, 2), (9, 3)]
+    assert ledger.to_post([]) == []
