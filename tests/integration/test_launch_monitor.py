@@ -72,7 +72,7 @@ def test_three_stages_monitored_with_stats_file_and_trace(launcher: cli.Launcher
     # The monitor's lines: a headline and one line per edge, a final report.
     mon = [line for line in run.err.splitlines() if line.startswith("ipcsync-run: monitor (final)")]
     assert mon and ("bottleneck: " in mon[0] or "no bottleneck" in mon[0]), run.dump()
-    assert f"src -> mid: " in run.err and f"; {n} sent" in run.err, run.dump()
+    assert "src -> mid: " in run.err and f"; {n} sent" in run.err, run.dump()
     assert "trace: " in run.err and "written to" in run.err, run.dump()
 
     # Stats file: the final edge records count every item sent and received.
