@@ -47,7 +47,7 @@ from .runtime.waiting import SourcePort, wait_ready_event
 
 __all__ = ["Consumer", "Item"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 _DEFAULT_CONNECT_TIMEOUT = limits.DEFAULT_CONNECT_TIMEOUT  # (``limits`` is also a parameter name)
 
 

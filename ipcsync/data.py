@@ -33,7 +33,9 @@ What ``batches`` yields (the rule a trainer relies on):
   every step. Cost: one copy of the batch per step (on CUDA a device-to-device copy on
   the stream the consumer waits on, queued after that wait; the release event is
   recorded on the same stream after the copy, so the producer reuses the slot only
-  once the copy has run).
+  once the copy has run). Autograd metadata survives the clone, as it survives the
+  handoff: a tensor sent as a leaf that requires grad is a leaf that requires grad, an
+  ``nn.Parameter`` a Parameter (``serve``'s ``device=`` move keeps it likewise).
 - ``copy=False``: zero-copy. The tensors are views of the producer's slot, valid until
   the next batch is asked for (or the generator ends): clone what you keep. For a step
   that reads the batch and keeps nothing of it (the usual training step).
@@ -58,6 +60,7 @@ from torch.utils.data import (
 )
 
 from .consumer import Consumer, Item
+from .core.layout import autograd_flags, with_autograd
 from .errors import ConfigError
 from .fanin import FanIn
 from .producer import Producer
@@ -270,6 +273,11 @@ def _owned(tensors: Any, stream: Any) -> Any:
 def _clone(node: Any) -> Any:
     # preserve_format: a dense view keeps its strides; any other comes back contiguous.
     if isinstance(node, torch.Tensor):
+        if node.requires_grad or isinstance(node, torch.nn.Parameter):
+            # A clone of a leaf that requires grad would be a non-leaf of it: the copy is
+            # made a leaf of its own, with the item's autograd metadata (core.layout).
+            copy = node.detach().clone(memory_format=torch.preserve_format)
+            return with_autograd(copy, autograd_flags(node))
         return node.clone(memory_format=torch.preserve_format)
     if isinstance(node, dict):
         return {k: _clone(v) for k, v in node.items()}
@@ -348,6 +356,12 @@ def _check_batch(batch: Any, path: str, epoch: int, i: int, depth: int = 0) -> N
 
 def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
+        if batch.requires_grad or isinstance(batch, torch.nn.Parameter):
+            # As _clone: the moved copy stays a leaf (or Parameter), as send() carries it.
+            if batch.device == device:
+                return batch
+            moved = batch.detach().to(device, non_blocking=True)
+            return with_autograd(moved, autograd_flags(batch))
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: _to(v, device) for k, v in batch.items()}

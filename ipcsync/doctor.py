@@ -857,8 +857,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "ipcsync doctor") 
     ap.add_argument("--no-cuda-ipc", action="store_true", help="skip the two-process CUDA IPC test")
     ap.add_argument("--ipc-timeout", type=float, default=DEFAULT_IPC_TIMEOUT, metavar="SECONDS",
                     help=f"time limit of the CUDA IPC test (default {DEFAULT_IPC_TIMEOUT:g})")
-    ap.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                    help="logging of the doctor itself, on stderr (default WARNING)")
+    ap.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="logging of the doctor itself (ipcsync.* loggers), on stderr (default WARNING); "
+                         "its report is program output, on stdout, whatever the level")
     ap.add_argument("--version", action="version", version=f"ipcsync {__version__}")
     args = ap.parse_args(argv)
     if not args.ipc_timeout > 0:

@@ -39,7 +39,7 @@ from .runtime.slots import Handoffs, Waits
 
 __all__ = ["Producer", "SlotWriter"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 DEFAULT_SLOT_BYTES = limits.DEFAULT_SLOT_BYTES
 _MAX_SLOTS = limits.MAX_SLOTS

@@ -8,7 +8,15 @@ every stride torch can express travels unchanged: transposed, channels-last, exp
 ``.contiguous()`` first if that matters. 0-d and zero-size tensors are supported.
 
 The received tensor is a view of the slot whose storage offset (in elements) is its byte
-offset over its item size. Decoding checks every dtype against the dtypes torch has and
+offset over its item size.
+
+Autograd metadata travels as torch.multiprocessing carries it: a spec has an optional fifth
+field, its flags (``REQUIRES_GRAD``, ``PARAMETER``; absent when 0, so the layout of tensors
+without autograd metadata is unchanged), and the received view is made a leaf that requires
+grad, or an ``nn.Parameter`` with the sender's ``requires_grad``. A tensor that requires
+grad but is not a leaf (it has a ``grad_fn``) is refused at send (ConfigError): its graph
+cannot cross a process boundary. The flags are part of the message's signature, so they
+cost the common case nothing but reading ``requires_grad`` and the class per tensor. Decoding checks every dtype against the dtypes torch has and
 every span against the slot size before any view exists, so a bad layout cannot reach
 outside its slot.
 
@@ -28,9 +36,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..errors import ConfigError, ProtocolError
+from .protocol import SPEC_PARAMETER as PARAMETER, SPEC_REQUIRES_GRAD as REQUIRES_GRAD
 
 __all__ = [
     "ALIGN",
+    "REQUIRES_GRAD",
+    "PARAMETER",
     "Placement",
     "plan_message",
     "plan_empty",
@@ -121,6 +132,46 @@ def _not_strided(t: torch.Tensor) -> str:
     return f"only strided tensors can be sent, got layout {t.layout}"
 
 
+def autograd_flags(t: torch.Tensor) -> int:
+    """The spec flags of ``t``: ``REQUIRES_GRAD`` and/or ``PARAMETER`` (0 for neither)."""
+    return (REQUIRES_GRAD if t.requires_grad else 0) | (PARAMETER if isinstance(t, torch.nn.Parameter) else 0)
+
+
+def with_autograd(t: torch.Tensor, flags: int) -> torch.Tensor:
+    """``t`` (a leaf that does not require grad) as the flags describe it: an
+    ``nn.Parameter`` with their ``requires_grad``, or ``t`` itself requiring grad."""
+    if flags & PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(flags & REQUIRES_GRAD))
+    return t.requires_grad_(True) if flags & REQUIRES_GRAD else t
+
+
+def _leaf_paths(msg: Any, path: str, out: list[tuple[str, torch.Tensor]], depth: int) -> None:
+    """Every tensor of ``msg`` with its path (``message['x'][0]``), in layout order."""
+    if isinstance(msg, torch.Tensor):
+        out.append((path, msg))
+    elif depth <= MAX_DEPTH and isinstance(msg, Mapping):
+        for k in msg:
+            _leaf_paths(msg[k], f"{path}[{k!r}]", out, depth + 1)
+    elif depth <= MAX_DEPTH and isinstance(msg, (list, tuple)):
+        for i, v in enumerate(msg):
+            _leaf_paths(v, f"{path}[{i}]", out, depth + 1)
+
+
+def non_leaf_error(msg: Any, index: int) -> ConfigError:
+    """The refusal of tensor ``index`` (layout order) of ``msg``: it requires grad but is
+    not a leaf. What torch.multiprocessing refuses too, and why; what to send instead."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _leaf_paths(msg, "message", found, 1)
+    where, t = found[index]
+    return ConfigError(
+        f"{where} ({dtype_name(t.dtype)}, shape {tuple(t.shape)}) requires grad and is not a leaf "
+        f"(grad_fn={type(t.grad_fn).__name__}): its autograd graph cannot cross a process boundary, "
+        "so it cannot be sent (torch.multiprocessing refuses it too). Send its .detach() to send "
+        "its values (it arrives without requires_grad); a leaf (created with requires_grad=True) "
+        "or an nn.Parameter arrives as one. Nothing was sent"
+    )
+
+
 def _check_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         raise ConfigError(_not_strided(t))
@@ -141,13 +192,19 @@ def _check_tensor(t: torch.Tensor) -> torch.Tensor:
 def _place(
     shapes_strides_dtypes: Iterable[tuple[Sequence[int], Sequence[int], torch.dtype]],
     slot_bytes: int,
+    flags: Sequence[int] = (),
 ) -> tuple[list[list[Any]], int]:
+    """Specs of tensors of the given shapes, strides and dtypes placed one after the other
+    (``flags``: their autograd flags, in order; none: all 0), and the bytes they take."""
     specs: list[list[Any]] = []
     offset = 0
     gaps = 0  # bytes shipped only because a view has gaps (its whole span travels)
     for shape, stride, dtype in shapes_strides_dtypes:
         offset = _align(offset)
-        specs.append([dtype_name(dtype), list(shape), list(stride), offset])
+        spec = [dtype_name(dtype), list(shape), list(stride), offset]
+        if flags and flags[len(specs)]:
+            spec.append(flags[len(specs)])
+        specs.append(spec)
         span = span_elements(shape, stride) * dtype.itemsize
         dense = math.prod(shape) * dtype.itemsize
         gaps += max(0, span - dense)
@@ -168,12 +225,19 @@ def plan_message(msg: Any, slot_bytes: int) -> Placement:
     """Flatten ``msg`` and place its tensors in a slot of ``slot_bytes`` bytes.
 
     Raises ConfigError for a leaf that is not a tensor, a tensor that cannot travel as
-    bytes, or a message larger than the slot (naming both sizes).
+    bytes, a tensor that requires grad but is not a leaf, or a message larger than the slot
+    (naming both sizes).
     """
     leaves: list[torch.Tensor] = []
     tree = _flatten(msg, leaves, 1)
+    flags = []
+    for i, t in enumerate(leaves):
+        if t.requires_grad and not t.is_leaf:
+            raise non_leaf_error(msg, i)
+        flags.append(autograd_flags(t))
     tensors = [_check_tensor(t) for t in leaves]
-    specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes)
+    specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes,
+                           flags if any(flags) else ())
     return Placement([tree, specs], tensors, nbytes)
 
 
@@ -207,9 +271,12 @@ def plan_empty(
 
 
 def _check_spec(spec: Sequence[Any], slot_bytes: int) -> tuple[int, int, torch.dtype]:
-    """(offset, end, dtype) of a wire spec, after checking its dtype and its bounds."""
-    name, shape, stride, offset = spec
+    """(offset, end, dtype) of a wire spec, after checking its dtype, its bounds and its
+    autograd flags (only a floating point or complex tensor can require grad)."""
+    name, shape, stride, offset = spec[:4]
     dtype = dtype_from_name(name)
+    if len(spec) > 4 and spec[4] & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
+        raise ProtocolError(f"a {name} tensor cannot require grad (only floating point and complex ones can)")
     n = span_elements(shape, stride)
     if math.prod(max(s, 1) for s in shape) >= 2**63:
         raise ProtocolError(f"tensor shape {list(shape)} has more elements than torch can index")
@@ -268,7 +335,7 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
 
 def message_nbytes(layout: Sequence[Any]) -> int:
     """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
-    return sum(math.prod(shape) * dtype_from_name(name).itemsize for name, shape, _, _ in layout[1])
+    return sum(math.prod(spec[1]) * dtype_from_name(spec[0]).itemsize for spec in layout[1])
 
 
 # --------------------------------------------------------------------------- caches
@@ -278,22 +345,36 @@ def message_nbytes(layout: Sequence[Any]) -> int:
 
 
 def signature(msg: Any) -> tuple[Any, list[torch.Tensor]]:
-    """A hashable key of a message's structure, dtypes, shapes, strides and devices, and its
-    tensors in layout order. Two messages with one key have one layout."""
+    """A hashable key of a message's structure, dtypes, shapes, strides, devices and
+    autograd metadata (``requires_grad``, the class: Parameter or not), and its tensors in
+    layout order. Two messages with one key have one layout. ConfigError for a tensor that
+    requires grad but is not a leaf (see ``non_leaf_error``)."""
     leaves: list[torch.Tensor] = []
-    if type(msg) is dict:  # the common case, unrolled one level: the key _sig() gives
-        parts: list[Any] = ["d"]
-        for k, v in msg.items():
-            if isinstance(v, torch.Tensor):
-                leaves.append(v)
-                try:
-                    parts.append((k, (v.dtype, v.shape, v.stride(), v.device, v.is_conj(), v.is_neg())))
-                except RuntimeError:  # no strides: sparse and other layouts
-                    raise ConfigError(_not_strided(v)) from None
-            else:
-                parts.append((k, _sig(v, leaves, 2)))
-        return tuple(parts), leaves
-    return _sig(msg, leaves, 1), leaves
+    try:
+        if type(msg) is dict:  # the common case, unrolled one level: the key _sig() gives
+            parts: list[Any] = ["d"]
+            for k, v in msg.items():
+                if isinstance(v, torch.Tensor):
+                    leaves.append(v)
+                    grad = v.requires_grad
+                    if grad and not v.is_leaf:
+                        raise _NonLeaf
+                    try:
+                        parts.append((k, (v.dtype, v.shape, v.stride(), v.device, v.is_conj(), v.is_neg(),
+                                          grad, v.__class__)))
+                    except RuntimeError:  # no strides: sparse and other layouts
+                        raise ConfigError(_not_strided(v)) from None
+                else:
+                    parts.append((k, _sig(v, leaves, 2)))
+            return tuple(parts), leaves
+        return _sig(msg, leaves, 1), leaves
+    except _NonLeaf:
+        raise non_leaf_error(msg, len(leaves) - 1) from None
+
+
+class _NonLeaf(Exception):
+    """The last tensor ``_sig`` met requires grad but is not a leaf (``signature`` says so
+    with the whole message at hand)."""
 
 
 def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
@@ -301,10 +382,14 @@ def _sig(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
         raise ConfigError(f"message nesting exceeds depth {MAX_DEPTH}")
     if isinstance(msg, torch.Tensor):
         leaves.append(msg)
+        grad = msg.requires_grad
+        if grad and not msg.is_leaf:
+            raise _NonLeaf
         try:
             # conj/neg bits: such a tensor is resolved before copying, deterministically,
             # so one key still means one layout.
-            return (msg.dtype, msg.shape, msg.stride(), msg.device, msg.is_conj(), msg.is_neg())
+            return (msg.dtype, msg.shape, msg.stride(), msg.device, msg.is_conj(), msg.is_neg(),
+                    grad, msg.__class__)
         except RuntimeError:  # no strides: sparse and other layouts
             raise ConfigError(_not_strided(msg)) from None
     if isinstance(msg, Mapping):
@@ -407,6 +492,19 @@ class Recipe:
         self._assemble = _assembler(tree, len(self.specs))
         # The commonest message, {key: tensor}: its key, to build it without the assembler.
         self._only_key = tree[1][0] if len(self.specs) == 1 and _is_flat_dict(tree, 1) else None
+        # Autograd flags: (index, flags) of the tensors that have any. Only a layout with
+        # some pays for them: its views go through with_autograd before assembly.
+        marks = [(i, spec[4]) for i, spec in enumerate(specs) if len(spec) > 4 and spec[4]]
+        if marks:
+            self._only_key = None
+            assemble = self._assemble
+
+            def assemble_with_autograd(tensors: list[torch.Tensor]) -> Any:
+                for i, flags in marks:
+                    tensors[i] = with_autograd(tensors[i], flags)
+                return assemble(tensors)
+
+            self._assemble = assemble_with_autograd
 
     def build(self, slot_index: int, slot: torch.Tensor) -> Any:
         """The message as fresh views of the slot (fresh, so a caller that changes a view's
@@ -435,7 +533,8 @@ def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
     uint8 view of a slot), the layout ``[tree, specs]`` describing them by their byte offset
     in the region, and the data bytes; else a string saying why not.
 
-    Raises ConfigError for what cannot travel at all (a leaf that is not a tensor, too deep).
+    Raises ConfigError for what cannot travel at all (a leaf that is not a tensor, too deep,
+    a tensor that requires grad but is not a leaf).
     """
     leaves: list[torch.Tensor] = []
     tree = _flatten(msg, leaves, 1)
@@ -452,6 +551,8 @@ def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
             return f"{what} has a lazy conj/neg bit, which a layout cannot carry"
         if t.device != region.device:
             return f"{what} is on {t.device}, the received item on {region.device}"
+        if t.requires_grad and not t.is_leaf:
+            raise non_leaf_error(msg, i)
         size = t.element_size()
         span = span_elements(t.shape, t.stride()) * size
         if span == 0:
@@ -465,7 +566,11 @@ def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
             offset = first - start
             if offset % size:
                 return f"{what} is not aligned to its item size within the slot"
-        specs.append([dtype_name(t.dtype), list(t.shape), list(t.stride()), offset])
+        spec = [dtype_name(t.dtype), list(t.shape), list(t.stride()), offset]
+        flags = autograd_flags(t)
+        if flags:
+            spec.append(flags)
+        specs.append(spec)
         nbytes += t.numel() * size
     return [tree, specs], nbytes
 

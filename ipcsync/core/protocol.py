@@ -74,11 +74,20 @@ __all__ = [
     "MAX_LAYOUT_IDS",
     "sendable_layout",
     "check_outgoing",
+    "SPEC_REQUIRES_GRAD",
+    "SPEC_PARAMETER",
 ]
 
 # 2: FOREIGN and FREADY (zero-copy forwarding). A peer of version 1 would fail on them
 # mid-stream; the version makes the mismatch explicit at HELLO/SETUP instead.
-PROTOCOL_VERSION: Final = 2
+# 3: a tensor spec may carry autograd flags (a fifth field), which version 2 refuses.
+PROTOCOL_VERSION: Final = 3
+
+# Autograd flags of a tensor spec (its optional fifth field, absent when 0): the tensor
+# requires grad; it is an nn.Parameter (with or without requires_grad).
+SPEC_REQUIRES_GRAD: Final = 1
+SPEC_PARAMETER: Final = 2
+_SPEC_FLAGS: Final = SPEC_REQUIRES_GRAD | SPEC_PARAMETER
 
 # Largest integer accepted in any integer field (sequence numbers, offsets, sizes, pids).
 _MAX_INT: Final = 2**62
@@ -251,7 +260,8 @@ def _layout(v: Any, lim: Limits) -> Any:
 
     tree  := int (index of a tensor spec) | ["d", [key, ...], [tree, ...]]
            | ["l", [tree, ...]] | ["t", [tree, ...]]
-    spec  := [dtype name, [size, ...], [stride, ...], byte offset in slot]
+    spec  := [dtype name, [size, ...], [stride, ...], byte offset in slot(, flags)]
+    flags := SPEC_REQUIRES_GRAD | SPEC_PARAMETER, nonzero when present
 
     Checked here: types, ranges, depth, that every spec is used exactly once. The dtype
     name and the bounds against the slot size are checked by ipcsync.core.layout.
@@ -262,9 +272,11 @@ def _layout(v: Any, lim: Limits) -> Any:
     if type(specs) is not list or len(specs) > lim.max_tensors:
         raise _fail(f"layout specs must be an array of at most {lim.max_tensors} tensors")
     for spec in specs:
-        if type(spec) is not list or len(spec) != 4:
-            raise _fail(f"a tensor spec is [dtype, shape, stride, offset], got {_describe(spec)}")
-        dtype, shape, stride, offset = spec
+        if type(spec) is not list or not 4 <= len(spec) <= 5:
+            raise _fail(f"a tensor spec is [dtype, shape, stride, offset(, flags)], got {_describe(spec)}")
+        if len(spec) == 5 and (type(spec[4]) is not int or not 0 < spec[4] <= _SPEC_FLAGS):
+            raise _fail(f"tensor spec flags must be an integer in 1..{_SPEC_FLAGS}, got {_describe(spec[4])}")
+        dtype, shape, stride, offset = spec[:4]
         if type(dtype) is not str or len(dtype) > 64:
             raise _fail(f"tensor dtype must be a short string, got {_describe(dtype)}")
         for dims, what in ((shape, "shape"), (stride, "stride")):

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 __all__ = ["RateLog", "best_effort"]
 
-_log = logging.getLogger("ipcsync")
+_log = logging.getLogger(__name__)
 
 
 def best_effort(what: str, *steps: Callable[[], Any]) -> None:

@@ -24,6 +24,7 @@ from typing import NoReturn, Sequence
 
 from .. import __version__
 from ..errors import ConfigError
+from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
 from .plan import OMP_THREADS, Plan, resolve
 from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
@@ -94,6 +95,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="write a Chrome/Perfetto trace (JSON) of every handoff of every stage to PATH "
                          "(open it in ui.perfetto.dev)")
+    ap.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None, metavar="LEVEL",
+                    help=f"level of ipcsync's log lines, in the stages ({LOG_LEVEL_ENV}) and in "
+                         f"ipcsync-run itself: {', '.join(LEVELS)} (default: warning)")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return ap.parse_args(argv)
 
@@ -181,6 +185,8 @@ def check_plan(plan: Plan) -> list[str]:
 
 
 def _say(line: str) -> None:
+    """A status line of ipcsync-run (program output on stderr, not library logging: always
+    shown, whatever --log-level says)."""
     print(f"ipcsync-run: {line}", file=sys.stderr, flush=True)
 
 
@@ -235,6 +241,16 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.log_level is not None:
+        # Every stage inherits the launcher's environment: their ipcsync loggers use it
+        # (ipcsync.logs.apply_env_level, unless the stage configures logging itself).
+        os.environ[LOG_LEVEL_ENV] = args.log_level
+    level = args.log_level or os.environ.get(LOG_LEVEL_ENV) or "warning"
+    try:
+        logs = CliLogging(parse_level(level), "ipcsync-run")
+    except ConfigError as exc:  # a bad $IPCSYNC_LOG_LEVEL
+        _say(f"error: {exc}")
+        return EXIT_LAUNCHER_ERROR
     try:
         spec = config_from_args(args)
         return run(spec, dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
@@ -246,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         _say("internal error (above); please report it with the command line and spec")
         return EXIT_LAUNCHER_ERROR
+    finally:
+        logs.close()
 
 
 if __name__ == "__main__":

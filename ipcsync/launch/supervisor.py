@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -49,6 +50,10 @@ from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
+
+# The supervisor's own debug lines (``ipcsync-run --log-level debug``); its status lines
+# (starts, stops, root cause, summary) are program output, written by ``_say``.
+log = logging.getLogger(__name__)
 
 _READ_CHUNK = 65536
 _MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
@@ -322,6 +327,8 @@ class Supervisor:
             proc.partial = f"{exc} (cmd {list(inst.cmd)})".encode()
             return proc
         os.set_blocking(popen.stdout.fileno(), False)  # type: ignore[union-attr]
+        log.debug("started stage %s: pid %d, command %s, cwd %s", inst.label, popen.pid, list(inst.cmd),
+                  inst.cwd or os.getcwd())
         return _Proc(inst, popen, time.monotonic())
 
     def _pump(self, sel: selectors.BaseSelector, timeout: float) -> None:
@@ -377,6 +384,8 @@ class Supervisor:
     def _signal_all(self, signum: int) -> None:
         for p in self._procs:
             if p.running and p.popen is not None:
+                log.debug("sending %s to stage %s (process group %d)", signal.Signals(signum).name,
+                          p.inst.label, p.popen.pid)
                 _killpg(p.popen.pid, signum)
 
     def _close(self, sel: selectors.BaseSelector, forwarded: bool) -> None:

@@ -552,7 +552,7 @@ class ProducerChannel(_Channel):
                 self._shed_log_at = now
                 import logging
 
-                logging.getLogger("ipcsync").warning(
+                logging.getLogger(__name__).warning(
                     "ipcsync producer %r closed %d connection(s) that sent no HELLO (over %d "
                     "half-open or older than %.0f s; %d in all): a process of this user is "
                     "opening connections and staying silent",

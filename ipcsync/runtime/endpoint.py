@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.ratelog import RateLog
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
+from ..logs import apply_env_level
 from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller, spin_seconds
 
 if TYPE_CHECKING:
     from .handover import Pumpable
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 
 
@@ -80,6 +81,7 @@ class EndpointBase:
     _role = "endpoint"
 
     def __init__(self, endpoint: str, timeout: float | None, heartbeat: float | None) -> None:
+        apply_env_level()  # $IPCSYNC_LOG_LEVEL, once per process, unless logging is configured
         self._timeout = check_timeout("timeout", timeout)
         hb = check_timeout("heartbeat", heartbeat)
         if hb is not None and hb < 0.01:

@@ -37,7 +37,7 @@ from .handover import CannotForward, ForwardSource, Pumpable
 
 __all__ = ["ForeignArena", "ForeignUse", "Downstream", "Wake", "Lender"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 
 class ForeignArena:

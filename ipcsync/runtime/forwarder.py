@@ -21,7 +21,7 @@ from .slots import Handoffs
 
 __all__ = ["Forwarder", "forward_key"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 Wait = tuple[Peer, Event]
 

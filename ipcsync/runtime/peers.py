@@ -24,7 +24,7 @@ from .host import ProcessWatch
 
 __all__ = ["Peer", "PeerTable"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 
 class Peer:

@@ -32,7 +32,7 @@ from .slots import Handoffs
 
 __all__ = ["ProducerPort", "SlotTicket"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 
 class SlotTicket:

@@ -39,7 +39,7 @@ from .telemetry import tracer_for
 
 __all__ = ["Waits", "Handoffs", "NAG_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)

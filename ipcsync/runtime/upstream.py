@@ -30,7 +30,7 @@ from .foreign import Downstream
 __all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "remove_stale_endpoint",
            "ProducerLink"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 
 def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
 
 __all__ = ["WAIT_MODES", "EVENT_SPIN_S", "Poller", "SourcePort", "wait_ready_event", "spin_seconds"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 # How long a wait on a GPU event polls it without sleeping first: such an event is usually
 # complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).

@@ -1055,7 +1055,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # What the launcher may load before a pipeline runs: the package root, its errors and
 # limits, segment naming (the run id's variable) and the launcher's pure layers. No
 # endpoint, backend, channel, torch or zmq.
-LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.runtime", "ipcsync.runtime.shm",
+LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
                     "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}

@@ -205,6 +205,8 @@ def _messages() -> list[Any]:
         {"x": torch.zeros(2, dtype=torch.complex64).conj()},
         {"x": torch.zeros(2).neg().as_strided((2,), (1,))},
         {"x": t.requires_grad_(False), "n": {"m": {"o": t}}},
+        {"x": torch.zeros(2, requires_grad=True), "p": torch.nn.Parameter(torch.zeros(2)),
+         "n": [torch.nn.Parameter(torch.zeros(1), requires_grad=False)]},
         {"x": torch.zeros(0, 3)},
         {"x": torch.tensor(1.5)},
         [t, {"x": t}],

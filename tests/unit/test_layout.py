@@ -107,7 +107,7 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype
     assert got.shape == want.shape
     assert got.stride() == want.stride()
-    assert not got.requires_grad
+    assert got.requires_grad == (want.requires_grad and want.is_leaf)
     assert not got.is_conj() and not got.is_neg()
     assert same_bits(got, want)
     want = want.detach().resolve_conj().resolve_neg()
@@ -134,7 +134,7 @@ def round_trip(msg: Any, slot_bytes: int = SLOT) -> tuple[L.Placement, torch.Ten
 def check_placement(placement: L.Placement, slot_bytes: int) -> None:
     """Every tensor at an ALIGN-aligned offset, inside the slot, not overlapping another."""
     spans = []
-    for name, shape, stride, offset in placement.layout[1]:
+    for name, shape, stride, offset, *_ in placement.layout[1]:
         assert offset % ALIGN == 0, offset
         nbytes = L.span_elements(shape, stride) * L.dtype_from_name(name).itemsize
         assert offset + nbytes <= placement.nbytes <= slot_bytes
@@ -386,24 +386,136 @@ def test_source_conj_view_is_not_modified() -> None:
     assert torch.equal(v.resolve_conj(), torch.conj_physical(z))
 
 
+# --------------------------------------------------------------------------- autograd metadata
+# As torch.multiprocessing: a leaf that requires grad arrives as one, a Parameter as a
+# Parameter (with its requires_grad), a non-leaf that requires grad is refused.
+def _flags(placement: L.Placement) -> list[int]:
+    return [spec[4] if len(spec) > 4 else 0 for spec in placement.layout[1]]
+
+
 @pytest.mark.parametrize(
-    "make_x",
+    "make_x, kind, grad",
     [
-        lambda: torch.randn(3, 4, requires_grad=True),
-        lambda: torch.randn(3, 4, requires_grad=True) * 2,
-        lambda: torch.randn(4, 3, requires_grad=True).t(),
-        lambda: torch.randn(3, 4, dtype=torch.complex64, requires_grad=True).conj(),
-        lambda: torch.randn((), requires_grad=True),
+        (lambda: torch.randn(3, 4, requires_grad=True), torch.Tensor, True),
+        (lambda: torch.randn((), requires_grad=True), torch.Tensor, True),
+        (lambda: torch.randn(4, 3).t().requires_grad_(), torch.Tensor, True),
+        (lambda: torch.randn(3, dtype=torch.complex64, requires_grad=True), torch.Tensor, True),
+        (lambda: torch.nn.Parameter(torch.randn(2, 5)), torch.nn.Parameter, True),
+        (lambda: torch.nn.Parameter(torch.randn(5, 2).t()), torch.nn.Parameter, True),
+        (lambda: torch.nn.Parameter(torch.randn(3), requires_grad=False), torch.nn.Parameter, False),
+        (lambda: torch.nn.Parameter(torch.arange(4), requires_grad=False), torch.nn.Parameter, False),
+        (lambda: torch.randn(3, 4), torch.Tensor, False),
     ],
-    ids=["leaf", "non-leaf", "transposed-leaf", "conj", "0d"],
+    ids=["leaf", "0d-leaf", "transposed-leaf", "complex-leaf", "parameter", "transposed-parameter",
+         "frozen-parameter", "int-parameter", "plain"],
 )
-def test_tensors_requiring_grad(make_x: Callable[[], torch.Tensor]) -> None:
+def test_autograd_metadata_round_trips(make_x: Callable[[], torch.Tensor], kind: type, grad: bool) -> None:
     x = make_x()
-    assert x.requires_grad
-    _, _, out = round_trip({"x": x})
-    assert not out["x"].requires_grad
-    assert out["x"].grad_fn is None
-    assert_same(out["x"], x.detach())
+    placement, _, out = round_trip({"x": x, "n": [x, torch.ones(2)]})
+    for got in (out["x"], out["n"][0]):
+        assert type(got) is kind
+        assert got.requires_grad is grad
+        assert got.is_leaf and got.grad_fn is None
+        assert got.shape == x.shape and got.stride() == x.stride()
+        assert same_bits(got, x.detach())
+    assert type(out["n"][1]) is torch.Tensor and not out["n"][1].requires_grad
+    flags = (L.REQUIRES_GRAD if grad else 0) | (L.PARAMETER if kind is torch.nn.Parameter else 0)
+    assert _flags(placement) == [flags, flags, 0]
+
+
+def test_layout_without_autograd_metadata_is_unchanged() -> None:
+    """Tensors without autograd metadata: four-field specs, as before the flags existed."""
+    placement = plan_message({"x": torch.zeros(3), "y": [torch.zeros(2, dtype=torch.int64)]}, SLOT)
+    assert placement.layout == [["d", ["x", "y"], [0, ["l", [1]]]],
+                                [["float32", [3], [1], 0], ["int64", [2], [1], ALIGN]]]
+
+
+def test_signature_tells_autograd_metadata_apart() -> None:
+    """One signature means one layout: requires_grad and the Parameter class are in it."""
+    plain = L.signature({"x": torch.zeros(3)})[0]
+    assert plain == L.signature({"x": torch.ones(3)})[0]
+    keys = [plain, L.signature({"x": torch.zeros(3, requires_grad=True)})[0],
+            L.signature({"x": torch.nn.Parameter(torch.zeros(3))})[0],
+            L.signature({"x": torch.nn.Parameter(torch.zeros(3), requires_grad=False)})[0]]
+    assert len(set(keys)) == 4
+    nested = [L.signature([{"x": torch.zeros(3)}])[0], L.signature([{"x": torch.zeros(3, requires_grad=True)}])[0]]
+    assert nested[0] != nested[1]
+
+
+@pytest.mark.parametrize(
+    "make_msg, where",
+    [
+        (lambda x: {"x": x * 2}, "message['x']"),
+        (lambda x: {"a": torch.zeros(1), "b": [torch.zeros(1), (x.t(),)]}, "message['b'][1][0]"),
+        (lambda x: (x[0],), "message[0]"),
+        (lambda x: x.exp(), "message "),
+        (lambda x: {"c": x.to(torch.complex64).conj()}, "message['c']"),
+    ],
+    ids=["flat-dict", "nested", "tuple-view", "bare", "conj"],
+)
+def test_non_leaf_requiring_grad_is_refused(make_msg: Callable[[torch.Tensor], Any], where: str) -> None:
+    msg = make_msg(torch.randn(3, 3, requires_grad=True))
+    for call in (lambda: L.signature(msg), lambda: plan_message(msg, SLOT)):
+        with pytest.raises(ConfigError) as info:
+            call()
+        text = str(info.value)
+        assert text.startswith(where) or f"{where}(" in text, text
+        for words in ("requires grad and is not a leaf", "grad_fn=", "cannot cross a process boundary",
+                      ".detach()", "torch.multiprocessing"):
+            assert words in text, text
+    # Detached, it travels (without requires_grad).
+    detached = make_msg(torch.randn(3, 3, requires_grad=True).detach())
+    _, _, out = round_trip(detached)
+    assert not any(t.requires_grad for t in L.leaves(out))
+
+
+def test_received_leaf_takes_gradients_of_its_own() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    _, slot, out = round_trip({"x": x})
+    before = slot.clone()
+    y = out["x"]
+    (y * y).sum().backward()
+    assert torch.equal(y.grad, torch.tensor([2.0, 4.0, 6.0]))
+    assert x.grad is None  # the sender's leaf is another tensor: nothing flows back
+    assert torch.equal(slot, before)  # .grad is a new tensor, not written into the slot
+
+
+def test_recipe_builds_fresh_autograd_views_per_item() -> None:
+    p = torch.nn.Parameter(torch.randn(4))
+    placement = plan_message({"p": p}, SLOT)
+    recipe = L.Recipe(placement.layout, SLOT)
+    slot = torch.zeros(SLOT, dtype=torch.uint8)
+    write_message(placement, slot)
+    first = recipe.build(0, slot)["p"]
+    first.requires_grad_(False)
+    second = recipe.build(0, slot)["p"]
+    assert second is not first and type(second) is torch.nn.Parameter and second.requires_grad
+    region = recipe.build_at(slot)["p"]
+    assert type(region) is torch.nn.Parameter and region.requires_grad
+
+
+@pytest.mark.parametrize("dtype", ["int64", "bool", "uint8"])
+def test_recipe_refuses_requires_grad_on_a_dtype_that_cannot(dtype: str) -> None:
+    layout = [0, [[dtype, [2], [1], 0, L.REQUIRES_GRAD]]]
+    assert P.decode(P.encode_ready(0, 0, 1, 0, 1, layout, None)).layout == layout  # well-formed
+    with pytest.raises(ProtocolError, match="cannot require grad"):
+        L.Recipe(layout, SLOT)
+    # A Parameter that does not require grad may be of any dtype.
+    got = L.Recipe([0, [[dtype, [2], [1], 0, L.PARAMETER]]], SLOT).build(0, torch.zeros(SLOT, dtype=torch.uint8))
+    assert type(got) is torch.nn.Parameter and not got.requires_grad
+
+
+def test_place_views_carries_autograd_metadata_and_refuses_non_leaves() -> None:
+    slot = torch.zeros(SLOT, dtype=torch.uint8)
+    received = L.Recipe([["d", ["w", "x"], [0, 1]],
+                         [["float32", [4], [1], 0, L.REQUIRES_GRAD | L.PARAMETER],
+                          ["float32", [4], [1], ALIGN]]], SLOT).build(0, slot)
+    placed = L.place_views({"w": received["w"], "x": received["x"]}, slot)
+    assert not isinstance(placed, str)
+    layout, _ = placed
+    assert [spec[4:] for spec in layout[1]] == [[L.REQUIRES_GRAD | L.PARAMETER], []]
+    with pytest.raises(ConfigError, match=r"message\['w'\].*not a leaf"):
+        L.place_views({"w": received["w"][1:]}, slot)
 
 
 # --------------------------------------------------------------------------- structure
@@ -849,7 +961,7 @@ def _awkward_views() -> list[torch.Tensor]:
         base.to(memory_format=torch.channels_last) if base.dim() == 4 else base.unsqueeze(0).to(memory_format=torch.channels_last),
         c.conj(),
         torch._neg_view(torch.arange(5.0)),
-        torch.ones(3, requires_grad=True) * 2,
+        (torch.ones(3) * 2).requires_grad_(),
         torch.tensor(7),
         torch.zeros(0, 3),
     ]

@@ -642,9 +642,13 @@ BAD_LAYOUTS: dict[str, tuple[Any, str]] = {
     "too-many-dims": (_spec("float32", [1] * 65, [1] * 65, 0), "at most 64"),
     "shape-not-list": (_spec("float32", 4, [1], 0), "shape must be an array"),
     "stride-not-list": (_spec("float32", [4], None, 0), "stride must be an array"),
-    "spec-short": (_spec("float32", [4], [1]), "[dtype, shape, stride, offset]"),
-    "spec-long": (_spec("float32", [4], [1], 0, 0), "[dtype, shape, stride, offset]"),
-    "spec-not-list": ([0, ["float32"]], "[dtype, shape, stride, offset]"),
+    "spec-short": (_spec("float32", [4], [1]), "[dtype, shape, stride, offset(, flags)]"),
+    "spec-long": (_spec("float32", [4], [1], 0, 1, 0), "[dtype, shape, stride, offset(, flags)]"),
+    "spec-not-list": ([0, ["float32"]], "[dtype, shape, stride, offset(, flags)]"),
+    "flags-zero": (_spec("float32", [4], [1], 0, 0), "flags must be an integer in 1..3"),
+    "flags-unknown-bit": (_spec("float32", [4], [1], 0, 4), "flags must be an integer in 1..3"),
+    "flags-not-int": (_spec("float32", [4], [1], 0, "1"), "flags must be an integer in 1..3"),
+    "flags-bool": (_spec("float32", [4], [1], 0, True), "flags must be an integer in 1..3"),
     "dtype-not-str": (_spec(b"float32", [4], [1], 0), "dtype must be a short string"),
     "dtype-too-long": (_spec("f" * 65, [4], [1], 0), "dtype must be a short string"),
     "specs-not-list": ([0, {"0": GOOD_SPEC}], "specs must be an array"),
@@ -713,7 +717,8 @@ def test_hello_without_version() -> None:
     assert info.value.peer_version is None
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, "1", 1.5, None, [1], 2**64 - 1, -1])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, "1", 1.5, None, [1],
+                                     2**64 - 1, -1])
 def test_odd_versions(version: Any) -> None:
     fields = raw_fields(HELLO)
     fields[1] = version
