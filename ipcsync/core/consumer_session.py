@@ -19,7 +19,8 @@ Rules kept here, once:
   protocol error);
 - releases are queued in ``pending`` and go out in batches of at most
   ``limits.max_release_batch`` (``release_frame``); ``release_batch`` is how many the
-  runtime lets gather while the user iterates;
+  runtime lets gather while the user iterates (``release_batch_for``: at most half the
+  ring, so the producer always has slots it can fill; every wait flushes first);
 - BYE: ``bye_received`` (the producer ends the stream), ``bye_sent`` (ours, once, when
   nothing is held), ``bye_acked`` (its BYE after ours, or its connection closing then);
 - an ERROR from the producer becomes the exception of ``REFUSALS``; the first error is
@@ -40,7 +41,7 @@ from .liveness import PeerClock, Verdict
 from .protocol import ErrorCode, MsgType, State
 
 __all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
-           "ReadyEntry"]
+           "ReadyEntry", "release_batch_for"]
 
 # What the consumer may send in each state (what it may receive: protocol.TRANSITIONS).
 SENDS: dict[State, frozenset[MsgType]] = {
@@ -90,6 +91,14 @@ Event = Union[SetupReceived, ForeignReceived, ForwardedReceived]
 
 _ACTIVE = State.ACTIVE
 _EXCHANGING = (State.ACTIVE, State.ENDING)
+
+
+def release_batch_for(slots: int) -> int:
+    """How many releases gather before a RELEASE goes out while the user iterates: a
+    quarter of the ring, at least 2 (so request/reply sends its request before the RELEASE
+    of the previous answer: the RELEASE goes out when the consumer next waits), at most
+    half of it (the producer always has the other half to fill)."""
+    return max(1, min(slots // 2, max(2, slots // 4)))
 
 
 class ConsumerSession:
@@ -183,7 +192,7 @@ class ConsumerSession:
         self.setup = s
         self.slot_bytes = [n for _a, _off, n in s.slots]
         self.clock.heartbeat = s.heartbeat_ms / 1000
-        self.release_batch = max(1, len(s.slots) // 4)
+        self.release_batch = release_batch_for(len(s.slots))
         return P.encode(P.Attach(release_handles))
 
     def release_frame(self) -> tuple[bytes, int] | None:

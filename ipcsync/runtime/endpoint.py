@@ -32,6 +32,7 @@ import atexit
 import logging
 import math
 import os
+import select
 import sys
 import threading
 import time
@@ -231,6 +232,10 @@ class EndpointBase:
         if self._io_pending():
             return
         lent = self._lent()
+        if not lent:  # the common case: only our own sockets, no Poller to build
+            fds, t = self._io_fds(), max(0.0, timeout)
+            self._unlocked(lambda: select.select(fds, (), (), t))
+            return
         poller = Poller()
         poller.add(self._io_fds(), False)
         for other in lent:

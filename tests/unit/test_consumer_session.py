@@ -55,7 +55,7 @@ def active(slots: int = 4, heartbeat: float = 1.0, **limits: Any) -> ConsumerSes
 
 def test_handshake_then_ready_items_are_buffered_in_order_with_the_layout_cached() -> None:
     s = active()
-    assert s.state is State.ACTIVE and s.release_batch == 1 and s.clock.heartbeat == 1.0
+    assert s.state is State.ACTIVE and s.release_batch == 2 and s.clock.heartbeat == 1.0
     assert s.receive(ready(0)) is None
     assert s.receive(ready(1, slot=1, layout=None)) is None  # the layout travelled once
     (a, b) = s.ready
@@ -245,3 +245,11 @@ def test_no_heartbeats_without_ours_and_none_before_setup() -> None:
     s.receive(frame(setup()))
     s.attach(setup(), ["r"] * 4)
     assert s.tick(20.0, False)[1] is None
+
+
+def test_release_batch_is_at_least_two_and_at_most_half_the_ring() -> None:
+    from ipcsync.core.consumer_session import release_batch_for
+
+    assert [release_batch_for(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 2, 4, 16]
+    for n in range(1, 200):
+        assert 1 <= release_batch_for(n) <= max(1, n // 2)
