@@ -1,6 +1,6 @@
 """The library logs through ``logging`` only: no ``print`` and no writes to
 ``sys.stdout``/``sys.stderr`` outside the command lines, whose output is program output
-(``ipcsync-run``: launch/cli.py and the supervisor's relay and status lines; ``ipcsync
+(``ipcsync-run``: launch/cli.py, the supervisor's relay and status lines and the monitor's lines; ``ipcsync
 doctor``: doctor.py; ``python -m ipcsync``: __main__.py); every logger is named after its
 module (``ipcsync.*``). Checked on the AST of every module."""
 
@@ -16,7 +16,7 @@ from ipcsync.errors import ConfigError
 from ipcsync.logs import LEVELS, parse_level
 
 PKG = Path(__file__).resolve().parents[2] / "ipcsync"
-CLI_MODULES = {"launch/cli.py", "launch/supervisor.py", "doctor.py", "__main__.py"}
+CLI_MODULES = {"launch/cli.py", "launch/supervisor.py", "launch/monitor.py", "doctor.py", "__main__.py"}
 MODULES = sorted(p for p in PKG.rglob("*.py"))
 
 
