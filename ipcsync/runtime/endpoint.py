@@ -274,15 +274,18 @@ class EndpointBase:
         backoff = 1e-5
         try:
             if self._spin and not poll_event:
-                # A bounded spin (lock held: others wait at most this long) before the
-                # first sleep: an answer that comes within it costs no wake-up.
+                # A bounded spin before the first sleep: an answer that comes within it
+                # costs no sleep and no wake-up. The endpoint's lock stays held (another
+                # thread's call waits at most this long); the GIL is offered to other
+                # threads at every turn (sleep(0)).
                 spin_end = time.perf_counter() + (self._spin if timeout is None else min(self._spin, timeout))
-                pending = self._io_pending
+                pending, yield_gil = self._io_pending, time.sleep
                 while time.perf_counter() < spin_end:
                     if pending():
                         self._pump()
                         if done():
                             return True
+                    yield_gil(0)
             if poll_event:
                 spin_end = time.perf_counter() + (EVENT_SPIN_S if timeout is None else min(EVENT_SPIN_S, timeout))
                 while time.perf_counter() < spin_end:
