@@ -149,6 +149,7 @@ class NodeGroup:
         self._next_poll = 0.0
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._done_said = False
+        self._gone = False  # a node was lost: nobody to wait for at the end
 
     # ------------------------------------------------------------------ connection
     def _connect(self) -> Any:
@@ -159,7 +160,15 @@ class NodeGroup:
 
     def start(self) -> None:
         """Serve (node 0) or join the store, and start heartbeating."""
-        from torch.distributed import TCPStore  # noqa: PLC0415
+        # c10d logs every failed store call at warning level from C++; the launcher says
+        # what happened itself. Set for this process only: stages inherit os.environ.
+        had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        try:
+            from torch.distributed import TCPStore  # noqa: PLC0415
+        finally:
+            if had is None:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
         try:
             if self.rank == 0:
@@ -320,6 +329,7 @@ class NodeGroup:
                 if value != count:
                     self._hb_seen[r] = (value, now)
                 elif now - since > self.node_timeout:
+                    self._gone = True
                     lost = GroupFailure(f"node {r}'s ipcsync-run is gone (no heartbeat for "
                                         f"{now - since:.0f} s, ${NODE_TIMEOUT_ENV}={self.node_timeout:g})", 1, False)
                     return self._publish(lost)
@@ -368,7 +378,7 @@ class NodeGroup:
         so too (at most the node timeout): a node still stopping may need it."""
         try:
             self._store.set(f"a{self.attempt}/exit/{self.rank}", b"1")
-            if self.rank == 0:
+            if self.rank == 0 and not self._gone:
                 keys = [f"a{self.attempt}/exit/{r}" for r in range(self.nnodes)]
                 deadline = time.monotonic() + self.node_timeout
                 while not self._store.check(keys) and time.monotonic() < deadline:

@@ -254,6 +254,25 @@ def test_a_stage_failing_on_node_1_stops_node_0_with_the_root_cause(cluster: Clu
     assert cluster.leftovers() == []
 
 
+@pytest.mark.timeout(240)
+def test_restart_policy_restarts_the_group_on_every_node(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 20), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src", "--crash-after", 3, "--crash-code", 3,
+                               "--crash-restart", 0), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+        restart=1,
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    assert n1.wait() == 0, n1.dump()
+    assert n0.wait(60) == 0, n0.dump()
+    for node in (n0, n1):
+        assert "restarting the whole group (restart 1 of 1) after: node 1: stage sink/0" in node.err, node.dump()
+    got = n1.result("sink/0")
+    assert got["restart"] == 1 and got["counts"] == {"src/0": 20} and got["errors"] == []
+    assert cluster.leftovers() == []
+
+
 @pytest.mark.timeout(180)
 def test_a_node_whose_launcher_is_killed_stops_the_other(cluster: Cluster) -> None:
     spec = cluster.spec(toml_spec(
@@ -270,7 +289,8 @@ def test_a_node_whose_launcher_is_killed_stops_the_other(cluster: Cluster) -> No
     os.killpg(n1.proc.pid, signal.SIGKILL)  # node 1's launcher (its stages get SIGTERM from the kernel)
     rc0 = n0.wait(60)
     assert rc0 != 0, n0.dump()
-    assert "root cause:" in n0.err and ("node 1" in n0.err or "PeerLost" in n0.err), n0.dump()
+    assert "root cause: node 1's ipcsync-run is gone (no heartbeat for" in n0.err, n0.dump()
+    assert cluster.leftovers() == []
 
 
 @pytest.mark.timeout(180)
@@ -287,7 +307,8 @@ def test_node_0_killed_the_others_stop(cluster: Cluster) -> None:
     os.killpg(n0.proc.pid, signal.SIGKILL)  # the store goes with it
     rc1 = n1.wait(60)
     assert rc1 != 0, n1.dump()
-    assert "rendezvous store" in n1.err or "node 0" in n1.err, n1.dump()
+    assert "root cause: lost the rendezvous store at 127.0.0.1" in n1.err, n1.dump()
+    assert cluster.leftovers() == []
 
 
 # ---------------------------------------------------------------------------- refused
