@@ -371,8 +371,8 @@ def test_dry_run_shows_the_plan_of_every_node(cluster: Cluster) -> None:
 def test_dataloader_example_over_two_nodes(cluster: Cluster) -> None:
     spec = ROOT / "examples" / "dataloader" / "pipeline-2nodes.toml"
     n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
-    assert n0.wait() == 0, n0.dump()
-    assert n1.wait() == 0, n1.dump()
+    rc0, rc1 = n0.wait(), n1.wait()
+    assert (rc0, rc1) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
     assert any(line.startswith("[train/0] train: done, 64 batches") for line in n1.out.splitlines()), n1.dump()
     assert "[loader/" in n0.out and "[train/" not in n0.out
     assert cluster.leftovers() == []
