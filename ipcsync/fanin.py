@@ -48,7 +48,8 @@ class FanIn:
         idle_timeout: how long iteration waits for the next item (None: as long as a
             source lives).
         auto_release: release the previous item at the next iteration.
-        **options: passed to every source's Consumer (device, wait, heartbeat, ...).
+        **options: passed to every source's Consumer (device, wait, heartbeat, ...);
+            ``curve`` may also be a list with one ``CurveKeys`` (or None) per endpoint.
     """
 
     def __init__(
@@ -76,9 +77,15 @@ class FanIn:
         self.auto_release = bool(auto_release)
         self._consumers: list[Consumer] = []
         try:
-            for ep, label in zip(endpoints, labels):
+            # ``curve`` may be one CurveKeys per endpoint (None for an ipc one): each
+            # tcp producer has its own server key.
+            curve = options.pop("curve", None)
+            curves = list(curve) if isinstance(curve, (list, tuple)) else [curve] * len(endpoints)
+            if len(curves) != len(endpoints):
+                raise ConfigError(f"FanIn got {len(endpoints)} endpoints but {len(curves)} CURVE keys")
+            for ep, label, keys in zip(endpoints, labels, curves):
                 c = Consumer(ep, timeout=timeout, connect_timeout=connect_timeout, auto_release=False,
-                             **options)
+                             curve=keys, **options)
                 c.source = label
                 self._consumers.append(c)
         except BaseException:

@@ -106,8 +106,11 @@ def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the na
     # The edge's timeout bounds the handshake (stages wait for each other to appear);
     # data calls wait as long as the peer lives.
     kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "connect_timeout": edge["timeout"]}
+    kw.update(_transport_in(edge))
     kw.update(options)
     if len(edge["endpoints"]) == 1:
+        if isinstance(kw.get("curve"), list):
+            kw["curve"] = kw["curve"][0]
         c = Consumer(edge["endpoints"][0], **kw)
         c.source = edge["sources"][0]
         ep: Consumer | FanIn = c
@@ -128,6 +131,7 @@ def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any)
         "device": w["device"], "slots": edge["slots"], "slot_bytes": edge["slot_bytes"],
         "policy": edge["policy"],
     }
+    kw.update(_transport_out(edge))
     kw.update(options)
     p = Producer(edge["endpoint"], **kw)
     try:
@@ -141,6 +145,31 @@ def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any)
 
 
 # ---------------------------------------------------------------------------- internals
+def _transport_in(edge: dict[str, Any]) -> dict[str, Any]:
+    """Consumer options for an input edge between nodes (``ipcsync-run --nnodes``): one
+    CurveKeys per endpoint (None for an ipc one), or ``insecure``."""
+    if edge.get("insecure"):
+        return {"insecure": True}
+    servers = edge.get("curve_servers")
+    if servers is None:
+        return {}
+    from .runtime.channel import CurveKeys  # noqa: PLC0415 (zmq: only for edges between nodes)
+
+    return {"curve": [CurveKeys.generate(server=s.encode()) if s else None for s in servers]}
+
+
+def _transport_out(edge: dict[str, Any]) -> dict[str, Any]:
+    """Producer options for an output edge to another node: its CurveKeys, or ``insecure``."""
+    if edge.get("insecure"):
+        return {"insecure": True}
+    curve = edge.get("curve")
+    if curve is None:
+        return {}
+    from .runtime.channel import CurveKeys  # noqa: PLC0415
+
+    return {"curve": CurveKeys(curve["public"].encode(), curve["secret"].encode())}
+
+
 def _wiring(what: str) -> dict[str, Any]:
     global _wiring_cache
     with _lock:
@@ -197,6 +226,19 @@ def _check_wiring(w: Any) -> None:
         eps, srcs = edge["endpoints"], edge["sources"]
         if not eps or len(eps) != len(srcs) or not all(type(x) is str for x in eps + srcs):
             raise bad(f"inputs[{name!r}] needs as many endpoint as source strings, at least one")
+        servers = edge.get("curve_servers")
+        if servers is not None and (type(servers) is not list or len(servers) != len(eps)
+                                    or not all(x is None or type(x) is str for x in servers)):
+            raise bad(f"inputs[{name!r}].curve_servers is not one key (or null) per endpoint")
+    for direction in ("inputs", "outputs"):
+        for name, edge in w[direction].items():
+            if "insecure" in edge and type(edge["insecure"]) is not bool:
+                raise bad(f"{direction}[{name!r}].insecure is not a boolean")
+    for name, edge in w["outputs"].items():
+        curve = edge.get("curve")
+        if curve is not None and (type(curve) is not dict or type(curve.get("public")) is not str
+                                  or type(curve.get("secret")) is not str):
+            raise bad(f"outputs[{name!r}].curve is not {{\"public\": str, \"secret\": str}}")
 
 
 def _track(direction: str, peer: str, ep: Any) -> None:

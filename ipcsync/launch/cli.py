@@ -4,11 +4,14 @@
     ipcsync-run --stage loader="python3 loader.py" --stage train="python3 train.py" \\
                 --edge loader:train --replicas loader=2
     ipcsync-run pipeline.toml --replicas loader=4 --dry-run
+    ipcsync-run pipeline.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400   # on node 0
+    ipcsync-run pipeline.toml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400   # on node 1
 
 Neither importing this module nor ``--help``, ``--version`` or ``--dry-run`` loads torch,
 zmq or a backend: ``--help`` answers at once. The supervisor is loaded only when a
 pipeline runs, and torch only to count GPUs, when a stage may use one on a host that has
-a GPU driver (``visible_gpus``).
+a GPU driver (``visible_gpus``). With ``--nnodes`` > 1, torch.distributed (the rendezvous
+store) and zmq (CURVE keys) are loaded when the pipeline runs (``nodes.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import NoReturn, Sequence
 from .. import __version__
 from ..errors import ConfigError
 from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
-from .plan import OMP_THREADS, Plan, resolve
+from .plan import OMP_THREADS, Nodes, Plan, RemoteEndpoint, place, remote_producers, resolve
 from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
 __all__ = [
@@ -98,6 +101,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None, metavar="LEVEL",
                     help=f"level of ipcsync's log lines, in the stages ({LOG_LEVEL_ENV}) and in "
                          f"ipcsync-run itself: {', '.join(LEVELS)} (default: warning)")
+    nodes = ap.add_argument_group("several nodes (one ipcsync-run per node, as torchrun)")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="nodes that run the pipeline (default 1); a stage's node/nodes keys say where it runs")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node's index, 0 to N-1")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where node 0's ipcsync-run serves the rendezvous store (the same on every node)")
+    nodes.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long to wait for every node to join (default 300)")
+    nodes.add_argument("--node-addr", default=None, metavar="ADDR",
+                       help="the address other nodes reach this one at (default: this host's address "
+                            "towards the rendezvous endpoint)")
+    nodes.add_argument("--insecure", action="store_true",
+                       help="edges between nodes without CURVE: no authentication, no encryption; only on a "
+                            "network you trust")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return ap.parse_args(argv)
 
@@ -190,20 +207,56 @@ def _say(line: str) -> None:
     print(f"ipcsync-run: {line}", file=sys.stderr, flush=True)
 
 
+def placeholder_nodes(spec: PipelineSpec, nnodes: int, rank: int, insecure: bool = False) -> Nodes:
+    """Node ``rank``'s place with the edges between nodes shown as ``tcp://<node R>:<port>``
+    (addresses and ports are known only at the rendezvous): for ``--dry-run`` and the
+    checks made before it."""
+    placement = place(spec, nnodes)
+    remote = {
+        key: RemoteEndpoint(f"tcp://<node {placement[(key[0], key[1])]}>:<port>")
+        for key in remote_producers(spec, placement)
+    }
+    return Nodes(nnodes=nnodes, rank=rank, remote=remote, insecure=insecure)
+
+
 def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, monitor: bool = False,
-        monitor_interval: float = 1.0, stats_file: str | None = None, trace: str | None = None) -> int:
+        monitor_interval: float = 1.0, stats_file: str | None = None, trace: str | None = None,
+        nnodes: int = 1, node_rank: int | None = None, rdzv_endpoint: str | None = None,
+        rdzv_timeout: float = 300.0, node_addr: str | None = None, insecure: bool = False) -> int:
     from ..runtime.paths import runtime_dir
 
     base = runtime_dir()
     gpus = visible_gpus() if needs_gpu_count(spec) else 0
     omp_default = OMP_THREADS not in os.environ
+    many = _check_nodes(nnodes, node_rank, rdzv_endpoint, dry_run, insecure, node_addr)
+    rank = node_rank or 0
+    group = None
+    if dry_run and many:
+        for r in range(nnodes) if node_rank is None else [node_rank]:
+            nodes = placeholder_nodes(spec, nnodes, r, insecure)
+            p = resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"),
+                        gpus=gpus if r == rank else 0, omp_default=omp_default, nodes=nodes)
+            print(f"node {r}:")
+            print("\n".join("  " + line for line in p.describe().splitlines()))
+        problems = check_plan(resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"),
+                                      gpus=gpus, omp_default=omp_default,
+                                      nodes=placeholder_nodes(spec, nnodes, rank, insecure)))
+        if problems:
+            raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
+        return 0
 
     def make_plan(run_id: str, run_dir: str, attempt: int) -> Plan:
-        return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default)
+        nodes = group.rendezvous(attempt) if group is not None else None
+        return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default,
+                       nodes=nodes)
 
     # Resolved once up front, so that a bad device or path fails before anything starts.
     # Run ids are 8 hex digits, one per attempt; "xxxxxxxx" stands for them here.
-    plan = make_plan("xxxxxxxx", os.path.join(base, "run-xxxxxxxx"), 0)
+    if many:
+        plan = resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"), gpus=gpus,
+                       omp_default=omp_default, nodes=placeholder_nodes(spec, nnodes, rank, insecure))
+    else:
+        plan = make_plan("xxxxxxxx", os.path.join(base, "run-xxxxxxxx"), 0)
     if omp_default and any(dict(s.env).get(OMP_THREADS) is None for s in spec.stages):
         _say(
             f"setting {OMP_THREADS}=1 for each stage (so that stages do not overload the machine with "
@@ -217,6 +270,12 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
         return 0
     from .supervisor import Supervisor
 
+    if many:
+        from .nodes import NodeGroup
+
+        assert rdzv_endpoint is not None
+        group = NodeGroup(spec, nnodes=nnodes, rank=rank, rdzv=rdzv_endpoint, insecure=insecure, addr=node_addr,
+                          rdzv_timeout=rdzv_timeout, say=_say)
     observer = None
     if monitor or stats_file or trace:
         from .monitor import Observer
@@ -230,13 +289,41 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
         except OSError as exc:
             raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
     try:
+        if group is not None:
+            group.start()
         return Supervisor(
             make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary,
-            contain=True, observer=observer,
+            contain=True, observer=observer, group=group,
         ).run()
     finally:
         if observer is not None:
             observer.close()
+        if group is not None:
+            group.close()
+
+
+def _check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, dry_run: bool,
+                 insecure: bool, node_addr: str | None) -> bool:
+    """Whether this is a run over several nodes; ConfigError for options that do not fit."""
+    if nnodes < 1 or nnodes > 1024:
+        raise ConfigError(f"--nnodes must be from 1 to 1024, got {nnodes}")
+    if nnodes == 1:
+        extra = [flag for flag, v in (("--node-rank", node_rank not in (None, 0)), ("--rdzv-endpoint", rdzv_endpoint),
+                                      ("--insecure", insecure), ("--node-addr", node_addr)) if v]
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} only go with --nnodes N (N > 1)")
+        return False
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be from 0 to {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
+    if not dry_run:
+        if node_rank is None:
+            raise ConfigError(f"--nnodes {nnodes} needs --node-rank R (0 on the node serving the rendezvous)")
+        if rdzv_endpoint is None:
+            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+        from .nodes import parse_endpoint
+
+        parse_endpoint(rdzv_endpoint)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = config_from_args(args)
         return run(spec, dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
-                   monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace)
+                   monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace,
+                   nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                   rdzv_timeout=args.rdzv_timeout, node_addr=args.node_addr, insecure=args.insecure)
     except ConfigError as exc:  # SpecError included
         _say(f"error: {exc}")
         return EXIT_LAUNCHER_ERROR

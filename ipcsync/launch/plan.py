@@ -9,6 +9,17 @@ producers with n consumers each (``policy`` decides shard or broadcast among the
 n consumers merging m sources (fair fan-in). Each process gets its part as JSON in
 ``IPCSYNC_WIRING`` (read by ``ipcsync.stage``); JSON, not pickle, since stage code parses it.
 
+Several nodes (``ipcsync-run --nnodes N``). ``place`` says which node runs each replica
+(the stages' ``node``/``nodes`` keys); each node's launcher resolves only its own replicas
+(``Nodes.rank``). A producer replica with at least one consumer replica on another node
+(``remote_producers``) binds ``tcp://<its node's address>:<port>`` instead of an ipc socket,
+with CURVE keys made by its node's launcher and exchanged through the rendezvous
+(``Nodes.remote``); every consumer of it, on its node or not, connects there. Edges whose
+ends all run on one node stay ipc. The wiring carries the keys: ``outputs[dst].curve``
+(``{"public", "secret"}``) for such a producer, ``inputs[src].curve_servers`` (the
+producers' public keys, ``null`` for an ipc endpoint) for a consumer, and ``insecure``
+under ``--insecure``.
+
 Commands. A command whose first word is ``python``, ``python3`` or ``python3.N`` runs
 under the launcher's own interpreter (``python=``, ``sys.executable`` by default), as
 torchrun does: the stages see the same environment (virtualenv) as ``ipcsync-run``.
@@ -24,8 +35,8 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from ..limits import IPC_PATH_MAX
 from ..runtime.shm import ENV_RUN_ID
@@ -33,7 +44,7 @@ from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
     "Instance", "Plan", "resolve", "resolve_command", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX",
-    "OMP_THREADS", "OMP_DEFAULT",
+    "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers",
 ]
 
 WIRING_VERSION = 1
@@ -41,6 +52,67 @@ ENV_WIRING = "IPCSYNC_WIRING"
 OMP_THREADS = "OMP_NUM_THREADS"
 OMP_DEFAULT = "1"
 _PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
+
+
+ProducerKey = tuple[str, int, str]  # (producer stage, its replica, consumer stage)
+
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    """The endpoint of a producer replica with consumers on another node."""
+
+    url: str  # tcp://ADDR:PORT on the producer's node
+    public: str = ""  # its CURVE public key (Z85); "" under --insecure
+    secret: str = ""  # its CURVE secret key: only in the plan of the producer's own node
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"RemoteEndpoint(url={self.url!r}, public={self.public!r})"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher stands in a run over several nodes."""
+
+    nnodes: int
+    rank: int
+    remote: Mapping[ProducerKey, RemoteEndpoint] = field(default_factory=dict)
+    insecure: bool = False
+
+
+def place(spec: PipelineSpec, nnodes: int) -> dict[tuple[str, int], int]:
+    """The node of every (stage, replica). SpecError for a node index not below
+    ``nnodes``, or a node that runs no stage."""
+    placement: dict[tuple[str, int], int] = {}
+    for s in spec.stages:
+        bad = [n for n in s.nodes if n >= nnodes]
+        if bad:
+            key = "node" if len(s.nodes) == 1 else "nodes"
+            raise SpecError(
+                f"{spec.source}: stages.{s.name}.{key}: node {bad[0]}, but there "
+                f"{'is 1 node' if nnodes == 1 else f'are {nnodes} nodes'} (0 to {nnodes - 1}); "
+                + ("run one ipcsync-run per node with --nnodes" if nnodes == 1 else "raise --nnodes or change the spec")
+            )
+        for r in range(s.replicas):
+            placement[(s.name, r)] = s.node_of(r)
+    idle = sorted(set(range(nnodes)) - set(placement.values()))
+    if idle:
+        raise SpecError(
+            f"{spec.source}: node {idle[0]} runs no stage (--nnodes {nnodes}); give it one with "
+            "node = N or nodes = [...] in a stage, or lower --nnodes"
+        )
+    return placement
+
+
+def remote_producers(spec: PipelineSpec, placement: Mapping[tuple[str, int], int]) -> list[ProducerKey]:
+    """The producer replicas, as (src, replica, dst), with at least one consumer replica
+    of the edge on another node: their endpoints are tcp, the others ipc."""
+    found = []
+    for e in spec.edges:
+        dst_nodes = {placement[(e.dst, j)] for j in range(spec.stage(e.dst).replicas)}
+        for i in range(spec.stage(e.src).replicas):
+            if dst_nodes - {placement[(e.src, i)]}:
+                found.append((e.src, i, e.dst))
+    return found
 
 
 @dataclass(frozen=True)
@@ -67,13 +139,20 @@ class Plan:
     run_id: str
     run_dir: str
     instances: tuple[Instance, ...]
+    nodes: Nodes | None = None
+
+    def url(self, src: str, replica: int, dst: str) -> str:
+        """The endpoint of producer replica ``src/replica`` towards ``dst``."""
+        remote = self.nodes.remote.get((src, replica, dst)) if self.nodes is not None else None
+        return remote.url if remote is not None else endpoint_url(self.run_dir, src, replica, dst)
 
     def describe(self) -> str:
         """The resolved plan, as ``--dry-run`` prints it."""
+        n = self.nodes
         lines = [
             f"pipeline {self.spec.name!r} from {self.spec.source}: {len(self.spec.stages)} stages, "
-            f"{len(self.instances)} processes, restart up to {self.spec.restart}, "
-            f"stop timeout {self.spec.stop_timeout:g} s",
+            f"{len(self.instances)} processes{f' on node {n.rank} of {n.nnodes}' if n else ''}, "
+            f"restart up to {self.spec.restart}, stop timeout {self.spec.stop_timeout:g} s",
             f"run directory {self.run_dir} (run id {self.run_id}; a new one per attempt)",
             "stages:",
         ]
@@ -96,7 +175,11 @@ class Plan:
                 f"timeout {e.timeout:g} s"
             )
             for i in range(src.replicas):
-                lines.append(f"    {e.src}/{i}: {endpoint_url(self.run_dir, e.src, i, e.dst)}")
+                remote = n.remote.get((e.src, i, e.dst)) if n is not None else None
+                how = ""
+                if remote is not None:
+                    how = " (between nodes: plain tcp, --insecure)" if n.insecure else " (between nodes: tcp with CURVE)"
+                lines.append(f"    {e.src}/{i}: {self.url(e.src, i, e.dst)}{how}")
         return "\n".join(lines)
 
 
@@ -113,20 +196,29 @@ def resolve_command(cmd: tuple[str, ...], python: str) -> tuple[str, ...]:
 
 def resolve(
     spec: PipelineSpec, *, run_id: str, run_dir: str, gpus: int, restart: int = 0,
-    python: str | None = None, omp_default: bool = True,
+    python: str | None = None, omp_default: bool = True, nodes: Nodes | None = None,
 ) -> Plan:
     """The processes of ``spec``. ``gpus``: CUDA devices visible to the launcher.
     ``restart``: which attempt this is (0 first). ``python``: the interpreter for
     ``python``/``python3`` commands (default ``sys.executable``). ``omp_default``: give
     stages whose ``env`` does not set it ``OMP_NUM_THREADS=1`` (pass False when the
-    launcher's environment sets it). SpecError for a device that cannot be had, or an
-    endpoint path over the OS limit."""
+    launcher's environment sets it). ``nodes``: this launcher's place in a run over
+    several nodes (None: one node); only its replicas are resolved. SpecError for a
+    device that cannot be had, a stage on a node that does not exist, or an endpoint
+    path over the OS limit."""
     python = sys.executable if python is None else python
-    devices = {
+    placement = place(spec, nodes.nnodes if nodes is not None else 1)
+    rank = nodes.rank if nodes is not None else 0
+    remote = nodes.remote if nodes is not None else {}
+    missing = [k for k in remote_producers(spec, placement) if k not in remote]
+    if missing:
+        raise ValueError(f"no remote endpoint for producer(s) {missing}")  # the caller's bug
+    devices = {  # this node's replicas: the GPUs counted are this node's
         (s.name, r): _device(spec, s, r, gpus) for s in spec.stages for r in range(s.replicas)
+        if placement[(s.name, r)] == rank
     }
     for e in spec.edges:  # both ends of an edge must use the same backend
-        kinds = {devices[(n, r)].split(":")[0] for n in (e.src, e.dst) for r in range(spec.stage(n).replicas)}
+        kinds = {d.split(":")[0] for (n, _), d in devices.items() if n in (e.src, e.dst)}
         if len(kinds) > 1:
             raise SpecError(
                 f"{spec.source}: edge {e.src} -> {e.dst}: its stages resolve to both cpu and cuda "
@@ -135,6 +227,8 @@ def resolve(
             )
     for e in spec.edges:
         for i in range(spec.stage(e.src).replicas):
+            if (e.src, i, e.dst) in remote:
+                continue
             path = endpoint_url(run_dir, e.src, i, e.dst)[len("ipc://"):]
             if len(path.encode()) > IPC_PATH_MAX:
                 raise SpecError(
@@ -145,7 +239,9 @@ def resolve(
     instances = []
     for s in spec.stages:
         for r in range(s.replicas):
-            wiring = _wiring(spec, s, r, devices[(s.name, r)], run_id, run_dir, restart)
+            if placement[(s.name, r)] != rank:
+                continue
+            wiring = _wiring(spec, s, r, devices[(s.name, r)], run_id, run_dir, restart, nodes)
             env = dict(s.env)
             if omp_default and OMP_THREADS not in env:
                 env[OMP_THREADS] = OMP_DEFAULT
@@ -163,7 +259,7 @@ def resolve(
                 stage=s.name, replica=r, replicas=s.replicas, device=devices[(s.name, r)],
                 cmd=resolve_command(s.cmd, python), env=env, cwd=s.cwd, wiring=wiring,
             ))
-    return Plan(spec=spec, run_id=run_id, run_dir=run_dir, instances=tuple(instances))
+    return Plan(spec=spec, run_id=run_id, run_dir=run_dir, instances=tuple(instances), nodes=nodes)
 
 
 def _device(spec: PipelineSpec, stage: StageSpec, replica: int, gpus: int) -> str:
@@ -188,20 +284,33 @@ def _device(spec: PipelineSpec, stage: StageSpec, replica: int, gpus: int) -> st
 
 
 def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run_id: str,
-            run_dir: str, restart: int) -> dict[str, Any]:
-    inputs = {}
+            run_dir: str, restart: int, nodes: Nodes | None) -> dict[str, Any]:
+    remote = nodes.remote if nodes is not None else {}
+    insecure = nodes is not None and nodes.insecure
+
+    def url(src: str, i: int, dst: str) -> str:
+        ep = remote.get((src, i, dst))
+        return ep.url if ep is not None else endpoint_url(run_dir, src, i, dst)
+
+    inputs: dict[str, Any] = {}
     for e in spec.inputs_of(stage.name):
         src = spec.stage(e.src)
         inputs[e.src] = {
-            "endpoints": [endpoint_url(run_dir, e.src, i, stage.name) for i in range(src.replicas)],
+            "endpoints": [url(e.src, i, stage.name) for i in range(src.replicas)],
             "sources": [f"{e.src}/{i}" for i in range(src.replicas)],
             "wait": e.wait,
             "timeout": e.timeout,
         }
-    outputs = {}
+        eps = [remote.get((e.src, i, stage.name)) for i in range(src.replicas)]
+        if any(ep is not None for ep in eps):
+            if insecure:
+                inputs[e.src]["insecure"] = True
+            else:
+                inputs[e.src]["curve_servers"] = [ep.public if ep is not None else None for ep in eps]
+    outputs: dict[str, Any] = {}
     for e in spec.outputs_of(stage.name):
         outputs[e.dst] = {
-            "endpoint": endpoint_url(run_dir, stage.name, replica, e.dst),
+            "endpoint": url(stage.name, replica, e.dst),
             "consumers": spec.stage(e.dst).replicas,
             "slots": e.slots,
             "slot_bytes": e.slot_bytes,
@@ -209,6 +318,12 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
             "timeout": e.timeout,
             "reply": e.reply,
         }
+        ep = remote.get((stage.name, replica, e.dst))
+        if ep is not None:
+            if insecure:
+                outputs[e.dst]["insecure"] = True
+            else:
+                outputs[e.dst]["curve"] = {"public": ep.public, "secret": ep.secret}
     return {
         "version": WIRING_VERSION,
         "pipeline": spec.name,

@@ -16,6 +16,8 @@ A spec::
     visible_devices = "0,1"     # optional CUDA_VISIBLE_DEVICES for this stage
     env = { LOG_LEVEL = "info" }
     cwd = "."                   # optional; relative to the spec file's directory
+    node = 0                    # with ipcsync-run --nnodes N: the node it runs on (default
+                                # 0), or nodes = [0, 1]: replica r runs on nodes[r % len]
 
     [stages.train]
     cmd = "python3 examples/train.py"
@@ -100,7 +102,8 @@ _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 
           "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
 
 _TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name"}
-_STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd"}
+_STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd", "node", "nodes"}
+MAX_NODES = 1024
 _EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply"}
 
 
@@ -119,6 +122,11 @@ class StageSpec:
     visible_devices: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     cwd: str | None = None
+    nodes: tuple[int, ...] = (0,)  # replica r runs on node nodes[r % len(nodes)]
+
+    def node_of(self, replica: int) -> int:
+        """The node (``ipcsync-run --node-rank``) that runs replica ``replica``."""
+        return self.nodes[replica % len(self.nodes)]
 
     def device_for(self, replica: int) -> str:
         """The device string of one replica (``{replica}`` substituted)."""
@@ -372,7 +380,32 @@ def _stage(where: _Where, name: Any, body: Any, base_dir: str | None) -> StageSp
         visible_devices=None if visible is None else str(visible),
         env=tuple(pairs),
         cwd=cwd,
+        nodes=_nodes(where, key, body, replicas),
     )
+
+
+def _nodes(where: _Where, key: str, body: Mapping[str, Any], replicas: int) -> tuple[int, ...]:
+    """The stage's ``node = N`` or ``nodes = [N, ...]`` (default node 0). Whether each
+    index is below ``--nnodes`` is checked when the launcher knows it (``plan.place``)."""
+    if "node" in body and "nodes" in body:
+        raise where.error(f"{key}.nodes", "give node = N or nodes = [N, ...], not both")
+    if "node" in body:
+        return (_int(where, f"{key}.node", body["node"], 0, MAX_NODES - 1),)
+    if "nodes" not in body:
+        return (0,)
+    raw = body["nodes"]
+    if not isinstance(raw, list) or not raw:
+        raise where.error(f"{key}.nodes", f"must be a non-empty list of node indices, e.g. [0, 1]; got {raw!r} "
+                          "(a stage must run on some node)")
+    nodes = tuple(_int(where, f"{key}.nodes[{i}]", n, 0, MAX_NODES - 1) for i, n in enumerate(raw))
+    if len(set(nodes)) != len(nodes):
+        raise where.error(f"{key}.nodes", f"{list(nodes)} names a node twice")
+    if replicas < len(nodes):
+        raise where.error(
+            f"{key}.nodes", f"{len(nodes)} nodes but replicas = {replicas}: replica r runs on nodes[r % "
+            f"{len(nodes)}], so node {nodes[replicas]} would run none; set replicas = {len(nodes)} or more"
+        )
+    return nodes
 
 
 def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:

@@ -24,6 +24,10 @@ run directory is removed only once no process of its run lives (``sweep_abandone
 kills what a SIGKILLed launcher left before removing its directory); the launcher's exit
 code is the root cause's (128 + signal for a killed process or an interrupted launcher,
 0 when all exited 0).
+Over several nodes (``group``, a ``nodes.NodeGroup``): the root cause is the group's (the
+first node to fail publishes it, every node stops its stages on it and prints it), an
+attempt succeeds once every node's stages exited 0, and a node or a store that is gone
+fails the group for good (no restart).
 ``restart = N`` in the spec starts the whole group again, up to N times, after a failure
 (not after an interrupt): a stage that died mid-record may have wedged its partners'
 GPU streams, so partners are restarted too, never reconnected.
@@ -72,6 +76,7 @@ class Outcome:
     code: int  # the launcher's exit code for it
     cause: str | None  # one line; None when every process exited 0
     interrupted: int | None = None  # the signal that stopped the launcher, if one did
+    final: bool = False  # no restart, whatever the policy (a node of the group is gone)
     stats: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -125,11 +130,13 @@ class Supervisor:
         summary: bool = True,
         contain: bool = False,
         observer: Any = None,
+        group: Any = None,
     ) -> None:
         """``contain``: this process does nothing but supervise (the launcher): it becomes
         a child subreaper, and at the end of every attempt kills every descendant it
         has, whichever group or session it moved to. ``observer``: a
-        ``monitor.Observer`` (``--monitor``, ``--stats-file``, ``--trace``) or None."""
+        ``monitor.Observer`` (``--monitor``, ``--stats-file``, ``--trace``) or None. ``group``:
+        a ``nodes.NodeGroup`` (``--nnodes``), whose ``rendezvous`` ``make_plan`` calls."""
         self._make_plan = make_plan
         self._base = runtime_base
         self._restart = restart
@@ -144,6 +151,8 @@ class Supervisor:
         self._procs: list[_Proc] = []
         self._observer = observer
         self._extra_env: dict[str, str] = {}  # the observer's, for this attempt's stages
+        self._group = group
+        self._consequence = False  # the last root cause found here is a PeerLostError's
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -169,13 +178,15 @@ class Supervisor:
                         for line in summarize(outcome.stats):
                             self._say(line)
                     return 0
-                if outcome.interrupted is None and attempt < self._restart:
+                if outcome.interrupted is None and not outcome.final and attempt < self._restart:
                     attempt += 1
                     self._say(f"restarting the whole group (restart {attempt} of {self._restart}) after: {outcome.cause}")
                     continue
                 self._say(f"failed: {outcome.cause}")
                 return outcome.code
         finally:
+            if self._group is not None:
+                self._group.finish()
             signal.set_wakeup_fd(old_wakeup)
             for s, h in old_handlers.items():
                 signal.signal(s, h)
@@ -199,6 +210,7 @@ class Supervisor:
         interrupted: int | None = None
         stats: list[dict[str, Any]] = []
         plan: Plan | None = None
+        final = False
         try:
             plan = self._make_plan(run_id, run_dir, attempt)
             if self._observer is not None:
@@ -224,7 +236,8 @@ class Supervisor:
                     f"(run {run_id}{f', restart {attempt}' if attempt else ''})"
                 )
             next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
-            while cause is None and interrupted is None and any(p.running for p in self._procs):
+            group = self._group
+            while cause is None and interrupted is None and (any(p.running for p in self._procs) or group is not None):
                 self._pump(sel, 0.1)
                 if self._observer is not None:
                     self._observer.tick(run_id, run_dir, [s.name for s in plan.spec.stages])
@@ -242,11 +255,22 @@ class Supervisor:
                     # stage ends on it without a KeyboardInterrupt traceback, and a
                     # closed output pipe is not the stages' business.
                     self._signal_all(signal.SIGTERM)
+                    if group is not None:
+                        group.fail(f"ipcsync-run was interrupted by {name}", code, restart=False)
                     break
                 for p in self._procs:
                     if p.running and _reap(p):
                         if p.returncode != 0 and cause is None:
                             cause, code = self._root_cause(p, sel)
+                            if group is not None:
+                                failure = group.fail(cause, code, consequence=self._consequence)
+                                cause, code, final = failure.cause, failure.code, not failure.restart
+                if group is not None and cause is None:
+                    news = group.poll(local_done=not any(p.running for p in self._procs))
+                    if news == "done":
+                        break
+                    if news is not None:
+                        cause, code, final = news.cause, news.code, not news.restart
             if cause is not None and interrupted is None:
                 self._say(f"root cause: {cause}; stopping the other stages")
         finally:
@@ -269,7 +293,7 @@ class Supervisor:
                                       {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
             _remove_run(run_dir, run_id)
             sel.close()
-        return Outcome(code, cause, interrupted, stats)
+        return Outcome(code, cause, interrupted, final, stats)
 
     def _root_cause(self, p: _Proc, sel: selectors.BaseSelector) -> tuple[str, int]:
         """The first failure of an attempt, as (one line, exit code). ``p`` exited non-zero
@@ -279,6 +303,7 @@ class Supervisor:
         _PEER_FAILURE_GRACE for one to report or exit non-zero."""
         first = _failure_report(p.inst)
         chosen, report = p, first
+        self._consequence = bool(first is not None and first.get("consequence"))
         if first is not None and first.get("consequence"):
             deadline = time.monotonic() + _PEER_FAILURE_GRACE
             found = None
@@ -298,6 +323,7 @@ class Supervisor:
                     self._pump(sel, 0.05)
             if found is not None:
                 chosen, report = found
+                self._consequence = False
                 end = time.monotonic() + _PEER_FAILURE_GRACE  # it is exiting: its code
                 while chosen.running and not _reap(chosen) and time.monotonic() < end:
                     self._pump(sel, 0.05)

@@ -1,0 +1,387 @@
+"""One pipeline over several nodes: the launchers' rendezvous and shared failure policy
+(``ipcsync-run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT``).
+
+As torchrun's c10d rendezvous: node 0's launcher serves a c10d ``TCPStore`` on the
+rendezvous endpoint, every other launcher is its client. Store values are JSON bytes
+written here (never pickle). Keys, per attempt ``n`` (a group restart is a new attempt):
+
+- ``a<n>/node/<r>``: node r's address, host identity, spec digest, and for each of its
+  producer replicas with consumers on another node (``plan.remote_producers``) the port it
+  binds and its CURVE public key (keys are made per attempt, here; the secret never
+  leaves node r: it goes into its own stage's wiring);
+- ``a<n>/failed``: the group's root cause, ``{"node", "cause", "code", "restart"}``,
+  written once (``compare_set``: the first failure wins) by the node where it happened;
+- ``a<n>/done/<r>``: node r's stages all exited 0; ``a<n>/exit/<r>``: node r is done with
+  the attempt (node 0 keeps the store up until every node said so, or the node timeout);
+- ``hb/<r>``: a counter node r's launcher increments every ``HEARTBEAT_S`` seconds.
+
+Invariants: every wait on the store is bounded (the store's own timeout for each call,
+``rdzv_timeout`` for the rendezvous, ``node_timeout`` for heartbeats and the final
+exit); a node whose heartbeat has not moved for ``node_timeout`` seconds, or a store that
+cannot be reached (node 0 gone), fails the group without restart; every node stops its
+stages on the group's failure and prints the same root cause.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import ConfigError
+from ..runtime.host import host_identity
+from .plan import Nodes, RemoteEndpoint, place, remote_producers
+from .spec import PipelineSpec
+
+__all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_TIMEOUT_ENV", "HEARTBEAT_S"]
+
+log = logging.getLogger(__name__)
+
+NODE_TIMEOUT_ENV = "IPCSYNC_NODE_TIMEOUT"
+DEFAULT_NODE_TIMEOUT = 30.0  # seconds of heartbeat silence before a node counts as gone
+HEARTBEAT_S = 1.0
+_POLL_S = 0.25  # the supervisor's group checks, at most this often
+_STORE_OP_S = 10.0  # one store call at most
+_MAX_VALUE = 1 << 20
+DONE = "done"
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    """The group's root cause, as every node prints it."""
+
+    cause: str
+    code: int
+    restart: bool  # whether the restart policy may start the group again
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ConfigError otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. node0.example:29400")
+    return host, int(port)
+
+
+def node_timeout() -> float:
+    raw = os.environ.get(NODE_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_NODE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"${NODE_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 < value < 1e6:
+        raise ConfigError(f"${NODE_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def spec_digest(spec: PipelineSpec) -> str:
+    """What every node's spec must agree on: stages, placement, edges, restart policy."""
+    topo = {
+        "stages": [[s.name, s.replicas, list(s.nodes)] for s in spec.stages],
+        "edges": [[e.src, e.dst, e.policy, e.slots, e.slot_bytes, e.reply] for e in spec.edges],
+        "restart": spec.restart,
+    }
+    return hashlib.sha256(json.dumps(topo, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address of this host's interface towards ``host`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ConfigError(f"--rdzv-endpoint {host}:{port}: cannot resolve {host!r} ({exc})") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+        except OSError:
+            return str(sockaddr[0])
+
+
+def _free_port(addr: str) -> int:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+class NodeGroup:
+    """This launcher's membership in a run over ``nnodes`` nodes."""
+
+    def __init__(self, spec: PipelineSpec, *, nnodes: int, rank: int, rdzv: str, insecure: bool = False,
+                 addr: str | None = None, rdzv_timeout: float = 300.0,
+                 say: Callable[[str], None] = lambda line: None) -> None:
+        if nnodes < 1:
+            raise ConfigError(f"--nnodes must be 1 or more, got {nnodes}")
+        if not 0 <= rank < nnodes:
+            raise ConfigError(f"--node-rank must be from 0 to {nnodes - 1} (--nnodes {nnodes}), got {rank}")
+        if not 0 < rdzv_timeout < 1e6:
+            raise ConfigError(f"--rdzv-timeout must be a positive number of seconds, got {rdzv_timeout}")
+        self.spec = spec
+        self.nnodes, self.rank, self.insecure = nnodes, rank, insecure
+        self.rdzv_host, self.rdzv_port = parse_endpoint(rdzv)
+        self.placement = place(spec, nnodes)  # SpecError before anything connects
+        self.addr = addr or (socket.gethostbyname(self.rdzv_host) if rank == 0
+                             else _local_address(self.rdzv_host, self.rdzv_port))
+        self.rdzv_timeout = rdzv_timeout
+        self.node_timeout = node_timeout()
+        self._say = say
+        self._store: Any = None
+        self._hb_store: Any = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.attempt = 0
+        self._next_poll = 0.0
+        self._hb_seen: dict[int, tuple[int, float]] = {}
+        self._done_said = False
+        self._gone = False  # a node was lost: nobody to wait for at the end
+
+    # ------------------------------------------------------------------ connection
+    def _connect(self) -> Any:
+        from torch.distributed import TCPStore  # noqa: PLC0415 (only with --nnodes > 1)
+
+        return TCPStore(self.rdzv_host, self.rdzv_port, None, False,
+                        timeout=datetime.timedelta(seconds=_STORE_OP_S))
+
+    def start(self) -> None:
+        """Serve (node 0) or join the store, and start heartbeating."""
+        # c10d logs every failed store call at warning level from C++; the launcher says
+        # what happened itself. Set for this process only: stages inherit os.environ.
+        had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        try:
+            from torch.distributed import TCPStore  # noqa: PLC0415
+        finally:
+            if had is None:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+        try:
+            if self.rank == 0:
+                self._store = TCPStore(self.rdzv_host, self.rdzv_port, None, True,
+                                       timeout=datetime.timedelta(seconds=_STORE_OP_S), wait_for_workers=False)
+            else:
+                self._store = TCPStore(self.rdzv_host, self.rdzv_port, None, False,
+                                       timeout=datetime.timedelta(seconds=self.rdzv_timeout))
+            self._hb_store = self._connect()
+        except (RuntimeError, OSError) as exc:
+            what = "serve the rendezvous store on" if self.rank == 0 else "reach node 0's rendezvous store at"
+            raise ConfigError(
+                f"node {self.rank}: cannot {what} {self.rdzv_host}:{self.rdzv_port} ({_first_line(exc)}); "
+                + ("is the port free?" if self.rank == 0 else "is node 0's ipcsync-run running, and the port open?")
+            ) from None
+        self._hb_thread = threading.Thread(target=self._heartbeat, name="ipcsync-node-heartbeat", daemon=True)
+        self._hb_thread.start()
+        self._say(f"node {self.rank} of {self.nnodes} (address {self.addr}), rendezvous at "
+                  f"{self.rdzv_host}:{self.rdzv_port}" + (" (serving it)" if self.rank == 0 else ""))
+        if self.insecure:
+            self._say("WARNING: --insecure: edges between nodes use plain tcp, with no authentication and no "
+                      "encryption; anyone who can reach their ports can read and inject items. Use it only "
+                      "on a network you trust")
+
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.wait(HEARTBEAT_S):
+            try:
+                self._hb_store.add(f"hb/{self.rank}", 1)
+            except Exception:  # the store is gone: poll() says so
+                return
+
+    def close(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=_STORE_OP_S)
+        self._hb_store = self._store = None  # node 0: the server stops with its last reference
+
+    # ------------------------------------------------------------------ store helpers
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self._store.set(key, json.dumps(value).encode())
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        raw = self._store.get(key)
+        if len(raw) > _MAX_VALUE:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def _failure(self) -> GroupFailure | None:
+        key = f"a{self.attempt}/failed"
+        if not self._store.check([key]):
+            return None
+        rec = self._get(key) or {}
+        return GroupFailure(str(rec.get("cause", "a node failed"))[:1000], int(rec.get("code", 1)),
+                            bool(rec.get("restart", False)))
+
+    # ------------------------------------------------------------------ rendezvous
+    def rendezvous(self, attempt: int) -> Nodes:
+        """Publish this node's part of attempt ``attempt``, wait (up to the rendezvous
+        timeout) for every node's, and return the wiring of this node."""
+        self.attempt = attempt
+        self._done_said = False
+        mine = {k for k in remote_producers(self.spec, self.placement) if self.placement[(k[0], k[1])] == self.rank}
+        secrets: dict[tuple[str, int, str], tuple[str, str]] = {}
+        producers = {}
+        for key in sorted(mine):
+            public = secret = ""
+            if not self.insecure:
+                import zmq  # noqa: PLC0415 (only with --nnodes > 1)
+
+                pub, sec = zmq.curve_keypair()
+                public, secret = pub.decode(), sec.decode()
+            secrets[key] = (public, secret)
+            producers[f"{key[0]}.{key[1]}.{key[2]}"] = {"port": _free_port(self.addr), "public": public}
+        info = {"addr": self.addr, "host": host_identity(), "digest": spec_digest(self.spec),
+                "insecure": self.insecure, "producers": producers}
+        prefix = f"a{attempt}"
+        try:
+            self._set(f"{prefix}/node/{self.rank}", info)
+            infos = self._wait_nodes(prefix)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(f"node {self.rank}: rendezvous at {self.rdzv_host}:{self.rdzv_port} failed: "
+                              f"{_first_line(exc)}") from None
+        for r, other in infos.items():
+            problem = None
+            if other.get("digest") != info["digest"]:
+                problem = f"node {r}'s pipeline spec differs from node {self.rank}'s (stages, nodes, edges or restart)"
+            elif other.get("insecure") != self.insecure:
+                problem = f"node {r} {'uses' if other.get('insecure') else 'does not use'} --insecure, node {self.rank} " \
+                          f"{'does' if self.insecure else 'does not'}: give it to every node or none"
+            if problem:
+                self._publish(GroupFailure(problem, 125, False))
+                raise ConfigError(problem + "; start every node's ipcsync-run with the same spec and options")
+        hosts = {}
+        for r, other in sorted(infos.items()):
+            hosts.setdefault(other.get("host"), []).append(r)
+        for same in hosts.values():
+            if len(same) > 1 and self.rank in same and attempt == 0:
+                self._say(f"nodes {', '.join(map(str, same))} are one host (same host identity): edges between "
+                          "them hand items over in shared memory")
+        remote = {}
+        for r, other in infos.items():
+            for name, ep in (other.get("producers") or {}).items():
+                src, i, dst = name.split(".")
+                key = (src, int(i), dst)
+                addr = str(other["addr"])
+                host = f"[{addr}]" if ":" in addr else addr
+                secret = secrets[key][1] if r == self.rank else ""
+                remote[key] = RemoteEndpoint(f"tcp://{host}:{int(ep['port'])}", str(ep.get("public", "")), secret)
+        now = time.monotonic()
+        self._hb_seen = {r: (-1, now) for r in range(self.nnodes) if r != self.rank}
+        return Nodes(nnodes=self.nnodes, rank=self.rank, remote=remote, insecure=self.insecure)
+
+    def _wait_nodes(self, prefix: str) -> dict[int, dict[str, Any]]:
+        keys = [f"{prefix}/node/{r}" for r in range(self.nnodes)]
+        deadline = time.monotonic() + self.rdzv_timeout
+        said = False
+        while not self._store.check(keys):
+            failure = self._failure()
+            if failure is not None:
+                raise ConfigError(f"the group failed during the rendezvous: {failure.cause}")
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                raise ConfigError(
+                    f"node {self.rank}: node(s) {', '.join(map(str, missing))} did not join the rendezvous at "
+                    f"{self.rdzv_host}:{self.rdzv_port} within {self.rdzv_timeout:g} s (--rdzv-timeout); start "
+                    f"ipcsync-run on every node with --nnodes {self.nnodes} and its own --node-rank"
+                )
+            if not said and time.monotonic() > deadline - self.rdzv_timeout + 2:
+                self._say(f"waiting for {self.nnodes} nodes to join the rendezvous")
+                said = True
+            time.sleep(0.1)
+        infos = {}
+        for r, k in enumerate(keys):
+            value = self._get(k)
+            if value is None or not isinstance(value.get("addr"), str):
+                raise ConfigError(f"node {r}'s rendezvous record is malformed; is it the same ipcsync version?")
+            infos[r] = value
+        return infos
+
+    # ------------------------------------------------------------------ while the stages run
+    def poll(self, local_done: bool) -> GroupFailure | str | None:
+        """The group's failure, ``DONE`` once every node's stages exited 0, or None (also
+        between checks: at most every _POLL_S seconds it asks the store)."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + _POLL_S
+        try:
+            failure = self._failure()
+            if failure is not None:
+                return failure
+            for r, (count, since) in list(self._hb_seen.items()):
+                value = int(self._store.add(f"hb/{r}", 0))
+                if value != count:
+                    self._hb_seen[r] = (value, now)
+                elif now - since > self.node_timeout:
+                    self._gone = True
+                    lost = GroupFailure(f"node {r}'s ipcsync-run is gone (no heartbeat for "
+                                        f"{now - since:.0f} s, ${NODE_TIMEOUT_ENV}={self.node_timeout:g})", 1, False)
+                    return self._publish(lost)
+            if local_done:
+                if not self._done_said:
+                    self._store.set(f"a{self.attempt}/done/{self.rank}", b"1")
+                    self._done_said = True
+                if self._store.check([f"a{self.attempt}/done/{r}" for r in range(self.nnodes)]):
+                    return DONE
+        except (RuntimeError, OSError) as exc:
+            return GroupFailure(f"lost the rendezvous store at {self.rdzv_host}:{self.rdzv_port} (node 0's "
+                                f"ipcsync-run is gone?): {_first_line(exc)}", 1, False)
+        return None
+
+    def _publish(self, failure: GroupFailure) -> GroupFailure:
+        """Make ``failure`` the group's root cause unless another one is; return the one
+        that is."""
+        rec = json.dumps({"node": self.rank, "cause": failure.cause, "code": failure.code,
+                          "restart": failure.restart}).encode()
+        try:
+            now = self._store.compare_set(f"a{self.attempt}/failed", b"", rec)
+            value = json.loads(now)
+            return GroupFailure(str(value["cause"]), int(value["code"]), bool(value["restart"]))
+        except Exception:  # the store is gone: our cause stands, here
+            return failure
+
+    def fail(self, cause: str, code: int, *, consequence: bool = False, restart: bool = True,
+             grace: float = 3.0) -> GroupFailure:
+        """This node's stages failed with ``cause``: the group's root cause (ours, or
+        another node's that came first). A failure that is only the consequence of a
+        peer's (a PeerLostError) waits up to ``grace`` seconds for another node's."""
+        if consequence:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                try:
+                    failure = self._failure()
+                except (RuntimeError, OSError):
+                    break
+                if failure is not None:
+                    return failure
+                time.sleep(0.05)
+        return self._publish(GroupFailure(f"node {self.rank}: {cause}", code, restart))
+
+    def finish(self) -> None:
+        """This node is done with the run. Node 0 serves the store until every node said
+        so too (at most the node timeout): a node still stopping may need it."""
+        try:
+            self._store.set(f"a{self.attempt}/exit/{self.rank}", b"1")
+            if self.rank == 0 and not self._gone:
+                keys = [f"a{self.attempt}/exit/{r}" for r in range(self.nnodes)]
+                deadline = time.monotonic() + self.node_timeout
+                while not self._store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        except (RuntimeError, OSError):
+            pass

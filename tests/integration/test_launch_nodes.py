@@ -1,0 +1,378 @@
+"""``ipcsync-run --nnodes 2`` on one machine: two launchers on localhost, each with its own
+``IPCSYNC_HOST_ID``, so they count as two hosts and every edge between them is a remote
+edge (tcp://127.0.0.1 with CURVE, data over gloo). Node 0's launcher serves the
+rendezvous store on a free port.
+
+Each launcher runs in its own session (process group); at teardown, pass or fail, every
+launcher group is SIGKILLed, then every stage pid the stage scripts recorded (under
+``$TEST_STAGE_DIR``), then every process carrying the test's token in its environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from specfile import toml_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = Path(__file__).resolve().parent / "stages"
+PY = sys.executable
+RUN_TIMEOUT = 120.0
+NODE_TIMEOUT = "4"  # seconds of heartbeat silence before a node counts as gone
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stage(script: str, *args: Any) -> list[str]:
+    return [PY, str(STAGES / script), *(str(a) for a in args)]
+
+
+class Node:
+    """One launcher process; stdout and stderr go to files."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: Path, err: Path) -> None:
+        self.proc, self.out_path, self.err_path = proc, out, err
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def err(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def dump(self) -> str:
+        return f"rc {self.proc.returncode}\n--- stderr:\n{self.err[-4000:]}\n--- stdout:\n{self.out[-3000:]}"
+
+    def wait(self, timeout: float = RUN_TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"ipcsync-run did not exit within {timeout:.0f} s\n{self.dump()}") from None
+
+    def result(self, label: str) -> dict[str, Any]:
+        prefix = f"[{label}] "
+        for line in reversed(self.out.splitlines()):
+            if line.startswith(prefix + "{"):
+                obj = json.loads(line[len(prefix):])
+                if obj.get("event") == "result":
+                    return obj  # type: ignore[no-any-return]
+        raise AssertionError(f"no result line from {label}\n{self.dump()}")
+
+
+class Cluster:
+    """Starts one launcher per node; kills all of it at teardown."""
+
+    def __init__(self, tmp: Path, runtime_dir: Path) -> None:
+        self.tmp = tmp
+        self.runtime_dir = runtime_dir
+        self.state = tmp / "stage-state"
+        self.state.mkdir()
+        self.token = uuid.uuid4().hex
+        self.port = free_port()
+        self.nodes: list[Node] = []
+
+    def spec(self, text: str) -> Path:
+        path = self.tmp / "pipeline.toml"
+        path.write_text(text)
+        return path
+
+    def start(self, spec: Path, rank: int, nnodes: int = 2, *extra: str, env: dict[str, str] | None = None) -> Node:
+        e = dict(os.environ)
+        for k in ("IPCSYNC_WIRING", "IPCSYNC_RUN_ID", "IPCSYNC_STAGE", "IPCSYNC_REPLICA", "IPCSYNC_DEVICE"):
+            e.pop(k, None)
+        e.update({
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TEST_STAGE_DIR": str(self.state),
+            "IPCSYNC_TEST_TOKEN": self.token, "IPCSYNC_RUNTIME_DIR": str(self.runtime_dir),
+            "IPCSYNC_HOST_ID": f"test-node-{rank}", "IPCSYNC_NODE_TIMEOUT": NODE_TIMEOUT,
+            "IPCSYNC_REMOTE_TIMEOUT": "30",
+            "PYTHONPATH": str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else ""),
+        })
+        e.update(env or {})
+        n = len(self.nodes)
+        out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
+        args = [str(spec), "--nnodes", str(nnodes), "--node-rank", str(rank),
+                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-timeout", "60", *extra]
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            proc = subprocess.Popen([PY, "-m", "ipcsync.launch", *args], stdin=subprocess.DEVNULL, stdout=fo,
+                                    stderr=fe, cwd=str(ROOT), env=e, start_new_session=True)
+        node = Node(proc, out, err)
+        self.nodes.append(node)
+        return node
+
+    def stage_pids(self) -> list[int]:
+        pids = []
+        for f in self.state.glob("pid-*"):
+            if f.name.endswith(".tmp"):
+                continue
+            try:
+                pids.append(int(json.loads(f.read_text())["pid"]))
+            except (OSError, ValueError, KeyError):
+                continue
+        return pids
+
+    def tokened(self) -> list[int]:
+        needle = f"IPCSYNC_TEST_TOKEN={self.token}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in self.stage_pids() + self.tokened():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for node in self.nodes:
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def leftovers(self, timeout: float = 15.0) -> list[int]:
+        """Processes of the test still alive after ``timeout`` (zombies do not count)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = [p for p in self.tokened() if _state(p) not in (None, "Z", "X")]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2:].split()[0].decode()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, runtime_dir: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, runtime_dir)
+    try:
+        yield c
+    finally:
+        c.kill_all()
+
+
+def two_stage(n: int = 40, size: int = 256, **sink: Any) -> str:
+    return toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", n, "--size", size), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src", "--size", size), "device": "cpu", "node": 1, **sink}},
+        [{"from": "src", "to": "sink", "slots": 4, "slot_bytes": "64KiB", "timeout": 60}],
+    )
+
+
+# ---------------------------------------------------------------------------- pipelines that succeed
+@pytest.mark.timeout(180)
+def test_producer_on_node_0_consumer_on_node_1(cluster: Cluster) -> None:
+    spec = cluster.spec(two_stage(n=40))
+    n1 = cluster.start(spec, 1)  # a node may start before node 0: it waits for the store
+    n0 = cluster.start(spec, 0)
+    assert n0.wait() == 0, n0.dump()
+    assert n1.wait() == 0, n1.dump()
+    got = n1.result("sink/0")
+    assert got["errors"] == [] and got["counts"] == {"src/0": 40} and got["contiguous"] == {"src/0": True}
+    assert "all stages finished" in n0.err and "all stages finished" in n1.err
+    assert "(serving it)" in n0.err
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_three_stages_with_a_same_node_edge_and_a_cross_node_edge(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "mid", "--n", 30, "--size", 128), "device": "cpu"},
+         "mid": {"cmd": stage("mid.py", "--from", "src", "--to", "sink"), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "mid", "--size", 128), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "mid", "slot_bytes": "64KiB", "timeout": 60},
+         {"from": "mid", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    assert n0.wait() == 0, n0.dump()
+    assert n1.wait() == 0, n1.dump()
+    got = n1.result("sink/0")
+    assert got["errors"] == [] and got["counts"] == {"src/0": 30}
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_insecure_run_says_so_loudly(cluster: Cluster) -> None:
+    spec = cluster.spec(two_stage(n=10))
+    n0, n1 = cluster.start(spec, 0, 2, "--insecure"), cluster.start(spec, 1, 2, "--insecure")
+    assert n0.wait() == 0, n0.dump()
+    assert n1.wait() == 0, n1.dump()
+    assert n1.result("sink/0")["counts"] == {"src/0": 10}
+    for node in (n0, n1):
+        assert "WARNING: --insecure" in node.err
+
+
+# ---------------------------------------------------------------------------- failures
+@pytest.mark.timeout(180)
+def test_a_stage_failing_on_node_1_stops_node_0_with_the_root_cause(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 100000, "--delay", 0.01), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src", "--crash-after", 5, "--crash-code", 3),
+                  "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    rc1 = n1.wait()
+    rc0 = n0.wait(60)
+    assert rc1 == 3, n1.dump()
+    assert rc0 == 3, n0.dump()  # the root cause's exit code, on every node
+    for node in (n0, n1):
+        assert "root cause: node 1: stage sink/0" in node.err, node.dump()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_restart_policy_restarts_the_group_on_every_node(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 20), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src", "--crash-after", 3, "--crash-code", 3,
+                               "--crash-restart", 0), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+        restart=1,
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    assert n1.wait() == 0, n1.dump()
+    assert n0.wait(60) == 0, n0.dump()
+    for node in (n0, n1):
+        assert "restarting the whole group (restart 1 of 1) after: node 1: stage sink/0" in node.err, node.dump()
+    got = n1.result("sink/0")
+    assert got["restart"] == 1 and got["counts"] == {"src/0": 20} and got["errors"] == []
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_a_node_whose_launcher_is_killed_stops_the_other(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 100000, "--delay", 0.01), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src"), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    deadline = time.monotonic() + 90
+    while not list(cluster.state.glob("recv-sink-*")):  # items flow between the nodes
+        assert time.monotonic() < deadline, n1.dump()
+        assert n0.proc.poll() is None and n1.proc.poll() is None, n0.dump() + n1.dump()
+        time.sleep(0.1)
+    os.killpg(n1.proc.pid, signal.SIGKILL)  # node 1's launcher (its stages get SIGTERM from the kernel)
+    rc0 = n0.wait(60)
+    assert rc0 != 0, n0.dump()
+    assert "root cause: node 1's ipcsync-run is gone (no heartbeat for" in n0.err, n0.dump()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_node_0_killed_the_others_stop(cluster: Cluster) -> None:
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("sleeper.py"), "device": "cpu"},
+         "sink": {"cmd": stage("sleeper.py"), "device": "cpu", "node": 1}},
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    deadline = time.monotonic() + 90
+    while "started 1 processes" not in n1.err:
+        assert time.monotonic() < deadline and n1.proc.poll() is None, n1.dump()
+        time.sleep(0.1)
+    os.killpg(n0.proc.pid, signal.SIGKILL)  # the store goes with it
+    rc1 = n1.wait(60)
+    assert rc1 != 0, n1.dump()
+    assert "root cause: lost the rendezvous store at 127.0.0.1" in n1.err, n1.dump()
+    assert cluster.leftovers() == []
+
+
+# ---------------------------------------------------------------------------- refused
+def run_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, IPCSYNC_RUNTIME_DIR=str(cluster.runtime_dir),
+               PYTHONPATH=str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    return subprocess.run([PY, "-m", "ipcsync.launch", *args], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=str(ROOT))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("body, nnodes, expected", [
+    ({"node": 2}, 2, "stages.sink.node: node 2, but there are 2 nodes"),
+    ({"node": 1}, 1, "stages.sink.node: node 1, but there is 1 node"),
+    ({"nodes": []}, 2, "stages.sink.nodes: must be a non-empty list"),
+    ({"nodes": [0, 1]}, 2, "node 1 would run none"),
+    ({"node": 0}, 2, "node 1 runs no stage"),
+    ({"node": 1, "nodes": [1]}, 2, "not both"),
+])
+def test_bad_node_specs_are_refused(cluster: Cluster, body: dict[str, Any], nnodes: int, expected: str) -> None:
+    text = toml_spec(
+        {"src": {"cmd": stage("src.py"), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py"), "device": "cpu", **body}},
+        [{"from": "src", "to": "sink"}],
+    )
+    spec = cluster.spec(text)
+    args = [str(spec), "--dry-run"] + (["--nnodes", str(nnodes)] if nnodes > 1 else [])
+    out = run_cli(cluster, *args)
+    assert out.returncode == 125, out.stderr
+    assert expected in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bad_node_options_are_refused(cluster: Cluster) -> None:
+    spec = str(cluster.spec(two_stage()))
+    for args, expected in (
+        (["--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "needs --node-rank"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], "--node-rank must be from 0 to 1"),
+        (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "nohostport"], "expected HOST:PORT"),
+        (["--insecure"], "only go with --nnodes"),
+    ):
+        out = run_cli(cluster, spec, *args)
+        assert out.returncode == 125 and expected in out.stderr, (args, out.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_shows_the_plan_of_every_node(cluster: Cluster) -> None:
+    out = run_cli(cluster, str(cluster.spec(two_stage())), "--nnodes", "2", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "node 0:" in out.stdout and "node 1:" in out.stdout
+    assert "src/0: tcp://<node 0>:<port> (between nodes: tcp with CURVE)" in out.stdout
+    # this node's part only with --node-rank
+    out = run_cli(cluster, str(cluster.spec(two_stage())), "--nnodes", "2", "--node-rank", "1", "--dry-run")
+    assert out.returncode == 0 and "node 1:" in out.stdout and "node 0:" not in out.stdout
+
+
+# ---------------------------------------------------------------------------- the example
+@pytest.mark.timeout(180)
+def test_dataloader_example_over_two_nodes(cluster: Cluster) -> None:
+    spec = ROOT / "examples" / "dataloader" / "pipeline-2nodes.toml"
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    rc0, rc1 = n0.wait(), n1.wait()
+    assert (rc0, rc1) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
+    assert any(line.startswith("[train/0] train: done, 64 batches") for line in n1.out.splitlines()), n1.dump()
+    assert "[loader/" in n0.out and "[train/" not in n0.out
+    assert cluster.leftovers() == []
