@@ -48,7 +48,7 @@ from .channel import Endpoint
 __all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
            "open_consumer_edge", "transport_for", "OP_TIMEOUT_ENV", "op_timeout"]
 
-log = logging.getLogger("ipcsync")
+log = logging.getLogger(__name__)
 
 OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
 DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
