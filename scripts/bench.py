@@ -28,6 +28,12 @@ latency   Request/reply round trips, one request in flight (4K and 1M of the --s
           queues and a raw pyzmq+msgpack round trip; and the CPU cost of an idle endpoint.
           See scripts/bench_latency.py.
 
+remote    Handoffs/s and GB/s over a remote edge (two processes counted as different hosts
+          with IPCSYNC_HOST_ID) at 1M, 64M, 256M (--quick: 64K, 1M, 16M) against a raw
+          torch.distributed send/recv loop of the same tensors between the same two
+          processes: gloo on the CPU, NCCL with --device cuda (two GPUs; on one, skipped).
+          See scripts/bench_remote.py.
+
 train     The training loop of examples/dataloader (its SyntheticImages dataset: images
           generated from the index and augmented on the CPU in the loader processes, random
           crop + flip, nothing downloaded; its conv net, or --train-model resnet18 for a
@@ -1111,6 +1117,17 @@ def latency_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
                              list(groups.values()), group_axis="message")]
 
 
+def remote_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The remote suite (scripts/bench_remote.py): GB/s per method, grouped by size."""
+    if not res:
+        return []
+    groups: dict[str, benchchart.Group] = {}
+    for size, method, _rate, gbs, _ratio in res["rows"]:
+        groups.setdefault(size, benchchart.Group(size)).bars.append(benchchart.Bar(method, gbs))
+    return [benchchart.Panel("remote edge vs raw torch.distributed send/recv", "GB/s", True,
+                             list(groups.values()), group_axis="message size")]
+
+
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1136,7 +1153,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "train", "infer")
+SUITES = ("handoff", "latency", "remote", "train", "infer")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1173,7 +1190,7 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, latency, train, infer, or all (default: handoff)")
+                    help="comma-separated: handoff, latency, remote, train, infer, or all (default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: fewer handoff messages, tiny train/infer sizes")
@@ -1243,6 +1260,7 @@ def main(argv: list[str] | None = None) -> int:
     infer_cfg = infer_config(args) if "infer" in args.suites else None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
+    remote_res: dict[str, Any] | None = None
     train_res: dict[str, dict[str, Any]] = {}
     infer_res: dict[str, dict[str, Any]] = {}
     try:
@@ -1258,6 +1276,17 @@ def main(argv: list[str] | None = None) -> int:
             except bl.LatencyError as exc:
                 raise BenchError(str(exc)) from None
             bl.print_latency(latency_res, lambda: _header("latency", device, command))
+        if "remote" in args.suites:
+            import bench_remote as br
+
+            try:
+                remote_res = br.run_remote(device, args.quick, args.slots, _progress)
+            except br.RemoteBenchError as exc:
+                if "skipped" not in str(exc):
+                    raise BenchError(str(exc)) from None
+                _progress(str(exc))
+            else:
+                br.print_remote(remote_res, lambda: _header("remote", device, command))
         if train_cfg is not None:
             for method in (*IPCSYNC_TRAIN, "dataloader"):
                 _progress(f"train {method}: {train_cfg['batches']} batches of {train_cfg['batch']} "
@@ -1273,6 +1302,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
                                                    *latency_panels(latency_res),
+                                                   *remote_panels(remote_res),
                                                    *train_panels(train_res, train_cfg, device),
                                                    *infer_panels(infer_res, infer_cfg)])
     except BenchError as exc:

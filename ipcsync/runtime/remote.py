@@ -127,8 +127,9 @@ def _abort(pg: Any) -> None:
 class _Completer:
     """Waits, in a thread of its own, for an edge's gloo works in the order they were
     posted, and marks each event done (gloo's ``Work.is_completed`` turns True only once
-    someone waited). A failed wait breaks the edge. After the edge is aborted its thread
-    ends at the latest when the pending wait times out (``op_timeout``); it is a daemon."""
+    someone waited). A failed (or aborted) wait breaks the edge, and still settles its
+    event: the works after it are waited for too, since an aborted gloo send goes on
+    reading its buffer until its connection ends. A daemon thread."""
 
     def __init__(self, edge: Any, name: str) -> None:
         self.edge = edge
@@ -151,11 +152,15 @@ class _Completer:
                 return
             ev, work, n = got
             try:
-                work.wait()
+                ok = work.wait()
             except Exception as exc:  # noqa: BLE001 (a failed transfer is a lost edge)
-                if self.edge.broken is None:
-                    self.edge.broken = f"transfer failed: {exc}"
-                return
+                ok, why = False, f"transfer failed: {exc}"
+            else:
+                why = "transfer aborted"  # gloo's wait says so by returning False, not raising
+            if ok is False and self.edge.broken is None:
+                self.edge.broken = why
+            # Settled, failed or not: gloo no longer touches the buffer. The works after a
+            # failed one are still waited for (each ends with its connection).
             ev.completed = n
 
 
@@ -201,8 +206,8 @@ class SendEvent(Event):
         w = self.work
         if w is None:
             return True
-        if self.edge.broken is not None:
-            return True  # abandoned with its group: nothing reads the slot any more
+        # A lost edge's send is not done either until it settled: gloo's abort does not
+        # stop it reading the slot (``Handoffs.lingering`` keeps the slot until then).
         if self.cuda_event is not None:
             return bool(self.cuda_event.query())
         return self.completed == self.posted

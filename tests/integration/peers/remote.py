@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
+
+import torch
 
 import ipcsync
 
@@ -85,4 +88,121 @@ def consume(a: dict[str, Any]) -> None:
     say(event="done", end=end, got=got, errors=errors)
 
 
-__all__ = ["produce", "consume", "expected"]
+# ------------------------------------------------------------- conformance roles
+# (tests/integration/test_remote_conformance.py): a richer message, any device, shard /
+# broadcast / FanIn / local-and-remote mixes, faults.
+
+
+def rich(i: int, device: str = "cpu") -> Any:
+    """Message ``i``: many dtypes and shapes (0-d, empty, non-contiguous), nested dict,
+    list and tuple; every 4th message has only empty tensors (nothing to transfer), every
+    3rd another layout."""
+    if i % 4 == 3:
+        return {"empty": torch.empty(0, device=device), "e2": torch.zeros(3, 0, dtype=torch.int16, device=device)}
+    msg: dict[str, Any] = {
+        "f32": torch.arange(10, device=device, dtype=torch.float32) + i,
+        "nested": [torch.full((2, 3), i, dtype=torch.int16, device=device).t(),
+                   (torch.tensor(i, device=device), {"deep": torch.tensor([i % 2 == 0] * 5, device=device)})],
+        "f64": torch.arange(24, dtype=torch.float64, device=device).reshape(4, 6)[:, ::3] * i,
+        "bf16": torch.full((7,), i / 8, dtype=torch.bfloat16, device=device),
+        "u8": torch.arange(i % 251, dtype=torch.uint8, device=device),
+        "none_len": torch.empty(0, 4, device=device),
+    }
+    if i % 3 == 0:
+        msg["big"] = torch.arange(4096 + i, dtype=torch.int32, device=device)
+    return msg
+
+
+def _leaves(x: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(x, dict):
+        return [p for k in sorted(x) for p in _leaves(x[k], f"{path}/{k}")]
+    if isinstance(x, (list, tuple)):
+        return [(f"{path}:{type(x).__name__}", None)] + [p for k, v in enumerate(x) for p in _leaves(v, f"{path}[{k}]")]
+    return [(path, x)]
+
+
+def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = None) -> str | None:
+    """None if ``item`` holds ``rich(i)`` with its meta, else what differs."""
+    want_meta = {"i": i, "tag": f"item-{i}", **({"source": source} if source else {})}
+    if item.meta != want_meta:
+        return f"meta {item.meta!r} != {want_meta!r}"
+    got, exp = _leaves(item.tensors), _leaves(rich(i, device))
+    if [k for k, _ in got] != [k for k, _ in exp]:
+        return f"item {i}: structure {[k for k, _ in got]} != {[k for k, _ in exp]}"
+    for (k, g), (_, e) in zip(got, exp):
+        if e is None:
+            continue
+        if (g.dtype != e.dtype or g.shape != e.shape or g.stride() != e.stride() or g.device.type != e.device.type
+                or not torch.equal(g, e)):
+            return (f"item {i}{k}: {g.dtype}{tuple(g.shape)}{g.stride()} on {g.device} {g.flatten()[:4].tolist()} "
+                    f"!= {e.dtype}{tuple(e.shape)}{e.stride()} {e.flatten()[:4].tolist()}")
+    return None
+
+
+def conf_produce(a: dict[str, Any]) -> None:
+    """Send ``rich(i)`` for i < ``n`` (meta names ``source`` when given), ``pace`` seconds
+    apart; a send that times out ends with ``timeout``. Closes cleanly at the end
+    (``close_timeout``) and reports the stats."""
+    device = a.get("device", "cpu")
+    src = a.get("source")
+    with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 1 << 16),
+                          policy=a.get("policy", "shard"), heartbeat=a.get("heartbeat", 0.5),
+                          timeout=a.get("timeout", 30.0), device=device, **_keys(a, "producer")) as out:
+        say(event="bound", pid=os.getpid())
+        out.wait_for_consumers(a.get("wait_consumers", 1), timeout=60)
+        for i in range(a["n"]):
+            try:
+                out.send(rich(i, device), meta={"i": i, "tag": f"item-{i}", **({"source": src} if src else {})})
+            except ipcsync.IpcTimeoutError:
+                say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()))
+                out.abort()
+                say(event="done", sent=i)
+                return
+            say(event="sent", n=i + 1)
+            if a.get("pace"):
+                time.sleep(a["pace"])
+        say(event="closing", consumers=out.consumers)
+        out.close(a.get("close_timeout"))
+        stats = out.stats()
+    say(event="done", sent=a["n"], stats=plain(stats))
+
+
+def conf_consume(a: dict[str, Any]) -> None:
+    """Receive ``rich`` items from ``endpoint`` (or a FanIn over ``endpoints``) and check
+    each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close) after that
+    many."""
+    device = a.get("device", "cpu")
+    got: list[Any] = []
+    errors: list[str] = []
+    opts = dict(heartbeat=a.get("heartbeat", 0.5), timeout=a.get("timeout", 30.0),
+                connect_timeout=a.get("connect_timeout", 30.0), device=device, **_keys(a, "consumer"))
+    if a.get("endpoints"):
+        inp: Any = ipcsync.FanIn(a["endpoints"], **opts)
+    else:
+        inp = ipcsync.Consumer(a["endpoint"], **opts)
+    say(event="connected", pid=os.getpid())
+    end = "stop"
+    message = ""
+    try:
+        for item in inp:
+            i = item.meta["i"]
+            src = item.meta.get("source")
+            problem = rich_check(item, i, device, src)
+            if problem:
+                errors.append(problem)
+            got.append([src, i] if src else i)
+            say(event="got", i=i, n=len(got))
+            if a.get("slow"):
+                time.sleep(a["slow"])
+            if a.get("exit_after") == len(got):
+                os._exit(0)
+    except ipcsync.PeerLostError as exc:
+        end, message = "lost", f"{type(exc).__name__}: {exc}"
+    except ipcsync.IpcSyncError as exc:
+        end, message = type(exc).__name__, str(exc)
+    finally:
+        inp.close()
+    say(event="done", end=end, message=message, got=got, errors=errors)
+
+
+__all__ = ["produce", "consume", "expected", "rich", "rich_check", "conf_produce", "conf_consume"]

@@ -1,0 +1,216 @@
+"""The ``remote`` suite of scripts/bench.py: handoffs/s and GB/s over a remote edge, against a
+raw torch.distributed send/recv loop of the same tensors between the same two processes.
+
+Two processes on one host count as different hosts (``IPCSYNC_HOST_ID`` differs), so the
+edge between them is a remote edge (docs/remote.md): control over ZeroMQ on
+tcp://127.0.0.1 (insecure: nothing leaves the host), data over gloo (CPU) or NCCL
+(``--device cuda``: one GPU per process, so two GPUs; NCCL kept off its intra-host paths
+with ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, as between hosts). For each size, in one
+run and in the same two processes:
+
+- raw: a two-rank process group of the same transport (its own store), the sender posts
+  up to ``slots`` sends of one preallocated tensor ahead, the receiver receives each
+  into one preallocated tensor;
+- ipcsync: a Producer ``send()``s the same tensor as ``{"x": t}``, the Consumer iterates
+  and releases each item (its receive ring: ``slots`` slots).
+
+Timed at the receiver from its first item to its last (the first ``warm`` not counted):
+handoffs/s and GB/s of payload. Small messages pay per item what the raw loop does not: a
+READY frame over ZeroMQ (msgpack: layout, meta, seq), the recv posted only when that frame
+has arrived (so a control round trip sits between items whose ring is not full), a
+completion thread's hand-off, and a RELEASE frame back; at large sizes those costs hide
+behind the transfer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+REMOTE_SIZES = ("1M", "64M", "256M")
+QUICK_SIZES = ("64K", "1M", "16M")
+SIZE_BYTES = {"64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
+COUNT = {"64K": 2000, "1M": 600, "16M": 60, "64M": 30, "256M": 10}
+
+
+class RemoteBenchError(Exception):
+    """A side of the bench failed, or the device cannot run it (the text says which)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group(transport: str, port: int, rank: int, device: torch.device) -> Any:
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=td)
+    if transport == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = td
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = td
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _raw(role: str, transport: str, port: int, device: torch.device, nbytes: int, n: int, warm: int,
+         slots: int) -> float | None:
+    pg = _group(transport, port, 0 if role == "send" else 1, device)
+    t = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    try:
+        if role == "send":
+            pending: list[Any] = []
+            for _ in range(n):
+                if len(pending) >= slots:
+                    pending.pop(0).wait()
+                pending.append(pg.send([t], 1, 0))
+            for w in pending:
+                w.wait()
+            _sync(device)
+            return None
+        start = 0.0
+        for i in range(n):
+            if i == warm:
+                _sync(device)
+                start = time.perf_counter()
+            pg.recv([t], 0, 0).wait()
+        _sync(device)
+        return time.perf_counter() - start
+    finally:
+        del pg
+
+
+def _ipcsync(role: str, port: int, device: torch.device, nbytes: int, n: int, warm: int, slots: int) -> float | None:
+    import ipcsync
+
+    url = f"tcp://127.0.0.1:{port}"
+    if role == "send":
+        t = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        with ipcsync.Producer(url, slots=slots, slot_bytes=nbytes + 4096, device=str(device), insecure=True,
+                              timeout=300.0) as out:
+            out.wait_for_consumers(1, timeout=120)
+            for _ in range(n):
+                out.send({"x": t})
+        return None
+    inp = ipcsync.Consumer(url, device=str(device), insecure=True, timeout=300.0, connect_timeout=120.0)
+    start = 0.0
+    try:
+        for i, item in enumerate(inp):
+            if i == warm:
+                _sync(device)
+                start = time.perf_counter()
+            item.release()
+        _sync(device)
+        return time.perf_counter() - start
+    finally:
+        inp.close()
+
+
+def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, Any]], slots: int) -> None:
+    os.environ["IPCSYNC_HOST_ID"] = host  # before ipcsync reads it: this process is "another host"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        transport = "nccl" if dev.type == "cuda" else "gloo"
+        out = []
+        for p in plan:
+            raw = _raw(role, transport, p["raw_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
+            ipc = _ipcsync(role, p["ipc_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
+            out.append({"raw": raw, "ipcsync": ipc})
+        results.put(("ok", role, out))
+    except BaseException:
+        results.put(("error", role, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], None],
+               timeout: float = 900.0) -> dict[str, Any]:
+    """Rows ``(size, method, handoffs_per_s, gb_per_s, x_raw)``, a raw row then an ipcsync
+    row per size. RemoteBenchError when it cannot run (CUDA with fewer than two GPUs)."""
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < 2:
+            raise RemoteBenchError("--suite remote on CUDA needs two GPUs (NCCL runs one rank per GPU); "
+                                   f"this machine has {torch.cuda.device_count()}: skipped")
+        devices = ("cuda:0", "cuda:1")
+        os.environ.setdefault("NCCL_P2P_DISABLE", "1")  # over sockets, as between hosts
+        os.environ.setdefault("NCCL_SHM_DISABLE", "1")
+    else:
+        devices = ("cpu", "cpu")
+    sizes = QUICK_SIZES if quick else REMOTE_SIZES
+    plan = []
+    for name in sizes:
+        n = max(COUNT[name] // (4 if quick else 1), 6)
+        plan.append({"name": name, "nbytes": SIZE_BYTES[name], "n": n, "warm": max(1, n // 10),
+                     "raw_port": _free_port(), "ipc_port": _free_port()})
+    progress("remote: " + ", ".join(f"{p['name']} x {p['n']}" for p in plan) + " per method (raw, then ipcsync)")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_side, args=(results, "send", "bench-host-a", devices[0], plan, slots)),
+             ctx.Process(target=_side, args=(results, "recv", "bench-host-b", devices[1], plan, slots))]
+    for p in procs:
+        p.start()
+    got: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(got) < 2:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteBenchError(f"the remote suite did not finish within {timeout:.0f} s")
+            try:
+                status, role, value = results.get(timeout=min(left, 1.0))
+            except Exception:  # noqa: BLE001 (queue.Empty: look at the processes)
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    raise RemoteBenchError(f"a bench process exited {dead[0].exitcode}") from None
+                continue
+            if status == "error":
+                raise RemoteBenchError(f"the {role} side failed:\n{value}")
+            got[role] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    rows = []
+    for p, r in zip(plan, got["recv"]):
+        timed = p["n"] - p["warm"]
+        rates = {m: timed / r[m] for m in ("raw", "ipcsync")}
+        for m, label in (("raw", f"raw torch.distributed ({'nccl' if devices[0] != 'cpu' else 'gloo'})"),
+                         ("ipcsync", "ipcsync remote edge")):
+            rows.append((p["name"], label, rates[m], rates[m] * p["nbytes"] / 1e9, rates[m] / rates["raw"]))
+    return {"rows": rows, "slots": slots}
+
+
+def print_remote(res: dict[str, Any], header: Callable[[], None]) -> None:
+    header()
+    print(f"remote edge, two processes with different IPCSYNC_HOST_ID, slots={res['slots']}: handoffs/s and "
+          "GB/s at the receiver, first to last item")
+    head = ("size", "method", "handoffs/s", "GB/s", "x raw")
+    widths = (5, 30, 12, 8, 7)
+
+    def row(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(row(head))
+    for size, method, rate, gbs, ratio in res["rows"]:
+        print(row((size, method, f"{rate:,.1f}", f"{gbs:.2f}", f"{ratio:.2f}x")))
