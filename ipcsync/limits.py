@@ -39,10 +39,11 @@ IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 WAIT_MODES = ("gpu", "host")  # how a consumer waits on a producer's events
 POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers
 # How long a blocking call polls its sockets before it sleeps in select (microseconds).
-# A peer that answers within this window is seen without a sleep and a wake-up: on an H100
-# host, 200 us took a 4 KiB CUDA request/reply round trip from ~350 to ~285 us (p50; the
-# CPU backend's did not change). An idle endpoint spins once per wait, not per tick.
-# IPCSYNC_SPIN_US overrides it (0: never spin).
-DEFAULT_SPIN_US = 200
+# A peer that answers within this window is seen without a sleep and a wake-up. Off by
+# default: on an H100 host, 200 us against 0 in two sets of three interleaved 4 KiB CUDA
+# request/reply runs gave p50 285 vs 353 us in one set and 430 vs 478 us in the other,
+# inside that host's run-to-run noise (30-50%), and a spin burns CPU on every wait.
+# IPCSYNC_SPIN_US turns it on (an idle endpoint spins once per wait, not per tick).
+DEFAULT_SPIN_US = 0
 MAX_SPIN_US = 10_000
 
