@@ -158,7 +158,8 @@ def test_size_options_real_quick_and_explicit() -> None:
     inf = bench.infer_config(bench.parse_args(["--suite", "all", "--device", "cpu"]))
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
-    assert bench.parse_args(["--suite", "all"]).suites == ("handoff", "train", "infer")
+    assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer"}
     with pytest.raises(SystemExit):
         bench.parse_args(["--suite", "train,bogus"])
     with pytest.raises(SystemExit):
@@ -249,3 +250,45 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     assert rc == 0, dump
     assert re.search(rf"^4K\s+ipcsync slot\s+{NUM}\s", out, re.M), dump
     assert re.search(rf"^4K\s+torch\.multiprocessing\.Queue\s+{NUM}\s", out, re.M), dump
+
+
+@pytest.mark.timeout(300)  # 2 request/reply pairs of 550 round trips, a raw zmq pair, 5 s of idle
+def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_cost() -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(BENCH), "--suite", "latency", "--quick", "--sizes", "4K"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env, cwd=str(ROOT), start_new_session=True)
+    try:
+        out_b, err_b = proc.communicate(timeout=240)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.wait(10)
+    out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
+    dump = f"rc {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    assert proc.returncode == 0, dump
+    assert re.search(r"^ipcsync bench: latency: device=cpu ", out, re.M), dump
+    m = re.search(rf"^-\s+raw pyzmq\+msgpack\s+-\s+{NUM}\s+{NUM}\s+1\.00x\s+-$", out, re.M)
+    assert m and 0 < num(m.group(1)) <= num(m.group(2)), dump
+    for method in ("ipcsync", "torch.multiprocessing queues"):
+        for read in ("no", "yes"):
+            m = re.search(rf"^4K\s+{re.escape(method)}\s+{read}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$", out, re.M)
+            assert m, f"no row for {method}, host read {read}\n{dump}"
+            p50, p99, x_raw, x_mpq = (num(g) for g in m.groups())
+            assert 0 < p50 <= p99 and x_raw > 0 and x_mpq > 0, dump
+    m = re.search(rf"idle cost .*: producer process {NUM}% of a core, consumer process {NUM}% of a core", out)
+    assert m and all(0 <= num(g) < 100 for g in m.groups()), dump
+
+
+def test_latency_panel_groups_rows_by_message_and_read() -> None:
+    res = {"rows": [("-", "raw pyzmq+msgpack", False, 60.0, 70.0),
+                    ("4K", "ipcsync", False, 300.0, 500.0), ("4K", "ipcsync", True, 500.0, 900.0),
+                    ("4K", "torch.multiprocessing queues", False, 1000.0, 1500.0)],
+           "idle": {"producer": 0.004, "consumer": 0.005}}
+    (panel,) = bench.latency_panels(res)
+    assert [g.title for g in panel.groups] == ["no tensor", "4K", "4K, host read"]
+    assert [[b.label for b in g.bars] for g in panel.groups][1] == ["ipcsync", "torch.multiprocessing queues"]
+    assert not panel.higher_is_better and bench.latency_panels(None) == []
