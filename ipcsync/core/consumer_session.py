@@ -59,6 +59,10 @@ REFUSALS: dict[str, type[IpcSyncError]] = {
     ErrorCode.CREDITS.value: ConfigError,
     ErrorCode.DEVICE.value: ConfigError,
     ErrorCode.CLOSING.value: PeerLostError,
+    # A remote edge's producer dropped us for silence (we were paused): what it had sent us
+    # and we had not received is gone, and any recv still running may read a slot it has
+    # written again since. The buffered items are never served.
+    ErrorCode.DROPPED.value: PeerLostError,
 }
 
 # A buffered item: (seq, slot, gen, sent_ns, meta, recipe). The runtime may put another

@@ -136,6 +136,7 @@ class ErrorCode(str, Enum):
     IDENTITY = "identity"  # the connection's process is not the one the message names
     UID = "uid"  # another user
     SETUP = "setup"  # an inconsistent SETUP
+    DROPPED = "dropped"  # a remote consumer silent past the loss rule was dropped (remote_session)
 
 
 class State(str, Enum):

@@ -14,7 +14,9 @@ from typing import Any, Callable, Iterable
 import zmq
 
 from ..backends import Event
+from ..core import protocol as P
 from ..core.liveness import HANDSHAKE_S, Verdict
+from ..core.protocol import ErrorCode
 from ..core.producer_session import ProducerSession, error_frame
 from ..core.ratelog import RateLog
 from ..core.ring import Ring
@@ -185,6 +187,12 @@ class PeerTable:
             self.lost_total += 1
             self.ratelog.warning("lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
                                  self.name, peer.label, why, held)
+            if peer.remote is not None:
+                # A remote consumer may be alive (paused): tell it, ahead of anything it
+                # would read next, so it serves none of the items it still has buffered.
+                self.send_raw(peer.identity, P.encode(P.Error(
+                    ErrorCode.DROPPED.value, f"this consumer was dropped ({why}); the items the producer "
+                    "had sent it and it had not yet received are lost")))
         self.drop(peer)
 
     def on_disconnect(self, peer: Peer, why: str) -> None:

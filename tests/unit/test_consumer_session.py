@@ -160,6 +160,7 @@ def test_reconnect_during_the_handshake_says_hello_again() -> None:
 
 @pytest.mark.parametrize("code,exc", [("backend", ConfigError), ("host", ConfigError), ("credits", ConfigError),
                                       ("device", ConfigError), ("closing", PeerLostError),
+                                      ("dropped", PeerLostError),
                                       ("uid", ProtocolError), ("protocol", ProtocolError)])
 def test_error_codes_map_to_exceptions(code: str, exc: type) -> None:
     s = ConsumerSession("ep", "cpu", 1.0)
@@ -253,3 +254,14 @@ def test_release_batch_is_at_least_two_and_at_most_half_the_ring() -> None:
     assert [release_batch_for(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 2, 4, 16]
     for n in range(1, 200):
         assert 1 <= release_batch_for(n) <= max(1, n // 2)
+
+
+def test_dropped_by_a_remote_producer_is_peer_lost_with_items_still_buffered() -> None:
+    # A remote producer drops a consumer that was silent (paused) past the loss rule and
+    # says so: the READYs it had sent before arrive first, then the ERROR; the session is
+    # broken and what it had buffered is dropped, never served.
+    s = active()
+    assert s.receive(ready(0)) is None and s.receive(ready(1, slot=1, layout=None)) is None
+    s.receive(frame(P.Error("dropped", "this consumer was dropped (silent for 1.6 s)")))
+    assert type(s.error) is PeerLostError and "(dropped)" in str(s.error)
+    assert not s.ready
