@@ -145,6 +145,15 @@ class _Completer:
     def stop(self) -> None:
         self.q.put(None)
 
+    def join(self, timeout: float = 5.0) -> None:
+        """After ``stop()`` and the group's shutdown or abort (which ends a pending wait):
+        let the thread finish now. A daemon thread still inside a gloo wait when the
+        interpreter finalizes is ended with pthread_exit, whose forced unwind through
+        torch's noexcept C++ frames aborts the process ("terminate called without an
+        active exception")."""
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             got = self.q.get()
@@ -351,9 +360,10 @@ class ProducerEdge:
                     fn()
                 except Exception:  # noqa: BLE001
                     _abort(pg)
-            return
-        self.broken = self.broken or "closed"
-        _abort(pg)
+        else:
+            self.broken = self.broken or "closed"
+            _abort(pg)
+        self.completer.join()
 
 
 # ---------------------------------------------------------------------------- consumer
@@ -517,6 +527,7 @@ class ConsumerEdge:
                     fn()
                 except Exception:  # noqa: BLE001
                     _abort(pg)
+        self.completer.join()
 
 
 def open_consumer_edge(handle: Any, device: torch.device, arena_bytes: int,
