@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from bench import _touch  # the handoff suite's 1-byte touch: every suite reads its items alike
+
 LAT_SIZES = ("4K", "1M")
 READS = (False, True)
 
@@ -49,20 +51,6 @@ def _device(device: str) -> torch.device:
         dev = torch.device("cuda", dev.index or 0)
         torch.cuda.set_device(dev)
     return dev
-
-
-_SINK: dict[torch.device, torch.Tensor] = {}
-
-
-def _touch(x: torch.Tensor) -> None:
-    """Reach one byte without a host sync (as the handoff suite's consumer does)."""
-    if x.is_cuda:
-        sink = _SINK.get(x.device)
-        if sink is None:
-            sink = _SINK[x.device] = torch.empty(1, dtype=x.dtype, device=x.device)
-        sink.copy_(x[:1])
-    else:
-        int(x[0])
 
 
 def _receive(y: torch.Tensor, read: bool) -> None:

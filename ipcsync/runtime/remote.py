@@ -195,31 +195,23 @@ class RemoteWatch:
 # ---------------------------------------------------------------------------- producer
 
 
-class SendEvent(Event):
-    """The producer's stand-in for a remote consumer's release event of one slot: the
-    last send from that slot. Complete when no send is pending (invariant 5)."""
+class _TransferEvent(Event):
+    """One slot's pending transfer on a remote edge, as an ``Event``: NCCL records a CUDA
+    event on the edge's stream after the transfer; gloo counts the transfers posted into
+    (or from) the slot and those ``_Completer`` saw finish. Recorded only by the transfer."""
 
     __slots__ = ("edge", "work", "cuda_event", "posted", "completed")
+    _what, _by = "transfer", "transfer"  # for the error of record(): which event, recorded by what
 
-    def __init__(self, edge: "ProducerEdge") -> None:
+    def __init__(self, edge: Any) -> None:
         self.edge = edge
         self.work: Any = None
-        self.cuda_event: Any = None  # NCCL: recorded on the edge's stream after the send
-        self.posted = 0  # gloo: sends posted from this slot / completed (see _Completer)
+        self.cuda_event: Any = None  # NCCL: recorded on the edge's stream after the transfer
+        self.posted = 0  # gloo: transfers posted / completed (see _Completer)
         self.completed = 0
 
     def record(self, stream: Any = None) -> None:
-        raise BackendError("a remote edge's send event is recorded by its send")
-
-    def query(self) -> bool:
-        w = self.work
-        if w is None:
-            return True
-        # A lost edge's send is not done either until it settled: gloo's abort does not
-        # stop it reading the slot (``Handoffs.lingering`` keeps the slot until then).
-        if self.cuda_event is not None:
-            return bool(self.cuda_event.query())
-        return self.completed == self.posted
+        raise BackendError(f"a remote edge's {self._what} event is recorded by its {self._by}")
 
     def wait(self, stream: Any = None) -> None:
         if self.cuda_event is not None:
@@ -231,8 +223,32 @@ class SendEvent(Event):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.query():
             if deadline is not None and time.monotonic() > deadline:
-                raise IpcTimeoutError(f"a send to {self.edge.label} did not complete within {timeout} s")
+                self._timed_out(timeout)
             time.sleep(_POLL_S)
+
+    def _timed_out(self, timeout: float | None) -> None:
+        raise NotImplementedError
+
+
+class SendEvent(_TransferEvent):
+    """The producer's stand-in for a remote consumer's release event of one slot: the
+    last send from that slot. Complete when no send is pending (invariant 5)."""
+
+    __slots__ = ()
+    _what, _by = "send", "send"
+
+    def query(self) -> bool:
+        w = self.work
+        if w is None:
+            return True
+        # A lost edge's send is not done either until it settled: gloo's abort does not
+        # stop it reading the slot (``Handoffs.lingering`` keeps the slot until then).
+        if self.cuda_event is not None:
+            return bool(self.cuda_event.query())
+        return self.completed == self.posted
+
+    def _timed_out(self, timeout: float | None) -> None:
+        raise IpcTimeoutError(f"a send to {self.edge.label} did not complete within {timeout} s")
 
     def handle(self) -> bytes:
         return RELEASE_PLACEHOLDER.encode()
@@ -369,20 +385,11 @@ class ProducerEdge:
 # ---------------------------------------------------------------------------- consumer
 
 
-class RecvEvent(Event):
+class RecvEvent(_TransferEvent):
     """A remote item's ready event (invariant 4): the recv into its receive slot."""
 
-    __slots__ = ("edge", "work", "cuda_event", "posted", "completed")
-
-    def __init__(self, edge: "ConsumerEdge") -> None:
-        self.edge = edge
-        self.work: Any = None
-        self.cuda_event: Any = None
-        self.posted = 0  # gloo: recvs posted into this slot / completed (see _Completer)
-        self.completed = 0
-
-    def record(self, stream: Any = None) -> None:
-        raise BackendError("a remote edge's ready event is recorded by its recv")
+    __slots__ = ()
+    _what, _by = "ready", "recv"
 
     def query(self) -> bool:
         w = self.work
@@ -397,19 +404,9 @@ class RecvEvent(Event):
         self.work = None
         return True
 
-    def wait(self, stream: Any = None) -> None:
-        if self.cuda_event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
-            return
-        self.synchronize(self.edge.timeout)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.query():
-            if deadline is not None and time.monotonic() > deadline:
-                self.edge.fail(f"no data within {timeout} s")
-                raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
-            time.sleep(_POLL_S)
+    def _timed_out(self, timeout: float | None) -> None:
+        self.edge.fail(f"no data within {timeout} s")
+        raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
 
     def handle(self) -> bytes:
         return READY_PLACEHOLDER.encode()
