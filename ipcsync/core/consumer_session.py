@@ -41,7 +41,7 @@ from .liveness import PeerClock, Verdict
 from .protocol import ErrorCode, MsgType, State
 
 __all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
-           "ReadyEntry", "release_batch_for"]
+           "SentReceived", "ReadyEntry", "release_batch_for"]
 
 # What the consumer may send in each state (what it may receive: protocol.TRANSITIONS).
 SENDS: dict[State, frozenset[MsgType]] = {
@@ -91,7 +91,15 @@ class ForwardedReceived(NamedTuple):
     recipe: Recipe
 
 
-Event = Union[SetupReceived, ForeignReceived, ForwardedReceived]
+class SentReceived(NamedTuple):
+    """SENT arrived (a remote edge's producer confirms its sends up to ``seq``): the
+    runtime's remote edge checks and records it (``core.remote_session`` 7); on an edge
+    that is not remote it is a protocol error."""
+
+    seq: int
+
+
+Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived]
 
 _ACTIVE = State.ACTIVE
 _EXCHANGING = (State.ACTIVE, State.ENDING)
@@ -311,6 +319,9 @@ class ConsumerSession:
             return self._on_foreign(msg)  # type: ignore[arg-type]
         elif kind is P.Setup:
             return SetupReceived(msg)  # type: ignore[arg-type]
+        elif kind is P.Sent:
+            # (After our BYE the items it confirms were dropped: nothing to record.)
+            return None if self.bye_sent else SentReceived(msg.seq)  # type: ignore[attr-defined]
         elif kind is P.Bye:
             self.bye_received = True
             if self.bye_sent:

@@ -35,7 +35,7 @@ SENDS: Final[dict[State, frozenset[MsgType]]] = {
     State.AWAIT_HELLO: frozenset({MsgType.ERROR}),
     State.AWAIT_ATTACH: frozenset({MsgType.SETUP, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
     State.ACTIVE: frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.HEARTBEAT,
-                             MsgType.BYE, MsgType.ERROR}),
+                             MsgType.SENT, MsgType.BYE, MsgType.ERROR}),
     State.CLOSED: frozenset({MsgType.BYE}),  # the ack of a BYE received
 }
 
@@ -173,6 +173,10 @@ class ProducerSession:
         if self.conv.state is State.CLOSED or not self.clock.heartbeat_due(now):
             return None
         return _HEARTBEAT
+
+    def sent(self, seq: int) -> bytes:
+        """SENT: a remote edge's sends up to ``seq`` completed (``core.remote_session`` 7)."""
+        return self._frame(P.Sent(seq))
 
     def spoke(self, now: float) -> None:
         self.clock.spoke(now)

@@ -17,6 +17,8 @@ Conversation (one consumer connection)::
                                <-    FREADY{READY's fields, id, offset, nbytes}  see below)
     RELEASE{[(seq, slot, gen)...]} ->                                         (batched)
     HEARTBEAT                  <->   HEARTBEAT                                (when idle)
+                               <-    SENT{seq}    (remote edges only: every send of an item
+                                                   up to seq has completed; see remote_session)
     BYE{reason}                <->   BYE{reason}              (either side; a consumer's BYE is
                                                                always acknowledged with a BYE)
     ERROR{code, message}       <->   ERROR{code, message}                     (then close)
@@ -61,6 +63,7 @@ __all__ = [
     "Error",
     "Foreign",
     "ForwardReady",
+    "Sent",
     "Message",
     "encode",
     "decode",
@@ -81,7 +84,9 @@ __all__ = [
 # 2: FOREIGN and FREADY (zero-copy forwarding). A peer of version 1 would fail on them
 # mid-stream; the version makes the mismatch explicit at HELLO/SETUP instead.
 # 3: a tensor spec may carry autograd flags (a fifth field), which version 2 refuses.
-PROTOCOL_VERSION: Final = 3
+# 4: SENT (a remote edge's producer confirms its completed sends; a remote consumer of
+# version 3 would never get one, and one of version 4 would wait for it forever).
+PROTOCOL_VERSION: Final = 4
 
 # Autograd flags of a tensor spec (its optional fifth field, absent when 0): the tensor
 # requires grad; it is an nn.Parameter (with or without requires_grad).
@@ -114,6 +119,7 @@ class MsgType(IntEnum):
     ERROR = 8
     FOREIGN = 10
     FORWARD_READY = 11
+    SENT = 12
 
 
 # Plain ints for the hot paths (packing an IntEnum member takes msgpack's slower path).
@@ -486,7 +492,18 @@ class ForwardReady:
     nbytes: int
 
 
-Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady]
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """Producer -> consumer, on a remote edge only: the producer's torch.distributed send
+    of every item up to ``seq`` it sent this consumer has completed (cumulative; strictly
+    increasing on a connection). A remote consumer serves an item only once it is covered
+    (``core.remote_session``, invariant 7)."""
+
+    TYPE: ClassVar[int] = MsgType.SENT
+    seq: int
+
+
+Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady, Sent]
 
 # The schema of each message type, as data: field validators in wire order.
 SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
@@ -512,6 +529,7 @@ SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
     Error: (_text, _text),
     Foreign: (_foreign_id, _text, _opt_text, _uint, _uint, _handle, _uint),
     ForwardReady: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta, _foreign_id, _uint, _uint),
+    Sent: (_uint,),
 }
 _BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
 _FIELDS: Final[dict[type, tuple[str, ...]]] = {
@@ -751,9 +769,11 @@ TRANSITIONS: Final[dict[tuple[str, State], dict[type, State]]] = {
     ("consumer", State.AWAIT_SETUP): {Setup: State.ACTIVE, Heartbeat: State.AWAIT_SETUP, **_ENDS},
     ("consumer", State.ACTIVE): {
         Ready: State.ACTIVE, Foreign: State.ACTIVE, ForwardReady: State.ACTIVE, Heartbeat: State.ACTIVE,
-        Bye: State.ENDING, Error: State.CLOSED,
+        Sent: State.ACTIVE, Bye: State.ENDING, Error: State.CLOSED,
     },
-    ("consumer", State.ENDING): {Heartbeat: State.ENDING, Bye: State.ENDING, Error: State.CLOSED},
+    # (SENT after BYE: the producer's last items are confirmed once their sends complete.)
+    ("consumer", State.ENDING): {Heartbeat: State.ENDING, Sent: State.ENDING, Bye: State.ENDING,
+                                 Error: State.CLOSED},
 }
 _INITIAL: Final = {"producer": State.AWAIT_HELLO, "consumer": State.AWAIT_SETUP}
 

@@ -22,8 +22,9 @@ Invariants (each stated once, here):
    one recv per item, tag ``s``. At most one transfer per slot is outstanding, because the
    producer reuses slot ``s`` only after the consumer released it (5.).
 4. **Ready.** The consumer's item is ready when its recv has completed (CUDA: an event
-   recorded on the consumer's stream after the recv). The recv of an item is posted when
-   its READY is buffered, in seq order (``RecvLedger``).
+   recorded on the consumer's stream after the recv) *and* the producer confirmed its send
+   (7.). The recv of an item is posted when its READY is buffered, in seq order
+   (``RecvLedger``).
 5. **Release.** A remote consumer's RELEASE of ``(seq, s, gen)`` means "receive slot ``s`` is
    free again and I read nothing more of it". The producer's slot ``s`` is freed by it (the
    ring's rule: every holder released), and before slot ``s`` is written again the
@@ -35,6 +36,22 @@ Invariants (each stated once, here):
    connection closing or its silence for ``LOSS_HEARTBEATS`` heartbeats is loss
    (``silence_is_loss``). On loss every torch.distributed operation pending with it is
    abandoned and its process group aborted; no wait on it outlives ``op_timeout``.
+7. **Confirmation.** A completed recv alone does not make an item's bytes the item's: a
+   dropped consumer's send may still be running when the producer writes its slot again,
+   and gloo/NCCL say nothing reliable about what an aborted transfer read. So the
+   producer confirms each completed send over the control channel, cumulatively
+   (``SENT{seq}``: every send to this consumer of an item up to ``seq`` has completed),
+   and a consumer serves an item with bytes only once its recv completed *and* a SENT
+   covers its seq. The producer confirms only sends it saw complete (``Work.wait()`` true,
+   or the CUDA event after the send) while the edge was whole, and stops confirming
+   before it aborts the edge, forgets the consumer or writes any slot the consumer had a
+   send pending on (``SendLedger.close``): when it drops a consumer it queues ERROR
+   ``dropped`` first. A confirmed send read its slot before any rewrite, so a served item
+   holds its own bytes, by construction and whatever an abort does. A consumer whose
+   confirmation never comes (dropped, the ERROR lost to a full queue, the producer
+   paused) never serves the item: its liveness rule (6.) or its timeout ends the wait
+   with an error. SENT moves strictly forward and never past the newest READY
+   (``SentWatermark``: else ProtocolError). Items with nothing to transfer need none.
 """
 
 from __future__ import annotations
@@ -47,7 +64,8 @@ from ..errors import ProtocolError
 from .layout import dtype_from_name, span_elements
 
 __all__ = ["ADDRESS_PREFIX", "READY_PLACEHOLDER", "RELEASE_PLACEHOLDER", "LOSS_HEARTBEATS", "TRANSPORTS",
-           "EdgeAddress", "is_remote_handle", "layout_extent", "silence_is_loss", "RecvLedger"]
+           "EdgeAddress", "is_remote_handle", "layout_extent", "silence_is_loss", "RecvLedger", "SendLedger",
+           "SentWatermark"]
 
 ADDRESS_PREFIX = "ipcsync-remote/1 "
 READY_PLACEHOLDER = "remote"
@@ -142,3 +160,62 @@ class RecvLedger:
             out.reverse()
             self.posted_seq = out[-1][0]
         return out
+
+
+class SendLedger:
+    """The producer's side of invariant 7, for one edge: the newest seq whose send (and
+    every earlier one: sends complete in the order posted) completed while the edge was
+    whole (``done``, written by the thread that sees completions), and the newest seq
+    already confirmed (``told``, by the thread that sends frames). Once ``close`` is called
+    nothing more is recorded or confirmed."""
+
+    __slots__ = ("done", "told", "open")
+
+    def __init__(self) -> None:
+        self.done = -1
+        self.told = -1
+        self.open = True
+
+    def completed(self, seq: int) -> bool:
+        """The send of item ``seq`` completed (it was not aborted). False once closed:
+        then it is never confirmed."""
+        if not self.open:
+            return False
+        if seq > self.done:
+            self.done = seq
+        return True
+
+    def to_confirm(self) -> int | None:
+        """The seq the next SENT carries, or None when there is nothing new to confirm (or
+        the ledger is closed); records it as told."""
+        if not self.open or self.done <= self.told:
+            return None
+        self.told = self.done
+        return self.told
+
+    def close(self) -> None:
+        """No confirmation from now on: called before the edge is aborted, the consumer
+        forgotten, or any of its slots written again."""
+        self.open = False
+
+
+class SentWatermark:
+    """The consumer's side of invariant 7: the newest seq the producer confirmed."""
+
+    __slots__ = ("confirmed",)
+
+    def __init__(self) -> None:
+        self.confirmed = -1
+
+    def on_sent(self, seq: int, announced: int) -> None:
+        """A SENT for ``seq``; ``announced``: the newest seq a READY named so far.
+        ProtocolError for a SENT that does not move forward, or confirms an item never
+        announced."""
+        if seq <= self.confirmed:
+            raise ProtocolError(f"SENT {seq} after SENT {self.confirmed}: confirmations only move forward")
+        if seq > announced:
+            raise ProtocolError(f"SENT confirms item {seq}, but the newest READY named item {announced}")
+        self.confirmed = seq
+
+    def covers(self, seq: int) -> bool:
+        return seq <= self.confirmed

@@ -158,6 +158,18 @@ class Ring:
                 out.append(Dispatch(cid, self.seq[slot], slot, self.gen[slot]))
         return out
 
+    def would_dispatch(self) -> bool:
+        """Whether an item committed now would go out at once (``dispatch`` would assign
+        it: nothing queued ahead of it, and a consumer to take it under the policy), without
+        changing the rotation. False whenever it might stay queued."""
+        if self._queue:
+            return False
+        cons = self._consumers
+        if len(cons) > 1 and self.policy == "broadcast":
+            live = [c for c in cons.values() if not c.suspended]
+            return bool(live) and all(c.free_credits > 0 for c in live)
+        return any(c.free_credits > 0 for c in cons.values())
+
     def _targets(self) -> list[Hashable]:
         cons = self._consumers
         if not cons:

@@ -54,6 +54,9 @@ class Forwarder:
         self.name = name
         self.reach: dict[tuple[Any, Any], bool] = {}
         self.forwarded_total = 0
+        # A tcp producer (set by its port): a consumer on another host may attach at any
+        # time, and one must never be handed a zero-copy forward (see ``check_queued``).
+        self.remote_capable = False
         handoffs.forwards = self
 
     def _live(self, w: Wait) -> bool:
@@ -96,6 +99,8 @@ class Forwarder:
                             h.order_after_readers(acq, s)
                         elif self.ledger.pending and slot in self.ledger.pending:
                             self.complete(slot)
+                        # (The waits above pump: a remote consumer may have come meanwhile.)
+                        self.check_queued()
                         # Step 3 (forwarding invariant 2): the downstream ready wait covers
                         # the upstream write through ours.
                         info.ready_event.wait(s)
@@ -114,6 +119,20 @@ class Forwarder:
         except BaseException:
             origin.undo(item)
             raise
+
+    def check_queued(self) -> None:
+        """CannotForward (the item travels by copy) if a consumer on another host is here,
+        or, on a producer that can take such consumers, if the item would wait queued: a
+        remote consumer attaching meanwhile would be handed it (it cannot open another
+        host's memory). Lock held, just before the item is published."""
+        if not self.remote_capable:
+            return
+        for peer in self.peers:
+            if peer.remote is not None:
+                raise CannotForward(f"{peer.label} is on another host: its items travel by copy")
+        if not self.handoffs.ring.would_dispatch():
+            raise CannotForward("no consumer can take the item now, and on a tcp endpoint a consumer on "
+                                "another host could attach before one does: it travels by copy")
 
     def check(self, origin: ForwardOrigin, info: ForwardSource) -> None:
         """CannotForward unless the consumers of this producer can open ``info``'s memory."""

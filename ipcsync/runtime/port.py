@@ -75,6 +75,7 @@ class ProducerPort:
         self.attached_total = 0  # consumers that completed the handshake, ever
         self.pid = os.getpid()
         self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
+        forwarder.remote_capable = not ipc  # (remote consumers attach on tcp endpoints only)
 
     # ------------------------------------------------------------------ Pumpable
     @property
@@ -100,11 +101,39 @@ class ProducerPort:
         if fwd.ledger.pending:
             fwd.poll()
         self.handoffs.dispatch()
+        if self.remote_hub is not None:
+            self.confirm_sends()
         peers.flush()
         now = time.monotonic()
         if now >= self.next_tick:
             self.next_tick = now + self.tick
             peers.tick(now)
+
+    # ------------------------------------------------------------------ remote edges
+    def confirm_sends(self) -> None:
+        """SENT to each remote consumer whose edge completed sends since its last SENT
+        (core.remote_session 7). Only consumers still in the peer table are confirmed, and
+        a dropped one's edge is closed (its ledger with it) before its slots are reclaimed."""
+        for peer in self.peers:
+            edge = peer.remote
+            if edge is not None:
+                seq = edge.to_confirm()
+                if seq is not None:
+                    self.peers.send(peer, peer.session.sent(seq))
+
+    def confirm_from_thread(self, stopped: Callable[[], bool]) -> None:
+        """An edge's completion thread saw a send complete: confirm it now, under the lock
+        (a thread holding the lock confirms at its next pump instead, if ``stopped``:
+        the edge is closing, perhaps under the lock)."""
+        lock = self.lock
+        while not lock.acquire(timeout=0.005):
+            if stopped():
+                return
+        try:
+            if not self.owner.closed:
+                self.confirm_sends()
+        finally:
+            lock.release()
 
     # ------------------------------------------------------------------ frames
     def on_frame(self, identity: bytes, frames: list[bytes], fd: int) -> None:
@@ -193,6 +222,7 @@ class ProducerPort:
             if self.remote_hub is None:
                 self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
                                             self.name)
+                self.remote_hub.on_sent = self.confirm_from_thread
             edge = self.remote_hub.new_edge(session.label)
         except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
             text = f"this producer cannot open a remote edge: {exc}"

@@ -34,13 +34,14 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..backends import Arena, Event
 from ..core.remote_session import (
-    READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, layout_extent, silence_is_loss,
+    READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark, layout_extent,
+    silence_is_loss,
 )
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
 from .channel import Endpoint
@@ -125,24 +126,30 @@ def _abort(pg: Any) -> None:
 
 
 class _Completer:
-    """Waits, in a thread of its own, for an edge's gloo works in the order they were
+    """Waits, in a thread of its own, for an edge's transfers in the order they were
     posted, and marks each event done (gloo's ``Work.is_completed`` turns True only once
-    someone waited). A failed (or aborted) wait breaks the edge, and still settles its
-    event: the works after it are waited for too, since an aborted gloo send goes on
-    reading its buffer until its connection ends. A daemon thread."""
+    someone waited; NCCL's are polled through the CUDA event recorded after them). A failed
+    (or aborted) wait breaks the edge, and still settles its event: the works after it are
+    waited for too, since an aborted gloo send goes on reading its buffer until its
+    connection ends. A send (``seq`` given) that completed while the edge was whole goes
+    to the edge's ``SendLedger`` and the edge is told (``sent``): invariant 7 of
+    core.remote_session. A daemon thread."""
 
     def __init__(self, edge: Any, name: str) -> None:
         self.edge = edge
+        self.stopped = False
         self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
 
-    def add(self, ev: Any, work: Any) -> None:
+    def add(self, ev: Any, work: Any, seq: int | None = None) -> None:
+        """``work``: gloo's Work to wait for, or None for NCCL (``ev.cuda_event`` is polled)."""
         ev.posted += 1
-        ev.work = work
-        self.q.put((ev, work, ev.posted))
+        ev.work = work if work is not None else ev.work
+        self.q.put((ev, work, ev.posted, seq))
 
     def stop(self) -> None:
+        self.stopped = True
         self.q.put(None)
 
     def join(self, timeout: float = 5.0) -> None:
@@ -154,23 +161,38 @@ class _Completer:
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
+    def _poll_cuda(self, ev: Any) -> bool:
+        """NCCL: until the CUDA event after the transfer completed (True), or stop (False)."""
+        pause = 1e-5
+        while not ev.cuda_event.query():
+            if self.stopped:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
     def _run(self) -> None:
+        edge = self.edge
         while True:
             got = self.q.get()
             if got is None:
                 return
-            ev, work, n = got
+            ev, work, n, seq = got
+            why = "transfer aborted"  # gloo's wait says so by returning False, not raising
             try:
-                ok = work.wait()
+                ok = work.wait() if work is not None else self._poll_cuda(ev)
             except Exception as exc:  # noqa: BLE001 (a failed transfer is a lost edge)
                 ok, why = False, f"transfer failed: {exc}"
-            else:
-                why = "transfer aborted"  # gloo's wait says so by returning False, not raising
-            if ok is False and self.edge.broken is None:
-                self.edge.broken = why
+            if ok is False and edge.broken is None and not self.stopped:
+                edge.broken = why
             # Settled, failed or not: gloo no longer touches the buffer. The works after a
             # failed one are still waited for (each ends with its connection).
             ev.completed = n
+            # Confirmed only if whole *after* the wait returned: an edge is marked broken
+            # (and its ledger closed) before it is aborted, so a wait that an abort ended
+            # never counts as a completed send.
+            if seq is not None and ok and edge.broken is None and edge.ledger.completed(seq):
+                edge.sent(self)
 
 
 class RemoteWatch:
@@ -241,8 +263,8 @@ class SendEvent(_TransferEvent):
         w = self.work
         if w is None:
             return True
-        # A lost edge's send is not done either until it settled: gloo's abort does not
-        # stop it reading the slot (``Handoffs.lingering`` keeps the slot until then).
+        # (Asked only while the consumer is in the peer table: a lost consumer's slots are
+        # written again without waiting; it is never confirmed what they carry, invariant 7.)
         if self.cuda_event is not None:
             return bool(self.cuda_event.query())
         return self.completed == self.posted
@@ -269,6 +291,10 @@ class RemoteHub:
         self.store: Any = None
         self.edges: list[ProducerEdge] = []
         self.timeout = op_timeout()
+        # Called by an edge's completion thread when its ledger has a send to confirm, with
+        # a callable saying whether that thread was told to stop (runtime.port sends the
+        # SENT frames under the producer's lock); None: they go out at the next pump.
+        self.on_sent: Callable[[Callable[[], bool]], None] | None = None
 
     def advertised_host(self) -> str:
         """The address consumers reach this producer at: the endpoint's host, or for a
@@ -310,6 +336,7 @@ class ProducerEdge:
         self.timeout = hub.timeout
         self.pg: Any = None
         self.broken: str | None = None
+        self.ledger = SendLedger()  # invariant 7: the sends completed and confirmed
         self.release_events = [SendEvent(self) for _ in hub.slot_views]
         self.stream: Any = torch.cuda.Stream(hub.device) if addr.transport == "nccl" else None
         self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}")
@@ -333,9 +360,16 @@ class ProducerEdge:
             return f"the remote edge's rendezvous did not complete within {timeout} s"
         return self.broken
 
-    def send(self, slot: int, layout: Any) -> None:
-        """Post the send of the item in ``slot`` (invariant 3). Its ready event was recorded
-        before READY was queued; NCCL's stream is made to wait on it."""
+    def sent(self, completer: _Completer) -> None:
+        """(The completion thread) a send completed: have it confirmed (invariant 7)."""
+        on_sent = self.hub.on_sent
+        if on_sent is not None:
+            on_sent(lambda: completer.stopped)
+
+    def send(self, slot: int, layout: Any, seq: int) -> None:
+        """Post the send of item ``seq`` in ``slot`` (invariant 3). Its ready event was
+        recorded before READY was queued; NCCL's stream is made to wait on it. The send is
+        confirmed once it completed (invariant 7)."""
         if self.broken is not None or self.pg is None:
             return  # lost: the ring reclaims its slots; nothing to send to
         nbytes = layout_extent(layout)
@@ -351,19 +385,27 @@ class ProducerEdge:
                     cuda_event = ev.cuda_event or torch.cuda.Event()
                     cuda_event.record(self.stream)
                     ev.cuda_event = cuda_event
+                self.completer.add(ev, None, seq)
             else:
-                self.completer.add(ev, self.pg.send([view], 1, slot))
+                self.completer.add(ev, self.pg.send([view], 1, slot), seq)
         except Exception as exc:  # noqa: BLE001 (a failed send is a lost edge)
             self.fail(f"send failed: {exc}")
 
+    def to_confirm(self) -> int | None:
+        """The seq of the SENT to send now (invariant 7), or None."""
+        return self.ledger.to_confirm() if self.broken is None else None
+
     def fail(self, why: str) -> None:
+        self.ledger.close()  # (before `broken`, which the completion thread reads)
         if self.broken is None:
             self.broken = why
             log.warning("ipcsync producer %r: remote edge to %s failed: %s", self.hub.name, self.label, why)
         self.close()
 
     def close(self) -> None:
-        """Abort the group if anything is pending (a lost peer), else shut it down."""
+        """Abort the group if anything is pending (a lost peer), else shut it down. Nothing
+        is confirmed from here on (invariant 7)."""
+        self.ledger.close()
         self.completer.stop()
         pg, self.pg = self.pg, None
         if pg is None:
@@ -386,20 +428,31 @@ class ProducerEdge:
 
 
 class RecvEvent(_TransferEvent):
-    """A remote item's ready event (invariant 4): the recv into its receive slot."""
+    """A remote item's ready event (invariant 4): the recv into its receive slot of item
+    ``seq``, and the producer's confirmation of its send."""
 
-    __slots__ = ()
+    __slots__ = ("seq",)
+
+    def __init__(self, edge: Any) -> None:
+        super().__init__(edge)
+        self.seq = -1
     _what, _by = "ready", "recv"
 
     def query(self) -> bool:
+        """Complete when the recv completed and the producer confirmed the item's send
+        (invariant 7: a SENT covering ``seq``, which only the control channel's pump brings)."""
         w = self.work
         if w is None:
             return True
-        if self.edge.broken is not None:
-            raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
+        edge = self.edge
+        if edge.broken is not None:
+            raise PeerLostError(f"remote edge from {edge.label} lost: {edge.broken}")
         if self.cuda_event is not None:
-            return bool(self.cuda_event.query())
-        if self.completed != self.posted:
+            if not self.cuda_event.query():
+                return False
+        elif self.completed != self.posted:
+            return False
+        if not edge.watermark.covers(self.seq):
             return False
         self.work = None
         return True
@@ -468,6 +521,7 @@ class ConsumerEdge:
         self.ready_events = [RecvEvent(self) for _ in slots]
         self.release_events = [_ReleaseEvent(device) for _ in slots]
         self.ledger = RecvLedger()
+        self.watermark = SentWatermark()  # invariant 7: the newest seq whose send the producer confirmed
         self.stream: Any = torch.cuda.Stream(device) if addr.transport == "nccl" else None
         self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}")
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
@@ -489,6 +543,7 @@ class ConsumerEdge:
                 ev.work = None
                 continue
             view = self.slot_views[slot][:nbytes]
+            ev.seq = entry[0]
             try:
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
@@ -502,6 +557,15 @@ class ConsumerEdge:
             except Exception as exc:  # noqa: BLE001
                 self.fail(f"recv failed: {exc}")
                 return
+
+    def confirm(self, seq: int, ready: Sequence[tuple[Any, ...]]) -> None:
+        """A SENT for ``seq`` (invariant 7); ``ready``: the buffered READY entries, whose
+        recvs are posted first (a READY and its SENT may arrive in one pump).
+        ProtocolError for a SENT out of order or ahead of every READY."""
+        if self.broken is not None:
+            return  # lost: nothing is served any more
+        self.post(ready)
+        self.watermark.on_sent(seq, self.ledger.posted_seq)
 
     def fail(self, why: str) -> None:
         if self.broken is None:

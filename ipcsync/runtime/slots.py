@@ -93,10 +93,6 @@ class Handoffs:
         # or None until first needed, short READY frame (without the layout), forwarding
         # (foreign arena, region offset, region bytes) or None, layout version, layout].
         self.items: list[list[Any] | None] = [None] * self.slots
-        # Per slot, sends to remote consumers lost meanwhile that may still read it (gloo's
-        # abort does not stop a send in progress: it reads the slot until its connection
-        # ends). A slot is written again only after they complete (core.remote_session 6).
-        self.lingering: dict[int, list[Event]] = {}
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
 
     # ------------------------------------------------------------------ plans
@@ -235,8 +231,6 @@ class Handoffs:
         if self.ledger.pending and acq.slot in self.ledger.pending:
             assert self.forwards is not None
             self.forwards.complete(acq.slot)
-        if self.lingering and acq.slot in self.lingering:
-            self.wait_lingering(acq.slot)
         peers = self.peers
         for cid in acq.last_holders:
             peer = peers.get(cid)  # type: ignore[arg-type]
@@ -259,18 +253,6 @@ class Handoffs:
                     )
                 continue  # complete, or its recorder is lost: no wait either way
             ev.wait(stream)
-
-    def wait_lingering(self, slot: int) -> None:
-        """Wait (bounded by the producer's timeout) for the sends from ``slot`` to remote
-        consumers that were lost meanwhile."""
-        events = self.lingering[slot]
-        t = self.timeout
-        if not self.waits.wait_until(lambda: all(e.query() for e in events), t, "release_event", self.stats.waited,
-                                     poll_event=True):
-            raise self.waits.timeout_error(
-                f"a send from slot {slot} to a lost remote consumer", t,
-                "its host is paused or unreachable; the send ends when its connection does")
-        del self.lingering[slot]
 
     # ------------------------------------------------------------------ 4. publish
     def publish(self, acq: Acquired, plan: Plan, meta: Any,
@@ -368,7 +350,7 @@ class Handoffs:
                 trace.ready(_seq, peer.label)
             peers.send(peer, frame)
             if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
-                peer.remote.send(slot, item[9])
+                peer.remote.send(slot, item[9], item[2])
 
     # ------------------------------------------------------------------ 5. release
     def released(self, peer: Peer, entries: list[tuple[int, int, int]]) -> None:
@@ -403,11 +385,10 @@ class Handoffs:
 
     def reclaim(self, peer: Peer) -> None:
         """``peer`` left: the slots only it held are free (a forwarded one's upstream release
-        never waits on the departed peer's events: it is out of the peer table)."""
-        if peer.remote is not None:
-            for slot, ev in enumerate(peer.release_events):
-                if not ev.query():
-                    self.lingering.setdefault(slot, []).append(ev)
+        never waits on the departed peer's events: it is out of the peer table). A remote
+        peer's sends still running may read them after they are written again: it was told
+        ERROR ``dropped`` first and is never confirmed such a send (core.remote_session 7),
+        so it never serves what they carry."""
         for slot in self.ring.remove_consumer(peer.identity):
             self.items[slot] = None
             if self.ledger.held[slot] is not None:

@@ -17,12 +17,14 @@ import zmq
 from ..backends import Arena, Event
 from ..backends.cpu import reclaim_dead_segments, segment_owner
 from ..core import protocol as P
-from ..core.consumer_session import ConsumerSession, ForeignReceived, SetupReceived
+from ..core.consumer_session import ConsumerSession, ForeignReceived, SentReceived, SetupReceived
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
 from ..core.remote_session import RELEASE_PLACEHOLDER, is_remote_handle
 from ..core.ratelog import RateLog, best_effort
-from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError
+from ..errors import (
+    BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
+)
 from . import host
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
 from .foreign import Downstream
@@ -236,10 +238,25 @@ class ProducerLink:
         kind = type(event)
         if kind is SetupReceived:
             self.on_setup(event.setup)
+        elif self.remote is not None and kind is not SentReceived:
+            # FOREIGN/FREADY name another host's memory: a producer forwards to a remote
+            # consumer by copy (runtime.forwarder), never zero-copy.
+            self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: a zero-copy "
+                                    "forward on a remote edge"), ErrorCode.PROTOCOL)
         elif kind is ForeignReceived:
             error = self.downstream.open(event.msg)
             if error is not None:
                 self.fail(error, ErrorCode.DEVICE)
+        elif kind is SentReceived:
+            if self.remote is None:
+                self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: SENT on an "
+                                        "edge that is not remote"), ErrorCode.PROTOCOL)
+                return
+            try:
+                self.remote.confirm(event.seq, self.session.ready)
+            except ProtocolError as exc:
+                self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: {exc}"),
+                          ErrorCode.PROTOCOL)
         else:  # ForwardedReceived
             m = event.msg
             use = self.downstream.use(m, event.recipe)

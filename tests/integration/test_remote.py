@@ -112,3 +112,48 @@ def test_wrong_curve_key_is_refused(procs: Any, curve: dict[str, Any]) -> None:
     assert refused["error"] == "IpcTimeoutError"
     p.proc.kill()
     p.proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("then", ["dropped", "silent"])
+def test_a_received_item_whose_send_was_never_confirmed_is_never_served(procs: Any, then: str) -> None:
+    # A producer written by hand sends one item whose bytes on the edge are a later
+    # item's (what a dropped consumer's receive slot holds when its send read the slot
+    # after it was written again); its recv completes, but no SENT confirms it. Then ERROR
+    # "dropped", or silence: either way PeerLostError and nothing served (before SENT, the
+    # consumer served it, wrong bytes and all, then got PeerLostError).
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then=then, **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("consume", module=MODULE, env=host("consumer-host"), **args)
+    p.read_until(lambda l: l.get("event") == "sent", 60)
+    got = c.result(60)
+    assert got["end"] == "lost" and got["got"] == [] and got["errors"] == [], got
+    p.result(60)
+
+
+@pytest.mark.timeout(90)
+def test_a_received_item_is_served_once_its_send_is_confirmed(procs: Any) -> None:
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="confirm", **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("consume", module=MODULE, env=host("consumer-host"), **args)
+    got = c.result(60)
+    assert got["end"] == "stop" and got["got"] == [0] and got["errors"] == [], got
+    p.result(60)
+
+
+@pytest.mark.timeout(90)
+def test_items_forwarded_before_a_remote_consumer_attached_reach_it_by_copy(procs: Any) -> None:
+    # A producer on a tcp endpoint forwards items while no consumer is attached, so they
+    # wait queued; a consumer on another host attaches then. A zero-copy forward would
+    # hand it another host's memory it cannot open: the forwards copy instead.
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("forward_before_remote", module=MODULE, env=host("producer-host"), n=3, **args)
+    p.read_until(lambda l: l.get("event") == "bound", 60)
+    fwd = p.read_until(lambda l: l.get("event") == "forwarded", 60)
+    assert fwd["stats"]["forwarded"] == 0  # every one copied
+    c = procs.start("consume", module=MODULE, env=host("consumer-host"), **args)
+    got = c.result(60)
+    assert got["end"] == "stop" and got["errors"] == [] and got["got"] == [0, 1, 2], got
+    p.result(60)

@@ -83,7 +83,9 @@ FOREIGN = P.Foreign(fid=3, backend="cpu", device=None, pid=17, start_time=99, ha
 FREADY = P.ForwardReady(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout=LAYOUT, meta=META,
                         fid=63, offset=4096, nbytes=2048)
 
-ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY]
+SENT = P.Sent(seq=2**62)
+
+ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY, SENT]
 IDS = [type(m).__name__ for m in ALL]
 
 # Some edge-value variants that must also round trip.
@@ -125,7 +127,7 @@ def test_wire_format_is_type_then_fields(msg: Any) -> None:
 
 
 def test_type_codes_are_distinct_and_fixed() -> None:
-    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
     assert raw_fields(HEARTBEAT) == [6]
     assert raw_fields(BYE) == [7, "producer closed"]
 
@@ -279,6 +281,7 @@ FIELD_KINDS: dict[type, list[str]] = {
     Error: ["text", "text"],
     P.Foreign: ["fid", "text", "opt_text", "uint", "uint", "handle", "uint"],
     P.ForwardReady: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta", "fid", "uint", "uint"],
+    P.Sent: ["uint"],
 }
 
 
@@ -835,7 +838,7 @@ def test_fuzz_single_bit_flips(msg: Any, pos: int, bit: int) -> None:
 
 
 # --------------------------------------------------------------------------- conversation
-TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady]
+TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady, P.Sent]
 SAMPLE = {type(m): m for m in ALL}
 
 
@@ -864,6 +867,20 @@ def test_consumer_happy_path() -> None:
     for msg in [READY, READY, HEARTBEAT, READY]:
         assert c.receive(msg) == "active"
     assert c.receive(ERROR) == "closed"
+
+
+def test_sent_is_for_an_attached_consumer_even_after_the_producers_bye() -> None:
+    # A remote edge confirms its last sends after its BYE (core.remote_session 7); before
+    # SETUP a SENT is out of order.
+    c = Conversation("consumer")
+    with pytest.raises(ProtocolError):
+        c.receive(SENT)
+    c = Conversation("consumer")
+    c.receive(SETUP)
+    assert c.receive(READY) == c.receive(SENT) == "active"
+    assert c.receive(BYE) == "ending"
+    assert c.receive(SENT) == "ending"
+    assert raw_fields(P.Sent(5)) == [12, 5]
 
 
 @pytest.mark.parametrize("role", ["producer", "consumer"])

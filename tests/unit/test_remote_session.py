@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from ipcsync.core.layout import Recipe, plan_message
-from ipcsync.core.remote_session import EdgeAddress, RecvLedger, is_remote_handle, layout_extent, silence_is_loss
+from ipcsync.core.remote_session import (
+    EdgeAddress, RecvLedger, SendLedger, SentWatermark, is_remote_handle, layout_extent, silence_is_loss,
+)
 from ipcsync.errors import ProtocolError
 
 
@@ -52,3 +54,51 @@ def test_recv_ledger_posts_each_buffered_entry_once_in_order() -> None:
     ready = [(1, 1), (5, 2), (9, 3)]  # 0 taken, two more buffered (shard: seqs skip)
     assert ledger.to_post(ready) == [(5, 2), (9, 3)]
     assert ledger.to_post([]) == []
+
+
+def test_send_ledger_confirms_completed_sends_cumulatively_and_each_once() -> None:
+    ledger = SendLedger()
+    assert ledger.to_confirm() is None  # nothing completed yet
+    assert ledger.completed(3)
+    assert ledger.completed(5)
+    assert ledger.to_confirm() == 5  # one SENT covers both
+    assert ledger.to_confirm() is None
+    ledger.completed(4)  # (never goes back)
+    assert ledger.to_confirm() is None
+    ledger.completed(9)
+    assert ledger.to_confirm() == 9
+
+
+def test_send_ledger_closed_confirms_nothing_more() -> None:
+    # A dropped consumer: the ledger is closed before its edge is aborted or any of its
+    # slots written again, so a send seen complete after that is never confirmed.
+    ledger = SendLedger()
+    ledger.completed(1)
+    ledger.close()
+    assert ledger.to_confirm() is None
+    assert not ledger.completed(2)
+    assert ledger.to_confirm() is None
+
+
+def test_sent_watermark_covers_what_was_confirmed() -> None:
+    w = SentWatermark()
+    assert not w.covers(0)
+    w.on_sent(2, announced=4)
+    assert w.covers(0) and w.covers(2) and not w.covers(3)
+    w.on_sent(4, announced=4)
+    assert w.covers(4)
+
+
+@pytest.mark.parametrize("first,then,announced,words", [
+    (2, 2, 5, "only move forward"),  # a repeat
+    (3, 1, 5, "only move forward"),  # backwards
+    (None, 6, 5, "newest READY"),  # ahead of every READY
+])
+def test_sent_watermark_refuses_a_confirmation_out_of_order(first: int | None, then: int, announced: int,
+                                                          words: str) -> None:
+    w = SentWatermark()
+    if first is not None:
+        w.on_sent(first, announced)
+    with pytest.raises(ProtocolError, match=words):
+        w.on_sent(then, announced)
+    assert not w.covers(then) or first is not None and then <= first

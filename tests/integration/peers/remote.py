@@ -206,3 +206,115 @@ def conf_consume(a: dict[str, Any]) -> None:
 
 
 __all__ = ["produce", "consume", "expected", "rich", "rich_check", "conf_produce", "conf_consume"]
+
+
+# ------------------------------------------------------------- a producer by hand
+# (tests/integration/test_remote.py): the wire protocol and the gloo edge written out, to
+# put a consumer deterministically where a dropped one can find itself.
+
+
+def hand_produce(a: dict[str, Any]) -> None:
+    """A remote producer written by hand against the protocol (no ipcsync.Producer): it
+    sends one item, READY for ``expected(0)`` (layout and meta), whose bytes on the gloo
+    edge are ``expected(1)``'s unless ``then`` is ``"confirm"``: what a dropped consumer's
+    receive slot holds when its send read the slot after it was written again. Its recv
+    completes; then ``then``:
+
+    - ``"dropped"``: heartbeats for a while, then ERROR ``dropped``; never SENT;
+    - ``"silent"``: nothing more at all (a producer whose SENT and ERROR never arrive);
+    - ``"confirm"``: SENT for the item (its bytes are then item 0's), then BYE.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    import zmq
+
+    from ipcsync.core import protocol as P
+    from ipcsync.core.layout import Plan, plan_message, signature
+    from ipcsync.core.remote_session import READY_PLACEHOLDER, EdgeAddress, layout_extent
+    from ipcsync.runtime import host
+
+    then, size, nslots, slot_bytes = a["then"], 16, 2, 1 << 12
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.bind(a["endpoint"])
+    say(event="bound", pid=os.getpid())
+
+    def recv(timeout: float = 30.0) -> tuple[bytes, Any]:
+        assert sock.poll(int(timeout * 1000)), "the consumer said nothing"
+        ident, frame = sock.recv_multipart()
+        return ident, P.decode(frame)
+
+    def send(msg: Any) -> None:
+        sock.send_multipart([ident, P.encode(msg)])
+
+    def heartbeats(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            send(P.Heartbeat())
+            time.sleep(0.1)
+
+    ident, hello = recv()
+    assert type(hello) is P.Hello, hello
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                          wait_for_workers=False)
+    addr = EdgeAddress("gloo", "127.0.0.1", int(store.port), os.urandom(6).hex(), "127.0.0.1")
+    pid = os.getpid()
+    send(P.Setup(P.PROTOCOL_VERSION, pid, host.start_time(pid), host.pid_namespace(), "cpu", None,
+                 [addr.encode()], [nslots * slot_bytes], [(0, i * slot_bytes, slot_bytes) for i in range(nslots)],
+                 [READY_PLACEHOLDER] * nslots, 500))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=30)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 0, 2, opts)
+    while type(recv()[1]) is not P.Attach:
+        pass
+    placement = plan_message(expected(0, size), slot_bytes)
+    slot = torch.zeros(slot_bytes, dtype=torch.uint8)
+    Plan(placement, 0).write(0, slot, signature(expected(0 if then == "confirm" else 1, size))[1])
+    send(P.Ready(0, 0, 1, time.monotonic_ns(), 0, placement.layout, {"i": 0, "tag": "item-0"}))
+    assert pg.send([slot[:layout_extent(placement.layout)]], 1, 0).wait()
+    say(event="sent")
+    if then == "dropped":
+        heartbeats(1.0)  # the consumer's recv has long completed
+        send(P.Error(P.ErrorCode.DROPPED.value, "this consumer was dropped (test)"))
+        time.sleep(1.0)
+    elif then == "silent":
+        time.sleep(4.0)  # past the consumer's loss rule (3 heartbeats of 0.5 s)
+    else:
+        heartbeats(0.3)
+        send(P.Sent(0))
+        send(P.Bye("producer closed"))
+        while True:  # its RELEASE, then its BYE, which is acked
+            if type(recv()[1]) is P.Bye:
+                send(P.Bye("ack"))
+                break
+        time.sleep(0.2)
+    getattr(pg, "shutdown", lambda: None)()
+    sock.close()
+    ctx.term()
+    say(event="done")
+
+
+def forward_before_remote(a: dict[str, Any]) -> None:
+    """A middle stage in one process: a local producer (ipc) and its consumer, and a
+    producer on ``endpoint`` (tcp) that forwards ``n`` received items with
+    ``ipcsync.forward`` (copy when needed) before any consumer attached, so they wait
+    queued; then it waits for a consumer (on another host) to take them and closes."""
+    n, size = a["n"], a.get("size", 16)
+    name = f"fwd-up-{os.getpid()}"
+    with ipcsync.Producer(name, slots=4, slot_bytes=1 << 14, device="cpu") as up, \
+            ipcsync.Consumer(name, device="cpu") as inp, \
+            ipcsync.Producer(a["endpoint"], slots=4, slot_bytes=1 << 14, heartbeat=0.5, timeout=30.0,
+                             device="cpu", insecure=True) as out:
+        say(event="bound", pid=os.getpid())
+        for i in range(n):
+            up.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+            ipcsync.forward(inp.get(timeout=30), out)
+        say(event="forwarded", stats=plain(out.stats()))
+        out.wait_for_consumers(1, timeout=60)
+        out.close(30)
+        stats = out.stats()
+        up.close(5)
+    say(event="done", stats=plain(stats))
