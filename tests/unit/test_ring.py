@@ -961,3 +961,24 @@ def test_random_operations(policy: str, seed: int) -> None:
             with pytest.raises(ProtocolError):
                 ring.release(d.consumer, d.seq, d.slot, d.gen)  # double release
         check_invariants(ring, credits)
+
+
+@pytest.mark.parametrize("policy", ["shard", "broadcast"])
+def test_would_dispatch_says_whether_an_item_committed_now_goes_out_at_once(policy: str) -> None:
+    ring = Ring(4, policy)
+    assert not ring.would_dispatch()  # nobody to take it
+    ring.add_consumer("a", 1)
+    ring.add_consumer("b", 1)
+    assert ring.would_dispatch()
+    for _ in range(2):
+        acq = ring.acquire()
+        assert acq is not None
+        ring.commit(acq.slot)
+        expected = ring.would_dispatch()
+        assert bool(ring.dispatch()) == expected or not expected
+    # Every credit used (broadcast: both; shard: one each): the next one would wait.
+    assert not ring.would_dispatch()
+    acq = ring.acquire()
+    assert acq is not None
+    ring.commit(acq.slot)
+    assert ring.dispatch() == [] and not ring.would_dispatch()  # queued ahead of any other
