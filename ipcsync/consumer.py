@@ -130,7 +130,8 @@ class Consumer(EndpointBase):
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
-                self._raise_if_broken()
+                if s.setup is None:  # refused in the handshake; an error after it is the first call's
+                    self._raise_if_broken()
                 if link.remote is not None:
                     # A producer on another host: its items' recvs are polled with the control
                     # channel pumped, so its death ends a wait at once (runtime.remote).
@@ -222,13 +223,13 @@ class Consumer(EndpointBase):
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
-        waiting by cause, items held and buffered."""
+        waiting by cause, items held and buffered, whether frames travel on a lane (``lane``)."""
         with self._lock:
             clock = self.session.clock
             return self._stats.snapshot(
                 role="consumer", held=len(self._held), buffered=len(self._ready),
                 forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
-                producer_stalled=clock.stalled, producer_stalled_total=clock.stalls,
+                producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
 
     @property

@@ -26,6 +26,7 @@ __all__ = [
     "POLICIES",
     "DEFAULT_SPIN_US",
     "MAX_SPIN_US",
+    "DEFAULT_LANE",
 ]
 
 DEFAULT_SLOTS = 4
@@ -47,3 +48,6 @@ POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its co
 DEFAULT_SPIN_US = 0
 MAX_SPIN_US = 10_000
 
+# Same-host ipc edges carry their per-item frames on a direct unix-socket lane once the
+# handshake is done (runtime/lane.py); IPCSYNC_LANE=0 keeps every frame on ZeroMQ.
+DEFAULT_LANE = True

@@ -26,7 +26,12 @@ Rules kept here, once:
 - an ERROR from the producer becomes the exception of ``REFUSALS``; the first error is
   sticky (``error``) and stops the session;
 - liveness (``tick``): the rule of ``core.liveness`` applied to the producer, from SETUP
-  until its BYE; heartbeats from SETUP until our BYE.
+  until its BYE; heartbeats from SETUP until our BYE;
+- lanes (see ``protocol``): LANE only after SETUP, once (``LaneOffered``); the
+  producer's SWITCH only after a LANE, once (``SwitchReceived``: read the lane from now
+  on and answer with ``switch()``, our last ZeroMQ frame);
+- a producer of the previous version refusing our HELLO's version: HELLO again with
+  ``OLDEST_VERSION`` (no lane then), once (``HelloAgain``).
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from .liveness import PeerClock, Verdict
 from .protocol import ErrorCode, MsgType, State
 
 __all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
-           "SentReceived", "ReadyEntry", "release_batch_for"]
+           "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry", "release_batch_for"]
 
 # What the consumer may send in each state (what it may receive: protocol.TRANSITIONS).
 SENDS: dict[State, frozenset[MsgType]] = {
     State.AWAIT_SETUP: frozenset({MsgType.HELLO, MsgType.BYE, MsgType.ERROR}),
-    State.ACTIVE: frozenset({MsgType.ATTACH, MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
-    State.ENDING: frozenset({MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
+    State.ACTIVE: frozenset({MsgType.ATTACH, MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.SWITCH, MsgType.BYE,
+                             MsgType.ERROR}),
+    State.ENDING: frozenset({MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.SWITCH, MsgType.BYE, MsgType.ERROR}),
     State.CLOSED: frozenset(),
 }
 
@@ -99,7 +105,28 @@ class SentReceived(NamedTuple):
     seq: int
 
 
-Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived]
+class LaneOffered(NamedTuple):
+    """LANE arrived: connect to its path and send its token (or stay on ZeroMQ)."""
+
+    msg: P.LaneOffer
+
+
+class SwitchReceived(NamedTuple):
+    """The producer's SWITCH: read the lane from now on, and send ``frame`` (our SWITCH)
+    as our last ZeroMQ frame."""
+
+    frame: bytes
+
+
+class HelloAgain(NamedTuple):
+    """A producer of the previous protocol version refused our HELLO's version: send
+    ``frame``, a HELLO of ``protocol.OLDEST_VERSION`` (the edge then has no lane)."""
+
+    frame: bytes
+
+
+Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived, LaneOffered, SwitchReceived,
+              HelloAgain]
 
 _ACTIVE = State.ACTIVE
 _EXCHANGING = (State.ACTIVE, State.ENDING)
@@ -122,7 +149,7 @@ class ConsumerSession:
 
     __slots__ = ("name", "backend", "limits", "conv", "enc", "setup", "error", "outbox", "ready", "pending",
                  "release_batch", "bye_sent", "bye_received", "bye_acked", "recipes", "frecipes", "foreign",
-                 "slot_bytes", "clock", "_hello", "_rehello")
+                 "slot_bytes", "clock", "lane_offer", "switched", "_hello", "_rehello")
 
     def __init__(self, name: str, backend: str, heartbeat: float, limits: P.Limits = P.DEFAULT_LIMITS,
                  now: float = 0.0) -> None:
@@ -145,6 +172,8 @@ class ConsumerSession:
         self.foreign: dict[int, P.Foreign] = {}  # FOREIGN id -> its description
         self.slot_bytes: list[int] = []
         self.clock = PeerClock(heartbeat=0.0, ours=heartbeat, last_recv=now)
+        self.lane_offer: P.LaneOffer | None = None  # the producer's LANE, once received
+        self.switched = False  # the producer's SWITCH was handled: its later frames come on the lane
         self._hello: P.Hello | None = None
         self._rehello = False
 
@@ -304,6 +333,12 @@ class ConsumerSession:
             return None
         try:
             msg = P.decode(frames[0], self.limits)
+            if (type(msg) is P.Error and msg.code == ErrorCode.VERSION.value and self.conv.state is State.AWAIT_SETUP
+                    and self._hello is not None and self._hello.version > P.OLDEST_VERSION):
+                # A producer of the previous version: speak its version (no lane).
+                return HelloAgain(self.hello(P.Hello(P.OLDEST_VERSION, *(
+                    getattr(self._hello, f) for f in ("pid", "start_time", "boot_id", "pid_ns", "backend", "device",
+                                                      "credits", "heartbeat_ms")))))
             self.conv.receive(msg)
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) else ErrorCode.PROTOCOL
@@ -328,7 +363,33 @@ class ConsumerSession:
                 self.bye_acked = True
         elif kind is P.Error:
             self._on_error(msg)  # type: ignore[arg-type]
+        elif kind is P.LaneOffer:
+            return self._on_lane(msg)  # type: ignore[arg-type]
+        elif kind is P.Switch:
+            return self._on_switch()
         return None
+
+    def _on_lane(self, m: P.LaneOffer) -> LaneOffered | None:
+        if self.lane_offer is not None or self.setup is None or (self._hello is not None
+                                                                  and self._hello.version < P.LANE_VERSION):
+            self.fail(ProtocolError(f"producer on {self.name!r} offered a lane it may not offer now"),
+                      ErrorCode.PROTOCOL)
+            return None
+        self.lane_offer = m
+        return LaneOffered(m)
+
+    def _on_switch(self) -> SwitchReceived | None:
+        if self.lane_offer is None or self.switched:
+            self.fail(ProtocolError(f"producer on {self.name!r} said SWITCH "
+                                    + ("twice" if self.switched else "without offering a lane")), ErrorCode.PROTOCOL)
+            return None
+        self.switched = True
+        return SwitchReceived(self.switch())
+
+    def switch(self) -> bytes:
+        """Our SWITCH, answering the producer's: ``protocol.SWITCH_FRAME`` itself."""
+        self._may_send(MsgType.SWITCH)
+        return P.SWITCH_FRAME
 
     def _on_ready(self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int,
                   layout: Any, meta: Any) -> None:

@@ -14,7 +14,10 @@ Rules kept here:
 - layouts and foreign arenas sent to this consumer: a READY names a layout by id only
   when this consumer has that id's current version; a FREADY follows the FOREIGN of
   its arena's current version;
-- liveness through ``core.liveness`` (heard / spoke / stalled / handshake overdue).
+- liveness through ``core.liveness`` (heard / spoke / stalled / handshake overdue);
+- lanes (see ``protocol``): LANE goes only to a consumer of ``LANE_VERSION`` or later,
+  after SETUP, at most once; our SWITCH at most once, after the LANE; the consumer's
+  SWITCH is accepted only after ours (it is its answer), once.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ __all__ = ["SENDS", "Kind", "SessionEvent", "ProducerSession", "error_frame"]
 # What the producer may send in each state of its side of a connection.
 SENDS: Final[dict[State, frozenset[MsgType]]] = {
     State.AWAIT_HELLO: frozenset({MsgType.ERROR}),
-    State.AWAIT_ATTACH: frozenset({MsgType.SETUP, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ERROR}),
-    State.ACTIVE: frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.HEARTBEAT,
-                             MsgType.SENT, MsgType.BYE, MsgType.ERROR}),
+    State.AWAIT_ATTACH: frozenset({MsgType.SETUP, MsgType.LANE_OFFER, MsgType.SWITCH, MsgType.HEARTBEAT, MsgType.BYE,
+                                   MsgType.ERROR}),
+    State.ACTIVE: frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.LANE_OFFER, MsgType.SWITCH,
+                             MsgType.HEARTBEAT, MsgType.SENT, MsgType.BYE, MsgType.ERROR}),
     State.CLOSED: frozenset({MsgType.BYE}),  # the ack of a BYE received
 }
 
@@ -49,6 +53,7 @@ class Kind(Enum):
     GOODBYE = "goodbye"  # the consumer said BYE; reply: the ack. Drop the peer.
     PEER_ERROR = "peer_error"  # data: the consumer's ERROR. Drop the peer.
     BAD_FRAME = "bad_frame"  # data: the ProtocolError; reply: our ERROR. Drop the peer.
+    SWITCHED = "switched"  # the consumer's SWITCH: read its lane from now on
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class ProducerSession:
     """The producer's side of one connection, from the consumer's HELLO on."""
 
     __slots__ = ("identity", "hello", "conv", "clock", "hello_at", "bye_sent", "bye_received",
-                 "layouts", "foreign", "limits")
+                 "layouts", "foreign", "limits", "lane_offered", "switch_sent", "switch_received")
 
     def __init__(self, identity: bytes, hello: P.Hello, now: float, heartbeat: float,
                  limits: P.Limits = P.DEFAULT_LIMITS) -> None:
@@ -87,6 +92,9 @@ class ProducerSession:
         self.bye_received = False
         self.layouts: dict[int, int] = {}  # layout id -> version this consumer has
         self.foreign: dict[int, int] = {}  # foreign id -> version described to it (FOREIGN)
+        self.lane_offered = False  # LANE said
+        self.switch_sent = False  # our SWITCH made (the runtime moves to the lane once it left)
+        self.switch_received = False  # the consumer's SWITCH: its later frames come on the lane
 
     @property
     def state(self) -> State:
@@ -133,6 +141,13 @@ class ProducerSession:
             return SessionEvent(Kind.GOODBYE, reply=self._frame(P.Bye("ack")))
         if kind is P.Error:
             return SessionEvent(Kind.PEER_ERROR, msg)
+        if kind is P.Switch:
+            if not self.switch_sent or self.switch_received:
+                return self.bad_frame(ProtocolError(
+                    "SWITCH from a consumer " + ("that switched already" if self.switch_received
+                                                 else "to which no lane was switched")))
+            self.switch_received = True
+            return SessionEvent(Kind.SWITCHED)
         return _NOTHING
 
     def bad_frame(self, exc: ProtocolError) -> SessionEvent:
@@ -160,6 +175,28 @@ class ProducerSession:
     def setup(self, msg: P.Setup) -> bytes:
         """The SETUP answering the HELLO this session began with."""
         return self._frame(msg)
+
+    @property
+    def lane_capable(self) -> bool:
+        """The consumer speaks a protocol version with lanes."""
+        return self.hello.version >= P.LANE_VERSION
+
+    def lane_offer(self, path: str, token: bytes) -> bytes:
+        """LANE (after SETUP, once, to a lane-capable consumer)."""
+        if not self.lane_capable or self.lane_offered:
+            raise ProtocolError(f"a LANE may not go to {self.label} (version {self.hello.version}, "
+                                f"offered already: {self.lane_offered})")
+        self.lane_offered = True
+        return self._frame(P.LaneOffer(path, token))
+
+    def switch(self) -> bytes:
+        """Our SWITCH (once, after LANE): ``protocol.SWITCH_FRAME`` itself, which the
+        runtime recognises by identity when it leaves on ZeroMQ."""
+        if not self.lane_offered or self.switch_sent:
+            raise ProtocolError(f"a SWITCH may not go to {self.label} now")
+        self.check_send(MsgType.SWITCH)
+        self.switch_sent = True
+        return P.SWITCH_FRAME
 
     def bye(self, reason: str) -> bytes | None:
         """Our BYE, once (None if one was said already, or the session has ended)."""

@@ -23,6 +23,23 @@ Conversation (one consumer connection)::
                                                                always acknowledged with a BYE)
     ERROR{code, message}       <->   ERROR{code, message}                     (then close)
 
+Lanes (version 4, same-host ipc edges; ``ipcsync.runtime.lane``): after SETUP the producer
+may offer a direct AF_UNIX SOCK_SEQPACKET connection that carries the rest of the session::
+
+                               <-    LANE{path, token}        (after SETUP, on ZeroMQ)
+    (connects to path, sends token as its first packet; the producer checks it and the
+     connection's SO_PEERCRED)
+                               <-    SWITCH                   (the producer's last ZeroMQ frame)
+    SWITCH                     ->                             (the consumer's last ZeroMQ frame)
+    ... every later frame of that direction travels on the lane ...
+
+The ordering rule: SWITCH is the last frame a side sends on ZeroMQ, and a receiver reads
+the lane only after it has handled the peer's SWITCH, so every frame sent before the
+switch is handled before every frame sent after it, in both directions. A side sends its
+SWITCH only once the lane is usable (the producer: token and credentials checked; the
+consumer: after the producer's SWITCH), so nothing is ever sent on a lane that the other
+side may refuse.
+
 Zero-copy forwarding (``ipcsync.forward``): a middle stage hands on memory it received from
 an upstream producer. FOREIGN describes that upstream arena (its export handle as the
 upstream SETUP carried it, size, device, owner) under a small id, once per consumer, before
@@ -64,6 +81,13 @@ __all__ = [
     "Foreign",
     "ForwardReady",
     "Sent",
+    "LaneOffer",
+    "Switch",
+    "SWITCH_FRAME",
+    "OLDEST_VERSION",
+    "LANE_VERSION",
+    "SENT_VERSION",
+    "LANE_TOKEN_BYTES",
     "Message",
     "encode",
     "decode",
@@ -85,8 +109,17 @@ __all__ = [
 # mid-stream; the version makes the mismatch explicit at HELLO/SETUP instead.
 # 3: a tensor spec may carry autograd flags (a fifth field), which version 2 refuses.
 # 4: SENT (a remote edge's producer confirms its completed sends; a remote consumer of
-# version 3 would never get one, and one of version 4 would wait for it forever).
+# version 3 would never get one, so a remote edge needs version 4 at both ends), and LANE
+# and SWITCH (a direct unix-socket lane per same-host consumer). A same-host peer of
+# version 3 is still served, without a lane: HELLO and SETUP of version 3 are accepted,
+# the producer answers a version-3 HELLO with a version-3 SETUP and offers it no lane, and
+# a consumer whose version-4 HELLO a version-3 producer refused says HELLO again as 3.
 PROTOCOL_VERSION: Final = 4
+OLDEST_VERSION: Final = 3  # the oldest version this process still speaks
+LANE_VERSION: Final = 4  # the first version with lanes
+SENT_VERSION: Final = 4  # the first version with SENT (a remote edge needs it at both ends)
+LANE_TOKEN_BYTES: Final = 16  # a lane token: random bytes, the first packet on the lane
+_LANE_PATH_MAX: Final = 107  # sockaddr_un.sun_path minus its NUL (limits.IPC_PATH_MAX)
 
 # Autograd flags of a tensor spec (its optional fifth field, absent when 0): the tensor
 # requires grad; it is an nn.Parameter (with or without requires_grad).
@@ -120,6 +153,8 @@ class MsgType(IntEnum):
     FOREIGN = 10
     FORWARD_READY = 11
     SENT = 12
+    LANE_OFFER = 13
+    SWITCH = 14
 
 
 # Plain ints for the hot paths (packing an IntEnum member takes msgpack's slower path).
@@ -254,6 +289,19 @@ _release_entry = _uint_triple("a release entry is [seq, slot, gen]")
 def _foreign_id(v: Any, lim: Limits) -> int:
     if type(v) is not int or not 0 <= v < lim.max_foreign:
         raise _fail(f"expected a foreign arena id below {lim.max_foreign}, got {_describe(v)}")
+    return v
+
+
+def _lane_path(v: Any, lim: Limits) -> str:
+    if (type(v) is not str or not v.startswith("/") or "\0" in v
+            or len(v.encode("utf-8", "surrogatepass")) > _LANE_PATH_MAX):
+        raise _fail(f"expected an absolute socket path of at most {_LANE_PATH_MAX} bytes, got {_describe(v)}")
+    return v
+
+
+def _lane_token(v: Any, lim: Limits) -> bytes:
+    if type(v) is not bytes or len(v) != LANE_TOKEN_BYTES:
+        raise _fail(f"expected a token of {LANE_TOKEN_BYTES} bytes, got {_describe(v)}")
     return v
 
 
@@ -503,7 +551,28 @@ class Sent:
     seq: int
 
 
-Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady, Sent]
+@dataclass(frozen=True, slots=True)
+class LaneOffer:
+    """Producer -> consumer (LANE), after SETUP, only to a consumer of version 4 or later
+    on an ipc endpoint: connect to the SOCK_SEQPACKET socket at ``path`` and send
+    ``token`` as the first packet; the producer then says SWITCH (see the module
+    docstring). A consumer that cannot connect simply stays on ZeroMQ."""
+
+    TYPE: ClassVar[int] = MsgType.LANE_OFFER
+    path: str
+    token: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """Either way (SWITCH): the last frame this side sends on ZeroMQ; every later frame
+    of this direction travels on the lane, read only after this frame was handled."""
+
+    TYPE: ClassVar[int] = MsgType.SWITCH
+
+
+Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady, Sent,
+                LaneOffer, Switch]
 
 # The schema of each message type, as data: field validators in wire order.
 SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
@@ -530,6 +599,8 @@ SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
     Foreign: (_foreign_id, _text, _opt_text, _uint, _uint, _handle, _uint),
     ForwardReady: (_uint, _uint, _uint, _uint, _uint, _opt_layout, _meta, _foreign_id, _uint, _uint),
     Sent: (_uint,),
+    LaneOffer: (_lane_path, _lane_token),
+    Switch: (),
 }
 _BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
 _FIELDS: Final[dict[type, tuple[str, ...]]] = {
@@ -739,7 +810,7 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     if cls is Hello or cls is Setup:
         # Check the version first, so a peer of another version gets a version error even
         # when its message has other fields.
-        if len(obj) < 2 or obj[1] != PROTOCOL_VERSION:
+        if len(obj) < 2 or type(obj[1]) is not int or not OLDEST_VERSION <= obj[1] <= PROTOCOL_VERSION:
             raise VersionMismatch(obj[1] if len(obj) > 1 else None)
     schema = SCHEMAS[cls]
     if len(obj) - 1 != len(schema):
@@ -764,16 +835,18 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
 _ENDS: Final = {Bye: State.CLOSED, Error: State.CLOSED}
 TRANSITIONS: Final[dict[tuple[str, State], dict[type, State]]] = {
     ("producer", State.AWAIT_HELLO): {Hello: State.AWAIT_ATTACH, **_ENDS},
-    ("producer", State.AWAIT_ATTACH): {Attach: State.ACTIVE, Heartbeat: State.AWAIT_ATTACH, **_ENDS},
-    ("producer", State.ACTIVE): {Release: State.ACTIVE, Heartbeat: State.ACTIVE, **_ENDS},
+    ("producer", State.AWAIT_ATTACH): {Attach: State.ACTIVE, Heartbeat: State.AWAIT_ATTACH,
+                                       Switch: State.AWAIT_ATTACH, **_ENDS},
+    ("producer", State.ACTIVE): {Release: State.ACTIVE, Heartbeat: State.ACTIVE, Switch: State.ACTIVE, **_ENDS},
     ("consumer", State.AWAIT_SETUP): {Setup: State.ACTIVE, Heartbeat: State.AWAIT_SETUP, **_ENDS},
     ("consumer", State.ACTIVE): {
         Ready: State.ACTIVE, Foreign: State.ACTIVE, ForwardReady: State.ACTIVE, Heartbeat: State.ACTIVE,
-        Sent: State.ACTIVE, Bye: State.ENDING, Error: State.CLOSED,
+        Sent: State.ACTIVE, LaneOffer: State.ACTIVE, Switch: State.ACTIVE, Bye: State.ENDING,
+        Error: State.CLOSED,
     },
     # (SENT after BYE: the producer's last items are confirmed once their sends complete.)
-    ("consumer", State.ENDING): {Heartbeat: State.ENDING, Sent: State.ENDING, Bye: State.ENDING,
-                                 Error: State.CLOSED},
+    ("consumer", State.ENDING): {Heartbeat: State.ENDING, Sent: State.ENDING, LaneOffer: State.ENDING,
+                                 Switch: State.ENDING, Bye: State.ENDING, Error: State.CLOSED},
 }
 _INITIAL: Final = {"producer": State.AWAIT_HELLO, "consumer": State.AWAIT_SETUP}
 
@@ -805,3 +878,8 @@ class Conversation:
 
     def close(self) -> None:
         self.state = State.CLOSED
+
+
+# The one SWITCH frame: a sender recognises its own marker by identity (``frame is
+# SWITCH_FRAME``) when it leaves, to move the rest of that direction onto the lane.
+SWITCH_FRAME: Final = msgpack.packb([int(MsgType.SWITCH)], use_bin_type=True)

@@ -26,6 +26,12 @@ def hello_problem(hello: P.Hello, backend: str, device: object, remote_ok: bool 
             "consumer runs on another host or boot; shared memory and CUDA IPC need "
             "both processes on one machine (a tcp:// endpoint serves consumers on other hosts)"
         )
+    if remote and hello.version < P.SENT_VERSION:
+        return ErrorCode.VERSION.value, (
+            f"a remote edge needs protocol version {P.SENT_VERSION} or later at both ends (its items are "
+            f"served only once their sends are confirmed), the consumer speaks {hello.version}: run the "
+            "same ipcsync version on every host"
+        )
     if hello.backend != backend:
         return ErrorCode.BACKEND.value, (
             f"producer uses the {backend} backend (device {device}) but "

@@ -15,14 +15,21 @@
   MAXMSGSIZE (a peer sending an oversized frame is disconnected by ZeroMQ itself).
 - Disconnects come from a socket monitor. On the producer, the file descriptor of each
   connection (ZMQ_SRCFD of a received frame) ties a DISCONNECTED event to its consumer.
+- Lanes (``runtime.lane``): on an ipc endpoint the producer also listens on
+  ``<path>.lane`` (SOCK_SEQPACKET, 0600, removed with the socket and the lock, stale ones
+  too), and each channel has one more wait descriptor (its ``LaneMux``) in ``fds()``, so
+  every wait wakes on lane input too. The consumer's channel sends and receives through
+  its lane once switched (see the ordering rule in ``runtime.lane``).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
+import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -32,8 +39,11 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import host as _host
+from ..core import protocol as P
+from ..core.ratelog import RateLog
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
+from .lane import Lane, LaneClosed, LaneHub, LaneMux, connect_lane, lane_enabled
 from .paths import runtime_dir
 
 __all__ = [
@@ -82,6 +92,11 @@ class Endpoint:
     @property
     def lock_path(self) -> str | None:
         return None if self.path is None else self.path + ".lock"
+
+    @property
+    def lane_path(self) -> str | None:
+        """Where the producer's lane socket listens (``runtime.lane``); None for tcp."""
+        return None if self.path is None else self.path + ".lane"
 
 
 def resolve_endpoint(name: str) -> Endpoint:
@@ -149,7 +164,8 @@ class BindLock:
         """Remove the socket file (if asked) and the lock file, then drop the lock."""
         if self._fd is None:
             return
-        for p in ([self.endpoint.path] if remove_socket else []) + [self.endpoint.lock_path]:
+        sockets = [self.endpoint.path, self.endpoint.lane_path] if remove_socket else []
+        for p in sockets + [self.endpoint.lock_path]:
             try:
                 os.unlink(p)  # type: ignore[arg-type]
             except FileNotFoundError:
@@ -253,6 +269,7 @@ def _configure(sock: zmq.Socket, max_frame: int) -> None:
 class _Channel:
     sock: zmq.Socket
     mon: zmq.Socket | None = None
+    mux: LaneMux | None = None  # the lanes' wait descriptor (None: no lanes on this channel)
 
     def _setup_monitor(self) -> None:
         self.mon = self.sock.get_monitor_socket(_MONITOR_EVENTS)
@@ -278,13 +295,18 @@ class _Channel:
         out = [self.sock.getsockopt(zmq.FD)]
         if self.mon is not None:
             out.append(self.mon.getsockopt(zmq.FD))
+        if self.mux is not None:
+            out.append(self.mux.fd)
         return out
 
     def pending(self) -> bool:
-        """True if the socket or its monitor has something to read now."""
+        """True if the socket, its monitor or a lane has something to read now."""
         if self._get(_EVENTS) & _POLLIN:
             return True
-        return self.mon is not None and bool(self._mget(_EVENTS) & _POLLIN)
+        if self.mon is not None and self._mget(_EVENTS) & _POLLIN:
+            return True
+        mux = self.mux
+        return mux is not None and mux.count > 0 and mux.pending()
 
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
@@ -409,6 +431,7 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     return None
 
 
+_log = logging.getLogger(__name__)
 _HALF_OPEN_MAX = 256  # connections without a HELLO kept at most (less under a low fd limit)
 HANDSHAKE_DEADLINE = 10.0  # seconds a connection may stay without a HELLO
 _SHED_LOG_EVERY = 10.0  # seconds between warnings about shed connections
@@ -505,6 +528,13 @@ class ProducerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+        self.lanes: LaneHub | None = None
+        if endpoint.lane_path is not None and lane_enabled():
+            try:
+                self.lanes = LaneHub(endpoint.lane_path, max_frame, endpoint.name, RateLog(_log))
+                self.mux = self.lanes.mux
+            except (OSError, ConfigError) as exc:
+                _log.info("ipcsync producer %r: no lanes (%s); every consumer stays on ZeroMQ", endpoint.name, exc)
 
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
@@ -585,17 +615,29 @@ class ProducerChannel(_Channel):
 
     def close(self) -> None:
         super().close()
+        lanes = getattr(self, "lanes", None)
+        if lanes is not None:
+            lanes.close()
+            self.lanes = None
         if self.lock is not None:
             self.lock.release(remove_socket=True)
             self.lock = None
 
 
 class ConsumerChannel(_Channel):
-    """A consumer's DEALER, connected (ZeroMQ retries until the producer binds)."""
+    """A consumer's DEALER, connected (ZeroMQ retries until the producer binds), and its
+    lane once the producer offered one (``runtime.lane``).
+
+    Lane states: none; ``lane`` connected and its token sent, waiting for the producer's
+    SWITCH (``lane_in`` False; an EOF now means the producer refused it: ``lane_refused``,
+    the edge stays on ZeroMQ); switched (``switch_in``): frames are read from the lane,
+    and, once our SWITCH went out on ZeroMQ (``lane_out``), sent on it. ``lane_lost``: a
+    switched lane closed (the same evidence as a closed ZeroMQ connection)."""
 
     def __init__(self, endpoint: Endpoint, identity: bytes, max_frame: int,
                  curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.max_frame = max_frame
         raise_fd_limit()
         self.sock = _context().socket(zmq.DEALER)
         try:
@@ -609,9 +651,25 @@ class ConsumerChannel(_Channel):
         except BaseException:
             self.close()
             raise
+        self.lane: Lane | None = None
+        self.lane_in = False
+        self.lane_out = False
+        self.lane_refused = False
+        self.lane_lost = False
+        self._switch: bytes | None = None  # our SWITCH, until ZeroMQ took it
+        if endpoint.path is not None and lane_enabled():
+            try:
+                self.mux = LaneMux()
+            except OSError as exc:
+                _log.info("ipcsync consumer %r: no lane (%s); staying on ZeroMQ", endpoint.name, exc)
 
     connection_fd = -1  # our end of the current connection (monitor: CONNECTED), -1 if none
     _held_events: list[tuple[int, int]] | None = None
+
+    @property
+    def lane_used(self) -> bool:
+        """Frames travel on the lane in both directions now."""
+        return self.lane_in and self.lane_out and not self.lane_lost
 
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
@@ -637,12 +695,113 @@ class ConsumerChannel(_Channel):
         """As ``_Channel.pending``; monitor events held back above count too."""
         return bool(self._held_events) or super().pending()
 
+    # ------------------------------------------------------------------ the lane
+    def connect_lane(self, offer: P.LaneOffer, producer_pid: int | None) -> str | None:
+        """Connect to the lane the producer offered and send its token; None if done,
+        else why not (the edge stays on ZeroMQ)."""
+        if self.mux is None or self.lane is not None or self.lane_refused:
+            return "lanes are off for this consumer" if self.mux is None else "a lane was offered already"
+        try:
+            self.lane = connect_lane(offer.path, offer.token, self.max_frame, producer_pid)
+        except (OSError, ConfigError) as exc:
+            return str(exc)
+        return None
+
+    def check_lane(self) -> None:
+        """Before the producer's SWITCH: an EOF on the lane means it refused it (close it,
+        stay on ZeroMQ). Input already there is left for after the SWITCH."""
+        lane = self.lane
+        if lane is None or self.lane_in:
+            return
+        try:
+            peek = lane.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            peek = b""
+        if not peek:
+            _log.info("ipcsync consumer %r: the producer refused the lane; staying on ZeroMQ", self.endpoint.name)
+            lane.close()
+            self.lane = None
+            self.lane_refused = True
+
+    def switch_in(self, frame: bytes) -> None:
+        """The producer's SWITCH was handled: read the lane from now on; ``frame`` (our
+        SWITCH) goes out on ZeroMQ as our last frame there, before any frame of ours
+        goes on the lane."""
+        self.lane_in = True
+        if self.lane is None:
+            # It accepted the lane and closed it since (it dropped us): a closed connection.
+            self.lane_lost = True
+            return
+        assert self.mux is not None
+        self.mux.add(self.lane.fd)
+        self._switch = frame
+        self._send_switch()
+
+    def _send_switch(self) -> bool:
+        try:
+            self._send(self._switch, _NOBLOCK)
+        except zmq.Again:
+            return False
+        self._switch = None
+        self.lane_out = True
+        return True
+
+    def _lane_broken(self) -> None:
+        self.lane_lost = True
+        lane = self.lane
+        if lane is not None and self.mux is not None:
+            self.mux.remove(lane.fd)
+
     def recv(self) -> list[bytes] | None:
+        if self.lane_in and not self.lane_lost and self.lane is not None:
+            try:
+                frame = self.lane.recv()
+            except LaneClosed:
+                self._lane_broken()
+                frame = None
+            if frame is not None:
+                return [frame]
+        # (After the switch a producer sends nothing more on ZeroMQ; anything that still
+        # comes is handled after the lane's frames.)
         return self._recv_parts(True)
 
     def send(self, frame: bytes) -> bool:
+        if self.lane_out:
+            if self.lane_lost:
+                return True  # nothing reaches the producer any more; the loss is being handled
+            try:
+                return self.lane.send(frame)  # type: ignore[union-attr]
+            except OSError:
+                self._lane_broken()
+                return True
+        if self._switch is not None and not self._send_switch():
+            return False
+        if self.lane_out:
+            return self.send(frame)
         try:
             self._send(frame, _NOBLOCK)
             return True
         except zmq.Again:
             return False
+
+    def flush_lane(self) -> None:
+        """Our SWITCH, and what is left of a split frame on the lane, if anything is."""
+        if self._switch is not None:
+            self._send_switch()
+        lane = self.lane
+        if lane is not None and lane.tail and not self.lane_lost:
+            try:
+                lane.flush()
+            except OSError:
+                self._lane_broken()
+
+    def close(self) -> None:
+        super().close()
+        lane, self.lane = getattr(self, "lane", None), None
+        if lane is not None:
+            lane.close()
+        mux, self.mux = self.mux, None
+        if mux is not None:
+            mux.close()

@@ -58,8 +58,13 @@ class Pumpable(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def sockets(self) -> Sequence[Any]:
-        """The ZeroMQ sockets whose input ``pump()`` handles. Lock held."""
+    def io_fds(self) -> Sequence[int]:
+        """The descriptors that become readable on input ``pump()`` handles (ZeroMQ's
+        ``ZMQ_FD`` of each socket, the lanes' epoll descriptor). Lock held."""
+        ...
+
+    def io_pending(self) -> bool:
+        """True if input is queued now (then the fds may not signal again). Lock held."""
         ...
 
     def pump(self) -> None:

@@ -33,7 +33,7 @@ class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
     __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected",
-                 "remote")
+                 "remote", "lane", "lane_ready")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | None) -> None:
         self.identity = session.identity
@@ -51,6 +51,11 @@ class Peer:
         # A consumer on another host (core.remote_session): its runtime.remote.ProducerEdge,
         # whose SendEvents are its release_events; None for every local consumer.
         self.remote: Any = None
+        # Its lane (runtime.lane): ``lane_ready`` once its token and credentials were checked
+        # and our SWITCH is queued; ``lane`` once that SWITCH left on ZeroMQ, from when on
+        # every frame to it goes on the lane (the ordering rule of runtime.lane).
+        self.lane: Any = None
+        self.lane_ready: Any = None
 
     @property
     def label(self) -> str:
@@ -106,17 +111,36 @@ class PeerTable:
     def try_send(self, peer: Peer, frame: bytes) -> bool:
         if peer.disconnected:
             return True  # nothing reaches it any more; its holds wait for its exit
-        try:
-            ok = self.chan.send(peer.identity, frame)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
-            self.on_disconnect(peer, f"unreachable ({exc})")
-            return True
+        lane = peer.lane
+        if lane is not None:
+            try:
+                ok = lane.send(frame)
+            except OSError as exc:  # EPIPE, ECONNRESET: as a closed connection
+                self.on_disconnect(peer, f"its lane closed ({exc})")
+                return True
+        else:
+            try:
+                ok = self.chan.send(peer.identity, frame)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+                self.on_disconnect(peer, f"unreachable ({exc})")
+                return True
+            if ok and frame is P.SWITCH_FRAME:
+                # Our last frame on ZeroMQ to this peer has left: the rest go on the lane.
+                peer.lane, peer.lane_ready = peer.lane_ready, None
         if ok:
             peer.clock.last_send = time.monotonic()
         return ok
 
     def send_raw(self, identity: bytes, frame: bytes) -> None:
-        """A last word to a connection that is (or will be) no peer of ours; never raises."""
+        """A last word to a connection that is (or will be) no peer of ours; never raises.
+        To a peer on a lane it goes on the lane, after what was sent before."""
+        peer = self.by_id.get(identity)
+        if peer is not None and peer.lane is not None:
+            try:
+                peer.lane.send(frame)
+            except OSError:
+                pass
+            return
         try:
             self.chan.send(identity, frame)
         except zmq.ZMQError:
@@ -129,6 +153,12 @@ class PeerTable:
                     break
                 if peer.outbox:
                     peer.outbox.popleft()
+            lane = peer.lane
+            if lane is not None and lane.tail and peer.identity in self.by_id:
+                try:
+                    lane.flush()
+                except OSError as exc:
+                    self.on_disconnect(peer, f"its lane closed ({exc})")
 
     # ------------------------------------------------------------------ connections
     def monitor(self, events: Iterable[tuple[int, int]]) -> None:

@@ -82,9 +82,11 @@ class ProducerPort:
     def closed(self) -> bool:
         return bool(self.owner.closed)
 
-    def sockets(self) -> Sequence[Any]:
-        mon = self.chan.mon
-        return [self.chan.sock] if mon is None else [self.chan.sock, mon]
+    def io_fds(self) -> Sequence[int]:
+        return self.chan.fds()
+
+    def io_pending(self) -> bool:
+        return self.chan.pending()
 
     def pump(self) -> None:
         """Handle everything that has arrived, without blocking. Lock held."""
@@ -96,6 +98,16 @@ class ProducerPort:
             if got is None:
                 break
             on_frame(*got)
+        lanes = chan.lanes
+        if lanes is not None:
+            # After the ZeroMQ frames: a consumer's SWITCH among them opened its lane for
+            # reading, and its lane frames all follow that SWITCH (runtime.lane).
+            for what, identity, data in lanes.poll():
+                if what == "frame":
+                    if identity in peers.by_id:
+                        on_frame(identity, [data], -1)
+                else:
+                    self.on_lane(what, identity, data)
         peers.apply_disconnects()  # after the frames that arrived before them
         fwd = self.forwarder
         if fwd.ledger.pending:
@@ -175,6 +187,37 @@ class ProducerPort:
             self.peers.drop(peer)
         elif kind is Kind.BAD_FRAME:
             self.peers.bad_frame(identity, peer, ev.data, ev.reply)
+        elif kind is Kind.SWITCHED:
+            lanes = self.chan.lanes
+            if lanes is None or lanes.read(identity) is None:
+                bad = peer.session.bad_frame(ProtocolError("SWITCH, but this consumer's lane is gone"))
+                self.peers.bad_frame(identity, peer, bad.data, bad.reply)
+
+    def on_lane(self, what: str, identity: bytes, data: Any) -> None:
+        """What the lane hub reported besides frames (see ``LaneHub.poll``)."""
+        peer = self.peers.get(identity)
+        if peer is None:
+            if what == "lane":
+                assert self.chan.lanes is not None
+                self.chan.lanes.withdraw(identity)
+            return
+        if what == "lane":
+            # Token and credentials checked: our SWITCH goes out after everything queued
+            # for it on ZeroMQ, then its frames go on the lane (PeerTable.try_send).
+            if peer.disconnected or peer.session.state == "closed" or peer.session.switch_sent:
+                return
+            peer.lane_ready = data
+            self.peers.send(peer, peer.session.switch())
+        elif what == "closed":
+            self.peers.on_disconnect(peer, data)  # as a closed ZeroMQ connection
+        elif what == "bad":
+            bad = peer.session.bad_frame(data)
+            self.peers.bad_frame(identity, peer, bad.data, bad.reply)
+
+    @property
+    def lanes_used(self) -> int:
+        """Consumers whose frames travel on a lane now (both directions switched)."""
+        return sum(1 for p in self.peers.by_id.values() if p.lane is not None and p.session.switch_received)
 
     def on_hello(self, identity: bytes, hello: P.Hello, fd: int) -> None:
         # Monitor events first: a DISCONNECTED of an earlier connection on the same fd must
@@ -198,7 +241,7 @@ class ProducerPort:
         self.peers.add(peer)
         h = self.handoffs
         setup = P.Setup(
-            version=P.PROTOCOL_VERSION,
+            version=hello.version,  # the consumer's: an older one gets its version's SETUP (no lane)
             pid=self.pid,
             start_time=host.start_time(self.pid),
             pid_ns=host.pid_namespace(),
@@ -211,6 +254,10 @@ class ProducerPort:
             heartbeat_ms=int(self.heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
+        lanes = self.chan.lanes
+        if lanes is not None and session.lane_capable:
+            token = lanes.offer(identity, cred[0] if cred is not None else None)
+            self.peers.send(peer, session.lane_offer(lanes.path, token))
 
     def on_remote_hello(self, identity: bytes, session: ProducerSession, fd: int) -> None:
         """A consumer on another host (core.remote_session): a remote edge, whose SETUP
@@ -235,7 +282,7 @@ class ProducerPort:
         peer.watch.edge = edge
         self.peers.add(peer)
         setup = P.Setup(
-            version=P.PROTOCOL_VERSION, pid=self.pid, start_time=host.start_time(self.pid),
+            version=session.hello.version, pid=self.pid, start_time=host.start_time(self.pid),
             pid_ns=host.pid_namespace(), backend=self.backend.name, device=self.backend.device_identity(),
             arenas=[edge.address.encode()], arena_bytes=[self.arena.nbytes],
             slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
@@ -282,6 +329,9 @@ class ProducerPort:
         """A peer left the table (PeerTable's ``on_gone``): reclaim what it held."""
         if peer.remote is not None:
             peer.remote.close()  # aborts what is still pending with it (a lost peer)
+        if self.chan.lanes is not None:
+            self.chan.lanes.withdraw(peer.identity)
+        peer.lane = peer.lane_ready = None
         self.handoffs.reclaim(peer)
         if self.forwarder.ledger.pending:
             self.forwarder.poll()  # it may have been the one a forward still waited for

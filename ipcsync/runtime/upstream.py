@@ -17,7 +17,8 @@ import zmq
 from ..backends import Arena, Event
 from ..backends.cpu import reclaim_dead_segments, segment_owner
 from ..core import protocol as P
-from ..core.consumer_session import ConsumerSession, ForeignReceived, SentReceived, SetupReceived
+from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgain, LaneOffered, SentReceived,
+                                     SetupReceived, SwitchReceived)
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
 from ..core.remote_session import RELEASE_PLACEHOLDER, is_remote_handle
@@ -143,6 +144,7 @@ class ProducerLink:
         # A producer on another host: the runtime.remote.ConsumerEdge its SETUP named, whose
         # receive ring fills ``memory``; None on every local edge.
         self.remote: Any = None
+        self.lane_loss_seen = False  # a closed lane was handled as a closed connection
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -196,11 +198,16 @@ class ProducerLink:
     # ------------------------------------------------------------------ receives
     def pump(self) -> None:
         """Handle everything that has arrived, without blocking."""
-        lender, s = self.lender, self.session
+        lender, s, chan = self.lender, self.session, self.chan
         if lender.wake is not None:
             lender.drain()
+        if chan.lane is not None:
+            if not chan.lane_in:
+                chan.check_lane()  # refused before the SWITCH: stay on ZeroMQ
+            else:
+                chan.flush_lane()
         dropped = False
-        for ev, _fd in self.chan.events():
+        for ev, _fd in chan.events():
             if ev == zmq.EVENT_DISCONNECTED:
                 dropped = s.disconnected() or dropped
             elif ev == zmq.EVENT_CONNECTED:
@@ -219,6 +226,10 @@ class ProducerLink:
             event = receive(frames)
             if event is not None:
                 self.on_event(event)
+        if chan.lane_lost and not self.lane_loss_seen:
+            # A switched lane closed: the same evidence as a closed ZeroMQ connection.
+            self.lane_loss_seen = True
+            dropped = s.disconnected() or dropped
         if heard:
             s.clock.heard(time.monotonic())
             if self.remote is not None:  # the bytes of READYs just buffered: post their recvs
@@ -257,6 +268,18 @@ class ProducerLink:
             except ProtocolError as exc:
                 self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: {exc}"),
                           ErrorCode.PROTOCOL)
+        elif kind is LaneOffered:
+            setup = self.session.setup
+            pid = setup.pid if setup is not None and setup.pid_ns == host.pid_namespace() else None
+            why = self.chan.connect_lane(event.msg, pid)
+            if why is not None:
+                log.info("ipcsync consumer %r: no lane (%s); staying on ZeroMQ", self.endpoint.name, why)
+        elif kind is SwitchReceived:
+            self.chan.switch_in(event.frame)  # from the next frame on, read the lane
+        elif kind is HelloAgain:
+            log.info("ipcsync consumer %r: the producer speaks protocol version %d; no lane",
+                     self.endpoint.name, P.OLDEST_VERSION)
+            self.send(event.frame)
         else:  # ForwardedReceived
             m = event.msg
             use = self.downstream.use(m, event.recipe)
@@ -275,6 +298,12 @@ class ProducerLink:
             self.send_errors()
             return
         if is_remote_handle(s.arenas[0]):
+            if s.version < P.SENT_VERSION:  # (no SENT would ever come: nothing could be served)
+                self.fail(ConfigError(
+                    f"producer on {self.endpoint.name!r} speaks protocol version {s.version}, and a remote "
+                    f"edge needs {P.SENT_VERSION} or later at both ends: run the same ipcsync version on "
+                    "every host"), ErrorCode.VERSION)
+                return
             self.on_remote_setup(s)
             return
         try:

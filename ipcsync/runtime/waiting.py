@@ -3,7 +3,8 @@
 Consumer waiting while items it forwarded are out, FanIn waiting on all its sources).
 
 The poller sleeps in ``select`` on the OS file descriptors behind ZeroMQ sockets
-(``ZMQ_FD``: edge-triggered, safe to wait on from any thread). An fd may not signal
+(``ZMQ_FD``: edge-triggered, safe to wait on from any thread) and on each channel's lane
+epoll descriptor (``runtime.lane.LaneMux``: readable while a lane has input). An fd may not signal
 again for input that is already queued, so every socket is checked for pending input
 (``ZMQ_EVENTS``) first, under its owner's lock, and the poller does not sleep then.
 
@@ -70,19 +71,16 @@ class Poller:
             self.ready = True
 
     def lend(self, other: "Pumpable") -> bool:
-        """Poll ``other``'s sockets too (its lock only tried); False if it is closed."""
-        import zmq
-
+        """Poll ``other``'s sockets and lanes too (its lock only tried); False if it is closed."""
         lock = other.lock
         if not lock.acquire(blocking=False):
             return True  # whoever holds it is pumping it
         try:
             if other.closed:
                 return False
-            for sock in other.sockets():
-                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self.ready = True
-                self.fds.append(sock.getsockopt(zmq.FD))
+            if other.io_pending():
+                self.ready = True
+            self.fds.extend(other.io_fds())
         finally:
             lock.release()
         self.lent.append(other)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any, Awaitable, TypeVar
 
 import pytest
@@ -153,6 +154,12 @@ def test_cancelled_aget_loses_nothing(endpoints: Any) -> None:
     by the next aget/get."""
     out, inp = pair(endpoints, "aio-cancel", credits=2)
     n = 60
+    # The edge's lane (if any) is set up after the handshake: count descriptors once it is.
+    from ipcsync.runtime.lane import lane_enabled
+
+    deadline = time.monotonic() + 10
+    while lane_enabled() and not inp.stats()["lane"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     fds_before = open_fds()
 
     async def main() -> list[int]:

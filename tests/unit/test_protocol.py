@@ -84,8 +84,10 @@ FREADY = P.ForwardReady(seq=7, slot=1, gen=3, sent_ns=2**62, layout_id=5, layout
                         fid=63, offset=4096, nbytes=2048)
 
 SENT = P.Sent(seq=2**62)
+LANE = P.LaneOffer(path="/run/user/1000/ipcsync/x.sock.lane", token=b"\x01" * P.LANE_TOKEN_BYTES)
+SWITCH = P.Switch()
 
-ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY, SENT]
+ALL = [HELLO, SETUP, ATTACH, READY, RELEASE, HEARTBEAT, BYE, ERROR, FOREIGN, FREADY, SENT, LANE, SWITCH]
 IDS = [type(m).__name__ for m in ALL]
 
 # Some edge-value variants that must also round trip.
@@ -127,7 +129,7 @@ def test_wire_format_is_type_then_fields(msg: Any) -> None:
 
 
 def test_type_codes_are_distinct_and_fixed() -> None:
-    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
+    assert [type(m).TYPE for m in ALL] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14]
     assert raw_fields(HEARTBEAT) == [6]
     assert raw_fields(BYE) == [7, "producer closed"]
 
@@ -268,6 +270,8 @@ _KINDS = {
     "meta": _BAD_META,
     "fid": _BAD_FID,
     "handle": _BAD_HANDLE,
+    "lane_path": [None, 1, b"/x", "", "relative/path", "/" + "x" * 107, "/a\0b", ["/x"]],
+    "lane_token": [None, "t" * 16, b"", b"t" * 15, b"t" * 17, 16, [b"t" * 16]],
 }
 FIELD_KINDS: dict[type, list[str]] = {
     Hello: ["uint", "uint", "uint", "text", "text", "text", "opt_text", "uint", "uint"],
@@ -282,6 +286,8 @@ FIELD_KINDS: dict[type, list[str]] = {
     P.Foreign: ["fid", "text", "opt_text", "uint", "uint", "handle", "uint"],
     P.ForwardReady: ["uint", "uint", "uint", "uint", "uint", "opt_layout", "meta", "fid", "uint", "uint"],
     P.Sent: ["uint"],
+    P.LaneOffer: ["lane_path", "lane_token"],
+    P.Switch: [],
 }
 
 
@@ -310,8 +316,8 @@ def test_wrong_field_value(msg: Any, index: int, bad: Any) -> None:
     # msgpack's own container cap is raised here so the per-field limits are what fires.
     with pytest.raises(ProtocolError) as info:
         decode(pack(fields), Limits(max_items=1 << 16))
-    if cls in (Hello, Setup) and index == 0 and bad != PROTOCOL_VERSION:
-        # The version is checked first; anything but 1 is another version.
+    if cls in (Hello, Setup) and index == 0 and bad not in range(P.OLDEST_VERSION, PROTOCOL_VERSION + 1):
+        # The version is checked first; anything outside the spoken range is another version.
         assert type(info.value) is VersionMismatch
     else:
         assert type(info.value) is ProtocolError
@@ -720,8 +726,8 @@ def test_hello_without_version() -> None:
     assert info.value.peer_version is None
 
 
-@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, "1", 1.5, None, [1],
-                                     2**64 - 1, -1])
+@pytest.mark.parametrize("version", [0, P.OLDEST_VERSION - 1, PROTOCOL_VERSION + 1, "1", 1.5, None, [1],
+                                     2**64 - 1, -1, True])
 def test_odd_versions(version: Any) -> None:
     fields = raw_fields(HELLO)
     fields[1] = version
@@ -838,7 +844,8 @@ def test_fuzz_single_bit_flips(msg: Any, pos: int, bit: int) -> None:
 
 
 # --------------------------------------------------------------------------- conversation
-TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady, P.Sent]
+TYPES = [Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, P.Foreign, P.ForwardReady, P.Sent, P.LaneOffer,
+         P.Switch]
 SAMPLE = {type(m): m for m in ALL}
 
 
@@ -1015,3 +1022,38 @@ def test_fuzz_conversation_matches_table(role: str, seq: list[type]) -> None:
             assert c.receive(SAMPLE[cls]) == expected
             state = expected
         assert c.state == state
+
+
+# --------------------------------------------------------------------------- lanes (version 4)
+def test_the_previous_version_is_still_spoken_for_hello_and_setup() -> None:
+    """A version-3 peer is served without a lane: its HELLO and SETUP decode."""
+    for msg in (HELLO, SETUP):
+        fields = raw_fields(msg)
+        fields[1] = P.OLDEST_VERSION
+        assert decode(pack(fields)).version == P.OLDEST_VERSION
+    assert P.OLDEST_VERSION < P.LANE_VERSION <= PROTOCOL_VERSION
+
+
+def test_switch_frame_is_the_encoding_of_switch() -> None:
+    assert P.SWITCH_FRAME == encode(P.Switch())
+    assert decode(P.SWITCH_FRAME) == P.Switch()
+
+
+@pytest.mark.parametrize("frame", [pack([P.MsgType.SWITCH, 1]), pack([P.MsgType.LANE_OFFER, "/x"]),
+                                   pack([P.MsgType.LANE_OFFER, "/x", b"t" * 16, 1])])
+def test_lane_frames_with_wrong_field_counts_are_refused(frame: bytes) -> None:
+    with pytest.raises(ProtocolError, match="fields, expected"):
+        decode(frame)
+
+
+def test_lane_frames_are_allowed_only_where_the_state_machine_says() -> None:
+    c = P.Conversation("consumer")
+    with pytest.raises(ProtocolError, match="not allowed"):
+        c.receive(LANE)  # before SETUP
+    c.receive(SETUP)
+    assert c.receive(LANE) is P.State.ACTIVE and c.receive(SWITCH) is P.State.ACTIVE
+    p = P.Conversation("producer")
+    with pytest.raises(ProtocolError, match="not allowed"):
+        p.receive(SWITCH)  # before HELLO
+    with pytest.raises(ProtocolError, match="not allowed"):
+        P.Conversation("producer").receive(LANE)  # never from a consumer

@@ -1,0 +1,241 @@
+"""Lanes (``ipcsync.runtime.lane``): a same-host ipc edge moves its frames from ZeroMQ to a
+direct unix-socket lane after the handshake, keeping their order across the switch; a
+lane that cannot be made or is refused leaves the edge on ZeroMQ; a lane that closes is
+the same evidence as a closed connection, judged by the same liveness rule."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ipcsync
+from ipcsync.core import protocol as P
+
+
+def _wait_for(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def _stream(p: ipcsync.Producer, c: ipcsync.Consumer, n: int, start: int = 0) -> list[int]:
+    """Send ``n`` items (meta and content ``start + i``), receive them all; their order."""
+    got: list[int] = []
+    for i in range(start, start + n):
+        p.send({"x": torch.full((16,), float(i))}, meta={"i": i})
+        while len(got) < i - start + 1 - (p.slots - 1):  # keep a few in flight
+            item = c.get(timeout=10)
+            assert item is not None
+            assert float(item.tensors["x"][0]) == item.meta["i"]
+            got.append(item.meta["i"])
+            item.release()
+    while len(got) < n:
+        item = c.get(timeout=10)
+        assert item is not None
+        assert float(item.tensors["x"][0]) == item.meta["i"]
+        got.append(item.meta["i"])
+        item.release()
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_an_ipc_edge_moves_to_a_lane_and_keeps_order_meta_and_end(endpoints: Any) -> None:
+    """Items sent at once after the handshake travel on ZeroMQ, later ones on the lane: the
+    consumer sees every item in order with its meta, then the end of the stream."""
+    p = endpoints.producer("lane-basic", slots=4, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("lane-basic", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    # Sent before the lane can have been switched to: these go on ZeroMQ.
+    for i in range(3):
+        p.send({"x": torch.full((16,), float(i))}, meta={"i": i})
+    got = []
+    for _ in range(3):
+        item = c.get(timeout=10)
+        got.append(item.meta["i"])
+        item.release()
+    got += _stream(p, c, 200, start=3)
+    assert got == list(range(203))
+    assert _wait_for(lambda: p.stats()["lanes"] == 1 and c.stats()["lane"] is True)
+    got += _stream(p, c, 50, start=203)
+    assert got == list(range(253))
+    p.close()
+    assert c.get(timeout=10) is None  # the end of the stream (the producer's BYE, on the lane)
+
+
+@pytest.mark.timeout(60)
+def test_frames_larger_than_a_lane_packet_are_split_and_arrive_whole(endpoints: Any) -> None:
+    """A meta of ~300 KB travels on the lane as several packets, in order with the rest."""
+    p = endpoints.producer("lane-big", slots=2, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("lane-big", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    _stream(p, c, 20)
+    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    big = "y" * 300_000
+    for i in range(6):
+        p.send({"x": torch.full((16,), float(i))}, meta={"i": i, "big": big if i % 2 else ""})
+        item = c.get(timeout=10)
+        assert item.meta["i"] == i and item.meta["big"] == (big if i % 2 else "")
+        item.release()
+    assert c.stats()["lane"] is True
+
+
+@pytest.mark.timeout(60)
+def test_an_error_after_the_switch_follows_the_last_item(endpoints: Any) -> None:
+    """abort() on the lane: the consumer gets the items sent before it, then
+    ProducerFailedError."""
+    p = endpoints.producer("lane-err", slots=4, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("lane-err", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    _stream(p, c, 20)
+    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    p.send({"x": torch.zeros(16)}, meta={"i": 100})
+    p.abort(RuntimeError("boom"))
+    got = []
+    with pytest.raises(ipcsync.ProducerFailedError, match="boom"):
+        for _ in range(3):
+            item = c.get(timeout=10)
+            got.append(item.meta["i"])
+            item.release()
+    assert got in ([], [100])
+
+
+@pytest.mark.timeout(60)
+def test_ipcsync_lane_0_keeps_every_frame_on_zeromq(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IPCSYNC_LANE", "0")
+    p = endpoints.producer("lane-off", slots=4, slot_bytes=4096, device="cpu")
+    assert not os.path.exists(p.endpoint.lane_path)
+    c = endpoints.consumer("lane-off", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_with_lanes_off_is_served_by_a_producer_with_them(endpoints: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    p = endpoints.producer("lane-half", slots=4, slot_bytes=4096, device="cpu")
+    monkeypatch.setenv("IPCSYNC_LANE", "0")
+    c = endpoints.consumer("lane-half", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
+
+
+def test_ipcsync_lane_must_be_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IPCSYNC_LANE", "yes")
+    with pytest.raises(ipcsync.ConfigError, match="IPCSYNC_LANE must be 0"):
+        ipcsync.Producer("lane-bad-env", slots=1, slot_bytes=64, device="cpu")
+
+
+@pytest.mark.timeout(60)
+def test_an_unusable_lane_path_leaves_the_edge_on_zeromq(endpoints: Any) -> None:
+    """The lane socket file is gone (ENOENT on connect): the edge works over ZeroMQ."""
+    p = endpoints.producer("lane-gone", slots=4, slot_bytes=4096, device="cpu")
+    os.unlink(p.endpoint.lane_path)
+    c = endpoints.consumer("lane-gone", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
+    p.close()
+    assert c.get(timeout=10) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_that_cannot_open_a_socket_stays_on_zeromq(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer's lane socket cannot be made (EMFILE, as under a full fd table): no
+    lane, every item over ZeroMQ, a clean end."""
+    from ipcsync.runtime import channel
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(channel, "connect_lane", full)
+    p = endpoints.producer("lane-emfile", slots=4, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("lane-emfile", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
+    p.close()
+    assert c.get(timeout=10) is None
+
+
+@pytest.mark.timeout(60)
+def test_wrong_tokens_and_malformed_first_packets_are_refused_and_nothing_is_lost(endpoints: Any) -> None:
+    """Connections to the lane socket that send a wrong token, a packet of another size,
+    or nothing are closed; the producer serves its real consumer on its own lane."""
+    p = endpoints.producer("lane-rogue", slots=4, slot_bytes=4096, device="cpu")
+    rogues = []
+    for first in (b"\0" * P.LANE_TOKEN_BYTES, b"short", b"x" * 100, None):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(p.endpoint.lane_path)
+        if first is not None:
+            s.send(first)
+        rogues.append(s)
+    c = endpoints.consumer("lane-rogue", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    for s in rogues[:3]:  # refused: closed by the producer
+        s.settimeout(5)
+        assert s.recv(10) == b""
+    for s in rogues:
+        s.close()
+    assert _stream(p, c, 50, start=100) == list(range(100, 150))
+
+
+@pytest.mark.timeout(60)
+def test_killed_consumer_on_a_lane_is_lost_and_its_slots_come_back(procs: Any, endpoints: Any) -> None:
+    """As without a lane (test_liveness): SIGKILL a consumer holding a slot; the producer
+    reclaims it within seconds and keeps sending."""
+    p = endpoints.producer("lane-kill", slots=2, slot_bytes=8192, heartbeat=0.2, device="cpu")
+    cons = procs.start("consume", module="liveness_peers", endpoint="lane-kill", hold=0, hold_s=60,
+                       heartbeat=0.2)
+    p.send({"x": torch.zeros(1024)}, meta=0)
+    cons.read_until(lambda l: l.get("event") == "holding", timeout=30)
+    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    p.send({"x": torch.zeros(1024)}, meta=1)
+    t0 = time.monotonic()
+    cons.kill()
+    p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
+    assert time.monotonic() - t0 < 5.0
+    assert p.stats()["consumers_lost"] == 1
+
+
+def _content(i: int) -> torch.Tensor:
+    return torch.arange(16, dtype=torch.float32) + float(i) * 1000.0  # liveness_peers.content
+
+
+@pytest.mark.timeout(60)
+def test_stopped_consumer_on_a_lane_is_stalled_not_lost(procs: Any, endpoints: Any) -> None:
+    """SIGSTOP a consumer on a lane past 1.5 heartbeats: stalled, never lost, its slot
+    kept; after SIGCONT it reads every item intact, in order."""
+    n = 20
+    p = endpoints.producer("lane-stop", slots=2, slot_bytes=8192, heartbeat=0.2, device="cpu")
+    cons = procs.start("consume", module="liveness_peers", endpoint="lane-stop", hold=0, hold_s=2.0,
+                       heartbeat=0.2)
+    p.send({"x": _content(0)}, meta=0)
+    cons.read_until(lambda l: l.get("event") == "holding", timeout=30)
+    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    os.kill(cons.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        p.send({"x": _content(1)}, meta=1)
+        assert p.stats()["consumers_lost"] == 0
+    finally:
+        os.kill(cons.pid, signal.SIGCONT)
+    for i in range(2, n):
+        p.send({"x": _content(i)}, meta=i)
+    stats = p.stats()
+    assert stats["consumers_lost"] == 0 and stats["consumers_stalled_total"] >= 1, stats
+    p.close()
+    res = cons.result(timeout=30)
+    assert res["error"] is None and res["bad"] == [] and res["received"] == n, res

@@ -1,0 +1,39 @@
+"""runtime.admission: which HELLOs a producer refuses before any session exists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ipcsync.core import protocol as P
+from ipcsync.core.protocol import ErrorCode
+from ipcsync.runtime import host
+from ipcsync.runtime.admission import hello_problem, is_remote
+
+
+def _hello(version: int, boot_id: str) -> P.Hello:
+    return P.Hello(version=version, pid=4242, start_time=1, boot_id=boot_id, pid_ns=host.pid_namespace(),
+                   backend="cpu", device="cpu", credits=4, heartbeat_ms=1000)
+
+
+def test_a_remote_consumer_of_a_version_without_sent_is_refused_for_its_version() -> None:
+    # Its items would be served before their sends were confirmed (or never, waiting for a SENT).
+    h = _hello(P.OLDEST_VERSION, "another-host")
+    assert is_remote(h)
+    problem = hello_problem(h, "cpu", "cpu", remote_ok=True)
+    assert problem is not None
+    code, text = problem
+    assert code == ErrorCode.VERSION.value
+    assert f"version {P.SENT_VERSION}" in text and "same ipcsync version" in text
+
+
+def test_a_same_host_consumer_of_the_oldest_version_is_still_served() -> None:
+    h = _hello(P.OLDEST_VERSION, host.host_identity())
+    assert hello_problem(h, "cpu", "cpu", remote_ok=True) is None
+    assert hello_problem(dataclasses.replace(h, version=P.PROTOCOL_VERSION), "cpu", "cpu") is None
+
+
+def test_a_remote_consumer_of_this_version_is_admitted_on_a_tcp_producer_only() -> None:
+    h = _hello(P.PROTOCOL_VERSION, "another-host")
+    assert hello_problem(h, "cpu", "cpu", remote_ok=True) is None
+    problem = hello_problem(h, "cpu", "cpu", remote_ok=False)
+    assert problem is not None and problem[0] == ErrorCode.HOST.value
