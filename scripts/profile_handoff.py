@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -135,7 +136,19 @@ def per_call(n: int, batch: int, slots: int, device: str, mode: str) -> None:
           f"release {spent['release'] / n * 1e6:.2f} us")
 
 
+_HANG_S = float(os.environ.get("PROFILE_HANG_S", "120"))  # a round-trip role this long: dump stacks, exit
+
+
+def _pin(role: int) -> None:
+    """PROFILE_PIN=a,b: the requester runs on CPU a only, the responder on CPU b only."""
+    cpus = os.environ.get("PROFILE_PIN")
+    if cpus:
+        os.sched_setaffinity(0, {int(cpus.split(",")[role])})
+
+
 def _rt_requester(n, device, read, q, profile=False):
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)  # a hang prints where it is
+    _pin(0)
     import ipcsync
 
     prof = cProfile.Profile()
@@ -161,6 +174,9 @@ def _rt_requester(n, device, read, q, profile=False):
                 for name, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     steps[name] += dt
                 rt.append(t4 - t0)
+            if k == n + 199:
+                print(f"  (requester: its producer's consumers on a lane: {req.stats().get('lanes')}, its consumer "
+                      f"on a lane: {rep.stats().get('lane')})")
     prof.disable()
     q.put(("requester", steps, sorted(rt), _top(prof) if profile else ""))
 
@@ -172,6 +188,8 @@ def _top(prof: cProfile.Profile) -> str:
 
 
 def _rt_responder(n, device, q, profile=False):
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
+    _pin(1)
     import ipcsync
 
     prof = cProfile.Profile()
@@ -208,7 +226,7 @@ def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
           ctx.Process(target=_rt_requester, args=(n, device, read, q, profile))]
     for p in ps:
         p.start()
-    got = dict((role, (steps, rt, top)) for role, steps, rt, top in (q.get(timeout=300) for _ in ps))
+    got = dict((role, (steps, rt, top)) for role, steps, rt, top in (q.get(timeout=_HANG_S + 30) for _ in ps))
     for p in ps:
         p.join(60)
     rt = got["requester"][1]
