@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import ipcsync
 from ipcsync.errors import ClosedError, ConfigError, IpcTimeoutError, PeerLostError
 from ipcsync.fanin import FanIn
+from polling import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,13 +123,6 @@ def fan(endpoints: Any) -> Iterator[Fan]:
     f.shutdown()
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def check_exactly_once(got: list[tuple[str, int, int, int]], counts: dict[str, int],

@@ -16,15 +16,9 @@ import torch
 
 import ipcsync
 from ipcsync.core import protocol as P
+from polling import wait_until
 
 
-def _wait_for(cond: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _stream(p: ipcsync.Producer, c: ipcsync.Consumer, n: int, start: int = 0) -> list[int]:
@@ -64,7 +58,7 @@ def test_an_ipc_edge_moves_to_a_lane_and_keeps_order_meta_and_end(endpoints: Any
         item.release()
     got += _stream(p, c, 200, start=3)
     assert got == list(range(203))
-    assert _wait_for(lambda: p.stats()["lanes"] == 1 and c.stats()["lane"] is True)
+    assert wait_until(lambda: p.stats()["lanes"] == 1 and c.stats()["lane"] is True, 10)
     got += _stream(p, c, 50, start=203)
     assert got == list(range(253))
     p.close()
@@ -78,7 +72,7 @@ def test_frames_larger_than_a_lane_packet_are_split_and_arrive_whole(endpoints: 
     c = endpoints.consumer("lane-big", device="cpu", timeout=10)
     p.wait_for_consumers(1, timeout=10)
     _stream(p, c, 20)
-    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     big = "y" * 300_000
     for i in range(6):
         p.send({"x": torch.full((16,), float(i))}, meta={"i": i, "big": big if i % 2 else ""})
@@ -96,7 +90,7 @@ def test_an_error_after_the_switch_follows_the_last_item(endpoints: Any) -> None
     c = endpoints.consumer("lane-err", device="cpu", timeout=10)
     p.wait_for_consumers(1, timeout=10)
     _stream(p, c, 20)
-    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     p.send({"x": torch.zeros(16)}, meta={"i": 100})
     p.abort(RuntimeError("boom"))
     got = []
@@ -136,17 +130,22 @@ def test_ipcsync_lane_must_be_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
         ipcsync.Producer("lane-bad-env", slots=1, slot_bytes=64, device="cpu")
 
 
+def _streams_on_zeromq(p: ipcsync.Producer, c: ipcsync.Consumer) -> None:
+    """100 items in order with no lane at either end, then a clean end of stream."""
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
+    p.close()
+    assert c.get(timeout=10) is None
+
+
 @pytest.mark.timeout(60)
 def test_an_unusable_lane_path_leaves_the_edge_on_zeromq(endpoints: Any) -> None:
     """The lane socket file is gone (ENOENT on connect): the edge works over ZeroMQ."""
     p = endpoints.producer("lane-gone", slots=4, slot_bytes=4096, device="cpu")
     os.unlink(p.endpoint.lane_path)
     c = endpoints.consumer("lane-gone", device="cpu", timeout=10)
-    p.wait_for_consumers(1, timeout=10)
-    assert _stream(p, c, 100) == list(range(100))
-    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
-    p.close()
-    assert c.get(timeout=10) is None
+    _streams_on_zeromq(p, c)
 
 
 @pytest.mark.timeout(60)
@@ -161,11 +160,7 @@ def test_a_consumer_that_cannot_open_a_socket_stays_on_zeromq(endpoints: Any, mo
     monkeypatch.setattr(channel, "connect_lane", full)
     p = endpoints.producer("lane-emfile", slots=4, slot_bytes=4096, device="cpu")
     c = endpoints.consumer("lane-emfile", device="cpu", timeout=10)
-    p.wait_for_consumers(1, timeout=10)
-    assert _stream(p, c, 100) == list(range(100))
-    assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
-    p.close()
-    assert c.get(timeout=10) is None
+    _streams_on_zeromq(p, c)
 
 
 @pytest.mark.timeout(60)
@@ -183,7 +178,7 @@ def test_wrong_tokens_and_malformed_first_packets_are_refused_and_nothing_is_los
     c = endpoints.consumer("lane-rogue", device="cpu", timeout=10)
     p.wait_for_consumers(1, timeout=10)
     assert _stream(p, c, 100) == list(range(100))
-    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     for s in rogues[:3]:  # refused: closed by the producer
         s.settimeout(5)
         assert s.recv(10) == b""
@@ -201,12 +196,12 @@ def test_killed_consumer_on_a_lane_is_lost_and_its_slots_come_back(procs: Any, e
                        heartbeat=0.2)
     p.send({"x": torch.zeros(1024)}, meta=0)
     cons.read_until(lambda l: l.get("event") == "holding", timeout=30)
-    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     p.send({"x": torch.zeros(1024)}, meta=1)
-    t0 = time.monotonic()
     cons.kill()
-    p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
-    assert time.monotonic() - t0 < 5.0
+    # Needs slot 0 back: the producer reclaims it once the consumer is provably gone (a
+    # bound far above the seconds that takes, so a loaded machine does not fail it).
+    p.send({"x": torch.zeros(1024)}, meta=2, timeout=30)
     assert p.stats()["consumers_lost"] == 1
 
 
@@ -224,7 +219,7 @@ def test_stopped_consumer_on_a_lane_is_stalled_not_lost(procs: Any, endpoints: A
                        heartbeat=0.2)
     p.send({"x": _content(0)}, meta=0)
     cons.read_until(lambda l: l.get("event") == "holding", timeout=30)
-    assert _wait_for(lambda: p.stats()["lanes"] == 1)
+    assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     os.kill(cons.pid, signal.SIGSTOP)
     try:
         time.sleep(1.0)

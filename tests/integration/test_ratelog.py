@@ -25,6 +25,7 @@ import ipcsync
 from ipcsync.core import protocol as P
 
 from test_fuzz_live import proc_identity
+from polling import wait_until
 
 EP = "ratelog"
 
@@ -90,13 +91,6 @@ def _expect(s: zmq.Socket, cls: type, timeout: float = 10.0) -> Any:
             return msg
 
 
-def _wait_for(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _sync(s: zmq.Socket, tag: int) -> None:
@@ -129,14 +123,14 @@ def test_peer_triggered_warnings_are_bounded(runtime_dir: Any, caplog: pytest.Lo
     s.send(_hello(credits=1))
     setup = _expect(s, P.Setup)
     s.send(P.encode(P.Attach(list(setup.ready_events))))
-    assert _wait_for(lambda: out.consumers == 1, 10), "the raw peer did not attach"
+    assert wait_until(lambda: out.consumers == 1, 10), "the raw peer did not attach"
     caplog.clear()
     bad0 = out.stats()["bad_frames"]
     entries = [(seq, seq % 4, 7) for seq in range(P.DEFAULT_LIMITS.max_release_batch)]
     for _ in range(50):
         s.send(P.encode(P.Release(entries)))
     # (An attached peer's sentinel would end its connection: wait on the count instead.)
-    assert _wait_for(lambda: out.stats()["bad_frames"] >= bad0 + 50 * len(entries), 60), \
+    assert wait_until(lambda: out.stats()["bad_frames"] >= bad0 + 50 * len(entries), 60), \
         (out.stats()["bad_frames"], bad0)
     release_lines = [r for r in caplog.records if r.name.startswith("ipcsync")]
     assert len(release_lines) < 20, (len(release_lines), [r.getMessage()[:120] for r in release_lines[:3]])
