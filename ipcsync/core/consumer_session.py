@@ -36,6 +36,7 @@ Rules kept here, once:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any, NamedTuple, Union
 
@@ -336,9 +337,7 @@ class ConsumerSession:
             if (type(msg) is P.Error and msg.code == ErrorCode.VERSION.value and self.conv.state is State.AWAIT_SETUP
                     and self._hello is not None and self._hello.version > P.OLDEST_VERSION):
                 # A producer of the previous version: speak its version (no lane).
-                return HelloAgain(self.hello(P.Hello(P.OLDEST_VERSION, *(
-                    getattr(self._hello, f) for f in ("pid", "start_time", "boot_id", "pid_ns", "backend", "device",
-                                                      "credits", "heartbeat_ms")))))
+                return HelloAgain(self.hello(dataclasses.replace(self._hello, version=P.OLDEST_VERSION)))
             self.conv.receive(msg)
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) else ErrorCode.PROTOCOL

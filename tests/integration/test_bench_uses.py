@@ -255,21 +255,9 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
 @pytest.mark.timeout(300)  # 2 request/reply pairs of 550 round trips, a raw zmq pair, 5 s of idle
 def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_cost() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(BENCH), "--suite", "latency", "--quick", "--sizes", "4K"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env=env, cwd=str(ROOT), start_new_session=True)
-    try:
-        out_b, err_b = proc.communicate(timeout=240)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.wait(10)
-    out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
-    dump = f"rc {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
-    assert proc.returncode == 0, dump
+    rc, out, err = run_bench(["--suite", "latency", "--quick", "--sizes", "4K"], env, timeout=240)
+    dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    assert rc == 0, dump
     assert re.search(r"^ipcsync bench: latency: device=cpu ", out, re.M), dump
     m = re.search(rf"^-\s+raw pyzmq\+msgpack\s+-\s+{NUM}\s+{NUM}\s+1\.00x\s+-$", out, re.M)
     assert m and 0 < num(m.group(1)) <= num(m.group(2)), dump
