@@ -145,8 +145,10 @@ class Consumer(EndpointBase):
     # ------------------------------------------------------------------ public API
     def get(self, timeout: float | None = None) -> Item | None:
         """The next item, or None once the producer has closed and everything it sent was
-        received. Blocks up to ``timeout`` (default: the consumer's); raises
-        IpcTimeoutError then, PeerLostError if the producer died, ClosedError after close().
+        received. Blocks up to ``timeout`` (default: the consumer's), the wait for an
+        announced item's data included (a remote transfer, or ``wait="host"``); raises
+        IpcTimeoutError then (an item whose data was late stays first in line),
+        PeerLostError if the producer died, ClosedError after close().
         """
         with self._call():
             return self._next_item(self._resolve_timeout(timeout))
@@ -167,10 +169,11 @@ class Consumer(EndpointBase):
                 pumped = not ready and not s.bye_received and s.error is None
                 if pumped:
                     self._pump()  # (no socket work when an item is already buffered)
-                if ready and s.error is None:
-                    item = self._current[threading.get_ident()] = self._make_item(ready.popleft())
-                    return item
                 t = self._idle_timeout
+                if ready and s.error is None:
+                    item = self._make_item(ready.popleft(), t)
+                    self._current[threading.get_ident()] = item
+                    return item
                 item = self._next_item(None if t is None or math.isinf(t) else t, pumped)
             finally:
                 self._last_call = time.monotonic()
@@ -297,12 +300,15 @@ class Consumer(EndpointBase):
         """``pumped``: the caller has just pumped (nothing is buffered)."""
         self._release_current()
         s = self.session
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not s.ready and not s.bye_received and s.error is None:
             self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None,
                              timeout, "producer", self._stats.waited, pumped=pumped)
         self._raise_if_broken()
         if s.ready:
-            item = self._current[threading.get_ident()] = self._make_item(s.ready.popleft())
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            item = self._make_item(s.ready.popleft(), left)
+            self._current[threading.get_ident()] = item
             return item
         if s.bye_received:
             self._pump()  # answers BYE once nothing is held
@@ -329,7 +335,11 @@ class Consumer(EndpointBase):
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
 
-    def _make_item(self, entry: tuple[int, int, int, int, Any, Any]) -> Item:
+    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None) -> Item:
+        """The item of a READY entry, once its data may be read (its ready event). The
+        wait for that event (``wait="host"``, and every remote item: its transfer) is
+        bounded by ``timeout``: past it the entry goes back, first in line, for the next
+        call, and IpcTimeoutError is raised; nothing is lost or released."""
         seq, slot, gen, sent_ns, meta, recipe = entry
         mem = self._memory
         item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build(slot, mem.slot_views[slot]),
@@ -341,16 +351,28 @@ class Consumer(EndpointBase):
         # Complete already (the producer re-records it only after we release the slot):
         # nothing to wait for. Tested here, not in wait_ready_event: a call less per item.
         if not ev.query():
-            wait_ready_event(ev, self.wait_mode, self._stream, self._poll_event)
+            try:
+                wait_ready_event(ev, self.wait_mode, self._stream,
+                                 lambda done: self._poll_event(done, timeout))
+            except IpcTimeoutError:
+                del self._held[seq]
+                self._ready.appendleft(entry)
+                raise
         now = time.monotonic_ns()
         self._stats.handoff(recipe.nbytes, (now - sent_ns) / 1e9)
         if self._trace is not None:
             self._trace.received(seq, now)
         return item
 
-    def _poll_event(self, done: Any) -> None:
+    def _poll_event(self, done: Any, timeout: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
-        self._wait_until(lambda: s.error is not None or done(), None, "event", self._stats.waited, poll_event=True)
+        if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
+                                poll_event=True):
+            self._raise_if_broken()
+            raise IpcTimeoutError(
+                f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "
+                f"within {timeout} s (a remote transfer still running, or the producer's stream behind); "
+                "it stays first in line for the next call")
         self._raise_if_broken()  # complete now: nothing to enqueue
 
     def _release_locked(self, item: Item, stream: Any) -> None:

@@ -112,9 +112,30 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
     return pg
 
 
+# A tag no item uses (items are sent with their slot's index as tag): a recv of it never
+# completes, so a wait on it with a short timeout always times out (see _abort).
+_POISON_TAG = 1 << 30
+
+
 def _abort(pg: Any) -> None:
-    """End a process group whose peer is gone: pending work is abandoned, never waited
-    for (torch >= 2.6 has ``abort``; older gloo groups only time out)."""
+    """End a process group whose peer is gone or stuck: pending work is abandoned, never
+    waited for, and every wait still pending on it returns now (so the edge's completion
+    thread ends here, not later: one ending while the interpreter finalizes aborts the
+    process, see ``_Completer.join``).
+
+    NCCL's ``abort`` ends its pending work. Gloo's ``abort``/``shutdown`` (torch 2.13) do
+    not wake a wait already pending; a wait that times out does: gloo then closes every
+    pair of the group ("Application timeout caused pair closure"), and each pending
+    send or recv fails at once. So for gloo a recv of an unused tag is waited for 1 ms
+    first (tests/integration/test_remote.py, the stalled-producer test)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if isinstance(pg, dist.ProcessGroupGloo):
+        try:
+            peer = 1 - int(pg.rank())
+            pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _POISON_TAG).wait(datetime.timedelta(milliseconds=1))
+        except Exception as exc:  # noqa: BLE001 (the timeout that closes the pairs: expected)
+            log.debug("ipcsync remote edge: gloo pairs closed (%s)", exc)
     for name in ("abort", "_abort", "shutdown"):
         fn = getattr(pg, name, None)
         if fn is not None:

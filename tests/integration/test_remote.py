@@ -144,6 +144,40 @@ def test_a_received_item_is_served_once_its_send_is_confirmed(procs: Any) -> Non
 
 
 @pytest.mark.timeout(90)
+def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any) -> None:
+    # The producer is alive but its transfer never comes, so the consumer's recv stays
+    # pending. get(timeout=...) raises IpcTimeoutError (twice: the item stays first in
+    # line), it does not wait for the transfer past its timeout. close() must end the thread
+    # waiting on the recv: gloo's abort() does not wake such a wait, and a wait that
+    # returns later, while the interpreter finalizes, aborts the process (SIGABRT,
+    # "terminate called without an active exception").
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=20.0, **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), **args)
+    p.read_until(lambda l: l.get("event") == "stalled", 60)
+    got = c.result(60)
+    assert [("data was not ready" in t) for t in got["timeouts"]] == [True, True], got
+    assert len(got["before"]) == 1 and got["after"] == [], got
+    p.result(60)
+
+
+@pytest.mark.timeout(90)
+def test_a_consumer_exits_cleanly_when_its_closed_edge_breaks_during_interpreter_exit(procs: Any) -> None:
+    # As above, then the producer is SIGKILLed while the consumer's interpreter finalizes.
+    # A recv wait left pending by close() would return then, and the thread would be ended
+    # by the interpreter inside torch's C++ frames: SIGABRT instead of exit status 0.
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=60.0, **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), kill_producer_at_exit=True,
+                    **args)
+    got = c.result(60)  # (asserts exit status 0)
+    assert got["after"] == [], got
+    assert p.proc.wait(timeout=30) == -9
+
+
+@pytest.mark.timeout(90)
 def test_items_forwarded_before_a_remote_consumer_attached_reach_it_by_copy(procs: Any) -> None:
     # A producer on a tcp endpoint forwards items while no consumer is attached, so they
     # wait queued; a consumer on another host attaches then. A zero-copy forward would

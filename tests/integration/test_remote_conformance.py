@@ -156,6 +156,7 @@ def test_paused_remote_consumer_is_dropped_and_told_so(procs: Any, device: str) 
         os.kill(c.proc.pid, signal.SIGCONT)
     assert out["event"] == "timeout" and out["consumers"] == 0
     assert out["stats"]["consumers_lost"] == 1
+    assert out["senders"] == []  # the dropped edge's sends were abandoned, its thread ended
     got = c.result(60)
     assert got["end"] != "stop", got  # an error, never a clean end after a gap
     assert got["errors"] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -141,7 +142,8 @@ def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = Non
 
 def conf_produce(a: dict[str, Any]) -> None:
     """Send ``rich(i)`` for i < ``n`` (meta names ``source`` when given), ``pace`` seconds
-    apart; a send that times out ends with ``timeout``. Closes cleanly at the end
+    apart; a send that times out ends with ``timeout`` (and the edges' completion threads
+    still alive then). Closes cleanly at the end
     (``close_timeout``) and reports the stats."""
     device = a.get("device", "cpu")
     src = a.get("source")
@@ -154,7 +156,8 @@ def conf_produce(a: dict[str, Any]) -> None:
             try:
                 out.send(rich(i, device), meta={"i": i, "tag": f"item-{i}", **({"source": src} if src else {})})
             except ipcsync.IpcTimeoutError:
-                say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()))
+                senders = sorted(t.name for t in threading.enumerate() if t.name.startswith("ipcsync-send-"))
+                say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()), senders=senders)
                 out.abort()
                 say(event="done", sent=i)
                 return
@@ -222,7 +225,9 @@ def hand_produce(a: dict[str, Any]) -> None:
 
     - ``"dropped"``: heartbeats for a while, then ERROR ``dropped``; never SENT;
     - ``"silent"``: nothing more at all (a producer whose SENT and ERROR never arrive);
-    - ``"confirm"``: SENT for the item (its bytes are then item 0's), then BYE.
+    - ``"confirm"``: SENT for the item (its bytes are then item 0's), then BYE;
+    - ``"stall"``: READY, but its send is never posted: a producer alive and heartbeating
+      whose transfer never comes (the consumer's recv stays pending), for ``stall`` s.
     """
     import datetime
 
@@ -274,6 +279,13 @@ def hand_produce(a: dict[str, Any]) -> None:
     slot = torch.zeros(slot_bytes, dtype=torch.uint8)
     Plan(placement, 0).write(0, slot, signature(expected(0 if then == "confirm" else 1, size))[1])
     send(P.Ready(0, 0, 1, time.monotonic_ns(), 0, placement.layout, {"i": 0, "tag": "item-0"}))
+    if then == "stall":
+        say(event="stalled")
+        heartbeats(a.get("stall", 20.0))
+        sock.close()
+        ctx.term()
+        say(event="done")
+        return
     assert pg.send([slot[:layout_extent(placement.layout)]], 1, 0).wait()
     say(event="sent")
     if then == "dropped":
@@ -295,6 +307,43 @@ def hand_produce(a: dict[str, Any]) -> None:
     sock.close()
     ctx.term()
     say(event="done")
+
+
+def close_while_receiving(a: dict[str, Any]) -> None:
+    """A consumer whose recv is pending (its producer: ``hand_produce`` with ``then="stall"``):
+    two ``get(timeout=...)`` calls, then ``close()``; reports what the calls raised and the
+    edge's completion threads alive before and after ``close()``."""
+    inp = ipcsync.Consumer(a["endpoint"], heartbeat=0.5, timeout=30.0, connect_timeout=30.0, device="cpu",
+                           insecure=True)
+
+    def receivers() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("ipcsync-recv-"))
+
+    timeouts = []
+    for t in (1.5, 0.5):  # its READY arrives and its recv is posted; the bytes never come
+        try:
+            inp.get(timeout=t)
+            timeouts.append("item")
+        except ipcsync.IpcTimeoutError as exc:
+            timeouts.append(str(exc))
+    before = receivers()
+    t0 = time.monotonic()
+    inp.close()
+    say(event="done", timeouts=timeouts, before=before, after=receivers(), close_s=time.monotonic() - t0)
+    if a.get("kill_producer_at_exit"):
+        # The producer's death ends a gloo wait still pending here (its connection
+        # closes). Make that happen while this interpreter finalizes: killed from an exit
+        # hook, then a second of teardown (a module global's __del__) for it to land in.
+        import atexit
+
+        pid = inp.producer_pid
+        atexit.register(lambda: os.kill(pid, signal.SIGKILL))
+        globals()["_slow_teardown"] = _SlowTeardown()
+
+
+class _SlowTeardown:
+    def __del__(self) -> None:
+        time.sleep(1.0)
 
 
 def forward_before_remote(a: dict[str, Any]) -> None:
