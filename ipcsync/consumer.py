@@ -134,8 +134,11 @@ class Consumer(EndpointBase):
                     self._raise_if_broken()
                 if link.remote is not None:
                     # A producer on another host: its items' recvs are polled with the control
-                    # channel pumped, so its death ends a wait at once (runtime.remote).
+                    # channel pumped, so its death ends a wait at once (runtime.remote); a gloo
+                    # edge's completion thread wakes that wait (its Wake among our fds).
                     self.wait_mode = "host"
+                    if link.remote.wake is not None:
+                        self._fds = [*self._fds, link.remote.wake.fd]
         except BaseException:
             self._closed = True
             self._teardown()
@@ -366,8 +369,10 @@ class Consumer(EndpointBase):
 
     def _poll_event(self, done: Any, timeout: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
+        remote = self._link.remote
+        woken = remote is not None and remote.wake is not None  # (else nothing wakes the socket wait: poll)
         if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
-                                poll_event=True):
+                                poll_event=not woken):
             self._raise_if_broken()
             raise IpcTimeoutError(
                 f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "

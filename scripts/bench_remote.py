@@ -9,13 +9,20 @@ with ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, as between hosts). For each size
 run and in the same two processes:
 
 - raw: a two-rank process group of the same transport (its own store), the sender posts
-  up to ``slots`` sends of one preallocated tensor ahead, the receiver receives each
-  into one preallocated tensor;
-- ipcsync: a Producer ``send()``s the same tensor as ``{"x": t}``, the Consumer iterates
-  and releases each item (its receive ring: ``slots`` slots).
+  up to ``slots`` sends of one preallocated tensor ahead, the receiver keeps up to
+  ``slots`` recvs posted, each into a preallocated tensor of its own (as a receive ring);
+- ipcsync send: a Producer ``send()``s the same tensor as ``{"x": t}`` (a copy into the
+  slot, then the transfer), the Consumer iterates and releases each item (its receive
+  ring: ``slots`` slots);
+- ipcsync slot: the Producer writes each item in place with ``slot()`` (one element, as
+  the handoff suite's slot mode: the producer's own work would write its output there),
+  so, as in the raw loop, nothing but the transfer touches the bytes.
 
-Timed at the receiver from its first item to its last (the first ``warm`` not counted):
-handoffs/s and GB/s of payload. Small messages pay per item what the raw loop does not: a
+Timed at the receiver from its first item to its last, the first ``warm`` not counted
+(at least ``slots + 1``, so every slot of both rings was written once before the clock
+starts: first-touch page faults are a start-up cost, not a per-item one): handoffs/s and
+GB/s of payload. On a CPU machine ``send``'s copy competes for the cores that the two
+sides' kernel copies of the transfer already use; on a GPU it is a device copy. Small messages pay per item what the raw loop does not: a
 READY frame over ZeroMQ (msgpack: layout, meta, seq), the recv posted only when that frame
 has arrived (so a control round trip sits between items whose ring is not full), a
 completion thread's hand-off, and a RELEASE frame back; at large sizes those costs hide
@@ -34,10 +41,11 @@ from typing import Any, Callable
 
 import torch
 
+METHODS = ("raw", "send", "slot")
 REMOTE_SIZES = ("1M", "64M", "256M")
 QUICK_SIZES = ("64K", "1M", "16M")
 SIZE_BYTES = {"64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
-COUNT = {"64K": 2000, "1M": 600, "16M": 60, "64M": 30, "256M": 10}
+COUNT = {"64K": 2000, "1M": 600, "16M": 60, "64M": 40, "256M": 20}
 
 
 class RemoteBenchError(Exception):
@@ -85,19 +93,26 @@ def _raw(role: str, transport: str, port: int, device: torch.device, nbytes: int
                 w.wait()
             _sync(device)
             return None
-        start = 0.0
+        # Up to `slots` recvs in flight, each into a buffer of its own (as a receive ring).
+        bufs = [t] + [torch.empty_like(t) for _ in range(slots - 1)]
+        recvs: list[Any] = []
+        posted, start = 0, 0.0
         for i in range(n):
-            if i == warm:
+            while posted < n and len(recvs) < slots:
+                recvs.append(pg.recv([bufs[posted % slots]], 0, 0))
+                posted += 1
+            recvs.pop(0).wait()
+            if i == warm - 1:
                 _sync(device)
                 start = time.perf_counter()
-            pg.recv([t], 0, 0).wait()
         _sync(device)
         return time.perf_counter() - start
     finally:
         del pg
 
 
-def _ipcsync(role: str, port: int, device: torch.device, nbytes: int, n: int, warm: int, slots: int) -> float | None:
+def _ipcsync(role: str, mode: str, port: int, device: torch.device, nbytes: int, n: int, warm: int,
+             slots: int) -> float | None:
     import ipcsync
 
     url = f"tcp://127.0.0.1:{port}"
@@ -107,16 +122,20 @@ def _ipcsync(role: str, port: int, device: torch.device, nbytes: int, n: int, wa
                               timeout=300.0) as out:
             out.wait_for_consumers(1, timeout=120)
             for _ in range(n):
-                out.send({"x": t})
+                if mode == "slot":
+                    with out.slot(x=((nbytes,), torch.uint8)) as s:
+                        s["x"][:1].fill_(7)
+                else:
+                    out.send({"x": t})
         return None
     inp = ipcsync.Consumer(url, device=str(device), insecure=True, timeout=300.0, connect_timeout=120.0)
     start = 0.0
     try:
         for i, item in enumerate(inp):
-            if i == warm:
+            item.release()
+            if i == warm - 1:  # (as the raw loop: the clock starts once `warm` items arrived)
                 _sync(device)
                 start = time.perf_counter()
-            item.release()
         _sync(device)
         return time.perf_counter() - start
     finally:
@@ -134,8 +153,10 @@ def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, 
         out = []
         for p in plan:
             raw = _raw(role, transport, p["raw_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
-            ipc = _ipcsync(role, p["ipc_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
-            out.append({"raw": raw, "ipcsync": ipc})
+            res = {"raw": raw}
+            for mode in METHODS[1:]:
+                res[mode] = _ipcsync(role, mode, p[f"{mode}_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
+            out.append(res)
         results.put(("ok", role, out))
     except BaseException:
         results.put(("error", role, traceback.format_exc()))
@@ -144,8 +165,8 @@ def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, 
 
 def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], None],
                timeout: float = 900.0) -> dict[str, Any]:
-    """Rows ``(size, method, handoffs_per_s, gb_per_s, x_raw)``, a raw row then an ipcsync
-    row per size. RemoteBenchError when it cannot run (CUDA with fewer than two GPUs)."""
+    """Rows ``(size, method, handoffs_per_s, gb_per_s, x_raw)``: per size a raw row, then
+    ipcsync's ``send()`` and ``slot()`` rows. RemoteBenchError when it cannot run (CUDA with fewer than two GPUs)."""
     if device.startswith("cuda"):
         if torch.cuda.device_count() < 2:
             raise RemoteBenchError("--suite remote on CUDA needs two GPUs (NCCL runs one rank per GPU); "
@@ -159,9 +180,11 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
     plan = []
     for name in sizes:
         n = max(COUNT[name] // (4 if quick else 1), 6)
-        plan.append({"name": name, "nbytes": SIZE_BYTES[name], "n": n, "warm": max(1, n // 10),
-                     "raw_port": _free_port(), "ipc_port": _free_port()})
-    progress("remote: " + ", ".join(f"{p['name']} x {p['n']}" for p in plan) + " per method (raw, then ipcsync)")
+        warm = max(slots + 1, n // 10)
+        plan.append({"name": name, "nbytes": SIZE_BYTES[name], "n": n + warm, "warm": warm,
+                     **{f"{m}_port": _free_port() for m in METHODS}})
+    progress("remote: " + ", ".join(f"{p['name']} x {p['n']}" for p in plan)
+             + " per method (raw, then ipcsync send, then ipcsync slot)")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_side, args=(results, "send", "bench-host-a", devices[0], plan, slots)),
@@ -194,9 +217,11 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
     rows = []
     for p, r in zip(plan, got["recv"]):
         timed = p["n"] - p["warm"]
-        rates = {m: timed / r[m] for m in ("raw", "ipcsync")}
-        for m, label in (("raw", f"raw torch.distributed ({'nccl' if devices[0] != 'cpu' else 'gloo'})"),
-                         ("ipcsync", "ipcsync remote edge")):
+        rates = {m: timed / r[m] for m in METHODS}
+        labels = {"raw": f"raw torch.distributed ({'nccl' if devices[0] != 'cpu' else 'gloo'})",
+                  "send": "ipcsync remote edge, send()", "slot": "ipcsync remote edge, slot()"}
+        for m in METHODS:
+            label = labels[m]
             rows.append((p["name"], label, rates[m], rates[m] * p["nbytes"] / 1e9, rates[m] / rates["raw"]))
     return {"rows": rows, "slots": slots}
 

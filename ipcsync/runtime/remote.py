@@ -45,6 +45,7 @@ from ..core.remote_session import (
 )
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
 from .channel import Endpoint
+from .foreign import Wake
 
 __all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
            "open_consumer_edge", "transport_for", "OP_TIMEOUT_ENV", "op_timeout"]
@@ -214,6 +215,9 @@ class _Completer:
             # never counts as a completed send.
             if seq is not None and ok and edge.broken is None and edge.ledger.completed(seq):
                 edge.sent(self)
+            wake = getattr(edge, "wake", None)
+            if wake is not None:
+                wake.set()  # a consumer waiting for this recv polls at once
 
 
 class RemoteWatch:
@@ -544,6 +548,10 @@ class ConsumerEdge:
         self.ledger = RecvLedger()
         self.watermark = SentWatermark()  # invariant 7: the newest seq whose send the producer confirmed
         self.stream: Any = torch.cuda.Stream(device) if addr.transport == "nccl" else None
+        # gloo: set by the completion thread after each recv, one of the consumer's wait fds,
+        # so a consumer waiting for an item sleeps in its socket wait, not in a poll loop.
+        # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
+        self.wake: Wake | None = Wake() if self.stream is None else None
         self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}")
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
         data_host = _local_address_towards(addr.host, addr.port)

@@ -201,6 +201,8 @@ class ProducerLink:
         lender, s, chan = self.lender, self.session, self.chan
         if lender.wake is not None:
             lender.drain()
+        if self.remote is not None and self.remote.wake is not None:
+            self.remote.wake.clear()  # (before reading what the completion thread settled)
         if chan.lane is not None:
             if not chan.lane_in:
                 chan.check_lane()  # refused before the SWITCH: stay on ZeroMQ
