@@ -326,7 +326,15 @@ class Consumer(EndpointBase):
             self._pump()
             self._raise_if_broken()
             if self._ready:
-                return True, self._make_item(self._ready.popleft())
+                # A gloo remote item whose transfer is still running is not waited for here:
+                # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
+                # the fds it waits on) or the SENT frame wakes it when this one is ready.
+                remote = self._link.remote
+                woken = remote is not None and remote.wake is not None
+                try:
+                    return True, self._make_item(self._ready.popleft(), 0.0 if woken else None)
+                except IpcTimeoutError:
+                    return False, None  # (the entry is first in line again)
             if self.session.bye_received:
                 self._pump()  # answers BYE once nothing is held
                 return True, None

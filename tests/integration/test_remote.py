@@ -178,6 +178,24 @@ def test_a_consumer_exits_cleanly_when_its_closed_edge_breaks_during_interpreter
 
 
 @pytest.mark.timeout(90)
+def test_fanin_serves_its_other_sources_while_one_transfer_never_comes(procs: Any) -> None:
+    # One source announces an item whose transfer never comes; FanIn does not wait on it:
+    # the other source's items all arrive, and get(timeout=...) then times out.
+    stalled = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    good = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True, "n": 20}
+    s = procs.start("hand_produce", module=MODULE, env=host("stalled-host"), then="stall", stall=30.0, **stalled)
+    s.read_until(lambda l: l.get("event") == "bound")
+    p = procs.start("produce", module=MODULE, env=host("producer-host"), **good)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("fanin_around_a_stall", module=MODULE, env=host("consumer-host"),
+                    endpoints=[stalled["endpoint"], good["endpoint"]])
+    got = c.result(60)
+    assert got["end"] == "timeout" and got["errors"] == [] and got["got"] == list(range(20)), got
+    p.result(60)
+    s.kill()
+
+
+@pytest.mark.timeout(90)
 def test_items_forwarded_before_a_remote_consumer_attached_reach_it_by_copy(procs: Any) -> None:
     # A producer on a tcp endpoint forwards items while no consumer is attached, so they
     # wait queued; a consumer on another host attaches then. A zero-copy forward would

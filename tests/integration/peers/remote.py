@@ -346,6 +346,32 @@ class _SlowTeardown:
         time.sleep(1.0)
 
 
+def fanin_around_a_stall(a: dict[str, Any]) -> None:
+    """A FanIn over ``endpoints``, the first a producer whose transfer never comes
+    (``hand_produce``, ``then="stall"``): ``get(timeout=...)`` until it times out; reports
+    the items it got (checked) and how it ended."""
+    fan = ipcsync.FanIn(a["endpoints"], heartbeat=0.5, timeout=30.0, connect_timeout=30.0, device="cpu",
+                        insecure=True)
+    got: list[int] = []
+    errors: list[str] = []
+    end = "stop"
+    try:
+        while True:
+            item = fan.get(timeout=a.get("get_timeout", 3.0))
+            if item is None:
+                break
+            problem = check(item, item.meta["i"], a.get("size", 16))
+            if problem:
+                errors.append(problem)
+            got.append(item.meta["i"])
+            item.release()
+    except ipcsync.IpcTimeoutError:
+        end = "timeout"
+    finally:
+        fan.close()
+    say(event="done", end=end, got=got, errors=errors)
+
+
 def forward_before_remote(a: dict[str, Any]) -> None:
     """A middle stage in one process: a local producer (ipc) and its consumer, and a
     producer on ``endpoint`` (tcp) that forwards ``n`` received items with
