@@ -97,7 +97,7 @@ def main() -> int:
         print(f"train: got {steps} batches, expected {args.batches * args.epochs}; "
               f"batches not received {args.epochs} time(s): {missing[:10]}", flush=True)
         return 1
-    print(f"train: done, {steps} batches, {samples / elapsed:.0f} samples/s, "
+    print(f"train: done, {steps} batches on {me.device}, {samples / elapsed:.0f} samples/s, "
           f"final loss {loss.item():.3f}", flush=True)
     return 0
 

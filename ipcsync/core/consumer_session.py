@@ -45,6 +45,7 @@ from . import protocol as P
 from .layout import Recipe, RecipeCache
 from .liveness import PeerClock, Verdict
 from .protocol import ErrorCode, MsgType, State
+from .remote_session import is_remote_handle
 
 __all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
            "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry", "release_batch_for"]
@@ -212,7 +213,8 @@ class ConsumerSession:
     def validate_setup(self, s: P.Setup) -> bool:
         """SETUP describes a ring this consumer can use; else ``fail`` and False."""
         problem = None
-        if s.backend != self.backend:
+        if s.backend != self.backend and not (s.arenas and is_remote_handle(s.arenas[0])):
+            # (a remote edge joins any two kinds of device: its transfer copies)
             problem = f"producer uses the {s.backend} backend, this consumer {self.backend}"
         elif not s.slots or len(s.slots) != len(s.ready_events):
             problem = f"SETUP has {len(s.slots)} slots and {len(s.ready_events)} ready events"

@@ -32,7 +32,11 @@ def hello_problem(hello: P.Hello, backend: str, device: object, remote_ok: bool 
             f"served only once their sends are confirmed), the consumer speaks {hello.version}: run the "
             "same ipcsync version on every host"
         )
-    if hello.backend != backend:
+    if remote and hello.backend not in ("cpu", "cuda"):
+        return ErrorCode.BACKEND.value, f"a remote consumer's device must be cpu or cuda, not {hello.backend[:16]!r}"
+    if hello.backend != backend and not remote:
+        # (A remote edge joins any two kinds of device: the transfer copies, see
+        # runtime.remote.transport_for.)
         return ErrorCode.BACKEND.value, (
             f"producer uses the {backend} backend (device {device}) but "
             f"the consumer asked for {hello.backend}; use the same kind of device on both sides"

@@ -270,7 +270,7 @@ class ProducerPort:
                 self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
                                             self.name)
                 self.remote_hub.on_sent = self.confirm_from_thread
-            edge = self.remote_hub.new_edge(session.label)
+            edge = self.remote_hub.new_edge(session.label, session.hello.backend)
         except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
             text = f"this producer cannot open a remote edge: {exc}"
             self.peers.ratelog.warning("hello", "ipcsync producer %r refused remote consumer %s: %s",

@@ -34,6 +34,7 @@ import queue
 import socket
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,7 +49,7 @@ from .channel import Endpoint
 from .foreign import Wake
 
 __all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
-           "open_consumer_edge", "transport_for", "OP_TIMEOUT_ENV", "op_timeout"]
+           "open_consumer_edge", "transport_for", "TRANSPORT_ENV", "OP_TIMEOUT_ENV", "op_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,27 @@ def op_timeout() -> float:
     return value
 
 
-def transport_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
+
+
+def transport_for(device: torch.device, consumer_backend: str = "cuda") -> str:
+    """The transport of an edge from a producer on ``device`` to a consumer on a
+    ``consumer_backend`` device: NCCL when both ends are on CUDA, else gloo, whose CUDA
+    end (if any) stages each item through pinned host memory. ``$IPCSYNC_REMOTE_TRANSPORT``
+    (the producer's): ``auto`` (default) or ``gloo`` (gloo for CUDA pairs too: no NCCL,
+    or both processes on one GPU, which NCCL refuses)."""
+    forced = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
+    if forced not in ("auto", "gloo"):
+        raise ConfigError(f"${TRANSPORT_ENV} must be 'auto' or 'gloo', got {forced!r}")
+    if device.type == "cuda" and consumer_backend == "cuda" and forced == "auto":
+        return "nccl"
+    return "gloo"
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """Host memory a gloo edge's CUDA end stages an item through (page-locked, so the
+    copy to or from the GPU runs at full speed)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _tcp_host(endpoint: Endpoint) -> tuple[str, int]:
@@ -164,11 +184,13 @@ class _Completer:
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
 
-    def add(self, ev: Any, work: Any, seq: int | None = None) -> None:
-        """``work``: gloo's Work to wait for, or None for NCCL (``ev.cuda_event`` is polled)."""
+    def add(self, ev: Any, work: Any, seq: int | None = None, after: Callable[[], None] | None = None) -> None:
+        """``work``: gloo's Work to wait for, or None for NCCL (``ev.cuda_event`` is polled).
+        ``after``: run in this thread once ``work`` completed whole, before the event
+        counts it (a staged recv's copy to the GPU)."""
         ev.posted += 1
         ev.work = work if work is not None else ev.work
-        self.q.put((ev, work, ev.posted, seq))
+        self.q.put((ev, work, ev.posted, seq, after))
 
     def stop(self) -> None:
         self.stopped = True
@@ -199,10 +221,12 @@ class _Completer:
             got = self.q.get()
             if got is None:
                 return
-            ev, work, n, seq = got
+            ev, work, n, seq, after = got
             why = "transfer aborted"  # gloo's wait says so by returning False, not raising
             try:
                 ok = work.wait() if work is not None else self._poll_cuda(ev)
+                if ok is not False and after is not None and not self.stopped:
+                    after()
             except Exception as exc:  # noqa: BLE001 (a failed transfer is a lost edge)
                 ok, why = False, f"transfer failed: {exc}"
             if ok is False and edge.broken is None and not self.stopped:
@@ -309,7 +333,6 @@ class RemoteHub:
                  ready_events: Sequence[Event], name: str) -> None:
         self.host, self.port = _tcp_host(endpoint)
         self.device = device
-        self.transport = transport_for(device)
         self.slot_views = slot_views
         self.ready_events = ready_events
         self.name = name
@@ -328,15 +351,17 @@ class RemoteHub:
             return os.environ.get("IPCSYNC_REMOTE_ADDR") or socket.getfqdn()
         return self.host
 
-    def new_edge(self, label: str) -> "ProducerEdge":
+    def new_edge(self, label: str, consumer_backend: str) -> "ProducerEdge":
+        """The edge to a consumer whose device is of kind ``consumer_backend``."""
         import torch.distributed as dist  # noqa: PLC0415
 
+        transport = transport_for(self.device, consumer_backend)
         host = self.advertised_host()
         if self.store is None:
             self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout),
                                        wait_for_workers=False)
         key = os.urandom(12).hex()
-        addr = EdgeAddress(self.transport, host, int(self.store.port), key, host)
+        addr = EdgeAddress(transport, host, int(self.store.port), key, host)
         edge = ProducerEdge(self, addr, label)
         self.edges.append(edge)
         return edge
@@ -363,7 +388,12 @@ class ProducerEdge:
         self.broken: str | None = None
         self.ledger = SendLedger()  # invariant 7: the sends completed and confirmed
         self.release_events = [SendEvent(self) for _ in hub.slot_views]
-        self.stream: Any = torch.cuda.Stream(hub.device) if addr.transport == "nccl" else None
+        self.stream: Any = torch.cuda.Stream(hub.device) if hub.device.type == "cuda" else None
+        # gloo from a CUDA producer: per slot, pinned host memory its items are copied to
+        # before their send (made at the slot's first send). Reused only after the slot's
+        # previous send completed: the ring writes the slot again only then (invariant 5).
+        self.staging: dict[int, torch.Tensor] | None = (
+            {} if addr.transport == "gloo" and self.stream is not None else None)
         self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}")
         store = dist.PrefixStore(f"ipcsync/{addr.edge}/", hub.store)
         self._thread = threading.Thread(target=self._build, args=(store,), daemon=True,
@@ -403,7 +433,9 @@ class ProducerEdge:
         view = self.hub.slot_views[slot][:nbytes]
         ev = self.release_events[slot]
         try:
-            if self.stream is not None:
+            if self.staging is not None:  # gloo from CUDA: the bytes go from pinned host memory
+                self.completer.add(ev, self.pg.send([self._stage(slot, view)], 1, slot), seq)
+            elif self.stream is not None:
                 with torch.cuda.stream(self.stream):
                     self.hub.ready_events[slot].wait(self.stream)
                     ev.work = self.pg.send([view], 1, slot)
@@ -415,6 +447,20 @@ class ProducerEdge:
                 self.completer.add(ev, self.pg.send([view], 1, slot), seq)
         except Exception as exc:  # noqa: BLE001 (a failed send is a lost edge)
             self.fail(f"send failed: {exc}")
+
+    def _stage(self, slot: int, view: torch.Tensor) -> torch.Tensor:
+        """Copy an item (after its ready event) into the slot's pinned host buffer, and
+        wait for the copy: gloo reads the buffer from its own threads."""
+        assert self.staging is not None
+        buf = self.staging.get(slot)
+        if buf is None:
+            buf = self.staging[slot] = _pinned(self.hub.slot_views[slot].numel())
+        host = buf[: view.numel()]
+        with torch.cuda.stream(self.stream):
+            self.hub.ready_events[slot].wait(self.stream)
+            host.copy_(view, non_blocking=True)
+        self.stream.synchronize()
+        return host
 
     def to_confirm(self) -> int | None:
         """The seq of the SENT to send now (invariant 7), or None."""
@@ -472,10 +518,11 @@ class RecvEvent(_TransferEvent):
         edge = self.edge
         if edge.broken is not None:
             raise PeerLostError(f"remote edge from {edge.label} lost: {edge.broken}")
-        if self.cuda_event is not None:
-            if not self.cuda_event.query():
-                return False
-        elif self.completed != self.posted:
+        # (NCCL posts nothing to count: its CUDA event says; a staged gloo recv: both, the
+        # count first, since the event is recorded only once the recv completed.)
+        if self.completed != self.posted:
+            return False
+        if self.cuda_event is not None and not self.cuda_event.query():
             return False
         if not edge.watermark.covers(self.seq):
             return False
@@ -547,11 +594,18 @@ class ConsumerEdge:
         self.release_events = [_ReleaseEvent(device) for _ in slots]
         self.ledger = RecvLedger()
         self.watermark = SentWatermark()  # invariant 7: the newest seq whose send the producer confirmed
-        self.stream: Any = torch.cuda.Stream(device) if addr.transport == "nccl" else None
+        self.device = device
+        self.stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # gloo into a CUDA ring: per slot, pinned host memory the recv lands in; the
+        # completion thread then copies it to the slot on `stream` (after the slot's release
+        # event) and records the item's CUDA event. Reused only once the item last received
+        # through it was served: its copy had completed then (RecvEvent.query).
+        self.staging: dict[int, torch.Tensor] | None = (
+            {} if addr.transport == "gloo" and self.stream is not None else None)
         # gloo: set by the completion thread after each recv, one of the consumer's wait fds,
         # so a consumer waiting for an item sleeps in its socket wait, not in a poll loop.
         # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
-        self.wake: Wake | None = Wake() if self.stream is None else None
+        self.wake: Wake | None = Wake() if addr.transport == "gloo" else None
         self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}")
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
         data_host = _local_address_towards(addr.host, addr.port)
@@ -574,7 +628,14 @@ class ConsumerEdge:
             view = self.slot_views[slot][:nbytes]
             ev.seq = entry[0]
             try:
-                if self.stream is not None:
+                if self.staging is not None:
+                    buf = self.staging.get(slot)
+                    if buf is None:
+                        buf = self.staging[slot] = _pinned(self.slot_views[slot].numel())
+                    host = buf[:nbytes]
+                    self.completer.add(ev, self.pg.recv([host], 0, slot),
+                                       after=partial(self._unstage, slot, host, view, ev))
+                elif self.stream is not None:
                     with torch.cuda.stream(self.stream):
                         self.release_events[slot].wait(self.stream)  # after our reads of the slot
                         ev.work = self.pg.recv([view], 0, slot)
@@ -586,6 +647,18 @@ class ConsumerEdge:
             except Exception as exc:  # noqa: BLE001
                 self.fail(f"recv failed: {exc}")
                 return
+
+    def _unstage(self, slot: int, host: torch.Tensor, view: torch.Tensor, ev: "RecvEvent") -> None:
+        """(The completion thread) a staged recv completed: copy it to the slot, after our
+        reads of the slot (its release event), record the item's CUDA event and wait for
+        it here, so that the Wake set next means the item is ready (no CUDA event to poll)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.release_events[slot].wait(self.stream)
+            view.copy_(host, non_blocking=True)
+            cuda_event = ev.cuda_event or torch.cuda.Event()
+            cuda_event.record(self.stream)
+            ev.cuda_event = cuda_event
+        cuda_event.synchronize()
 
     def confirm(self, seq: int, ready: Sequence[tuple[Any, ...]]) -> None:
         """A SENT for ``seq`` (invariant 7); ``ready``: the buffered READY entries, whose
@@ -626,9 +699,9 @@ def open_consumer_edge(handle: Any, device: torch.device, arena_bytes: int,
     ``op_timeout()``). ProtocolError for a malformed address, BackendError when the
     rendezvous fails, ConfigError when the transport does not fit ``device``."""
     addr = EdgeAddress.parse(handle)
-    if addr.transport != transport_for(device):
-        raise ConfigError(f"the producer sends over {addr.transport} but this consumer is on {device}; "
-                          "use the same kind of device on both sides")
+    if addr.transport == "nccl" and device.type != "cuda":
+        raise ConfigError(f"the producer sends over nccl but this consumer is on {device}: NCCL needs a "
+                          "GPU at both ends")
     try:
         return ConsumerEdge(addr, device, arena_bytes, slots, label, op_timeout())
     except (RuntimeError, ValueError) as exc:

@@ -1,7 +1,9 @@
 """The conformance of a remote edge (core.remote_session), process against process: the
 roles count as different hosts (``IPCSYNC_HOST_ID`` differs) and talk over tcp://127.0.0.1,
-so every item travels by torch.distributed (gloo on the CPU; NCCL with ``device="cuda"``,
-which needs two GPUs: NCCL refuses two ranks on one GPU).
+so every item travels by torch.distributed: gloo between CPUs, NCCL between two GPUs (which
+needs two: NCCL refuses two ranks on one GPU), gloo staged through pinned host memory
+between a CPU and a GPU, or between two GPU processes with $IPCSYNC_REMOTE_TRANSPORT=gloo
+(one GPU is enough for those). See PAIRS.
 
 Covered: contents (dtypes, 0-d, empty and non-contiguous tensors, nested dict/list/tuple,
 items with nothing to transfer, changing layouts), order, meta, backpressure without loss,
@@ -24,10 +26,25 @@ import torch
 MODULE = "peers.remote"
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+# The kinds of edge, by the devices of its two ends: (producer's, consumer's, GPUs it
+# needs, environment of every role). NCCL joins two CUDA ends, one GPU per process; any
+# other pair goes over gloo, a CUDA end staging through pinned host memory, which runs on
+# one GPU: so does a CUDA pair with $IPCSYNC_REMOTE_TRANSPORT=gloo.
+PAIRS: dict[str, tuple[str, str, int, dict[str, str]]] = {
+    "cpu": ("cpu", "cpu", 0, {}),
+    "cuda": ("cuda", "cuda", 2, {}),
+    "cpu-to-cuda": ("cpu", "cuda", 1, {}),
+    "cuda-to-cpu": ("cuda", "cpu", 1, {}),
+    "cuda-gloo": ("cuda", "cuda", 1, {"IPCSYNC_REMOTE_TRANSPORT": "gloo"}),
+}
+
+
+@pytest.fixture(params=[pytest.param(k, marks=pytest.mark.cuda) if PAIRS[k][2] else k for k in PAIRS])
 def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("a remote edge over NCCL needs two GPUs (one per process)")
+    """The kind of edge (a key of PAIRS)."""
+    need = PAIRS[request.param][2]
+    if torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} GPU(s)" + (" (NCCL runs one rank per GPU)" if need > 1 else ""))
     return request.param
 
 
@@ -41,22 +58,25 @@ def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def on(host: str, device: str, gpu: int = 0) -> dict[str, str]:
-    env = {"IPCSYNC_HOST_ID": host}
-    if device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+def on(host: str, pair: str, dev: str, gpu: int) -> dict[str, str]:
+    env = {"IPCSYNC_HOST_ID": host, **PAIRS[pair][3]}
+    if dev == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu if PAIRS[pair][2] > 1 else 0)  # (one GPU: all on it)
         env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # over sockets, as between hosts
     return env
 
 
-def producer(procs: Any, host: str, device: str, gpu: int = 0, **args: Any) -> Any:
-    p = procs.start("conf_produce", module=MODULE, env=on(host, device, gpu), device=device, insecure=True, **args)
+def producer(procs: Any, host: str, pair: str, gpu: int = 0, **args: Any) -> Any:
+    dev = PAIRS[pair][0]
+    p = procs.start("conf_produce", module=MODULE, env=on(host, pair, dev, gpu), device=dev, insecure=True, **args)
     p.read_until(lambda l: l.get("event") == "bound", 60)
     return p
 
 
-def consumer(procs: Any, host: str, device: str, gpu: int = 1, **args: Any) -> Any:
-    return procs.start("conf_consume", module=MODULE, env=on(host, device, gpu), device=device, insecure=True,
+def consumer(procs: Any, host: str, pair: str, gpu: int = 1, local: bool = False, **args: Any) -> Any:
+    """``local``: on the producer's host, so on its kind of device (a local edge)."""
+    dev = PAIRS[pair][0 if local else 1]
+    return procs.start("conf_consume", module=MODULE, env=on(host, pair, dev, gpu), device=dev, insecure=True,
                        **args)
 
 
@@ -111,7 +131,7 @@ def test_one_local_and_one_remote_consumer(procs: Any, device: str, policy: str)
     ep = endpoint()
     n = 40
     p = producer(procs, "p-host", device, endpoint=ep, n=n, policy=policy, wait_consumers=2)
-    local = consumer(procs, "p-host", device, gpu=0, endpoint=ep)  # same host: shared memory
+    local = consumer(procs, "p-host", device, gpu=0, local=True, endpoint=ep)  # same host: shared memory
     remote = consumer(procs, "c-host", device, gpu=1, endpoint=ep)
     results = [local.result(90), remote.result(90)]
     for r in results:

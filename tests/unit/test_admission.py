@@ -37,3 +37,15 @@ def test_a_remote_consumer_of_this_version_is_admitted_on_a_tcp_producer_only() 
     assert hello_problem(h, "cpu", "cpu", remote_ok=True) is None
     problem = hello_problem(h, "cpu", "cpu", remote_ok=False)
     assert problem is not None and problem[0] == ErrorCode.HOST.value
+
+
+def test_a_remote_consumer_on_another_kind_of_device_is_admitted_a_local_one_is_not() -> None:
+    # A remote edge copies by its transfer, so a CPU loader host can feed a GPU trainer.
+    remote = dataclasses.replace(_hello(P.PROTOCOL_VERSION, "another-host"), backend="cuda")
+    assert hello_problem(remote, "cpu", "cpu", remote_ok=True) is None
+    local = dataclasses.replace(_hello(P.PROTOCOL_VERSION, host.host_identity()), backend="cuda")
+    problem = hello_problem(local, "cpu", "cpu", remote_ok=True)
+    assert problem is not None and problem[0] == ErrorCode.BACKEND.value and "same kind of device" in problem[1]
+    odd = dataclasses.replace(remote, backend="tpu")
+    problem = hello_problem(odd, "cpu", "cpu", remote_ok=True)
+    assert problem is not None and problem[0] == ErrorCode.BACKEND.value

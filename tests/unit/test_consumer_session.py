@@ -17,6 +17,7 @@ from ipcsync.core.consumer_session import (SENDS, ConsumerSession, ForeignReceiv
 from ipcsync.core.layout import RecipeCache, plan_message
 from ipcsync.core.liveness import Verdict
 from ipcsync.core.protocol import MsgType, State
+from ipcsync.core.remote_session import EdgeAddress
 from ipcsync.errors import ConfigError, PeerLostError, ProducerFailedError, ProtocolError
 
 SLOT = 1024
@@ -198,6 +199,12 @@ def test_setup_validation() -> None:
     s2 = ConsumerSession("ep", "cpu", 1.0)
     s2.hello(hello())
     assert not s2.validate_setup(setup(backend="cuda")) and isinstance(s2.error, ConfigError)
+    # A remote edge joins any two kinds of device (its transfer copies): a CUDA producer's
+    # remote SETUP is valid for a CPU consumer.
+    s3 = ConsumerSession("ep", "cpu", 1.0)
+    s3.hello(hello())
+    remote = EdgeAddress("gloo", "10.0.0.1", 5555, "ab12", "10.0.0.1").encode()
+    assert s3.validate_setup(dataclasses.replace(setup(backend="cuda"), arenas=[remote])), s3.error
 
 
 def test_send_rules() -> None:

@@ -102,3 +102,19 @@ def test_sent_watermark_refuses_a_confirmation_out_of_order(first: int | None, t
     with pytest.raises(ProtocolError, match=words):
         w.on_sent(then, announced)
     assert not w.covers(then) or first is not None and then <= first
+
+
+def test_transport_is_nccl_only_between_two_cuda_ends_unless_gloo_is_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipcsync.errors import ConfigError
+    from ipcsync.runtime.remote import TRANSPORT_ENV, transport_for
+
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert transport_for(cuda, "cuda") == "nccl"
+    assert [transport_for(cuda, "cpu"), transport_for(cpu, "cuda"), transport_for(cpu, "cpu")] == ["gloo"] * 3
+    monkeypatch.setenv(TRANSPORT_ENV, "gloo")
+    assert transport_for(cuda, "cuda") == "gloo"
+    monkeypatch.setenv(TRANSPORT_ENV, "nccl-please")
+    with pytest.raises(ConfigError, match="auto' or 'gloo"):
+        transport_for(cuda, "cuda")
