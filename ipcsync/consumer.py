@@ -56,7 +56,8 @@ class Consumer(EndpointBase):
 
     Args:
         endpoint: the producer's endpoint (bare name, ``ipc://...`` or ``tcp://...``).
-        device: must be the same kind of device as the producer's (``cpu`` / ``cuda[:N]``).
+        device: ``cpu`` / ``cuda[:N]``: the same kind of device as the producer's on one
+            host; across hosts (a remote edge) either kind, the transfer copies.
         wait: ``"gpu"`` (the stream waits on the producer's event at once) or ``"host"``
             (poll until complete: never wedges if the producer dies).
         timeout: default for blocking calls (``get``, ``close``'s wait for forwarded

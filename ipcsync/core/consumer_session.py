@@ -305,9 +305,10 @@ class ConsumerSession:
             return True
         return False
 
-    def tick(self, now: float, process_gone: bool | None) -> tuple[Verdict, bytes | None]:
+    def tick(self, now: float, process_gone: bool | None, gone_why: str = "exited") -> tuple[Verdict, bytes | None]:
         """Judge the producer at ``now`` (``process_gone``: see PeerClock.tick; asked only
-        while ``watching``): LOST is recorded (``error``); STALLED/ANSWERING are for the
+        while ``watching``; ``gone_why`` ends the sentence that says why it is gone): LOST
+        is recorded (``error``); STALLED/ANSWERING are for the
         runtime to report. Also the HEARTBEAT to send, if one is due: they go on until our
         BYE, so a consumer still holding items after the producer's BYE does not look dead."""
         if self.setup is None or self.error is not None:
@@ -316,7 +317,7 @@ class ConsumerSession:
         if not self.bye_received:  # after its BYE the producer only waits for our releases
             verdict = self.clock.tick(now, process_gone)
             if verdict is Verdict.LOST:
-                self.lost("exited")
+                self.lost(gone_why)
                 return verdict, None
         if not self.bye_sent and self.clock.heartbeat_due(now):
             return verdict, P.encode(P.Heartbeat())

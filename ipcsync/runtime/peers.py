@@ -18,6 +18,7 @@ from ..core import protocol as P
 from ..core.liveness import HANDSHAKE_S, Verdict
 from ..core.protocol import ErrorCode
 from ..core.producer_session import ProducerSession, error_frame
+from ..core.remote_session import LOSS_HEARTBEATS
 from ..core.ratelog import RateLog
 from ..core.ring import Ring
 from ..errors import ProtocolError
@@ -235,7 +236,7 @@ class PeerTable:
             return
         # A remote consumer reads no memory of ours: its closed connection is loss at once.
         if peer.watch is None or peer.remote is not None or peer.watch.gone() or peer.session.state != "active":
-            self.lose(peer, why if peer.watch is None else "process exited")
+            self.lose(peer, why if peer.watch is None or peer.remote is not None else "process exited")
             return
         if not peer.disconnected:
             peer.disconnected = True
@@ -255,9 +256,18 @@ class PeerTable:
             gone = peer.watch is not None and peer.watch.gone()
             verdict, why = peer.session.tick(now, gone, not peer.disconnected, self.handshake_s)
             if verdict is Verdict.LOST:
+                if gone and peer.remote is not None:
+                    why = peer.watch.why()  # (silence or a failed edge: no process to have exited)
                 self.lose(peer, why)
                 continue
-            if verdict is Verdict.STALLED:
+            if verdict is Verdict.STALLED and peer.remote is not None:
+                self.stalled_total += 1
+                self.ratelog.warning(
+                    "stalled",
+                    "ipcsync producer %r: remote %s has been silent for %.1f s (heartbeat %.2f s); it is "
+                    "lost if still silent past %d heartbeats", self.name, peer.label,
+                    peer.clock.silent_for(now), peer.clock.heartbeat, LOSS_HEARTBEATS)
+            elif verdict is Verdict.STALLED:
                 self.stalled_total += 1
                 self.ratelog.warning(
                     "stalled",

@@ -41,7 +41,7 @@ import torch
 
 from ..backends import Arena, Event
 from ..core.remote_session import (
-    READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark, layout_extent,
+    LOSS_HEARTBEATS, READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark, layout_extent,
     silence_is_loss,
 )
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
@@ -167,33 +167,79 @@ def _abort(pg: Any) -> None:
             return
 
 
+_POSTING = object()  # an event's `work` while its gloo operation waits to be posted
+
+
 class _Completer:
-    """Waits, in a thread of its own, for an edge's transfers in the order they were
-    posted, and marks each event done (gloo's ``Work.is_completed`` turns True only once
-    someone waited; NCCL's are polled through the CUDA event recorded after them). A failed
-    (or aborted) wait breaks the edge, and still settles its event: the works after it are
-    waited for too, since an aborted gloo send goes on reading its buffer until its
-    connection ends. A send (``seq`` given) that completed while the edge was whole goes
-    to the edge's ``SendLedger`` and the edge is told (``sent``): invariant 7 of
-    core.remote_session. A daemon thread."""
+    """Posts an edge's gloo transfers and waits for them, in two threads of its own, in
+    the order they were queued, and marks each event done (gloo's ``Work.is_completed``
+    turns True only once someone waited; NCCL's are polled through the CUDA event recorded
+    after them).
+
+    Posting has a thread of its own because posting a gloo send or recv can block for as
+    long as a transfer already running on the connection takes (seconds for a few hundred
+    MiB): under the endpoint's lock that would silence the heartbeats, and a remote peer
+    silent for 3 heartbeats is lost. An event counts the transfer as posted when it is
+    queued (``post``), so the slot is held from then on.
+
+    A failed (or aborted) wait breaks the edge, and still settles its event: the works
+    after it are waited for too, since an aborted gloo send goes on reading its buffer
+    until its connection ends. A send (``seq`` given) that completed while the edge was
+    whole goes to the edge's ``SendLedger`` and the edge is told (``sent``): invariant 7
+    of core.remote_session. Daemon threads."""
 
     def __init__(self, edge: Any, name: str) -> None:
         self.edge = edge
         self.stopped = False
-        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # posted: to wait for
+        self.pq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # to post
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self.poster = threading.Thread(target=self._post_loop, daemon=True, name=f"{name}-post")
         self.thread.start()
+        self.poster.start()
 
     def add(self, ev: Any, work: Any, seq: int | None = None, after: Callable[[], None] | None = None) -> None:
-        """``work``: gloo's Work to wait for, or None for NCCL (``ev.cuda_event`` is polled).
-        ``after``: run in this thread once ``work`` completed whole, before the event
-        counts it (a staged recv's copy to the GPU)."""
+        """A transfer posted already: ``work``, gloo's Work to wait for, or None for NCCL
+        (``ev.cuda_event`` is polled). ``after``: run in this thread once ``work``
+        completed whole, before the event counts it (a staged recv's copy to the GPU)."""
         ev.posted += 1
         ev.work = work if work is not None else ev.work
         self.q.put((ev, work, ev.posted, seq, after))
 
+    def post(self, ev: Any, make: Callable[[], Any], seq: int | None = None,
+             after: Callable[[], None] | None = None) -> None:
+        """A gloo transfer to post (``make()`` posts it and returns its Work) from the
+        posting thread, then to wait for as ``add``'s."""
+        ev.posted += 1
+        ev.work = _POSTING
+        self.pq.put((ev, make, ev.posted, seq, after))
+
+    def _post_loop(self) -> None:
+        edge = self.edge
+        while True:
+            got = self.pq.get()
+            if got is None:
+                return
+            ev, make, n, seq, after = got
+            if self.stopped or edge.broken is not None:
+                ev.completed = n  # never posted: nothing reads or writes its buffer
+                continue
+            try:
+                work = make()
+            except Exception as exc:  # noqa: BLE001 (a failed post is a lost edge)
+                if edge.broken is None and not self.stopped:
+                    edge.broken = f"transfer failed: {exc}"
+                ev.completed = n
+                wake = getattr(edge, "wake", None)
+                if wake is not None:
+                    wake.set()
+                continue
+            ev.work = work
+            self.q.put((ev, work, n, seq, after))
+
     def stop(self) -> None:
         self.stopped = True
+        self.pq.put(None)
         self.q.put(None)
 
     def join(self, timeout: float = 5.0) -> None:
@@ -202,8 +248,10 @@ class _Completer:
         interpreter finalizes is ended with pthread_exit, whose forced unwind through
         torch's noexcept C++ frames aborts the process ("terminate called without an
         active exception")."""
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for t in (self.poster, self.thread):
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _poll_cuda(self, ev: Any) -> bool:
         """NCCL: until the CUDA event after the transfer completed (True), or stop (False)."""
@@ -258,6 +306,15 @@ class RemoteWatch:
             return True
         clock = self.clock
         return silence_is_loss(clock.silent_for(time.monotonic()), clock.heartbeat)
+
+    def why(self) -> str:
+        """Why ``gone()`` said so, as the end of a sentence about the peer."""
+        edge = self.edge
+        if edge is not None and edge.broken is not None:
+            return f"lost its remote edge ({edge.broken})"
+        clock = self.clock
+        return (f"was silent for {clock.silent_for(time.monotonic()):.1f} s, past {LOSS_HEARTBEATS} heartbeats of "
+                f"{clock.heartbeat:.2f} s (a peer on another host is lost when silent)")
 
     def close(self) -> None:
         self.edge = None
@@ -433,8 +490,9 @@ class ProducerEdge:
         view = self.hub.slot_views[slot][:nbytes]
         ev = self.release_events[slot]
         try:
+            pg = self.pg
             if self.staging is not None:  # gloo from CUDA: the bytes go from pinned host memory
-                self.completer.add(ev, self.pg.send([self._stage(slot, view)], 1, slot), seq)
+                self.completer.post(ev, partial(pg.send, [self._stage(slot, view)], 1, slot), seq)
             elif self.stream is not None:
                 with torch.cuda.stream(self.stream):
                     self.hub.ready_events[slot].wait(self.stream)
@@ -444,7 +502,7 @@ class ProducerEdge:
                     ev.cuda_event = cuda_event
                 self.completer.add(ev, None, seq)
             else:
-                self.completer.add(ev, self.pg.send([view], 1, slot), seq)
+                self.completer.post(ev, partial(pg.send, [view], 1, slot), seq)
         except Exception as exc:  # noqa: BLE001 (a failed send is a lost edge)
             self.fail(f"send failed: {exc}")
 
@@ -633,8 +691,8 @@ class ConsumerEdge:
                     if buf is None:
                         buf = self.staging[slot] = _pinned(self.slot_views[slot].numel())
                     host = buf[:nbytes]
-                    self.completer.add(ev, self.pg.recv([host], 0, slot),
-                                       after=partial(self._unstage, slot, host, view, ev))
+                    self.completer.post(ev, partial(self.pg.recv, [host], 0, slot),
+                                        after=partial(self._unstage, slot, host, view, ev))
                 elif self.stream is not None:
                     with torch.cuda.stream(self.stream):
                         self.release_events[slot].wait(self.stream)  # after our reads of the slot
@@ -643,7 +701,7 @@ class ConsumerEdge:
                         cuda_event.record(self.stream)
                         ev.cuda_event = cuda_event
                 else:
-                    self.completer.add(ev, self.pg.recv([view], 0, slot))
+                    self.completer.post(ev, partial(self.pg.recv, [view], 0, slot))
             except Exception as exc:  # noqa: BLE001
                 self.fail(f"recv failed: {exc}")
                 return

@@ -21,7 +21,7 @@ from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgai
                                      SetupReceived, SwitchReceived)
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
-from ..core.remote_session import RELEASE_PLACEHOLDER, is_remote_handle
+from ..core.remote_session import LOSS_HEARTBEATS, RELEASE_PLACEHOLDER, is_remote_handle
 from ..core.ratelog import RateLog, best_effort
 from ..errors import (
     BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
@@ -351,11 +351,18 @@ class ProducerLink:
     def tick(self, now: float) -> None:
         s = self.session
         gone = (not self.producer_alive()) if s.watching else None
-        verdict, frame = s.tick(now, gone)
+        remote = self.remote is not None
+        verdict, frame = s.tick(now, gone, self.watch.why() if gone and remote else "exited")  # type: ignore[union-attr]
         if verdict is Verdict.LOST:
             self.on_lost()
             return
-        if verdict is Verdict.STALLED:
+        if verdict is Verdict.STALLED and remote:
+            self.ratelog.warning("stalled",
+                                 "ipcsync consumer %r: remote producer pid %d has been silent for %.1f s "
+                                 "(heartbeat %.2f s); it is lost if still silent past %d heartbeats",
+                                 self.endpoint.name, s.setup.pid, s.clock.silent_for(now), s.clock.heartbeat,
+                                 LOSS_HEARTBEATS)
+        elif verdict is Verdict.STALLED:
             # A silent producer whose process lives is stalled (paused, a long GC,
             # SIGSTOP), not lost: waited for, reported.
             self.ratelog.warning("stalled",

@@ -372,6 +372,42 @@ def fanin_around_a_stall(a: dict[str, Any]) -> None:
     say(event="done", end=end, got=got, errors=errors)
 
 
+def produce_large(a: dict[str, Any]) -> None:
+    """``n`` items of ``nbytes`` each written in place (``slot()``: only the first and last
+    byte, ``i % 251``); reports the stats."""
+    nbytes = a["nbytes"]
+    with ipcsync.Producer(a["endpoint"], slots=a["slots"], slot_bytes=nbytes + 4096, heartbeat=a["heartbeat"],
+                          timeout=120.0, device="cpu", insecure=True) as out:
+        say(event="bound", pid=os.getpid())
+        out.wait_for_consumers(1, timeout=60)
+        for i in range(a["n"]):
+            with out.slot(x=((nbytes,), torch.uint8), meta={"i": i}) as s:
+                s["x"][:1].fill_(i % 251)
+                s["x"][-1:].fill_(i % 251)
+        stats = out.stats()
+    say(event="done", stats=plain(stats))
+
+
+def consume_large(a: dict[str, Any]) -> None:
+    """The items of ``produce_large``: checks their first and last byte and meta."""
+    got: list[int] = []
+    errors: list[str] = []
+    end = "stop"
+    inp = ipcsync.Consumer(a["endpoint"], heartbeat=a["heartbeat"], timeout=120.0, connect_timeout=60.0,
+                           device="cpu", insecure=True)
+    try:
+        for item in inp:
+            i, x = item.meta["i"], item["x"]
+            if (int(x[0]), int(x[-1])) != (i % 251, i % 251):
+                errors.append(f"item {i}: {int(x[0])}, {int(x[-1])}")
+            got.append(i)
+    except ipcsync.IpcSyncError as exc:
+        end = f"{type(exc).__name__}: {exc}"
+    finally:
+        inp.close()
+    say(event="done", end=end, got=got, errors=errors)
+
+
 def forward_before_remote(a: dict[str, Any]) -> None:
     """A middle stage in one process: a local producer (ipc) and its consumer, and a
     producer on ``endpoint`` (tcp) that forwards ``n`` received items with
