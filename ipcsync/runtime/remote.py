@@ -125,11 +125,17 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=data_host)]
         opts._timeout = td
         return dist.ProcessGroupGloo(store, rank, 2, opts)
-    # NCCL: the same point-to-point code; the communicator is made at the first operation.
+    # NCCL: the same point-to-point code. Its communicator is made at the first operation,
+    # which blocks until the peer's first one: done here, by one byte each way (the
+    # producer's group is built in a thread, the consumer's before its ATTACH), so that
+    # no item's send or recv, posted under the endpoint's lock, waits for it.
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = td
     torch.cuda.set_device(device)
     pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    probe = torch.zeros(1, dtype=torch.uint8, device=device)
+    (pg.send([probe], 1, 0) if rank == 0 else pg.recv([probe], 0, 0)).wait()
+    torch.cuda.synchronize(device)
     return pg
 
 
