@@ -174,6 +174,9 @@ def _abort(pg: Any) -> None:
 
 
 _POSTING = object()  # an event's `work` while its gloo operation waits to be posted
+# A ring at most this large posts its transfers inline (see _Completer.post): a post then
+# waits at most for the ring's bytes to move, tens of milliseconds, far below the loss rule.
+INLINE_POST_BYTES = 32 << 20
 
 
 class _Completer:
@@ -194,9 +197,10 @@ class _Completer:
     whole goes to the edge's ``SendLedger`` and the edge is told (``sent``): invariant 7
     of core.remote_session. Daemon threads."""
 
-    def __init__(self, edge: Any, name: str) -> None:
+    def __init__(self, edge: Any, name: str, ring_bytes: int) -> None:
         self.edge = edge
         self.stopped = False
+        self.inline = ring_bytes <= INLINE_POST_BYTES
         self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # posted: to wait for
         self.pq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # to post
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
@@ -215,7 +219,17 @@ class _Completer:
     def post(self, ev: Any, make: Callable[[], Any], seq: int | None = None,
              after: Callable[[], None] | None = None) -> None:
         """A gloo transfer to post (``make()`` posts it and returns its Work) from the
-        posting thread, then to wait for as ``add``'s."""
+        posting thread, then to wait for as ``add``'s. On an edge whose whole ring is
+        small (``inline``), posted here: it waits at most for that many bytes to move,
+        which costs less than the hand-off to the posting thread."""
+        if self.inline:
+            try:
+                work = make()
+            except Exception as exc:  # noqa: BLE001 (a failed post is a lost edge)
+                self.edge.fail(f"transfer failed: {exc}")
+                return
+            self.add(ev, work, seq, after)
+            return
         ev.posted += 1
         ev.work = _POSTING
         self.pq.put((ev, make, ev.posted, seq, after))
@@ -457,7 +471,8 @@ class ProducerEdge:
         # previous send completed: the ring writes the slot again only then (invariant 5).
         self.staging: dict[int, torch.Tensor] | None = (
             {} if addr.transport == "gloo" and self.stream is not None else None)
-        self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}")
+        self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}",
+                                    sum(v.numel() for v in hub.slot_views))
         store = dist.PrefixStore(f"ipcsync/{addr.edge}/", hub.store)
         self._thread = threading.Thread(target=self._build, args=(store,), daemon=True,
                                         name=f"ipcsync-remote-{addr.edge[:8]}")
@@ -670,7 +685,7 @@ class ConsumerEdge:
         # so a consumer waiting for an item sleeps in its socket wait, not in a poll loop.
         # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
         self.wake: Wake | None = Wake() if addr.transport == "gloo" else None
-        self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}")
+        self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}", arena_bytes)
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
         data_host = _local_address_towards(addr.host, addr.port)
         self.pg: Any = _make_group(addr.transport, dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 1, device,
