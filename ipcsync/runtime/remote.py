@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -179,6 +179,12 @@ _POSTING = object()  # an event's `work` while its gloo operation waits to be po
 INLINE_POST_BYTES = 32 << 20
 
 
+def _until_none(q: "queue.SimpleQueue[Any]") -> Iterator[Any]:
+    """A thread's work queue, until ``stop()`` puts None."""
+    while (got := q.get()) is not None:
+        yield got
+
+
 class _Completer:
     """Posts an edge's gloo transfers and waits for them, in two threads of its own, in
     the order they were queued, and marks each event done (gloo's ``Work.is_completed``
@@ -236,11 +242,7 @@ class _Completer:
 
     def _post_loop(self) -> None:
         edge = self.edge
-        while True:
-            got = self.pq.get()
-            if got is None:
-                return
-            ev, make, n, seq, after = got
+        for ev, make, n, seq, after in _until_none(self.pq):
             if self.stopped or edge.broken is not None:
                 ev.completed = n  # never posted: nothing reads or writes its buffer
                 continue
@@ -285,11 +287,7 @@ class _Completer:
 
     def _run(self) -> None:
         edge = self.edge
-        while True:
-            got = self.q.get()
-            if got is None:
-                return
-            ev, work, n, seq, after = got
+        for ev, work, n, seq, after in _until_none(self.q):
             why = "transfer aborted"  # gloo's wait says so by returning False, not raising
             try:
                 ok = work.wait() if work is not None else self._poll_cuda(ev)

@@ -143,6 +143,16 @@ def test_a_received_item_is_served_once_its_send_is_confirmed(procs: Any) -> Non
     p.result(60)
 
 
+def start_stalled_pair(procs: Any, stall: float, **consumer: Any) -> tuple[Any, Any]:
+    """A producer by hand that announces an item and never sends it (for ``stall`` s),
+    and a consumer (``close_while_receiving``) that waits for it, then closes."""
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=stall, **args)
+    p.read_until(lambda l: l.get("event") == "bound")
+    c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), **consumer, **args)
+    return p, c
+
+
 @pytest.mark.timeout(90)
 def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any) -> None:
     # The producer is alive but its transfer never comes, so the consumer's recv stays
@@ -151,10 +161,7 @@ def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_threa
     # waiting on the recv: gloo's abort() does not wake such a wait, and a wait that
     # returns later, while the interpreter finalizes, aborts the process (SIGABRT,
     # "terminate called without an active exception").
-    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
-    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=20.0, **args)
-    p.read_until(lambda l: l.get("event") == "bound")
-    c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), **args)
+    p, c = start_stalled_pair(procs, 20.0)
     p.read_until(lambda l: l.get("event") == "stalled", 60)
     got = c.result(60)
     assert [("data was not ready" in t) for t in got["timeouts"]] == [True, True], got
@@ -167,11 +174,7 @@ def test_a_consumer_exits_cleanly_when_its_closed_edge_breaks_during_interpreter
     # As above, then the producer is SIGKILLed while the consumer's interpreter finalizes.
     # A recv wait left pending by close() would return then, and the thread would be ended
     # by the interpreter inside torch's C++ frames: SIGABRT instead of exit status 0.
-    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
-    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=60.0, **args)
-    p.read_until(lambda l: l.get("event") == "bound")
-    c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), kill_producer_at_exit=True,
-                    **args)
+    p, c = start_stalled_pair(procs, 60.0, kill_producer_at_exit=True)
     got = c.result(60)  # (asserts exit status 0)
     assert got["after"] == [], got
     assert p.proc.wait(timeout=30) == -9
