@@ -310,8 +310,9 @@ def test_aslot(endpoints: Any) -> None:
 def test_fanin_async_for(procs: Any, endpoints: Any) -> None:
     n = 25
     tags = {"a": 1, "b": 2}
+    # Paced, so the FanIn has to wait (about 0.1 s in all): the loop must run meanwhile.
     peers = [procs.start("tagged_produce", module="peers.basic", endpoint=f"aio-fi-{k}", n=n, tag=t, label=k,
-                         wait_consumers=1) for k, t in tags.items()]
+                         wait_consumers=1, pace=0.005) for k, t in tags.items()]
     for p in peers:
         p.read_until(lambda l: l.get("event") == "bound")
     fan = endpoints.fanin([f"aio-fi-{k}" for k in tags], sources=list(tags), device="cpu", timeout=30.0)

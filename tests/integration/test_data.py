@@ -436,7 +436,7 @@ def example_spec(launcher: cli.Launcher, loader_batches: int, train_batches: int
 def test_example_pipeline_end_to_end(launcher: cli.Launcher) -> None:
     run = launcher.run(example_spec(launcher, 10, 10, 2), timeout=180)
     assert run.proc.returncode == 0, run.dump()
-    assert "[train/0] train: done, 20 batches, " in run.out, run.dump()
+    assert "[train/0] train: done, 20 batches on cpu, " in run.out, run.dump()
     assert "[loader/0] loader 0: sent 10 batches" in run.out, run.dump()
     assert "[loader/1] loader 1: sent 10 batches" in run.out, run.dump()
     cli.assert_summary(run, "loader", "train", 20)

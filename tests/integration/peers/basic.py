@@ -93,7 +93,8 @@ def consume(a: dict[str, Any]) -> None:
 
 def tagged_produce(a: dict[str, Any]) -> None:
     """Send ``n`` items whose contents encode (tag, i): ``x = [tag, i]``, ``y = i`` repeated,
-    meta ``{"src": label, "i": i}``; then close (which waits for the consumer's releases)."""
+    meta ``{"src": label, "i": i}``, ``pace`` seconds apart; then close (which waits for the
+    consumer's releases)."""
     n, tag, label = a["n"], a["tag"], a["label"]
     size = a.get("size", 8)
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 4096),
@@ -105,6 +106,8 @@ def tagged_produce(a: dict[str, Any]) -> None:
             out.send({"x": torch.tensor([tag, i], dtype=torch.int64),
                       "y": torch.full((size,), float(i), dtype=torch.float32)},
                      meta={"src": label, "i": i})
+            if a.get("pace"):
+                time.sleep(a["pace"])
         say(event="sent-all", n=n)
         stats = out.stats()
     say(event="done", sent=n, stats=plain(stats))
