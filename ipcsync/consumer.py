@@ -124,6 +124,8 @@ class Consumer(EndpointBase):
         # The session's and the link's own, kept here for the per-item paths.
         self._ready, self._pending = s.ready, s.pending
         self._memory, self._foreign_uses = link.memory, link.downstream.uses
+        # A remote edge over gloo: its Wake (among our fds) says when an item's data is ready.
+        self._data_wakes = False
         try:
             self._fds = self._chan.fds()
             with self._lock:
@@ -140,6 +142,7 @@ class Consumer(EndpointBase):
                     self.wait_mode = "host"
                     if link.remote.wake is not None:
                         self._fds = [*self._fds, link.remote.wake.fd]
+                        self._data_wakes = True
         except BaseException:
             self._closed = True
             self._teardown()
@@ -330,10 +333,8 @@ class Consumer(EndpointBase):
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
                 # the fds it waits on) or the SENT frame wakes it when this one is ready.
-                remote = self._link.remote
-                woken = remote is not None and remote.wake is not None
                 try:
-                    return True, self._make_item(self._ready.popleft(), 0.0 if woken else None)
+                    return True, self._make_item(self._ready.popleft(), 0.0 if self._data_wakes else None)
                 except IpcTimeoutError:
                     return False, None  # (the entry is first in line again)
             if self.session.bye_received:
@@ -378,10 +379,9 @@ class Consumer(EndpointBase):
 
     def _poll_event(self, done: Any, timeout: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
-        remote = self._link.remote
-        woken = remote is not None and remote.wake is not None  # (else nothing wakes the socket wait: poll)
+        # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
         if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
-                                poll_event=not woken):
+                                poll_event=not self._data_wakes):
             self._raise_if_broken()
             raise IpcTimeoutError(
                 f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "

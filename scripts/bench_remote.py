@@ -22,7 +22,9 @@ Timed at the receiver from its first item to its last, the first ``warm`` not co
 (at least ``slots + 1``, so every slot of both rings was written once before the clock
 starts: first-touch page faults are a start-up cost, not a per-item one): handoffs/s and
 GB/s of payload. On a CPU machine ``send``'s copy competes for the cores that the two
-sides' kernel copies of the transfer already use; on a GPU it is a device copy. Small messages pay per item what the raw loop does not: a
+sides' kernel copies of the transfer already use; on a GPU it is a device copy.
+
+Small messages pay per item what the raw loop does not: a
 READY frame over ZeroMQ (msgpack: layout, meta, seq), the recv posted only when that frame
 has arrived (so a control round trip sits between items whose ring is not full), a
 completion thread's hand-off, and a RELEASE frame back; at large sizes those costs hide
@@ -166,7 +168,8 @@ def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, 
 def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], None],
                timeout: float = 900.0) -> dict[str, Any]:
     """Rows ``(size, method, handoffs_per_s, gb_per_s, x_raw)``: per size a raw row, then
-    ipcsync's ``send()`` and ``slot()`` rows. RemoteBenchError when it cannot run (CUDA with fewer than two GPUs)."""
+    ipcsync's ``send()`` and ``slot()`` rows. RemoteBenchError when it cannot run (CUDA
+    with fewer than two GPUs)."""
     if device.startswith("cuda"):
         if torch.cuda.device_count() < 2:
             raise RemoteBenchError("--suite remote on CUDA needs two GPUs (NCCL runs one rank per GPU); "

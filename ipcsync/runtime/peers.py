@@ -260,21 +260,21 @@ class PeerTable:
                     why = peer.watch.why()  # (silence or a failed edge: no process to have exited)
                 self.lose(peer, why)
                 continue
-            if verdict is Verdict.STALLED and peer.remote is not None:
+            if verdict is Verdict.STALLED:
                 self.stalled_total += 1
-                self.ratelog.warning(
-                    "stalled",
-                    "ipcsync producer %r: remote %s has been silent for %.1f s (heartbeat %.2f s); it is "
-                    "lost if still silent past %d heartbeats", self.name, peer.label,
-                    peer.clock.silent_for(now), peer.clock.heartbeat, LOSS_HEARTBEATS)
-            elif verdict is Verdict.STALLED:
-                self.stalled_total += 1
-                self.ratelog.warning(
-                    "stalled",
-                    "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
-                    "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
-                    self.name, peer.label, peer.clock.silent_for(now), peer.clock.heartbeat,
-                    len(self.ring.held_by(peer.identity)))
+                if peer.remote is not None:
+                    self.ratelog.warning(
+                        "stalled",
+                        "ipcsync producer %r: remote %s has been silent for %.1f s (heartbeat %.2f s); it is "
+                        "lost if still silent past %d heartbeats", self.name, peer.label,
+                        peer.clock.silent_for(now), peer.clock.heartbeat, LOSS_HEARTBEATS)
+                else:
+                    self.ratelog.warning(
+                        "stalled",
+                        "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
+                        "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
+                        self.name, peer.label, peer.clock.silent_for(now), peer.clock.heartbeat,
+                        len(self.ring.held_by(peer.identity)))
             elif verdict is Verdict.ANSWERING:
                 log.info("ipcsync producer %r: %s is answering again", self.name, peer.label)
             if not peer.outbox:

@@ -41,8 +41,8 @@ import torch
 
 from ..backends import Arena, Event
 from ..core.remote_session import (
-    LOSS_HEARTBEATS, READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark, layout_extent,
-    silence_is_loss,
+    LOSS_HEARTBEATS, READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
+    layout_extent, silence_is_loss,
 )
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
 from .channel import Endpoint
@@ -76,7 +76,7 @@ def op_timeout() -> float:
 TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
 
 
-def transport_for(device: torch.device, consumer_backend: str = "cuda") -> str:
+def transport_for(device: torch.device, consumer_backend: str) -> str:
     """The transport of an edge from a producer on ``device`` to a consumer on a
     ``consumer_backend`` device: NCCL when both ends are on CUDA, else gloo, whose CUDA
     end (if any) stages each item through pinned host memory. ``$IPCSYNC_REMOTE_TRANSPORT``
@@ -90,10 +90,14 @@ def transport_for(device: torch.device, consumer_backend: str = "cuda") -> str:
     return "gloo"
 
 
-def _pinned(nbytes: int) -> torch.Tensor:
-    """Host memory a gloo edge's CUDA end stages an item through (page-locked, so the
-    copy to or from the GPU runs at full speed)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def _staged(buffers: dict[int, torch.Tensor], slot: int, capacity: int, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of the host memory a gloo edge's CUDA end stages ``slot``'s
+    items through: ``capacity`` bytes, page-locked (so the copy to or from the GPU runs at
+    full speed), made at the slot's first use."""
+    buf = buffers.get(slot)
+    if buf is None:
+        buf = buffers[slot] = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+    return buf[:nbytes]
 
 
 def _tcp_host(endpoint: Endpoint) -> tuple[str, int]:
@@ -210,9 +214,11 @@ class _Completer:
         self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # posted: to wait for
         self.pq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # to post
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
-        self.poster = threading.Thread(target=self._post_loop, daemon=True, name=f"{name}-post")
         self.thread.start()
-        self.poster.start()
+        self.poster: threading.Thread | None = None
+        if not self.inline:
+            self.poster = threading.Thread(target=self._post_loop, daemon=True, name=f"{name}-post")
+            self.poster.start()
 
     def add(self, ev: Any, work: Any, seq: int | None = None, after: Callable[[], None] | None = None) -> None:
         """A transfer posted already: ``work``, gloo's Work to wait for, or None for NCCL
@@ -272,7 +278,7 @@ class _Completer:
         active exception")."""
         deadline = time.monotonic() + timeout
         for t in (self.poster, self.thread):
-            if t is not threading.current_thread():
+            if t is not None and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
 
     def _poll_cuda(self, ev: Any) -> bool:
@@ -529,10 +535,7 @@ class ProducerEdge:
         """Copy an item (after its ready event) into the slot's pinned host buffer, and
         wait for the copy: gloo reads the buffer from its own threads."""
         assert self.staging is not None
-        buf = self.staging.get(slot)
-        if buf is None:
-            buf = self.staging[slot] = _pinned(self.hub.slot_views[slot].numel())
-        host = buf[: view.numel()]
+        host = _staged(self.staging, slot, self.hub.slot_views[slot].numel(), view.numel())
         with torch.cuda.stream(self.stream):
             self.hub.ready_events[slot].wait(self.stream)
             host.copy_(view, non_blocking=True)
@@ -595,8 +598,8 @@ class RecvEvent(_TransferEvent):
         edge = self.edge
         if edge.broken is not None:
             raise PeerLostError(f"remote edge from {edge.label} lost: {edge.broken}")
-        # (NCCL posts nothing to count: its CUDA event says; a staged gloo recv: both, the
-        # count first, since the event is recorded only once the recv completed.)
+        # (gloo: the completion thread's count, a staged recv's copy included; NCCL posts
+        # nothing to count: the CUDA event recorded after its recv says.)
         if self.completed != self.posted:
             return False
         if self.cuda_event is not None and not self.cuda_event.query():
@@ -675,8 +678,8 @@ class ConsumerEdge:
         self.stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
         # gloo into a CUDA ring: per slot, pinned host memory the recv lands in; the
         # completion thread then copies it to the slot on `stream` (after the slot's release
-        # event) and records the item's CUDA event. Reused only once the item last received
-        # through it was served: its copy had completed then (RecvEvent.query).
+        # event) and waits for the copy before the recv counts as complete. Reused only for
+        # the slot's next item, posted after the last one was served: its copy was done.
         self.staging: dict[int, torch.Tensor] | None = (
             {} if addr.transport == "gloo" and self.stream is not None else None)
         # gloo: set by the completion thread after each recv, one of the consumer's wait fds,
@@ -706,12 +709,9 @@ class ConsumerEdge:
             ev.seq = entry[0]
             try:
                 if self.staging is not None:
-                    buf = self.staging.get(slot)
-                    if buf is None:
-                        buf = self.staging[slot] = _pinned(self.slot_views[slot].numel())
-                    host = buf[:nbytes]
+                    host = _staged(self.staging, slot, self.slot_views[slot].numel(), nbytes)
                     self.completer.post(ev, partial(self.pg.recv, [host], 0, slot),
-                                        after=partial(self._unstage, slot, host, view, ev))
+                                        after=partial(self._unstage, slot, host, view))
                 elif self.stream is not None:
                     with torch.cuda.stream(self.stream):
                         self.release_events[slot].wait(self.stream)  # after our reads of the slot
@@ -725,17 +725,15 @@ class ConsumerEdge:
                 self.fail(f"recv failed: {exc}")
                 return
 
-    def _unstage(self, slot: int, host: torch.Tensor, view: torch.Tensor, ev: "RecvEvent") -> None:
+    def _unstage(self, slot: int, host: torch.Tensor, view: torch.Tensor) -> None:
         """(The completion thread) a staged recv completed: copy it to the slot, after our
-        reads of the slot (its release event), record the item's CUDA event and wait for
-        it here, so that the Wake set next means the item is ready (no CUDA event to poll)."""
+        reads of the slot (its release event), and wait for the copy here, so that the
+        recv counts as complete (and the Wake set next means so) only with the item in
+        the slot: no CUDA event to poll."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.release_events[slot].wait(self.stream)
             view.copy_(host, non_blocking=True)
-            cuda_event = ev.cuda_event or torch.cuda.Event()
-            cuda_event.record(self.stream)
-            ev.cuda_event = cuda_event
-        cuda_event.synchronize()
+        self.stream.synchronize()
 
     def confirm(self, seq: int, ready: Sequence[tuple[Any, ...]]) -> None:
         """A SENT for ``seq`` (invariant 7); ``ready``: the buffered READY entries, whose

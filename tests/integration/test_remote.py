@@ -165,7 +165,7 @@ def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_threa
     p.read_until(lambda l: l.get("event") == "stalled", 60)
     got = c.result(60)
     assert [("data was not ready" in t) for t in got["timeouts"]] == [True, True], got
-    assert got["before"] and got["after"] == [], got  # (its waiting and posting threads)
+    assert got["before"] and got["after"] == [], got  # (the edge's threads)
     p.result(60)
 
 
