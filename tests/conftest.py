@@ -35,7 +35,9 @@ import ipcsync
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers/, ...)
-_LAUNCH = ("import importlib, json, sys; "
+# (SIGUSR1 prints every thread's stack to stderr: Peer.read_until asks for it at its deadline.)
+_LAUNCH = ("import faulthandler, importlib, json, signal, sys; "
+           "faulthandler.register(signal.SIGUSR1, all_threads=True); "
            "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
 SHM_DIR = "/dev/shm"
@@ -318,7 +320,8 @@ class Peer:
                     return line
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"{self.role} pid {self.pid}: no matching line in time; got {self.lines[-5:]}")
+                raise AssertionError(f"{self.role} pid {self.pid}: no matching line in time; got {self.lines[-5:]}"
+                                     + self._stacks())
             r, _, _ = select.select([fd], [], [], remaining)
             if r:
                 chunk = os.read(fd, 65536)
@@ -328,6 +331,27 @@ class Peer:
                         f"line; last lines {self.lines[-5:]}; stderr: {self.stderr()[-2000:]}"
                     )
                 self._buf += chunk
+
+    def _stacks(self) -> str:
+        """Where a child still running is (its threads' stacks, from its stderr), else ""."""
+        if self.proc.poll() is not None or self.proc.stderr is None:
+            return ""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        time.sleep(0.5)
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        chunks = []
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        finally:
+            os.set_blocking(fd, True)
+        return "; its stderr now (stacks last):\n" + b"".join(chunks).decode(errors="replace")[-6000:]
 
     def result(self, timeout: float = 60.0) -> dict[str, Any]:
         """The final {"event": "done"} line and a zero exit code."""
