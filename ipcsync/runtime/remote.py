@@ -47,6 +47,7 @@ from ..core.remote_session import (
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
 from .channel import Endpoint
 from .foreign import Wake
+from .host import HOST_ID_ENV, host_identity
 
 __all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
            "open_consumer_edge", "transport_for", "TRANSPORT_ENV", "OP_TIMEOUT_ENV", "op_timeout"]
@@ -80,8 +81,8 @@ def transport_for(device: torch.device, consumer_backend: str) -> str:
     """The transport of an edge from a producer on ``device`` to a consumer on a
     ``consumer_backend`` device: NCCL when both ends are on CUDA, else gloo, whose CUDA
     end (if any) stages each item through pinned host memory. ``$IPCSYNC_REMOTE_TRANSPORT``
-    (the producer's): ``auto`` (default) or ``gloo`` (gloo for CUDA pairs too: no NCCL,
-    or both processes on one GPU, which NCCL refuses)."""
+    (the producer's): ``auto`` (default) or ``gloo`` (gloo for CUDA pairs too, e.g. where
+    NCCL's network transport cannot reach the peer)."""
     forced = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
     if forced not in ("auto", "gloo"):
         raise ConfigError(f"${TRANSPORT_ENV} must be 'auto' or 'gloo', got {forced!r}")
@@ -117,6 +118,33 @@ def _local_address_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+NCCL_HOST_ID_ENV = "NCCL_HOSTID"
+_NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ENV_LOCK = threading.Lock()
+
+# _nccl_ordering: ProcessGroupNCCL runs a send or recv on a CUDA stream of its own, which
+# first waits for the stream current at the call; nothing orders the current stream after
+# it. So after each send or recv the edge calls ``work.wait()`` under its stream: for NCCL
+# that makes the stream wait for the transfer, on the GPU (the host does not wait). Only
+# then is the CUDA event that stands for the transfer recorded on the edge's stream.
+# Without it the event completed at once: an item was served before its bytes arrived,
+# and a slot written again while its send still read it (tests/integration/
+# test_remote_conformance.py, test_gpu_work_still_running_when_an_item_is_sent).
+
+
+def _nccl_counts_hosts_as_ipcsync_does() -> None:
+    """Before this process's first NCCL communicator: NCCL tells hosts apart by a hash of
+    the hostname and boot id, or of ``$NCCL_HOSTID`` when that is set; ipcsync adds
+    ``$IPCSYNC_HOST_ID`` to the boot id (``host.host_identity``). Two processes of one
+    machine that ipcsync counts as different hosts must be different hosts to NCCL too:
+    else NCCL joins them by its intra-host paths (peer-to-peer, shared memory), and
+    refuses two of them on one GPU ("Duplicate GPU detected"). So where
+    ``$IPCSYNC_HOST_ID`` is set, ``$NCCL_HOSTID`` is set to ipcsync's identity, unless the
+    user set it. Then NCCL goes over its network transport, as between hosts."""
+    if os.environ.get(HOST_ID_ENV) and NCCL_HOST_ID_ENV not in os.environ:
+        os.environ[NCCL_HOST_ID_ENV] = host_identity()
+
+
 def _make_group(transport: str, store: Any, rank: int, device: torch.device, data_host: str,
                 timeout: float) -> Any:
     """A two-rank process group of ``transport`` on ``store`` (a PrefixStore of the edge);
@@ -133,10 +161,24 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
     # which blocks until the peer's first one: done here, by one byte each way (the
     # producer's group is built in a thread, the consumer's before its ATTACH), so that
     # no item's send or recv, posted under the endpoint's lock, waits for it.
+    _nccl_counts_hosts_as_ipcsync_does()
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = td
     torch.cuda.set_device(device)
-    pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    with _ENV_LOCK:
+        # A peer's death must never end this process: torch's default (3) has the group's
+        # watchdog abort the process about a minute after a transfer failed, even once
+        # the group was aborted; 2 aborts the group's communicator and nothing else. Read
+        # by the group's constructor only, so set for that call alone.
+        saved = os.environ.get(_NCCL_ERROR_HANDLING_ENV)
+        os.environ[_NCCL_ERROR_HANDLING_ENV] = "2"
+        try:
+            pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        finally:
+            if saved is None:
+                del os.environ[_NCCL_ERROR_HANDLING_ENV]
+            else:
+                os.environ[_NCCL_ERROR_HANDLING_ENV] = saved
     probe = torch.zeros(1, dtype=torch.uint8, device=device)
     (pg.send([probe], 1, 0) if rank == 0 else pg.recv([probe], 0, 0)).wait()
     torch.cuda.synchronize(device)
@@ -365,6 +407,13 @@ class _TransferEvent(Event):
     def record(self, stream: Any = None) -> None:
         raise BackendError(f"a remote edge's {self._what} event is recorded by its {self._by}")
 
+    def in_flight(self) -> bool:
+        """A transfer was posted and has not completed (gloo: by the completion thread's
+        count; NCCL: by the CUDA event after it)."""
+        if self.work is None:
+            return False
+        return self.completed != self.posted or (self.cuda_event is not None and not self.cuda_event.query())
+
     def wait(self, stream: Any = None) -> None:
         if self.cuda_event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
@@ -522,6 +571,7 @@ class ProducerEdge:
                 with torch.cuda.stream(self.stream):
                     self.hub.ready_events[slot].wait(self.stream)
                     ev.work = self.pg.send([view], 1, slot)
+                    ev.work.wait()  # (_nccl_ordering: the event below comes after the send)
                     cuda_event = ev.cuda_event or torch.cuda.Event()
                     cuda_event.record(self.stream)
                     ev.cuda_event = cuda_event
@@ -657,6 +707,17 @@ class _ReceiveArena(Arena):
         pass  # freed with the last view; the edge keeps it while a recv may write it
 
 
+def _slot_tensors(base: torch.Tensor, slots: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """One tensor per slot ``(arena, offset, nbytes)`` on ``base``'s memory, each with a
+    version counter of its own. A view shares its base's counter, and a write into the
+    receive ring (the copy of a staged recv) bumps it: autograd then refused a held
+    item's tensors, saved for backward, once the next item arrived in another slot
+    ("modified by an inplace operation"). A slot is written only while no item in it is
+    held, so its own counter moves only when it should."""
+    storage = base.untyped_storage()
+    return [torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, off, (n,)) for _a, off, n in slots]
+
+
 class ConsumerEdge:
     """Rank 1 of one remote edge: the receive ring and its recvs."""
 
@@ -669,7 +730,7 @@ class ConsumerEdge:
         self.timeout = timeout
         self.broken: str | None = None
         self.arena = _ReceiveArena(arena_bytes, device)
-        self.slot_views = [self.arena.tensor[off: off + n] for _a, off, n in slots]
+        self.slot_views = _slot_tensors(self.arena.tensor, slots)
         self.ready_events = [RecvEvent(self) for _ in slots]
         self.release_events = [_ReleaseEvent(device) for _ in slots]
         self.ledger = RecvLedger()
@@ -716,6 +777,7 @@ class ConsumerEdge:
                     with torch.cuda.stream(self.stream):
                         self.release_events[slot].wait(self.stream)  # after our reads of the slot
                         ev.work = self.pg.recv([view], 0, slot)
+                        ev.work.wait()  # (_nccl_ordering: the event below comes after the recv)
                         cuda_event = ev.cuda_event or torch.cuda.Event()
                         cuda_event.record(self.stream)
                         ev.cuda_event = cuda_event
@@ -754,9 +816,12 @@ class ConsumerEdge:
         pg, self.pg = self.pg, None
         if pg is None:
             return
-        pending = any(e.work is not None and e.completed != e.posted for e in self.ready_events)
+        # A lost edge (fail()) or one with a recv in flight is aborted: shutdown() waits for
+        # pending work, and an NCCL recv from a dead peer never ends.
+        lost = self.broken is not None
+        pending = any(e.in_flight() for e in self.ready_events)
         self.broken = self.broken or "closed"
-        if pending:
+        if lost or pending:
             _abort(pg)
         else:
             fn = getattr(pg, "shutdown", None)

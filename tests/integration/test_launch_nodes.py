@@ -380,21 +380,25 @@ def test_dataloader_example_over_two_nodes(cluster: Cluster) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("loaders", ["cpu", "cuda"])
+@pytest.mark.parametrize("loaders", ["cpu", "cuda", "cuda-gloo"])
 def test_dataloader_example_over_two_nodes_to_a_gpu_trainer(cluster: Cluster, loaders: str) -> None:
     # The trainer's node has a GPU (device "auto": cuda). Its loaders' node has none
-    # ("cpu": a CPU producer, gloo staged onto the trainer's GPU), or one GPU too, the
-    # same one here, so gloo is asked for (NCCL refuses two ranks on one GPU).
+    # ("cpu": a CPU producer, gloo staged onto the trainer's GPU), or a GPU too (the same
+    # one here, which NCCL accepts since the two nodes' host ids differ for it too):
+    # NCCL, or gloo staged at both ends when asked for.
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     spec = ROOT / "examples" / "dataloader" / "pipeline-2nodes.toml"
-    env0 = {"CUDA_VISIBLE_DEVICES": ""} if loaders == "cpu" else {"IPCSYNC_REMOTE_TRANSPORT": "gloo"}
-    n0, n1 = cluster.start(spec, 0, env=env0), cluster.start(spec, 1)
+    env0 = {"cpu": {"CUDA_VISIBLE_DEVICES": ""}, "cuda": {},
+            "cuda-gloo": {"IPCSYNC_REMOTE_TRANSPORT": "gloo"}}[loaders]
+    nccl = {"NCCL_DEBUG": "VERSION"}  # NCCL says its version once it makes a communicator
+    n0, n1 = cluster.start(spec, 0, env={**env0, **nccl}), cluster.start(spec, 1, env=nccl)
     rc0, rc1 = n0.wait(), n1.wait()
     assert (rc0, rc1) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
     assert any(line.startswith("[train/0] train: done, 64 batches on cuda") for line in n1.out.splitlines()), \
         n1.dump()
-    assert f"on {loaders}" in n0.out, n0.dump()
+    assert f"on {loaders.split('-')[0]}" in n0.out, n0.dump()
+    assert ("NCCL version" in n0.out + n1.out) == (loaders == "cuda"), n0.dump() + "\n=== node 1:\n" + n1.dump()
     assert cluster.leftovers() == []

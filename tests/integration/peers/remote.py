@@ -94,10 +94,10 @@ def consume(a: dict[str, Any]) -> None:
 # broadcast / FanIn / local-and-remote mixes, faults.
 
 
-def rich(i: int, device: str = "cpu") -> Any:
+def rich(i: int, device: str = "cpu", pad: int = 0) -> Any:
     """Message ``i``: many dtypes and shapes (0-d, empty, non-contiguous), nested dict,
     list and tuple; every 4th message has only empty tensors (nothing to transfer), every
-    3rd another layout."""
+    3rd another layout. ``pad``: each of the others also has ``pad`` bytes of ``i % 251``."""
     if i % 4 == 3:
         return {"empty": torch.empty(0, device=device), "e2": torch.zeros(3, 0, dtype=torch.int16, device=device)}
     msg: dict[str, Any] = {
@@ -111,6 +111,8 @@ def rich(i: int, device: str = "cpu") -> Any:
     }
     if i % 3 == 0:
         msg["big"] = torch.arange(4096 + i, dtype=torch.int32, device=device)
+    if pad:
+        msg["pad"] = torch.full((pad,), i % 251, dtype=torch.uint8, device=device)
     return msg
 
 
@@ -122,12 +124,12 @@ def _leaves(x: Any, path: str = "") -> list[tuple[str, Any]]:
     return [(path, x)]
 
 
-def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = None) -> str | None:
-    """None if ``item`` holds ``rich(i)`` with its meta, else what differs."""
+def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = None, pad: int = 0) -> str | None:
+    """None if ``item`` holds ``rich(i, device, pad)`` with its meta, else what differs."""
     want_meta = {"i": i, "tag": f"item-{i}", **({"source": source} if source else {})}
     if item.meta != want_meta:
         return f"meta {item.meta!r} != {want_meta!r}"
-    got, exp = _leaves(item.tensors), _leaves(rich(i, device))
+    got, exp = _leaves(item.tensors), _leaves(rich(i, device, pad))
     if [k for k, _ in got] != [k for k, _ in exp]:
         return f"item {i}: structure {[k for k, _ in got]} != {[k for k, _ in exp]}"
     for (k, g), (_, e) in zip(got, exp):
@@ -141,8 +143,9 @@ def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = Non
 
 
 def conf_produce(a: dict[str, Any]) -> None:
-    """Send ``rich(i)`` for i < ``n`` (meta names ``source`` when given), ``pace`` seconds
-    apart; a send that times out ends with ``timeout`` (and the edges' completion threads
+    """Send ``rich(i, device, pad)`` for i < ``n`` (meta names ``source`` when given),
+    ``pace`` seconds apart, each made on the GPU after ``gpu_busy`` ms of GPU work there
+    (so it is still being made when send() returns); a send that times out ends with ``timeout`` (and the edges' completion threads
     still alive then). Closes cleanly at the end
     (``close_timeout``) and reports the stats."""
     device = a.get("device", "cpu")
@@ -153,8 +156,11 @@ def conf_produce(a: dict[str, Any]) -> None:
         say(event="bound", pid=os.getpid())
         out.wait_for_consumers(a.get("wait_consumers", 1), timeout=60)
         for i in range(a["n"]):
+            if a.get("gpu_busy") and device == "cuda":
+                torch.cuda._sleep(int(a["gpu_busy"] * 2e6))  # about gpu_busy ms of GPU work before the item
             try:
-                out.send(rich(i, device), meta={"i": i, "tag": f"item-{i}", **({"source": src} if src else {})})
+                meta = {"i": i, "tag": f"item-{i}", **({"source": src} if src else {})}
+                out.send(rich(i, device, a.get("pad", 0)), meta=meta)
             except ipcsync.IpcTimeoutError:
                 senders = sorted(t.name for t in threading.enumerate() if t.name.startswith("ipcsync-send-"))
                 say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()), senders=senders)
@@ -171,9 +177,9 @@ def conf_produce(a: dict[str, Any]) -> None:
 
 
 def conf_consume(a: dict[str, Any]) -> None:
-    """Receive ``rich`` items from ``endpoint`` (or a FanIn over ``endpoints``) and check
-    each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close) after that
-    many."""
+    """Receive ``rich`` items (of ``pad``) from ``endpoint`` (or a FanIn over ``endpoints``)
+    and check each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close) after that
+    many; ``linger``: seconds to live on after the end (and close) before reporting it."""
     device = a.get("device", "cpu")
     got: list[Any] = []
     errors: list[str] = []
@@ -190,7 +196,7 @@ def conf_consume(a: dict[str, Any]) -> None:
         for item in inp:
             i = item.meta["i"]
             src = item.meta.get("source")
-            problem = rich_check(item, i, device, src)
+            problem = rich_check(item, i, device, src, a.get("pad", 0))
             if problem:
                 errors.append(problem)
             got.append([src, i] if src else i)
@@ -205,10 +211,54 @@ def conf_consume(a: dict[str, Any]) -> None:
         end, message = type(exc).__name__, str(exc)
     finally:
         inp.close()
+    if a.get("linger"):
+        time.sleep(a["linger"])  # (a process that goes on after its producer is gone)
     say(event="done", end=end, message=message, got=got, errors=errors)
 
 
-__all__ = ["produce", "consume", "expected", "rich", "rich_check", "conf_produce", "conf_consume"]
+def conf_consume_graph(a: dict[str, Any]) -> None:
+    """Receive ``rich`` items (of ``pad``) with ``get()``, each held while the next is taken:
+    a weight times the held item's "f32" is saved by autograd, and its backward runs once
+    the next item arrived. A write into another receive slot must not count as a write
+    into the held item's."""
+    device = a.get("device", "cpu")
+    w = torch.ones((), device=device, requires_grad=True)
+    got: list[int] = []
+    errors: list[str] = []
+    end, message = "stop", ""
+    inp = ipcsync.Consumer(a["endpoint"], heartbeat=0.5, timeout=30.0, connect_timeout=30.0, device=device,
+                           **_keys(a, "consumer"))
+    held: tuple[Any, Any] | None = None  # (item, loss)
+    try:
+        while True:
+            item = inp.get()
+            if held is not None:
+                try:
+                    held[1].backward()
+                except RuntimeError as exc:
+                    errors.append(f"item {held[0].meta['i']}: backward once the next item arrived: {exc}")
+                held[0].release()
+                held = None
+            if item is None:
+                break
+            i = item.meta["i"]
+            problem = rich_check(item, i, device, None, a.get("pad", 0))
+            if problem:
+                errors.append(problem)
+            got.append(i)
+            if "f32" in item.tensors:
+                held = (item, (w * item["f32"]).sum())
+            else:
+                item.release()
+    except ipcsync.IpcSyncError as exc:
+        end, message = type(exc).__name__, str(exc)
+    finally:
+        inp.close()
+    say(event="done", end=end, message=message, got=got, errors=errors)
+
+
+__all__ = ["produce", "consume", "expected", "rich", "rich_check", "conf_produce", "conf_consume",
+           "conf_consume_graph"]
 
 
 # ------------------------------------------------------------- a producer by hand
