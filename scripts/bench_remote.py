@@ -4,9 +4,10 @@ raw torch.distributed send/recv loop of the same tensors between the same two pr
 Two processes on one host count as different hosts (``IPCSYNC_HOST_ID`` differs), so the
 edge between them is a remote edge (docs/remote.md): control over ZeroMQ on
 tcp://127.0.0.1 (insecure: nothing leaves the host), data over gloo (CPU) or NCCL
-(``--device cuda``: one GPU per process, so two GPUs; NCCL kept off its intra-host paths
-with ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, as between hosts). For each size, in one
-run and in the same two processes:
+(``--device cuda``: one GPU per process where there are two, else both on one; NCCL kept
+off its intra-host paths, as between hosts: ``$NCCL_HOSTID`` differs too, and
+``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``). For each size, in one run and in the same two
+processes:
 
 - raw: a two-rank process group of the same transport (its own store), the sender posts
   up to ``slots`` sends of one preallocated tensor ahead, the receiver keeps up to
@@ -93,6 +94,9 @@ def _raw(role: str, transport: str, port: int, device: torch.device, nbytes: int
                 pending.append(pg.send([t], 1, 0))
             for w in pending:
                 w.wait()
+            # A send completed has left this process, not arrived: the group is destroyed
+            # only once the receiver says it has everything (else its last recv fails).
+            pg.recv([torch.zeros(1, dtype=torch.uint8, device=device)], 1, 1).wait()
             _sync(device)
             return None
         # Up to `slots` recvs in flight, each into a buffer of its own (as a receive ring).
@@ -108,7 +112,10 @@ def _raw(role: str, transport: str, port: int, device: torch.device, nbytes: int
                 _sync(device)
                 start = time.perf_counter()
         _sync(device)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        pg.send([torch.ones(1, dtype=torch.uint8, device=device)], 0, 1).wait()
+        _sync(device)
+        return elapsed
     finally:
         del pg
 
@@ -146,6 +153,7 @@ def _ipcsync(role: str, mode: str, port: int, device: torch.device, nbytes: int,
 
 def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, Any]], slots: int) -> None:
     os.environ["IPCSYNC_HOST_ID"] = host  # before ipcsync reads it: this process is "another host"
+    os.environ["NCCL_HOSTID"] = host  # for NCCL too, the raw loop's group included
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dev = torch.device(device)
@@ -168,13 +176,11 @@ def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, 
 def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], None],
                timeout: float = 900.0) -> dict[str, Any]:
     """Rows ``(size, method, handoffs_per_s, gb_per_s, x_raw)``: per size a raw row, then
-    ipcsync's ``send()`` and ``slot()`` rows. RemoteBenchError when it cannot run (CUDA
-    with fewer than two GPUs)."""
+    ipcsync's ``send()`` and ``slot()`` rows. RemoteBenchError when it cannot run."""
     if device.startswith("cuda"):
-        if torch.cuda.device_count() < 2:
-            raise RemoteBenchError("--suite remote on CUDA needs two GPUs (NCCL runs one rank per GPU); "
-                                   f"this machine has {torch.cuda.device_count()}: skipped")
-        devices = ("cuda:0", "cuda:1")
+        if not torch.cuda.is_available():
+            raise RemoteBenchError("--suite remote --device cuda needs a GPU")
+        devices = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
         os.environ.setdefault("NCCL_P2P_DISABLE", "1")  # over sockets, as between hosts
         os.environ.setdefault("NCCL_SHM_DISABLE", "1")
     else:
@@ -226,13 +232,15 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
         for m in METHODS:
             label = labels[m]
             rows.append((p["name"], label, rates[m], rates[m] * p["nbytes"] / 1e9, rates[m] / rates["raw"]))
-    return {"rows": rows, "slots": slots}
+    return {"rows": rows, "slots": slots, "devices": devices}
 
 
 def print_remote(res: dict[str, Any], header: Callable[[], None]) -> None:
     header()
-    print(f"remote edge, two processes with different IPCSYNC_HOST_ID, slots={res['slots']}: handoffs/s and "
-          "GB/s at the receiver, first to last item")
+    devices = res.get("devices", ("cpu", "cpu"))
+    on = f"on {devices[0]} and {devices[1]}" if devices[0] != devices[1] else f"both on {devices[0]}"
+    print(f"remote edge, two processes with different IPCSYNC_HOST_ID ({on}), slots={res['slots']}: handoffs/s "
+          "and GB/s at the receiver, first to last item")
     head = ("size", "method", "handoffs/s", "GB/s", "x raw")
     widths = (5, 30, 12, 8, 7)
 
