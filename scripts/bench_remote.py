@@ -237,7 +237,7 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
 
 def print_remote(res: dict[str, Any], header: Callable[[], None]) -> None:
     header()
-    devices = res.get("devices", ("cpu", "cpu"))
+    devices = res["devices"]
     on = f"on {devices[0]} and {devices[1]}" if devices[0] != devices[1] else f"both on {devices[0]}"
     print(f"remote edge, two processes with different IPCSYNC_HOST_ID ({on}), slots={res['slots']}: handoffs/s "
           "and GB/s at the receiver, first to last item")

@@ -27,6 +27,7 @@ trusted network; see docs/remote.md.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -122,14 +123,41 @@ NCCL_HOST_ID_ENV = "NCCL_HOSTID"
 _NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _ENV_LOCK = threading.Lock()
 
-# _nccl_ordering: ProcessGroupNCCL runs a send or recv on a CUDA stream of its own, which
-# first waits for the stream current at the call; nothing orders the current stream after
-# it. So after each send or recv the edge calls ``work.wait()`` under its stream: for NCCL
-# that makes the stream wait for the transfer, on the GPU (the host does not wait). Only
-# then is the CUDA event that stands for the transfer recorded on the edge's stream.
-# Without it the event completed at once: an item was served before its bytes arrived,
-# and a slot written again while its send still read it (tests/integration/
-# test_remote_conformance.py, test_gpu_work_still_running_when_an_item_is_sent).
+
+
+def _nccl_transfer(ev: Any, stream: Any, after: Event, post: Callable[[], Any]) -> None:
+    """Post an NCCL send or recv (``post``) on the edge's ``stream`` after ``after`` (the
+    slot's ready event for a send, its release event for a recv), and record ``ev``'s CUDA
+    event after the transfer.
+
+    ProcessGroupNCCL runs a transfer on a CUDA stream of its own, which first waits for the
+    stream current at the call; nothing orders the current stream after it. ``work.wait()``
+    under ``stream`` does (on the GPU: the host does not wait), so the event completes only
+    with the transfer. Without it the event completed at once: an item was served before
+    its bytes arrived, and a slot written again while its send still read it
+    (test_remote_conformance.py, test_gpu_work_still_running_when_an_item_is_sent)."""
+    with torch.cuda.stream(stream):
+        after.wait(stream)
+        ev.work = post()
+        ev.work.wait()
+        cuda_event = ev.cuda_event or torch.cuda.Event()
+        cuda_event.record(stream)
+        ev.cuda_event = cuda_event
+
+
+@contextlib.contextmanager
+def _env_during(name: str, value: str) -> Iterator[None]:
+    """``$name`` is ``value`` for the block (and as before after it); one block at a time."""
+    with _ENV_LOCK:
+        saved = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
 
 
 def _nccl_counts_hosts_as_ipcsync_does() -> None:
@@ -165,20 +193,12 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = td
     torch.cuda.set_device(device)
-    with _ENV_LOCK:
-        # A peer's death must never end this process: torch's default (3) has the group's
-        # watchdog abort the process about a minute after a transfer failed, even once
-        # the group was aborted; 2 aborts the group's communicator and nothing else. Read
-        # by the group's constructor only, so set for that call alone.
-        saved = os.environ.get(_NCCL_ERROR_HANDLING_ENV)
-        os.environ[_NCCL_ERROR_HANDLING_ENV] = "2"
-        try:
-            pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-        finally:
-            if saved is None:
-                del os.environ[_NCCL_ERROR_HANDLING_ENV]
-            else:
-                os.environ[_NCCL_ERROR_HANDLING_ENV] = saved
+    # A peer's death must never end this process: torch's default (3) has the group's
+    # watchdog abort the process about a minute after a transfer failed, even once the
+    # group was aborted; 2 aborts the group's communicator and nothing else. Read by the
+    # group's constructor only, so set for that call alone.
+    with _env_during(_NCCL_ERROR_HANDLING_ENV, "2"):
+        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
     probe = torch.zeros(1, dtype=torch.uint8, device=device)
     (pg.send([probe], 1, 0) if rank == 0 else pg.recv([probe], 0, 0)).wait()
     torch.cuda.synchronize(device)
@@ -568,13 +588,7 @@ class ProducerEdge:
             if self.staging is not None:  # gloo from CUDA: the bytes go from pinned host memory
                 self.completer.post(ev, partial(pg.send, [self._stage(slot, view)], 1, slot), seq)
             elif self.stream is not None:
-                with torch.cuda.stream(self.stream):
-                    self.hub.ready_events[slot].wait(self.stream)
-                    ev.work = self.pg.send([view], 1, slot)
-                    ev.work.wait()  # (_nccl_ordering: the event below comes after the send)
-                    cuda_event = ev.cuda_event or torch.cuda.Event()
-                    cuda_event.record(self.stream)
-                    ev.cuda_event = cuda_event
+                _nccl_transfer(ev, self.stream, self.hub.ready_events[slot], partial(pg.send, [view], 1, slot))
                 self.completer.add(ev, None, seq)
             else:
                 self.completer.post(ev, partial(pg.send, [view], 1, slot), seq)
@@ -774,13 +788,8 @@ class ConsumerEdge:
                     self.completer.post(ev, partial(self.pg.recv, [host], 0, slot),
                                         after=partial(self._unstage, slot, host, view))
                 elif self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        self.release_events[slot].wait(self.stream)  # after our reads of the slot
-                        ev.work = self.pg.recv([view], 0, slot)
-                        ev.work.wait()  # (_nccl_ordering: the event below comes after the recv)
-                        cuda_event = ev.cuda_event or torch.cuda.Event()
-                        cuda_event.record(self.stream)
-                        ev.cuda_event = cuda_event
+                    # (after our reads of the slot: its release event)
+                    _nccl_transfer(ev, self.stream, self.release_events[slot], partial(self.pg.recv, [view], 0, slot))
                 else:
                     self.completer.post(ev, partial(self.pg.recv, [view], 0, slot))
             except Exception as exc:  # noqa: BLE001

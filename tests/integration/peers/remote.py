@@ -145,9 +145,9 @@ def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = Non
 def conf_produce(a: dict[str, Any]) -> None:
     """Send ``rich(i, device, pad)`` for i < ``n`` (meta names ``source`` when given),
     ``pace`` seconds apart, each made on the GPU after ``gpu_busy`` ms of GPU work there
-    (so it is still being made when send() returns); a send that times out ends with ``timeout`` (and the edges' completion threads
-    still alive then). Closes cleanly at the end
-    (``close_timeout``) and reports the stats."""
+    (so it is still being made when send() returns); a send that times out ends with
+    ``timeout`` (and the edges' completion threads still alive then). Closes cleanly at
+    the end (``close_timeout``) and reports the stats."""
     device = a.get("device", "cpu")
     src = a.get("source")
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 1 << 16),
@@ -178,8 +178,9 @@ def conf_produce(a: dict[str, Any]) -> None:
 
 def conf_consume(a: dict[str, Any]) -> None:
     """Receive ``rich`` items (of ``pad``) from ``endpoint`` (or a FanIn over ``endpoints``)
-    and check each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close) after that
-    many; ``linger``: seconds to live on after the end (and close) before reporting it."""
+    and check each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close)
+    after that many; ``linger``: seconds to live on after the end (and close) before
+    reporting it."""
     device = a.get("device", "cpu")
     got: list[Any] = []
     errors: list[str] = []
