@@ -361,6 +361,9 @@ def _close_all_at_exit() -> None:
                     ep.close(timeout=1.0)
             except BaseException:
                 pass
+    remote = sys.modules.get("ipcsync.runtime.remote")  # (loaded only where remote edges were)
+    if remote is not None:
+        remote.settle_at_exit()
 
 
 def _forget_in_child() -> None:

@@ -328,7 +328,7 @@ class ProducerPort:
     def on_gone(self, peer: Peer) -> None:
         """A peer left the table (PeerTable's ``on_gone``): reclaim what it held."""
         if peer.remote is not None:
-            peer.remote.close()  # aborts what is still pending with it (a lost peer)
+            peer.remote.drop()  # aborts what is still pending with it (a lost peer)
         if self.chan.lanes is not None:
             self.chan.lanes.withdraw(peer.identity)
         peer.lane = peer.lane_ready = None

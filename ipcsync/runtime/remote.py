@@ -220,7 +220,9 @@ def _abort(pg: Any) -> None:
     not wake a wait already pending; a wait that times out does: gloo then closes every
     pair of the group ("Application timeout caused pair closure"), and each pending
     send or recv fails at once. So for gloo a recv of an unused tag is waited for 1 ms
-    first (tests/integration/test_remote.py, the stalled-producer test)."""
+    first (tests/integration/test_remote.py, the stalled-producer test). Except the one
+    transfer a pair was moving when it closed: its wait ends only at the group's timeout
+    (``_Completer``)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     if isinstance(pg, dist.ProcessGroupGloo):
@@ -245,6 +247,27 @@ _POSTING = object()  # an event's `work` while its gloo operation waits to be po
 INLINE_POST_BYTES = 32 << 20
 
 
+# Once an edge stopped, its group is aborted (every gloo pair closed): a transfer it
+# still holds has completed or never will, and is waited for this long at most (a wait
+# that times out closes the pairs itself, as _abort does).
+_SETTLE_WAIT = datetime.timedelta(milliseconds=10)
+# How long closing an edge waits for its completion thread to end, after the abort or
+# shutdown that ends its waits: a lost edge's close runs under the endpoint's lock, where
+# a longer wait would silence the heartbeats to every other peer (and, remote, have them
+# drop this one), so it waits briefly and leaves a thread still waiting to end by itself
+# (``_Completer``); a close the user asked for may wait longer.
+LOST_JOIN_S = 0.1
+CLOSE_JOIN_S = 5.0
+# At exit, a completion thread still in a wait that ends within this many seconds is
+# waited for; any other, for at most EXIT_JOIN_S in all (see settle_at_exit).
+EXIT_SETTLE_S = 10.0
+EXIT_JOIN_S = 1.0
+
+# Completion threads that outlived their edge's close (see _Completer.join).
+_lingering: "set[_Completer]" = set()
+_lingering_lock = threading.Lock()
+
+
 def _until_none(q: "queue.SimpleQueue[Any]") -> Iterator[Any]:
     """A thread's work queue, until ``stop()`` puts None."""
     while (got := q.get()) is not None:
@@ -267,11 +290,22 @@ class _Completer:
     after it are waited for too, since an aborted gloo send goes on reading its buffer
     until its connection ends. A send (``seq`` given) that completed while the edge was
     whole goes to the edge's ``SendLedger`` and the edge is told (``sent``): invariant 7
-    of core.remote_session. Daemon threads."""
+    of core.remote_session. Daemon threads.
+
+    A gloo transfer cut off mid-write or mid-read (the peer died, or was aborted, with
+    part of the item on the wire) is never woken: gloo's pair, closing, wakes the
+    transfers still waiting for their peer but not the one it was moving (torch 2.11 and
+    2.13; neither ``abort()`` nor the peer's death ends its wait). Its wait ends at the
+    group's timeout, ``op_timeout()`` after it began (invariant 6), and the thread with
+    it; ``deadline`` says when. So: every transfer waited for after ``stop()`` is waited
+    for ``_SETTLE_WAIT`` at most, ``join`` gives up after its timeout and leaves such a
+    thread to end by itself, and ``settle_at_exit`` keeps the interpreter from
+    finalizing while one is about to return."""
 
     def __init__(self, edge: Any, name: str, ring_bytes: int) -> None:
         self.edge = edge
         self.stopped = False
+        self.deadline = 0.0  # (monotonic) when the gloo wait under way ends at the latest
         self.inline = ring_bytes <= INLINE_POST_BYTES
         self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # posted: to wait for
         self.pq: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # to post
@@ -332,7 +366,7 @@ class _Completer:
         self.pq.put(None)
         self.q.put(None)
 
-    def join(self, timeout: float = 5.0) -> None:
+    def join(self, timeout: float) -> None:
         """After ``stop()`` and the group's shutdown or abort (which ends a pending wait):
         let the thread finish now. A daemon thread still inside a gloo wait when the
         interpreter finalizes is ended with pthread_exit, whose forced unwind through
@@ -342,6 +376,14 @@ class _Completer:
         for t in (self.poster, self.thread):
             if t is not None and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            # Still in a wait: at the latest it ends at its deadline (class docstring).
+            with _lingering_lock:
+                _lingering.difference_update([c for c in _lingering if not c.thread.is_alive()])
+                _lingering.add(self)
+            log.debug("ipcsync remote edge %s: its thread is still in a transfer's wait (gloo ends one "
+                      "cut off mid-way only at its timeout), which ends within %.0f s",
+                      self.thread.name, max(0.0, self.deadline - time.monotonic()))
 
     def _poll_cuda(self, ev: Any) -> bool:
         """NCCL: until the CUDA event after the transfer completed (True), or stop (False)."""
@@ -358,7 +400,13 @@ class _Completer:
         for ev, work, n, seq, after in _until_none(self.q):
             why = "transfer aborted"  # gloo's wait says so by returning False, not raising
             try:
-                ok = work.wait() if work is not None else self._poll_cuda(ev)
+                if work is None:
+                    ok = self._poll_cuda(ev)
+                elif self.stopped:
+                    ok = work.wait(_SETTLE_WAIT)
+                else:
+                    self.deadline = time.monotonic() + edge.timeout  # (the group's timeout)
+                    ok = work.wait()
                 if ok is not False and after is not None and not self.stopped:
                     after()
             except Exception as exc:  # noqa: BLE001 (a failed transfer is a lost edge)
@@ -376,6 +424,20 @@ class _Completer:
             wake = getattr(edge, "wake", None)
             if wake is not None:
                 wake.set()  # a consumer waiting for this recv polls at once
+
+
+def settle_at_exit() -> None:
+    """(At exit, after every endpoint closed.) Wait for each completion thread that
+    outlived its edge and whose wait ends within ``EXIT_SETTLE_S``: one whose gloo wait
+    returned while the interpreter finalizes would be ended inside torch's C++ frames,
+    which aborts the process. One that ends later than that ends after the process."""
+    with _lingering_lock:
+        threads = [(c.thread, c.deadline) for c in _lingering]
+        _lingering.clear()
+    others = time.monotonic() + EXIT_JOIN_S  # (a thread merely slow to be scheduled)
+    for t, deadline in sorted(threads, key=lambda td: td[1]):
+        left = deadline - time.monotonic()
+        t.join(max(0.0, left) + 1.0 if left < EXIT_SETTLE_S else max(0.0, others - time.monotonic()))
 
 
 class RemoteWatch:
@@ -615,11 +677,18 @@ class ProducerEdge:
         if self.broken is None:
             self.broken = why
             log.warning("ipcsync producer %r: remote edge to %s failed: %s", self.hub.name, self.label, why)
-        self.close()
+        self.close(LOST_JOIN_S)
 
-    def close(self) -> None:
-        """Abort the group if anything is pending (a lost peer), else shut it down. Nothing
-        is confirmed from here on (invariant 7)."""
+    def drop(self) -> None:
+        """The consumer left the table (under the endpoint's lock): close, and wait only
+        ``LOST_JOIN_S`` for the completion thread."""
+        self.close(LOST_JOIN_S)
+
+    def close(self, join: float = CLOSE_JOIN_S) -> None:
+        """Abort the group if anything is pending (a lost peer), else shut it down, then
+        wait up to ``join`` s for the completion thread to end (``LOST_JOIN_S`` from under
+        the endpoint's lock: the peer left the table). Nothing is confirmed from here on
+        (invariant 7)."""
         self.ledger.close()
         self.completer.stop()
         pg, self.pg = self.pg, None
@@ -636,7 +705,7 @@ class ProducerEdge:
         else:
             self.broken = self.broken or "closed"
             _abort(pg)
-        self.completer.join()
+        self.completer.join(join)
 
 
 # ---------------------------------------------------------------------------- consumer
@@ -818,9 +887,11 @@ class ConsumerEdge:
     def fail(self, why: str) -> None:
         if self.broken is None:
             self.broken = why
-        self.close()
+        self.close(LOST_JOIN_S)
 
-    def close(self) -> None:
+    def close(self, join: float = CLOSE_JOIN_S) -> None:
+        """Abort the group if the edge is lost or a recv is in flight, else shut it down,
+        then wait up to ``join`` s for the completion thread to end."""
         self.completer.stop()
         pg, self.pg = self.pg, None
         if pg is None:
@@ -839,7 +910,7 @@ class ConsumerEdge:
                     fn()
                 except Exception:  # noqa: BLE001
                     _abort(pg)
-        self.completer.join()
+        self.completer.join(join)
 
 
 def open_consumer_edge(handle: Any, device: torch.device, arena_bytes: int,

@@ -74,18 +74,21 @@ def on(host: str, pair: str, dev: str, gpu: int) -> dict[str, str]:
     return env
 
 
-def producer(procs: Any, host: str, pair: str, gpu: int = 0, **args: Any) -> Any:
+def producer(procs: Any, host: str, pair: str, gpu: int = 0, env: dict[str, str] | None = None,
+             **args: Any) -> Any:
     dev = PAIRS[pair][0]
-    p = procs.start("conf_produce", module=MODULE, env=on(host, pair, dev, gpu), device=dev, insecure=True, **args)
+    p = procs.start("conf_produce", module=MODULE, env={**on(host, pair, dev, gpu), **(env or {})}, device=dev,
+                    insecure=True, **args)
     p.read_until(lambda l: l.get("event") == "bound", 60)
     return p
 
 
-def consumer(procs: Any, host: str, pair: str, gpu: int = 1, local: bool = False, **args: Any) -> Any:
+def consumer(procs: Any, host: str, pair: str, gpu: int = 1, local: bool = False,
+             env: dict[str, str] | None = None, **args: Any) -> Any:
     """``local``: on the producer's host, so on its kind of device (a local edge)."""
     dev = PAIRS[pair][0 if local else 1]
-    return procs.start("conf_consume", module=MODULE, env=on(host, pair, dev, gpu), device=dev, insecure=True,
-                       **args)
+    return procs.start("conf_consume", module=MODULE, env={**on(host, pair, dev, gpu), **(env or {})}, device=dev,
+                       insecure=True, **args)
 
 
 @pytest.mark.timeout(120)
@@ -180,7 +183,7 @@ def test_paused_remote_consumer_is_dropped_and_told_so(procs: Any, device: str) 
         os.kill(c.proc.pid, signal.SIGCONT)
     assert out["event"] == "timeout" and out["consumers"] == 0
     assert out["stats"]["consumers_lost"] == 1
-    assert out["senders"] == []  # the dropped edge's sends were abandoned, its thread ended
+    assert out["senders"] == [], out["sender_stacks"]  # the dropped edge's sends were abandoned, its thread ended
     got = c.result(60)
     assert got["end"] != "stop", got  # an error, never a clean end after a gap
     assert got["errors"] == []
@@ -235,20 +238,56 @@ def test_a_held_item_saved_for_backward_survives_the_next_item(procs: Any, devic
     p.result(60)
 
 
+# A transfer's wait ends at the latest this long after it began (IPCSYNC_REMOTE_TIMEOUT):
+# short here, so the tests see a wait that only the timeout ends (below) end.
+TRANSFER_TIMEOUT = {"IPCSYNC_REMOTE_TIMEOUT": "10"}
+
+
 @pytest.mark.timeout(120)
 def test_remote_consumer_killed_mid_transfer_is_dropped_and_the_producer_does_not_hang(procs: Any,
                                                                                       device: str) -> None:
-    # The producer's last send times out 8 s after the loss: it lived on till then.
+    # The producer's last send times out 8 s after the loss: it lived on till then. The
+    # edge's sends were abandoned and its thread ends: at once, or (the one transfer gloo
+    # was moving when the pair closed, see the next test) by the transfer timeout.
     ep = endpoint()
-    p = producer(procs, "p-host", device, endpoint=ep, n=1000, pad=PAD, slot_bytes=PAD + (1 << 16), timeout=8.0)
-    c = consumer(procs, "c-host", device, endpoint=ep, pad=PAD)
+    p = producer(procs, "p-host", device, endpoint=ep, n=1000, pad=PAD, slot_bytes=PAD + (1 << 16), timeout=8.0,
+                 settle=15.0, env=TRANSFER_TIMEOUT)
+    c = consumer(procs, "c-host", device, endpoint=ep, pad=PAD, env=TRANSFER_TIMEOUT)
     c.read_until(lambda l: l.get("event") == "got" and l.get("n") == 3, 60)
     os.kill(c.proc.pid, signal.SIGKILL)
     out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
     assert out["event"] == "timeout" and out["consumers"] == 0
     assert out["stats"]["consumers_lost"] == 1
-    assert out["senders"] == []  # the lost edge's pending sends were abandoned, its thread ended
+    settled = p.read_until(lambda l: l.get("event") == "settled", 30)
+    assert settled["senders"] == [], out["sender_stacks"]
     assert p.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_cut_off_mid_way_ends_by_its_timeout_and_never_aborts_the_exit(procs: Any, device: str) -> None:
+    # The consumer is paused with an item half on the wire (128 MiB: it moves for about a
+    # tenth of a second or more), and dropped (silent past 3 heartbeats): gloo never
+    # wakes the wait for the transfer its pair was moving, and the edge's thread stays in
+    # it until the transfer timeout (8 s here). The producer exits about 4 s after the
+    # pause, and its interpreter takes 10 s to finalize: the thread's wait would return in
+    # that time and the thread be ended inside torch's C++ frames, so that the process
+    # aborted ("terminate called without an active exception"), as it did before the exit
+    # hook that waits for such a thread. (NCCL's waits are polls: none lingers.)
+    env = {"IPCSYNC_REMOTE_TIMEOUT": "8"}
+    ep = endpoint()
+    big = 128 << 20
+    p = producer(procs, "p-host", device, endpoint=ep, n=1000, pad=big, slots=2, slot_bytes=big + (1 << 16),
+                 timeout=2.0, slow_exit=10.0, env=env)
+    c = consumer(procs, "c-host", device, endpoint=ep, pad=big, env=env)
+    p.read_until(lambda l: l.get("event") == "sent" and l.get("n") == 5, 60)  # (item 4's send just posted)
+    os.kill(c.proc.pid, signal.SIGSTOP)
+    try:
+        out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
+        assert out["event"] == "timeout" and out["consumers"] == 0
+        rc = p.proc.wait(timeout=60)
+        assert rc == 0, f"exit status {rc}; threads in a wait at the loss: {out['senders']}; {p.stderr()[-2000:]}"
+    finally:
+        os.kill(c.proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -142,6 +144,35 @@ def rich_check(item: ipcsync.Item, i: int, device: str, source: str | None = Non
     return None
 
 
+def _senders() -> list[str]:
+    """The names of this process's remote edges' completion threads still running."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("ipcsync-send-"))
+
+
+class _SlowToFinalize:
+    """Sleeps when collected: kept in a module global, it is collected while the
+    interpreter finalizes (after the exit hooks ran), and holds finalization there."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __del__(self) -> None:
+        time.sleep(self.seconds)
+
+
+def _finalize_slowly(seconds: float) -> None:
+    """Make this process's interpreter take ``seconds`` to finalize (see _SlowToFinalize)."""
+    globals()["_SLOW_EXIT"] = _SlowToFinalize(seconds)
+
+
+def _stacks(prefix: str) -> dict[str, str]:
+    """The Python stacks of this process's threads named ``prefix...`` (for a failure
+    message: where a thread that should have ended is)."""
+    frames = sys._current_frames()
+    return {t.name: "".join(traceback.format_stack(frames[t.ident]))
+            for t in threading.enumerate() if t.name.startswith(prefix) and t.ident in frames}
+
+
 def conf_produce(a: dict[str, Any]) -> None:
     """Send ``rich(i, device, pad)`` for i < ``n`` (meta names ``source`` when given),
     ``pace`` seconds apart, each made on the GPU after ``gpu_busy`` ms of GPU work there
@@ -162,9 +193,16 @@ def conf_produce(a: dict[str, Any]) -> None:
                 meta = {"i": i, "tag": f"item-{i}", **({"source": src} if src else {})}
                 out.send(rich(i, device, a.get("pad", 0)), meta=meta)
             except ipcsync.IpcTimeoutError:
-                senders = sorted(t.name for t in threading.enumerate() if t.name.startswith("ipcsync-send-"))
-                say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()), senders=senders)
+                say(event="timeout", sent=i, consumers=out.consumers, stats=plain(out.stats()),
+                    senders=_senders(), sender_stacks=_stacks("ipcsync-send-"))
                 out.abort()
+                if a.get("settle"):  # wait (bounded) for the edges' threads to end
+                    t0 = time.monotonic()
+                    while _senders() and time.monotonic() - t0 < a["settle"]:
+                        time.sleep(0.05)
+                    say(event="settled", senders=_senders(), after=round(time.monotonic() - t0, 2))
+                if a.get("slow_exit"):
+                    _finalize_slowly(a["slow_exit"])
                 say(event="done", sent=i)
                 return
             say(event="sent", n=i + 1)
