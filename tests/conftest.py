@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import glob
 import json
 import os
 import select
@@ -41,6 +42,24 @@ _LAUNCH = ("import faulthandler, importlib, json, signal, sys; "
            "getattr(importlib.import_module(sys.argv[1]), sys.argv[2])(json.loads(sys.argv[3]))")
 DEFAULT_TIMEOUT = 60.0
 SHM_DIR = "/dev/shm"
+
+
+def _native_threads(pid: int) -> str:
+    """Every thread of ``pid`` as the kernel sees it (C++ threads included, which Python's
+    stacks do not show): name, state and where it waits."""
+    out = []
+    for task in sorted(glob.glob(f"/proc/{pid}/task/*")):
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"{task}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        out.append(f"{name}:{state}:{wchan}")
+    return ", ".join(out)
 
 
 class TestTimeout(Exception):
@@ -351,7 +370,8 @@ class Peer:
             pass
         finally:
             os.set_blocking(fd, True)
-        return "; its stderr now (stacks last):\n" + b"".join(chunks).decode(errors="replace")[-6000:]
+        return ("; its stderr now (stacks last):\n" + b"".join(chunks).decode(errors="replace")[-6000:]
+                + "\nits threads (name, state, kernel wait): " + _native_threads(self.proc.pid))
 
     def result(self, timeout: float = 60.0) -> dict[str, Any]:
         """The final {"event": "done"} line and a zero exit code."""

@@ -210,13 +210,18 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
 _POISON_TAG = 1 << 30
 
 
-def _abort(pg: Any) -> None:
+def _abort(pg: Any, keep: Any = None) -> None:
     """End a process group whose peer is gone or stuck: pending work is abandoned, never
     waited for, and every wait still pending on it returns now (so the edge's completion
     thread ends here, not later: one ending while the interpreter finalizes aborts the
     process, see ``_Completer.join``).
 
-    NCCL's ``abort`` ends its pending work. Gloo's ``abort``/``shutdown`` (torch 2.13) do
+    NCCL's ``abort`` ends its pending work, but may itself block for as long as the peer
+    is paused (a transfer in flight to a SIGSTOPped process: measured on one H100 over
+    NCCL's socket transport, it had not returned after 60 s; the peer's consumer then
+    never saw PeerLostError, its endpoint's lock held). So it runs in a thread of its
+    own, waited for ``NCCL_ABORT_WAIT_S``, which holds ``keep`` (the edge's device
+    memory, which a transfer may still read or write) until the abort returned. Gloo's ``abort``/``shutdown`` (torch 2.13) do
     not wake a wait already pending; a wait that times out does: gloo then closes every
     pair of the group ("Application timeout caused pair closure"), and each pending
     send or recv fails at once. So for gloo a recv of an unused tag is waited for 1 ms
@@ -225,12 +230,36 @@ def _abort(pg: Any) -> None:
     (``_Completer``)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    if isinstance(pg, dist.ProcessGroupGloo):
-        try:
-            peer = 1 - int(pg.rank())
-            pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _POISON_TAG).wait(datetime.timedelta(milliseconds=1))
-        except Exception as exc:  # noqa: BLE001 (the timeout that closes the pairs: expected)
-            log.debug("ipcsync remote edge: gloo pairs closed (%s)", exc)
+    if not isinstance(pg, dist.ProcessGroupGloo):
+        t = threading.Thread(target=_abort_nccl, args=(pg, keep), daemon=True, name="ipcsync-nccl-abort")
+        with _lingering_lock:
+            _aborting.add(t)
+        t.start()
+        t.join(NCCL_ABORT_WAIT_S)
+        if t.is_alive():
+            log.info("ipcsync remote edge: NCCL's abort has not returned within %.1f s (its peer paused?); "
+                     "it goes on in a thread of its own", NCCL_ABORT_WAIT_S)
+        return
+    try:
+        peer = 1 - int(pg.rank())
+        pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _POISON_TAG).wait(datetime.timedelta(milliseconds=1))
+    except Exception as exc:  # noqa: BLE001 (the timeout that closes the pairs: expected)
+        log.debug("ipcsync remote edge: gloo pairs closed (%s)", exc)
+    _end_group(pg)
+
+
+def _abort_nccl(pg: Any, keep: Any) -> None:
+    """(Its own thread.) Abort an NCCL group; ``keep`` lives until then."""
+    try:
+        _end_group(pg)
+    finally:
+        del keep
+        with _lingering_lock:
+            _aborting.discard(threading.current_thread())
+
+
+def _end_group(pg: Any) -> None:
+    """The group's ``abort`` (or what this torch has of it)."""
     for name in ("abort", "_abort", "shutdown"):
         fn = getattr(pg, name, None)
         if fn is not None:
@@ -258,13 +287,16 @@ _SETTLE_WAIT = datetime.timedelta(milliseconds=10)
 # (``_Completer``); a close the user asked for may wait longer.
 LOST_JOIN_S = 0.1
 CLOSE_JOIN_S = 5.0
+NCCL_ABORT_WAIT_S = 0.1  # (see _abort)
 # At exit, a completion thread still in a wait that ends within this many seconds is
 # waited for; any other, for at most EXIT_JOIN_S in all (see settle_at_exit).
 EXIT_SETTLE_S = 10.0
 EXIT_JOIN_S = 1.0
 
-# Completion threads that outlived their edge's close (see _Completer.join).
+# Completion threads that outlived their edge's close (see _Completer.join), and NCCL
+# aborts still running (see _abort).
 _lingering: "set[_Completer]" = set()
+_aborting: "set[threading.Thread]" = set()
 _lingering_lock = threading.Lock()
 
 
@@ -432,9 +464,9 @@ def settle_at_exit() -> None:
     returned while the interpreter finalizes would be ended inside torch's C++ frames,
     which aborts the process. One that ends later than that ends after the process."""
     with _lingering_lock:
-        threads = [(c.thread, c.deadline) for c in _lingering]
+        threads = [(c.thread, c.deadline) for c in _lingering] + [(t, 0.0) for t in _aborting]
         _lingering.clear()
-    others = time.monotonic() + EXIT_JOIN_S  # (a thread merely slow to be scheduled)
+    others = time.monotonic() + EXIT_JOIN_S  # (a thread merely slow to be scheduled, an NCCL abort)
     for t, deadline in sorted(threads, key=lambda td: td[1]):
         left = deadline - time.monotonic()
         t.join(max(0.0, left) + 1.0 if left < EXIT_SETTLE_S else max(0.0, others - time.monotonic()))
@@ -701,10 +733,10 @@ class ProducerEdge:
                 try:
                     fn()
                 except Exception:  # noqa: BLE001
-                    _abort(pg)
+                    _abort(pg, keep=(self.hub.slot_views, self.staging))
         else:
             self.broken = self.broken or "closed"
-            _abort(pg)
+            _abort(pg, keep=(self.hub.slot_views, self.staging))
         self.completer.join(join)
 
 
@@ -902,14 +934,14 @@ class ConsumerEdge:
         pending = any(e.in_flight() for e in self.ready_events)
         self.broken = self.broken or "closed"
         if lost or pending:
-            _abort(pg)
+            _abort(pg, keep=(self.arena, self.slot_views, self.staging))
         else:
             fn = getattr(pg, "shutdown", None)
             if fn is not None:
                 try:
                     fn()
                 except Exception:  # noqa: BLE001
-                    _abort(pg)
+                    _abort(pg, keep=(self.arena, self.slot_views, self.staging))
         self.completer.join(join)
 
 

@@ -191,6 +191,29 @@ def test_paused_remote_consumer_is_dropped_and_told_so(procs: Any, device: str) 
 
 
 @pytest.mark.timeout(120)
+def test_paused_remote_producer_is_lost_to_its_consumer(procs: Any, device: str) -> None:
+    # The producer is paused for 4 s mid-stream (a long GC, SIGSTOP): silent past 3
+    # heartbeats, it is lost to its remote consumer, which ends with PeerLostError after
+    # the items it got, in order and intact. Resumed, the producer finds its consumer
+    # gone (its send times out) and exits 0.
+    ep = endpoint()
+    p = producer(procs, "p-host", device, endpoint=ep, n=200, pad=1 << 20, slot_bytes=(1 << 20) + (1 << 16),
+                 timeout=6.0, pace=0.02)
+    c = consumer(procs, "c-host", device, endpoint=ep, pad=1 << 20)
+    c.read_until(lambda l: l.get("event") == "got" and l.get("n") == 3, 60)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        got = c.result(60)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    assert got["end"] == "lost" and got["message"].startswith("PeerLostError:"), got
+    assert got["errors"] == [] and got["got"] == list(range(len(got["got"]))), got
+    out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
+    assert out["event"] == "timeout" and out["consumers"] == 0, out
+    assert p.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(120)
 def test_remote_consumer_exiting_without_close_is_dropped(procs: Any, device: str) -> None:
     ep = endpoint()
     p = producer(procs, "p-host", device, endpoint=ep, n=50, timeout=6.0)
@@ -236,6 +259,42 @@ def test_a_held_item_saved_for_backward_survives_the_next_item(procs: Any, devic
     assert got["errors"] == [] and got["end"] == "stop", got
     assert got["got"] == list(range(24))
     p.result(60)
+
+
+@pytest.mark.timeout(120)
+def test_producer_interrupted_mid_transfer_fails_its_consumer(procs: Any, device: str) -> None:
+    # Ctrl-C in the producer's process mid-stream: KeyboardInterrupt out of send(), its
+    # with block aborts. The remote consumer ends with ProducerFailedError after the items
+    # it got, in order and intact, never with a clean end; the producer's process ends by
+    # the interrupt (not SIGABRT, no hang).
+    ep = endpoint()
+    p = producer(procs, "p-host", device, endpoint=ep, n=1000, pad=PAD, slot_bytes=PAD + (1 << 16))
+    c = consumer(procs, "c-host", device, endpoint=ep, pad=PAD)
+    c.read_until(lambda l: l.get("event") == "got" and l.get("n") == 3, 60)
+    os.kill(p.proc.pid, signal.SIGINT)
+    got = c.result(60)
+    assert got["message"].startswith("ProducerFailedError:") and "KeyboardInterrupt" in got["message"], got
+    assert got["errors"] == [] and got["got"] == list(range(len(got["got"]))), got
+    rc = p.proc.wait(timeout=30)
+    assert rc == -signal.SIGINT, f"exit status {rc}: {p.stderr()[-2000:]}"
+
+
+@pytest.mark.timeout(120)
+def test_consumer_interrupted_mid_transfer_leaves_and_the_producer_goes_on(procs: Any, device: str) -> None:
+    # Ctrl-C in the consumer's process mid-stream: it closes (its iteration's finally) and
+    # leaves; the producer is left with no consumer (its send times out), none counted
+    # lost, and exits 0.
+    ep = endpoint()
+    p = producer(procs, "p-host", device, endpoint=ep, n=1000, pad=PAD, slot_bytes=PAD + (1 << 16), timeout=8.0)
+    c = consumer(procs, "c-host", device, endpoint=ep, pad=PAD)
+    c.read_until(lambda l: l.get("event") == "got" and l.get("n") == 3, 60)
+    os.kill(c.proc.pid, signal.SIGINT)
+    rc = c.proc.wait(timeout=30)
+    assert rc == -signal.SIGINT, f"exit status {rc}: {c.stderr()[-2000:]}"
+    out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
+    assert out["event"] == "timeout" and out["consumers"] == 0, out
+    assert out["stats"]["consumers_lost"] == 0, out["stats"]
+    assert p.proc.wait(timeout=30) == 0
 
 
 # A transfer's wait ends at the latest this long after it began (IPCSYNC_REMOTE_TIMEOUT):
