@@ -217,17 +217,18 @@ def _abort(pg: Any, keep: Any = None) -> None:
     process, see ``_Completer.join``).
 
     NCCL's ``abort`` ends its pending work, but may itself block for as long as the peer
-    is paused (a transfer in flight to a SIGSTOPped process: measured on one H100 over
-    NCCL's socket transport, it had not returned after 60 s; the peer's consumer then
-    never saw PeerLostError, its endpoint's lock held). So it runs in a thread of its
+    is paused (a transfer in flight to a SIGSTOPped process: on one H100 over NCCL's
+    socket transport it had not returned after 60 s, and the consumer calling it, its
+    endpoint's lock held, never raised PeerLostError). So it runs in a thread of its
     own, waited for ``NCCL_ABORT_WAIT_S``, which holds ``keep`` (the edge's device
-    memory, which a transfer may still read or write) until the abort returned. Gloo's ``abort``/``shutdown`` (torch 2.13) do
-    not wake a wait already pending; a wait that times out does: gloo then closes every
-    pair of the group ("Application timeout caused pair closure"), and each pending
-    send or recv fails at once. So for gloo a recv of an unused tag is waited for 1 ms
-    first (tests/integration/test_remote.py, the stalled-producer test). Except the one
-    transfer a pair was moving when it closed: its wait ends only at the group's timeout
-    (``_Completer``)."""
+    memory, which a transfer may still read or write) until the abort returned.
+
+    Gloo's ``abort``/``shutdown`` (torch 2.13) do not wake a wait already pending; a
+    wait that times out does: gloo then closes every pair of the group ("Application
+    timeout caused pair closure"), and each pending send or recv fails at once. So for
+    gloo a recv of an unused tag is waited for 1 ms first (tests/integration/
+    test_remote.py, the stalled-producer test). Except the one transfer a pair was
+    moving when it closed: its wait ends only at the group's timeout (``_Completer``)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     if not isinstance(pg, dist.ProcessGroupGloo):
@@ -462,14 +463,20 @@ def settle_at_exit() -> None:
     """(At exit, after every endpoint closed.) Wait for each completion thread that
     outlived its edge and whose wait ends within ``EXIT_SETTLE_S``: one whose gloo wait
     returned while the interpreter finalizes would be ended inside torch's C++ frames,
-    which aborts the process. One that ends later than that ends after the process."""
+    which aborts the process. One that ends later than that ends after the process. The
+    other completion threads still running (perhaps merely slow to be scheduled) and
+    NCCL aborts still running are waited for ``EXIT_JOIN_S`` in all."""
+    now = time.monotonic()
     with _lingering_lock:
-        threads = [(c.thread, c.deadline) for c in _lingering] + [(t, 0.0) for t in _aborting]
+        near = [c.thread for c in _lingering if c.deadline - now < EXIT_SETTLE_S]
+        others = [c.thread for c in _lingering if c.deadline - now >= EXIT_SETTLE_S] + list(_aborting)
+        deadline = max([c.deadline for c in _lingering if c.deadline - now < EXIT_SETTLE_S], default=now)
         _lingering.clear()
-    others = time.monotonic() + EXIT_JOIN_S  # (a thread merely slow to be scheduled, an NCCL abort)
-    for t, deadline in sorted(threads, key=lambda td: td[1]):
-        left = deadline - time.monotonic()
-        t.join(max(0.0, left) + 1.0 if left < EXIT_SETTLE_S else max(0.0, others - time.monotonic()))
+    for t in near:
+        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    until = time.monotonic() + EXIT_JOIN_S
+    for t in others:
+        t.join(max(0.0, until - time.monotonic()))
 
 
 class RemoteWatch:
