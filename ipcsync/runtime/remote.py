@@ -249,6 +249,21 @@ def _abort(pg: Any, keep: Any = None) -> None:
     _end_group(pg)
 
 
+def _shut_down_or_abort(pg: Any, clean: bool, keep: Any) -> None:
+    """End an edge's group: shut down when ``clean`` (nothing pending: ``shutdown()``
+    waits for pending work), else, or if the shutdown raises, ``_abort``."""
+    if clean:
+        fn = getattr(pg, "shutdown", None)
+        if fn is None:
+            return
+        try:
+            fn()
+            return
+        except Exception:  # noqa: BLE001 (then aborted)
+            pass
+    _abort(pg, keep)
+
+
 def _abort_nccl(pg: Any, keep: Any) -> None:
     """(Its own thread.) Abort an NCCL group; ``keep`` lives until then."""
     try:
@@ -733,17 +748,9 @@ class ProducerEdge:
         pg, self.pg = self.pg, None
         if pg is None:
             return
-        if self.broken is None and all(e.query() for e in self.release_events):
-            self.broken = "closed"
-            fn = getattr(pg, "shutdown", None)
-            if fn is not None:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001
-                    _abort(pg, keep=(self.hub.slot_views, self.staging))
-        else:
-            self.broken = self.broken or "closed"
-            _abort(pg, keep=(self.hub.slot_views, self.staging))
+        clean = self.broken is None and all(e.query() for e in self.release_events)
+        self.broken = self.broken or "closed"
+        _shut_down_or_abort(pg, clean, keep=(self.hub.slot_views, self.staging))
         self.completer.join(join)
 
 
@@ -940,15 +947,7 @@ class ConsumerEdge:
         lost = self.broken is not None
         pending = any(e.in_flight() for e in self.ready_events)
         self.broken = self.broken or "closed"
-        if lost or pending:
-            _abort(pg, keep=(self.arena, self.slot_views, self.staging))
-        else:
-            fn = getattr(pg, "shutdown", None)
-            if fn is not None:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001
-                    _abort(pg, keep=(self.arena, self.slot_views, self.staging))
+        _shut_down_or_abort(pg, not (lost or pending), keep=(self.arena, self.slot_views, self.staging))
         self.completer.join(join)
 
 
