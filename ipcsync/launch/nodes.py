@@ -15,11 +15,15 @@ written here (never pickle). Keys, per attempt ``n`` (a group restart is a new a
   the attempt (node 0 keeps the store up until every node said so, or the node timeout);
 - ``hb/<r>``: a counter node r's launcher increments every ``HEARTBEAT_S`` seconds.
 
-Invariants: every wait on the store is bounded (the store's own timeout for each call,
-``rdzv_timeout`` for the rendezvous, ``node_timeout`` for heartbeats and the final
-exit); a node whose heartbeat has not moved for ``node_timeout`` seconds, or a store that
-cannot be reached (node 0 gone), fails the group without restart; every node stops its
-stages on the group's failure and prints the same root cause.
+Invariants: every wait on the store is bounded (``node_timeout`` for each call, through
+``store.BoundedStore``: a paused node 0 answers none; ``rdzv_timeout`` for the
+rendezvous; ``node_timeout`` for heartbeats and the final exit); the supervisor's
+``poll`` never blocks on the store (the checks run on the store's thread); a node whose
+heartbeat has not moved for ``node_timeout`` seconds, or a store that cannot be reached
+or does not answer (node 0 gone or paused), fails the group without restart; every node
+stops its stages on the group's failure and prints the same root cause. A node rank is
+claimed once per attempt (``compare_set`` on ``a<n>/node/<r>``): a second launcher
+given the same ``--node-rank`` is refused, never run beside the first.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets as _secrets
 import socket
 import threading
 import time
@@ -39,6 +44,7 @@ from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .plan import Nodes, RemoteEndpoint, place, remote_producers
 from .spec import PipelineSpec
+from .store import BoundedStore, Job
 
 __all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_TIMEOUT_ENV", "HEARTBEAT_S"]
 
@@ -48,6 +54,7 @@ NODE_TIMEOUT_ENV = "IPCSYNC_NODE_TIMEOUT"
 DEFAULT_NODE_TIMEOUT = 30.0  # seconds of heartbeat silence before a node counts as gone
 HEARTBEAT_S = 1.0
 _POLL_S = 0.25  # the supervisor's group checks, at most this often
+_POLL_ANSWER_S = 0.02  # poll() waits this long for the checks it just started
 _STORE_OP_S = 10.0  # one store call at most
 _MAX_VALUE = 1 << 20
 DONE = "done"
@@ -141,7 +148,10 @@ class NodeGroup:
         self.rdzv_timeout = rdzv_timeout
         self.node_timeout = node_timeout()
         self._say = say
-        self._store: Any = None
+        self._store: BoundedStore | None = None
+        self._poll_job: Job | None = None
+        self._nonce = _secrets.token_hex(8)  # tells this launcher's rank claim from another's
+        self._claimed = False  # this launcher holds its rank in the current attempt
         self._hb_store: Any = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -172,11 +182,13 @@ class NodeGroup:
 
         try:
             if self.rank == 0:
-                self._store = TCPStore(self.rdzv_host, self.rdzv_port, None, True,
-                                       timeout=datetime.timedelta(seconds=_STORE_OP_S), wait_for_workers=False)
+                raw = TCPStore(self.rdzv_host, self.rdzv_port, None, True,
+                               timeout=datetime.timedelta(seconds=_STORE_OP_S), wait_for_workers=False)
             else:
-                self._store = TCPStore(self.rdzv_host, self.rdzv_port, None, False,
-                                       timeout=datetime.timedelta(seconds=self.rdzv_timeout))
+                raw = TCPStore(self.rdzv_host, self.rdzv_port, None, False,
+                               timeout=datetime.timedelta(seconds=self.rdzv_timeout))
+            self._store = BoundedStore(raw, self.node_timeout,
+                                       f"node 0's rendezvous store at {self.rdzv_host}:{self.rdzv_port}")
             self._hb_store = self._connect()
         except (RuntimeError, OSError) as exc:
             what = "serve the rendezvous store on" if self.rank == 0 else "reach node 0's rendezvous store at"
@@ -203,15 +215,23 @@ class NodeGroup:
     def close(self) -> None:
         self._hb_stop.set()
         if self._hb_thread is not None:
-            self._hb_thread.join(timeout=_STORE_OP_S)
+            # A daemon thread; it may be in a call a paused node 0 never answers.
+            self._hb_thread.join(timeout=HEARTBEAT_S + 1.0)
+        if self._store is not None:
+            self._store.close()
         self._hb_store = self._store = None  # node 0: the server stops with its last reference
 
     # ------------------------------------------------------------------ store helpers
-    def _set(self, key: str, value: dict[str, Any]) -> None:
-        self._store.set(key, json.dumps(value).encode())
+    @property
+    def store(self) -> BoundedStore:
+        assert self._store is not None, "NodeGroup.start() first"
+        return self._store
 
-    def _get(self, key: str) -> dict[str, Any] | None:
-        raw = self._store.get(key)
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self.store.set(key, json.dumps(value).encode())
+
+    def _get(self, key: str, store: Any = None) -> dict[str, Any] | None:
+        raw = (store or self.store).get(key)
         if len(raw) > _MAX_VALUE:
             return None
         try:
@@ -220,11 +240,14 @@ class NodeGroup:
             return None
         return value if isinstance(value, dict) else None
 
-    def _failure(self) -> GroupFailure | None:
+    def _failure(self, store: Any = None) -> GroupFailure | None:
+        """The attempt's root cause, if any yet. ``store``: the raw store, on the store's
+        own thread."""
+        store = store or self.store
         key = f"a{self.attempt}/failed"
-        if not self._store.check([key]):
+        if not store.check([key]):
             return None
-        rec = self._get(key) or {}
+        rec = self._get(key, store) or {}
         return GroupFailure(str(rec.get("cause", "a node failed"))[:1000], int(rec.get("code", 1)),
                             bool(rec.get("restart", False)))
 
@@ -234,6 +257,8 @@ class NodeGroup:
         timeout) for every node's, and return the wiring of this node."""
         self.attempt = attempt
         self._done_said = False
+        self._poll_job = None  # a check of the attempt before: its answer no longer counts
+        self._claimed = False
         mine = {k for k in remote_producers(self.spec, self.placement) if self.placement[(k[0], k[1])] == self.rank}
         secrets: dict[tuple[str, int, str], tuple[str, str]] = {}
         producers = {}
@@ -247,10 +272,10 @@ class NodeGroup:
             secrets[key] = (public, secret)
             producers[f"{key[0]}.{key[1]}.{key[2]}"] = {"port": _free_port(self.addr), "public": public}
         info = {"addr": self.addr, "host": host_identity(), "digest": spec_digest(self.spec),
-                "insecure": self.insecure, "producers": producers}
+                "insecure": self.insecure, "producers": producers, "nonce": self._nonce}
         prefix = f"a{attempt}"
         try:
-            self._set(f"{prefix}/node/{self.rank}", info)
+            self._claim(f"{prefix}/node/{self.rank}", info)
             infos = self._wait_nodes(prefix)
         except (RuntimeError, OSError) as exc:
             raise ConfigError(f"node {self.rank}: rendezvous at {self.rdzv_host}:{self.rdzv_port} failed: "
@@ -285,16 +310,34 @@ class NodeGroup:
         self._hb_seen = {r: (-1, now) for r in range(self.nnodes) if r != self.rank}
         return Nodes(nnodes=self.nnodes, rank=self.rank, remote=remote, insecure=self.insecure)
 
+    def _claim(self, key: str, info: dict[str, Any]) -> None:
+        """Publish this node's record under ``key`` unless another launcher did
+        (ConfigError then: two launchers were given the same ``--node-rank``)."""
+        mine = json.dumps(info).encode()
+        now = self.store.compare_set(key, b"", mine)
+        if now == mine:
+            self._claimed = True
+            return
+        try:
+            other = json.loads(now)
+            where = f" (address {other['addr']}, host {other['host']})"
+        except (ValueError, KeyError, TypeError):
+            where = ""
+        raise ConfigError(
+            f"node {self.rank}: another ipcsync-run{where} already joined this run as --node-rank {self.rank}; "
+            f"give each node its own --node-rank, from 0 to {self.nnodes - 1}"
+        )
+
     def _wait_nodes(self, prefix: str) -> dict[int, dict[str, Any]]:
         keys = [f"{prefix}/node/{r}" for r in range(self.nnodes)]
         deadline = time.monotonic() + self.rdzv_timeout
         said = False
-        while not self._store.check(keys):
+        while not self.store.check(keys):
             failure = self._failure()
             if failure is not None:
                 raise ConfigError(f"the group failed during the rendezvous: {failure.cause}")
             if time.monotonic() >= deadline:
-                missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise ConfigError(
                     f"node {self.rank}: node(s) {', '.join(map(str, missing))} did not join the rendezvous at "
                     f"{self.rdzv_host}:{self.rdzv_port} within {self.rdzv_timeout:g} s (--rdzv-timeout); start "
@@ -315,42 +358,69 @@ class NodeGroup:
     # ------------------------------------------------------------------ while the stages run
     def poll(self, local_done: bool) -> GroupFailure | str | None:
         """The group's failure, ``DONE`` once every node's stages exited 0, or None (also
-        between checks: at most every _POLL_S seconds it asks the store)."""
-        now = time.monotonic()
-        if now < self._next_poll:
+        while a check is under way, and between checks: at most every _POLL_S seconds it
+        asks the store). Never blocks on the store: the checks run on its thread, and a
+        check unanswered for the node timeout is the group's failure."""
+        job = self._poll_job
+        if job is None:
+            now = time.monotonic()
+            if now < self._next_poll:
+                return None
+            self._next_poll = now + _POLL_S
+            try:
+                job = self._poll_job = self.store.submit(lambda _: self._check(local_done, now))
+            except RuntimeError as exc:
+                return self._store_lost(exc)
+            job.done.wait(_POLL_ANSWER_S)
+        if not job.done.is_set():
+            if self.store.overdue(job):
+                self._poll_job = None
+                return self._store_lost(None)
             return None
-        self._next_poll = now + _POLL_S
+        self._poll_job = None
         try:
-            failure = self._failure()
-            if failure is not None:
-                return failure
-            for r, (count, since) in list(self._hb_seen.items()):
-                value = int(self._store.add(f"hb/{r}", 0))
-                if value != count:
-                    self._hb_seen[r] = (value, now)
-                elif now - since > self.node_timeout:
-                    self._gone = True
-                    lost = GroupFailure(f"node {r}'s ipcsync-run is gone (no heartbeat for "
-                                        f"{now - since:.0f} s, ${NODE_TIMEOUT_ENV}={self.node_timeout:g})", 1, False)
-                    return self._publish(lost)
-            if local_done:
-                if not self._done_said:
-                    self._store.set(f"a{self.attempt}/done/{self.rank}", b"1")
-                    self._done_said = True
-                if self._store.check([f"a{self.attempt}/done/{r}" for r in range(self.nnodes)]):
-                    return DONE
+            return job.result()  # type: ignore[no-any-return]
         except (RuntimeError, OSError) as exc:
-            return GroupFailure(f"lost the rendezvous store at {self.rdzv_host}:{self.rdzv_port} (node 0's "
-                                f"ipcsync-run is gone?): {_first_line(exc)}", 1, False)
+            return self._store_lost(exc)
+
+    def _store_lost(self, exc: BaseException | None) -> GroupFailure:
+        store = f"the rendezvous store at {self.rdzv_host}:{self.rdzv_port}"
+        if exc is None:
+            return GroupFailure(f"{store} did not answer for {self.store.bound:g} s (${NODE_TIMEOUT_ENV}): node 0's "
+                                f"ipcsync-run is paused or its host unreachable", 1, False)
+        return GroupFailure(f"lost {store} (node 0's ipcsync-run is gone?): {_first_line(exc)}", 1, False)
+
+    def _check(self, local_done: bool, now: float) -> GroupFailure | str | None:
+        """One round of ``poll``'s checks, on the store's thread (calls the raw store:
+        the bound is ``poll``'s)."""
+        store = self.store.raw
+        failure = self._failure(store)
+        if failure is not None:
+            return failure
+        for r, (count, since) in list(self._hb_seen.items()):
+            value = int(store.add(f"hb/{r}", 0))
+            if value != count:
+                self._hb_seen[r] = (value, now)
+            elif now - since > self.node_timeout:
+                self._gone = True
+                lost = GroupFailure(f"node {r}'s ipcsync-run is gone (no heartbeat for "
+                                    f"{now - since:.0f} s, ${NODE_TIMEOUT_ENV}={self.node_timeout:g})", 1, False)
+                return self._publish(lost, store)
+        if local_done:
+            if not self._done_said:
+                store.set(f"a{self.attempt}/done/{self.rank}", b"1")
+                self._done_said = True
+            if store.check([f"a{self.attempt}/done/{r}" for r in range(self.nnodes)]):
+                return DONE
         return None
 
-    def _publish(self, failure: GroupFailure) -> GroupFailure:
+    def _publish(self, failure: GroupFailure, store: Any = None) -> GroupFailure:
         """Make ``failure`` the group's root cause unless another one is; return the one
-        that is."""
+        that is. ``store``: the raw store, on the store's own thread."""
         rec = json.dumps({"node": self.rank, "cause": failure.cause, "code": failure.code,
                           "restart": failure.restart}).encode()
         try:
-            now = self._store.compare_set(f"a{self.attempt}/failed", b"", rec)
+            now = (store or self.store).compare_set(f"a{self.attempt}/failed", b"", rec)
             value = json.loads(now)
             return GroupFailure(str(value["cause"]), int(value["code"]), bool(value["restart"]))
         except Exception:  # the store is gone: our cause stands, here
@@ -375,13 +445,17 @@ class NodeGroup:
 
     def finish(self) -> None:
         """This node is done with the run. Node 0 serves the store until every node said
-        so too (at most the node timeout): a node still stopping may need it."""
+        so too (at most the node timeout): a node still stopping may need it. A launcher
+        that never held its rank (refused, or gone before the rendezvous) says nothing:
+        the rank's holder does."""
+        if not self._claimed:
+            return
         try:
-            self._store.set(f"a{self.attempt}/exit/{self.rank}", b"1")
+            self.store.set(f"a{self.attempt}/exit/{self.rank}", b"1")
             if self.rank == 0 and not self._gone:
                 keys = [f"a{self.attempt}/exit/{r}" for r in range(self.nnodes)]
                 deadline = time.monotonic() + self.node_timeout
-                while not self._store.check(keys) and time.monotonic() < deadline:
+                while not self.store.check(keys) and time.monotonic() < deadline:
                     time.sleep(0.1)
         except (RuntimeError, OSError):
             pass

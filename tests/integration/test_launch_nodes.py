@@ -192,6 +192,22 @@ def two_stage(n: int = 40, size: int = 256, **sink: Any) -> str:
     )
 
 
+def endless_two_stage() -> str:
+    return toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 100000, "--delay", 0.01), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src"), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+    )
+
+
+def wait_for_items(cluster: Cluster, *nodes: Node) -> None:
+    deadline = time.monotonic() + 90
+    while not list(cluster.state.glob("recv-sink-*")):  # items flow between the nodes
+        assert time.monotonic() < deadline, "".join(n.dump() for n in nodes)
+        assert all(n.proc.poll() is None for n in nodes), "".join(n.dump() for n in nodes)
+        time.sleep(0.1)
+
+
 # ---------------------------------------------------------------------------- pipelines that succeed
 @pytest.mark.timeout(180)
 def test_producer_on_node_0_consumer_on_node_1(cluster: Cluster) -> None:
@@ -275,17 +291,9 @@ def test_restart_policy_restarts_the_group_on_every_node(cluster: Cluster) -> No
 
 @pytest.mark.timeout(180)
 def test_a_node_whose_launcher_is_killed_stops_the_other(cluster: Cluster) -> None:
-    spec = cluster.spec(toml_spec(
-        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 100000, "--delay", 0.01), "device": "cpu"},
-         "sink": {"cmd": stage("sink.py", "--from", "src"), "device": "cpu", "node": 1}},
-        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
-    ))
+    spec = cluster.spec(endless_two_stage())
     n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
-    deadline = time.monotonic() + 90
-    while not list(cluster.state.glob("recv-sink-*")):  # items flow between the nodes
-        assert time.monotonic() < deadline, n1.dump()
-        assert n0.proc.poll() is None and n1.proc.poll() is None, n0.dump() + n1.dump()
-        time.sleep(0.1)
+    wait_for_items(cluster, n0, n1)
     os.killpg(n1.proc.pid, signal.SIGKILL)  # node 1's launcher (its stages get SIGTERM from the kernel)
     rc0 = n0.wait(60)
     assert rc0 != 0, n0.dump()
@@ -308,6 +316,70 @@ def test_node_0_killed_the_others_stop(cluster: Cluster) -> None:
     rc1 = n1.wait(60)
     assert rc1 != 0, n1.dump()
     assert "root cause: lost the rendezvous store at 127.0.0.1" in n1.err, n1.dump()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("paused", [0, 1])
+def test_a_node_whose_launcher_is_paused_stops_the_other_and_stops_once_resumed(cluster: Cluster,
+                                                                                paused: int) -> None:
+    # A paused launcher (SIGSTOP, a host swapping) answers nothing: node 0's rendezvous
+    # store goes silent with it, so each store call is bounded by the node timeout;
+    # before, node 1's launcher waited in the store's recv() for ever. Its stages run on
+    # in their own process groups; the other node's stages are stopped.
+    spec = cluster.spec(endless_two_stage())
+    nodes = cluster.start(spec, 0), cluster.start(spec, 1)
+    wait_for_items(cluster, *nodes)
+    victim, other = nodes[paused], nodes[1 - paused]
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rc = other.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+    assert rc != 0, other.dump()
+    expected = ("root cause: the rendezvous store at 127.0.0.1:{} did not answer for 4 s".format(cluster.port)
+                if paused == 0 else "root cause: node 1's ipcsync-run is gone (no heartbeat for")
+    assert expected in other.err, other.dump()
+    assert took < 30, (took, other.dump())  # the node timeout (4 s) and the stages' stop, not a store timeout
+    assert victim.wait(60) != 0, victim.dump()  # resumed, it finds the group over and stops too
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("interrupted", [0, 1])
+def test_ctrl_c_on_one_node_stops_every_node_with_it_as_root_cause(cluster: Cluster, interrupted: int) -> None:
+    spec = cluster.spec(endless_two_stage())
+    nodes = cluster.start(spec, 0), cluster.start(spec, 1)
+    wait_for_items(cluster, *nodes)
+    nodes[interrupted].proc.send_signal(signal.SIGINT)  # the launcher only, as a terminal's Ctrl-C is
+    assert [n.wait(60) for n in nodes] == [130, 130], "".join(n.dump() for n in nodes)
+    assert "failed: interrupted by SIGINT" in nodes[interrupted].err, nodes[interrupted].dump()
+    other = nodes[1 - interrupted]
+    assert f"root cause: node {interrupted}: ipcsync-run was interrupted by SIGINT" in other.err, other.dump()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_a_second_launcher_given_a_taken_node_rank_is_refused_and_the_run_goes_on(cluster: Cluster) -> None:
+    # The same command typed on two machines: before, both joined as node 1, and the
+    # producer's items were split between their two sinks without an error.
+    spec = cluster.spec(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 200, "--delay", 0.02), "device": "cpu"},
+         "sink": {"cmd": stage("sink.py", "--from", "src"), "device": "cpu", "node": 1}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
+    ))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    wait_for_items(cluster, n0, n1)
+    again = cluster.start(spec, 1)
+    assert again.wait(60) == 125, again.dump()
+    assert "node 1: another ipcsync-run (address 127.0.0.1, host " in again.err, again.dump()
+    assert "already joined this run as --node-rank 1; give each node its own --node-rank, from 0 to 1" in again.err
+    assert "started" not in again.err, again.dump()
+    assert (n0.wait(), n1.wait()) == (0, 0), n0.dump() + n1.dump()
+    got = n1.result("sink/0")
+    assert got["errors"] == [] and got["counts"] == {"src/0": 200} and got["contiguous"] == {"src/0": True}
     assert cluster.leftovers() == []
 
 
