@@ -232,14 +232,7 @@ def _abort(pg: Any, keep: Any = None) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     if not isinstance(pg, dist.ProcessGroupGloo):
-        t = threading.Thread(target=_abort_nccl, args=(pg, keep), daemon=True, name="ipcsync-nccl-abort")
-        with _lingering_lock:
-            _aborting.add(t)
-        t.start()
-        t.join(NCCL_ABORT_WAIT_S)
-        if t.is_alive():
-            log.info("ipcsync remote edge: NCCL's abort has not returned within %.1f s (its peer paused?); "
-                     "it goes on in a thread of its own", NCCL_ABORT_WAIT_S)
+        _end_nccl_in_thread(pg, keep, clean=False)
         return
     try:
         peer = 1 - int(pg.rank())
@@ -251,8 +244,15 @@ def _abort(pg: Any, keep: Any = None) -> None:
 
 def _shut_down_or_abort(pg: Any, clean: bool, keep: Any) -> None:
     """End an edge's group: shut down when ``clean`` (nothing pending: ``shutdown()``
-    waits for pending work), else, or if the shutdown raises, ``_abort``."""
+    waits for pending work), else, or if the shutdown raises, ``_abort``. NCCL's
+    shutdown, like its abort, runs in a thread of its own (``_end_nccl_in_thread``): a
+    peer that dies or is paused at that moment must not hold the closing endpoint."""
     if clean:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if not isinstance(pg, dist.ProcessGroupGloo):
+            _end_nccl_in_thread(pg, keep, clean=True)
+            return
         fn = getattr(pg, "shutdown", None)
         if fn is None:
             return
@@ -264,9 +264,31 @@ def _shut_down_or_abort(pg: Any, clean: bool, keep: Any) -> None:
     _abort(pg, keep)
 
 
-def _abort_nccl(pg: Any, keep: Any) -> None:
-    """(Its own thread.) Abort an NCCL group; ``keep`` lives until then."""
+def _end_nccl_in_thread(pg: Any, keep: Any, clean: bool) -> None:
+    """Shut down (``clean``) or abort an NCCL group in an ``ipcsync-nccl-end`` thread,
+    waited for ``NCCL_SHUTDOWN_WAIT_S`` or ``NCCL_ABORT_WAIT_S``; ``keep`` (the edge's
+    device memory) lives until the call returned, however long that takes."""
+    t = threading.Thread(target=_end_nccl, args=(pg, keep, clean), daemon=True, name="ipcsync-nccl-end")
+    with _lingering_lock:
+        _aborting.add(t)
+    t.start()
+    wait = NCCL_SHUTDOWN_WAIT_S if clean else NCCL_ABORT_WAIT_S
+    t.join(wait)
+    if t.is_alive():
+        log.info("ipcsync remote edge: NCCL's %s has not returned within %.1f s (its peer paused?); "
+                 "it goes on in a thread of its own", "shutdown" if clean else "abort", wait)
+
+
+def _end_nccl(pg: Any, keep: Any, clean: bool) -> None:
+    """(Its own thread.) Shut down an NCCL group, or abort it when not ``clean`` or the
+    shutdown raised; ``keep`` lives until then."""
     try:
+        if clean:
+            try:
+                pg.shutdown()
+                return
+            except Exception as exc:  # noqa: BLE001 (then aborted)
+                log.debug("ipcsync remote edge: NCCL shutdown() raised %s; aborting", exc)
         _end_group(pg)
     finally:
         del keep
@@ -304,6 +326,7 @@ _SETTLE_WAIT = datetime.timedelta(milliseconds=10)
 LOST_JOIN_S = 0.1
 CLOSE_JOIN_S = 5.0
 NCCL_ABORT_WAIT_S = 0.1  # (see _abort)
+NCCL_SHUTDOWN_WAIT_S = 5.0  # a clean close waits this long for NCCL's shutdown (see _shut_down_or_abort)
 # At exit, a completion thread still in a wait that ends within this many seconds is
 # waited for; any other, for at most EXIT_JOIN_S in all (see settle_at_exit).
 EXIT_SETTLE_S = 10.0
@@ -480,7 +503,7 @@ def settle_at_exit() -> None:
     returned while the interpreter finalizes would be ended inside torch's C++ frames,
     which aborts the process. One that ends later than that ends after the process. The
     other completion threads still running (perhaps merely slow to be scheduled) and
-    NCCL aborts still running are waited for ``EXIT_JOIN_S`` in all."""
+    NCCL shutdowns and aborts still running are waited for ``EXIT_JOIN_S`` in all."""
     now = time.monotonic()
     with _lingering_lock:
         near = [c.thread for c in _lingering if c.deadline - now < EXIT_SETTLE_S]
