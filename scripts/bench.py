@@ -1123,7 +1123,7 @@ def remote_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
     if not res:
         return []
     groups: dict[str, benchchart.Group] = {}
-    for size, method, _rate, gbs, _ratio in res["rows"]:
+    for size, method, _rate, gbs, *_ in res["rows"]:
         groups.setdefault(size, benchchart.Group(size)).bars.append(benchchart.Bar(method, gbs))
     return [benchchart.Panel("remote edge vs raw torch.distributed send/recv", "GB/s", True,
                              list(groups.values()), group_axis="message size")]

@@ -22,7 +22,10 @@ processes:
 Timed at the receiver from its first item to its last, the first ``warm`` not counted
 (at least ``slots + 1``, so every slot of both rings was written once before the clock
 starts: first-touch page faults are a start-up cost, not a per-item one): handoffs/s and
-GB/s of payload. On a CPU machine ``send``'s copy competes for the cores that the two
+GB/s of payload. Each size runs ``ROUNDS`` rounds of raw, send, slot in turn (a method's
+rounds interleaved with the others', so a slow spell of the machine or the network hits
+all three alike); the table gives each method's median round, and the slowest and fastest
+round's GB/s beside it. On a CPU machine ``send``'s copy competes for the cores that the two
 sides' kernel copies of the transfer already use; on a GPU it is a device copy.
 
 Small messages pay per item what the raw loop does not: a
@@ -38,6 +41,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import time
 import traceback
 from typing import Any, Callable
@@ -49,6 +53,7 @@ REMOTE_SIZES = ("1M", "64M", "256M")
 QUICK_SIZES = ("64K", "1M", "16M")
 SIZE_BYTES = {"64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
 COUNT = {"64K": 2000, "1M": 600, "16M": 60, "64M": 40, "256M": 20}
+ROUNDS = 3
 
 
 class RemoteBenchError(Exception):
@@ -162,10 +167,11 @@ def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, 
         transport = "nccl" if dev.type == "cuda" else "gloo"
         out = []
         for p in plan:
-            raw = _raw(role, transport, p["raw_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
-            res = {"raw": raw}
-            for mode in METHODS[1:]:
-                res[mode] = _ipcsync(role, mode, p[f"{mode}_port"], dev, p["nbytes"], p["n"], p["warm"], slots)
+            res: dict[str, list[float]] = {m: [] for m in METHODS}
+            for ports in p["rounds"]:
+                res["raw"].append(_raw(role, transport, ports["raw"], dev, p["nbytes"], p["n"], p["warm"], slots))
+                for mode in METHODS[1:]:
+                    res[mode].append(_ipcsync(role, mode, ports[mode], dev, p["nbytes"], p["n"], p["warm"], slots))
             out.append(res)
         results.put(("ok", role, out))
     except BaseException:
@@ -191,9 +197,9 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
         n = max(COUNT[name] // (4 if quick else 1), 6)
         warm = max(slots + 1, n // 10)
         plan.append({"name": name, "nbytes": SIZE_BYTES[name], "n": n + warm, "warm": warm,
-                     **{f"{m}_port": _free_port() for m in METHODS}})
+                     "rounds": [{m: _free_port() for m in METHODS} for _ in range(ROUNDS)]})
     progress("remote: " + ", ".join(f"{p['name']} x {p['n']}" for p in plan)
-             + " per method (raw, then ipcsync send, then ipcsync slot)")
+             + f" per method and round, {ROUNDS} rounds of raw, ipcsync send, ipcsync slot")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_side, args=(results, "send", "bench-host-a", devices[0], plan, slots)),
@@ -226,13 +232,15 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
     rows = []
     for p, r in zip(plan, got["recv"]):
         timed = p["n"] - p["warm"]
-        rates = {m: timed / r[m] for m in METHODS}
+        rounds = {m: sorted(timed / t for t in r[m]) for m in METHODS}
+        rates = {m: statistics.median(rounds[m]) for m in METHODS}
         labels = {"raw": f"raw torch.distributed ({'nccl' if devices[0] != 'cpu' else 'gloo'})",
                   "send": "ipcsync remote edge, send()", "slot": "ipcsync remote edge, slot()"}
         for m in METHODS:
-            label = labels[m]
-            rows.append((p["name"], label, rates[m], rates[m] * p["nbytes"] / 1e9, rates[m] / rates["raw"]))
-    return {"rows": rows, "slots": slots, "devices": devices}
+            gb = p["nbytes"] / 1e9
+            rows.append((p["name"], labels[m], rates[m], rates[m] * gb, rates[m] / rates["raw"],
+                         rounds[m][0] * gb, rounds[m][-1] * gb))
+    return {"rows": rows, "slots": slots, "devices": devices, "rounds": ROUNDS}
 
 
 def print_remote(res: dict[str, Any], header: Callable[[], None]) -> None:
@@ -240,13 +248,14 @@ def print_remote(res: dict[str, Any], header: Callable[[], None]) -> None:
     devices = res["devices"]
     on = f"on {devices[0]} and {devices[1]}" if devices[0] != devices[1] else f"both on {devices[0]}"
     print(f"remote edge, two processes with different IPCSYNC_HOST_ID ({on}), slots={res['slots']}: handoffs/s "
-          "and GB/s at the receiver, first to last item")
-    head = ("size", "method", "handoffs/s", "GB/s", "x raw")
-    widths = (5, 30, 12, 8, 7)
+          f"and GB/s at the receiver, first to last item; the median of {res['rounds']} rounds (GB/s range: "
+          "the slowest and fastest round)")
+    head = ("size", "method", "handoffs/s", "GB/s", "x raw", "GB/s range")
+    widths = (5, 30, 12, 8, 7, 13)
 
     def row(cells: tuple[str, ...]) -> str:
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     print(row(head))
-    for size, method, rate, gbs, ratio in res["rows"]:
-        print(row((size, method, f"{rate:,.1f}", f"{gbs:.2f}", f"{ratio:.2f}x")))
+    for size, method, rate, gbs, ratio, low, high in res["rows"]:
+        print(row((size, method, f"{rate:,.1f}", f"{gbs:.2f}", f"{ratio:.2f}x", f"{low:.2f}-{high:.2f}")))
