@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .plan import Nodes, RemoteEndpoint, place, remote_producers
 from .spec import PipelineSpec
-from .store import BoundedStore, Job
+from .store import BoundedStore, Job, StoreUnresponsive, bounded
 
 __all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_TIMEOUT_ENV", "HEARTBEAT_S"]
 
@@ -162,18 +162,25 @@ class NodeGroup:
         self._gone = False  # a node was lost: nobody to wait for at the end
 
     # ------------------------------------------------------------------ connection
-    def _connect(self) -> Any:
+    def _connect(self, timeout: float) -> Any:
+        """A client of node 0's store. The client retries while the port is closed (node
+        0 may start later) for ``timeout`` seconds, and once more after a delay (torch
+        2.13: 7.8 s in all for 5), then raises; but it waits for the server's answer to
+        its validation for ever, so the whole is bounded here: twice ``timeout`` plus the
+        node timeout."""
         from torch.distributed import TCPStore  # noqa: PLC0415 (only with --nnodes > 1)
 
-        return TCPStore(self.rdzv_host, self.rdzv_port, None, False,
-                        timeout=datetime.timedelta(seconds=_STORE_OP_S))
+        return bounded(lambda: TCPStore(self.rdzv_host, self.rdzv_port, None, False,
+                                        timeout=datetime.timedelta(seconds=timeout)),
+                       2 * timeout + self.node_timeout, f"the rendezvous store at {self.rdzv_host}:{self.rdzv_port}")
 
     def start(self) -> None:
         """Serve (node 0) or join the store, and start heartbeating."""
-        # c10d logs every failed store call at warning level from C++; the launcher says
-        # what happened itself. Set for this process only: stages inherit os.environ.
+        # c10d logs every failed store call from C++, a failed connect at error level with
+        # a C++ stack; the launcher says what happened itself, in one line. Set for this
+        # process only (read when torch loads): stages inherit os.environ.
         had = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
         try:
             from torch.distributed import TCPStore  # noqa: PLC0415
         finally:
@@ -185,11 +192,15 @@ class NodeGroup:
                 raw = TCPStore(self.rdzv_host, self.rdzv_port, None, True,
                                timeout=datetime.timedelta(seconds=_STORE_OP_S), wait_for_workers=False)
             else:
-                raw = TCPStore(self.rdzv_host, self.rdzv_port, None, False,
-                               timeout=datetime.timedelta(seconds=self.rdzv_timeout))
+                raw = self._connect(self.rdzv_timeout)
             self._store = BoundedStore(raw, self.node_timeout,
                                        f"node 0's rendezvous store at {self.rdzv_host}:{self.rdzv_port}")
-            self._hb_store = self._connect()
+            self._hb_store = self._connect(_STORE_OP_S)
+        except StoreUnresponsive as exc:
+            raise ConfigError(
+                f"node {self.rank}: {exc} (--rdzv-timeout, then ${NODE_TIMEOUT_ENV}); is the port node 0's "
+                "ipcsync-run, not another service, and is node 0's ipcsync-run running (not stopped)?"
+            ) from None
         except (RuntimeError, OSError) as exc:
             what = "serve the rendezvous store on" if self.rank == 0 else "reach node 0's rendezvous store at"
             raise ConfigError(

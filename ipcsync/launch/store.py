@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["BoundedStore", "Job", "StoreUnresponsive"]
+__all__ = ["BoundedStore", "Job", "StoreUnresponsive", "bounded"]
 
 
 class StoreUnresponsive(RuntimeError):
@@ -54,6 +54,17 @@ class Job:
 
 
 _CLOSE = Job(lambda: None)
+
+
+def bounded(fn: Callable[[], Any], bound: float, what: str) -> Any:
+    """``fn()``'s value, waited for at most ``bound`` seconds on a daemon thread of its own
+    (for a store's constructor: a client's validates the server with a ``recv()`` that a
+    server that never answers, such as another service on that port, holds for ever)."""
+    job = Job(fn)
+    threading.Thread(target=job.run, name="ipcsync-store-connect", daemon=True).start()
+    if not job.done.wait(bound):
+        raise StoreUnresponsive(f"{what} did not answer for {bound:g} s")
+    return job.result()
 
 
 class BoundedStore:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -425,6 +426,52 @@ def test_bad_node_options_are_refused(cluster: Cluster) -> None:
     ):
         out = run_cli(cluster, spec, *args)
         assert out.returncode == 125 and expected in out.stderr, (args, out.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_no_node_0_is_refused_after_the_rendezvous_timeout_in_one_line(cluster: Cluster) -> None:
+    node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")  # nothing on the port
+    assert node.wait(60) == 125, node.dump()
+    assert f"node 1: cannot reach node 0's rendezvous store at 127.0.0.1:{cluster.port}" in node.err, node.dump()
+    assert "frame #" not in node.err and "[c10d]" not in node.err, node.dump()  # no C++ log or stack
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_endpoint_that_never_answers_is_refused_within_its_bounds(cluster: Cluster) -> None:
+    # Another service on the port (or node 0's launcher stopped before it answered):
+    # the store client's validation waits in recv() for ever; before, so did the node.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        cluster.port = int(listener.getsockname()[1])
+        accepted: list[socket.socket] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    accepted.append(listener.accept()[0])  # and never answer
+                except OSError:
+                    continue
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")
+            rc = node.wait(60)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join(5)
+            for c in accepted:
+                c.close()
+    assert rc == 125, node.dump()
+    assert (f"node 1: the rendezvous store at 127.0.0.1:{cluster.port} did not answer for 8 s (--rdzv-timeout, "
+            "then $IPCSYNC_NODE_TIMEOUT); is the port node 0's ipcsync-run, not another service") in node.err, \
+        node.dump()
+    assert took < 40, took  # 2 x 2 s + the node timeout (4 s), and the start
 
 
 @pytest.mark.timeout(120)
