@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..runtime.bounded import Job, within
+
 __all__ = ["BoundedStore", "Job", "StoreUnresponsive", "bounded"]
 
 
@@ -28,43 +30,17 @@ class StoreUnresponsive(RuntimeError):
     """The store did not answer a call within the bound (its process may be paused)."""
 
 
-class Job:
-    """One call on the store's thread: ``done`` is set once it returned or raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.submitted = time.monotonic()
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except BaseException as exc:  # handed to whoever waits for it
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def result(self) -> Any:
-        """The call's value, or its exception raised here (only once ``done``)."""
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 _CLOSE = Job(lambda: None)
 
 
 def bounded(fn: Callable[[], Any], bound: float, what: str) -> Any:
-    """``fn()``'s value, waited for at most ``bound`` seconds on a daemon thread of its own
-    (for a store's constructor: a client's validates the server with a ``recv()`` that a
-    server that never answers, such as another service on that port, holds for ever)."""
-    job = Job(fn)
-    threading.Thread(target=job.run, name="ipcsync-store-connect", daemon=True).start()
-    if not job.done.wait(bound):
-        raise StoreUnresponsive(f"{what} did not answer for {bound:g} s")
-    return job.result()
+    """``fn()``'s value, waited for at most ``bound`` seconds (for a store's constructor:
+    a client's validates the server with a ``recv()`` that a server that never answers,
+    such as another service on that port, holds for ever); StoreUnresponsive past it."""
+    try:
+        return within(fn, bound, "ipcsync-store-connect")
+    except TimeoutError:
+        raise StoreUnresponsive(f"{what} did not answer for {bound:g} s") from None
 
 
 class BoundedStore:

@@ -46,6 +46,7 @@ from ..core.remote_session import (
     layout_extent, silence_is_loss,
 )
 from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
+from .bounded import within
 from .channel import Endpoint
 from .foreign import Wake
 from .host import HOST_ID_ENV, host_identity
@@ -875,8 +876,6 @@ class ConsumerEdge:
 
     def __init__(self, addr: EdgeAddress, device: torch.device, arena_bytes: int,
                  slots: Sequence[tuple[int, int, int]], label: str, timeout: float) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
-
         self.address = addr
         self.label = label
         self.timeout = timeout
@@ -900,11 +899,32 @@ class ConsumerEdge:
         # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
         self.wake: Wake | None = Wake() if addr.transport == "gloo" else None
         self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}", arena_bytes)
-        store = dist.TCPStore(addr.host, addr.port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            self.pg: Any = None
+            self._store = self._join(addr, device, timeout)
+        except BaseException:
+            # A failed join leaves nothing running (before, its completion thread stayed).
+            self.completer.stop()
+            self.completer.join(LOST_JOIN_S)
+            raise
+
+    def _join(self, addr: EdgeAddress, device: torch.device, timeout: float) -> Any:
+        """Connect to the producer's store and build the group (``self.pg``); the store."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        # The client's validation waits for the server's answer with no timeout: a producer
+        # paused right after its SETUP would hold this consumer for ever.
+        try:
+            store = within(lambda: dist.TCPStore(addr.host, addr.port, None, False,
+                                                 timeout=datetime.timedelta(seconds=timeout)),
+                           2 * timeout, "ipcsync-remote-connect")
+        except TimeoutError:
+            raise RuntimeError(f"its store did not answer within {2 * timeout:g} s (${OP_TIMEOUT_ENV}, twice): "
+                               "is the producer paused?") from None
         data_host = _local_address_towards(addr.host, addr.port)
-        self.pg: Any = _make_group(addr.transport, dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 1, device,
-                                   data_host, timeout)
-        self._store = store
+        self.pg = _make_group(addr.transport, dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 1, device,
+                              data_host, timeout)
+        return store
 
     def post(self, ready: Sequence[tuple[Any, ...]]) -> None:
         """Post the recv of every buffered READY entry that has none yet, in seq order
