@@ -16,13 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from silent_server import silent_listener
 from specfile import toml_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -440,33 +440,12 @@ def test_no_node_0_is_refused_after_the_rendezvous_timeout_in_one_line(cluster: 
 def test_a_rendezvous_endpoint_that_never_answers_is_refused_within_its_bounds(cluster: Cluster) -> None:
     # Another service on the port (or node 0's launcher stopped before it answered):
     # the store client's validation waits in recv() for ever; before, so did the node.
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        cluster.port = int(listener.getsockname()[1])
-        accepted: list[socket.socket] = []
-        stop = threading.Event()
-
-        def accept() -> None:
-            listener.settimeout(0.2)
-            while not stop.is_set():
-                try:
-                    accepted.append(listener.accept()[0])  # and never answer
-                except OSError:
-                    continue
-
-        t = threading.Thread(target=accept, daemon=True)
-        t.start()
-        try:
-            t0 = time.monotonic()
-            node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")
-            rc = node.wait(60)
-            took = time.monotonic() - t0
-        finally:
-            stop.set()
-            t.join(5)
-            for c in accepted:
-                c.close()
+    with silent_listener() as port:
+        cluster.port = port
+        t0 = time.monotonic()
+        node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")
+        rc = node.wait(60)
+        took = time.monotonic() - t0
     assert rc == 125, node.dump()
     assert (f"node 1: the rendezvous store at 127.0.0.1:{cluster.port} did not answer for 8 s (--rdzv-timeout, "
             "then $IPCSYNC_NODE_TIMEOUT); is the port node 0's ipcsync-run, not another service") in node.err, \

@@ -238,42 +238,20 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
     # but nothing answers the client's handshake, which has no timeout of its own. Before,
     # the consumer's join waited in recv() for ever; now BackendError past twice the remote
     # timeout.
-    import threading
     import time
 
     import torch
+    from silent_server import silent_listener
 
     from ipcsync.core.remote_session import EdgeAddress
     from ipcsync.errors import BackendError
     from ipcsync.runtime.remote import OP_TIMEOUT_ENV, open_consumer_edge
 
     monkeypatch.setenv(OP_TIMEOUT_ENV, "1")
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        listener.settimeout(0.1)
-        port = int(listener.getsockname()[1])
-
-        def accept() -> None:
-            while not stop.is_set():
-                try:
-                    accepted.append(listener.accept()[0])  # and never answer
-                except OSError:
-                    continue
-
-        t = threading.Thread(target=accept, daemon=True)
-        t.start()
-        try:
-            addr = EdgeAddress("gloo", "127.0.0.1", port, "ab" * 12, "127.0.0.1").encode()
-            t0 = time.monotonic()
-            with pytest.raises(BackendError, match=rf"cannot join the remote edge at 127.0.0.1:{port}: its store "
-                                                   r"did not answer within 2 s .*is the producer paused\?"):
-                open_consumer_edge(addr, torch.device("cpu"), 4096, [(0, 0, 4096)], "test")
-            assert time.monotonic() - t0 < 15
-        finally:
-            stop.set()
-            t.join(5)
-            for c in accepted:
-                c.close()
+    with silent_listener() as port:
+        addr = EdgeAddress("gloo", "127.0.0.1", port, "ab" * 12, "127.0.0.1").encode()
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match=rf"cannot join the remote edge at 127.0.0.1:{port}: its store "
+                                               r"did not answer within 2 s .*is the producer paused\?"):
+            open_consumer_edge(addr, torch.device("cpu"), 4096, [(0, 0, 4096)], "test")
+        assert time.monotonic() - t0 < 15
