@@ -367,20 +367,20 @@ def test_a_second_launcher_given_a_taken_node_rank_is_refused_and_the_run_goes_o
     # The same command typed on two machines: before, both joined as node 1, and the
     # producer's items were split between their two sinks without an error.
     spec = cluster.spec(toml_spec(
-        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 200, "--delay", 0.02), "device": "cpu"},
+        {"src": {"cmd": stage("src.py", "--to", "sink", "--n", 600, "--delay", 0.02), "device": "cpu"},
          "sink": {"cmd": stage("sink.py", "--from", "src"), "device": "cpu", "node": 1}},
         [{"from": "src", "to": "sink", "slot_bytes": "64KiB", "timeout": 60}],
     ))
     n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
     wait_for_items(cluster, n0, n1)
-    again = cluster.start(spec, 1)
+    again = cluster.start(spec, 1)  # joins well within the run's 12 s, even on a loaded machine
     assert again.wait(60) == 125, again.dump()
     assert "node 1: another ipcsync-run (address 127.0.0.1, host " in again.err, again.dump()
     assert "already joined this run as --node-rank 1; give each node its own --node-rank, from 0 to 1" in again.err
     assert "started" not in again.err, again.dump()
     assert (n0.wait(), n1.wait()) == (0, 0), n0.dump() + n1.dump()
     got = n1.result("sink/0")
-    assert got["errors"] == [] and got["counts"] == {"src/0": 200} and got["contiguous"] == {"src/0": True}
+    assert got["errors"] == [] and got["counts"] == {"src/0": 600} and got["contiguous"] == {"src/0": True}
     assert cluster.leftovers() == []
 
 
