@@ -189,7 +189,7 @@ class Producer(EndpointBase):
                         self._ready_events[slot].record(s)
                 return h.publish(acq, plan, meta)  # 4. publish
             except BaseException:
-                self._ring.abort(slot)
+                self._ring.abandon(slot)
                 raise
             finally:
                 self._last_call = time.monotonic()

@@ -120,6 +120,17 @@ class Ring:
         self.state[slot] = _FREE
         self._free.appendleft(slot)
 
+    def abandon(self, slot: int) -> bool:
+        """An exception while ``slot``'s item was being sent: give the slot back if the
+        item was not committed yet (True); a committed item stands (False) and goes out as
+        any other. (A send commits, then dispatches: an interrupt in the dispatch, a
+        Ctrl-C during a remote edge's post, must neither undo a committed item nor be
+        masked by ``abort``'s ValueError.)"""
+        if self.state[slot] is not _WRITING:
+            return False
+        self.abort(slot)
+        return True
+
     def commit(self, slot: int) -> int:
         """A written slot is ready to go out; returns its sequence number."""
         if not 0 <= slot < self.nslots or self.state[slot] is not _WRITING:

@@ -69,6 +69,7 @@ class Forwarder:
         returns its seq. Raises CannotForward (nothing sent, the item untouched) when
         zero-copy is not possible, and what send() raises otherwise. Takes the lock."""
         info = origin.take(item, out)  # ownership moves; undone below if we do not send
+        published = False
         try:
             placed = place_views(message, info.region)
             if type(placed) is str:
@@ -108,16 +109,22 @@ class Forwarder:
                         self.ledger.hold(slot, Forwarded(item, origin, s, foreign))
                         seq = h.publish(acq, plan, meta, (foreign, info.offset, info.nbytes))  # step 4
                     except BaseException:
-                        self.ledger.unhold(slot)
-                        h.ring.abort(slot)
+                        if h.ring.abandon(slot):
+                            self.ledger.unhold(slot)
+                        else:  # committed, then interrupted in its dispatch: it went out
+                            published = True
+                            self.ledger.published(slot)
+                            self.forwarded_total += 1
                         raise
+                    published = True
                     self.ledger.published(slot)
                     self.forwarded_total += 1
                     return seq
                 finally:
                     self.touch()
         except BaseException:
-            origin.undo(item)
+            if not published:  # (a published item is downstream's now, whatever came after)
+                origin.undo(item)
             raise
 
     def check_queued(self) -> None:

@@ -400,7 +400,7 @@ class ProducerPort:
                 h.ready_events[slot].record(ticket.stream if ticket.stream is not None else self.default_stream)
                 h.publish(ticket.acq, ticket.plan, meta)
             except BaseException:
-                h.ring.abort(slot)
+                h.ring.abandon(slot)
                 raise
             finally:
                 self.touch()

@@ -152,6 +152,35 @@ def test_forward_copy_modes_in_process(device: str) -> None:
             g.release()
 
 
+def test_a_forward_interrupted_after_its_commit_stays_forwarded(device: str) -> None:
+    """A Ctrl-C landing while a zero-copy forward hands its committed item out raises
+    itself; the item stays forwarded (downstream's now, not handed back to the caller)
+    and arrives intact. Before, the cleanup gave the committed slot back (ValueError in
+    place of the interrupt) and returned the item to the caller too."""
+    P = dict(slots=4, slot_bytes=4096, device=device, timeout=10)
+    with ipcsync.Producer("fwi-up", **P) as up, ipcsync.Producer("fwi-down", **P) as down, \
+            ipcsync.Consumer("fwi-up", device=device, timeout=10) as mid, \
+            ipcsync.Consumer("fwi-down", device=device, timeout=10) as sink:
+        up.send({"x": torch.arange(8, device=device)}, meta=0)
+        a = mid.get()
+        h = down._handoffs
+        dispatch, calls = h.dispatch, []
+
+        def interrupted() -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            dispatch()
+
+        h.dispatch = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            ipcsync.forward(a, down, copy=False)
+        assert a.released and down.stats()["forwarded"] == 1
+        got = sink.get()
+        assert got.meta == 0 and got["x"].tolist() == list(range(8))
+        got.release()
+
+
 def test_chain_of_two_middle_stages_passes_the_original_memory_on(device: str) -> None:
     """A forwarded item forwarded again: the last consumer reads the first producer's arena,
     and the first slot is released only after the last consumer released the item."""

@@ -68,3 +68,44 @@ def test_slot_refused_after_close(endpoints: Any) -> None:
             pass
     with pytest.raises(ipcsync.ClosedError):
         out.send({"x": torch.zeros(4)})
+
+
+# --------------------------------------------------------------------------- interrupted after the commit
+class _InterruptOnce:
+    """Stands in for ``Handoffs.dispatch``: the first call raises KeyboardInterrupt (a
+    Ctrl-C landing while a send hands its committed item out, as during a remote edge's
+    post), later ones dispatch."""
+
+    def __init__(self, dispatch: Any) -> None:
+        self.dispatch, self.raised = dispatch, False
+
+    def __call__(self) -> None:
+        if not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+        self.dispatch()
+
+
+@pytest.mark.parametrize("how", ["send", "slot"])
+def test_an_interrupt_after_the_commit_is_raised_as_itself_and_the_item_still_goes_out(pair: Any, how: str) -> None:
+    # Before: the send's cleanup gave back a slot already committed, and its ValueError
+    # ("slot 0 is not writing") replaced the KeyboardInterrupt: a remote consumer was told
+    # the producer failed with that ValueError.
+    out, inp = pair
+    h = out._handoffs
+    h.dispatch = _InterruptOnce(h.dispatch)
+    with pytest.raises(KeyboardInterrupt):
+        if how == "send":
+            out.send({"x": torch.full((4,), 7, dtype=torch.uint8)}, meta="first", timeout=1)
+        else:
+            with out.slot(x=((4,), torch.uint8), meta="first", timeout=1) as s:
+                s["x"].fill_(7)
+    assert h.dispatch.raised
+    out.send({"x": torch.full((4,), 8, dtype=torch.uint8)}, meta="second", timeout=1)
+    got = []
+    for _ in range(2):
+        item = inp.get(timeout=5)
+        assert item is not None
+        got.append((item.seq, item.meta, item["x"].tolist()))
+        item.release()
+    assert got == [(0, "first", [7, 7, 7, 7]), (1, "second", [8, 8, 8, 8])]

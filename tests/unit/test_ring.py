@@ -104,6 +104,23 @@ def test_full_cycle() -> None:
     assert ring.occupancy() == {"free": 2, "writing": 0, "queued": 0, "in_flight": 0}
 
 
+def test_abandon_gives_back_an_uncommitted_slot_and_leaves_a_committed_item_alone() -> None:
+    # A send interrupted before its commit gives the slot back; one interrupted after it
+    # (in its dispatch) leaves the item to go out, and raises nothing of its own.
+    ring = Ring(2)
+    ring.add_consumer("c", 2)
+    acq = ring.acquire()
+    assert ring.abandon(acq.slot) is True
+    assert ring.state[acq.slot] is SlotState.FREE and ring.free_slots == 2
+    acq = ring.acquire()
+    ring.commit(acq.slot)
+    before = snapshot(ring)
+    assert ring.abandon(acq.slot) is False
+    assert snapshot(ring) == before and ring.state[acq.slot] is SlotState.QUEUED
+    assert ring.dispatch() == [Dispatch("c", 0, acq.slot, acq.gen)]
+    assert ring.abandon(acq.slot) is False and ring.state[acq.slot] is SlotState.IN_FLIGHT
+
+
 def test_commit_and_abort_need_a_writing_slot() -> None:
     ring = Ring(2)
     for bad in (-1, 2, 0):
