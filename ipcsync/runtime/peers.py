@@ -254,7 +254,9 @@ class PeerTable:
         heartbeat goes to each peer we have not spoken to for a while."""
         for peer in list(self.by_id.values()):
             gone = peer.watch is not None and peer.watch.gone()
-            verdict, why = peer.session.tick(now, gone, not peer.disconnected, self.handshake_s)
+            # (A remote consumer joining its edge cannot speak: neither stalled nor lost.)
+            watching = not peer.disconnected and (peer.remote is None or peer.watch.joined)
+            verdict, why = peer.session.tick(now, gone, watching, self.handshake_s)
             if verdict is Verdict.LOST:
                 if gone and peer.remote is not None:
                     why = peer.watch.why()  # (silence or a failed edge: no process to have exited)

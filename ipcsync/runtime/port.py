@@ -277,7 +277,7 @@ class ProducerPort:
                                        self.name, session.label, text)
             self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
             return
-        peer = Peer(session, fd, RemoteWatch(session.clock))
+        peer = Peer(session, fd, RemoteWatch(session.clock, joined=False))  # joined at its ATTACH
         peer.remote = edge
         peer.watch.edge = edge
         self.peers.add(peer)
@@ -304,6 +304,8 @@ class ProducerPort:
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
             peer.release_events = list(peer.remote.release_events)
+            peer.watch.joined = True  # from now on its silence is loss
+            peer.session.clock.heard(time.monotonic())
         else:
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see

@@ -520,16 +520,23 @@ def settle_at_exit() -> None:
 
 class RemoteWatch:
     """``ProcessWatch``'s place for a remote peer: no process to watch on another host, so
-    silence is loss (invariant 6), as is a failed transfer on its edge."""
+    silence is loss (invariant 6), as is a failed transfer on its edge. Silence counts
+    only once the peer ``joined`` the edge: a consumer joining it (NCCL's communicator,
+    seconds on a busy machine) cannot speak meanwhile, holds nothing yet, and is bounded
+    by the handshake limit instead (HELLO to ATTACH)."""
 
-    def __init__(self, clock: Any, edge: "ProducerEdge | ConsumerEdge | None" = None) -> None:
+    def __init__(self, clock: Any, edge: "ProducerEdge | ConsumerEdge | None" = None, *,
+                 joined: bool = True) -> None:
         self.clock = clock
         self.edge = edge
+        self.joined = joined  # the producer's watch of a consumer: set at its ATTACH
 
     def gone(self) -> bool:
         edge = self.edge
         if edge is not None and edge.broken is not None:
             return True
+        if not self.joined:
+            return False
         clock = self.clock
         return silence_is_loss(clock.silent_for(time.monotonic()), clock.heartbeat)
 

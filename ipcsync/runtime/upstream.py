@@ -336,6 +336,9 @@ class ProducerLink:
             self.fail(exc, ErrorCode.BACKEND)
             return
         self.remote = edge
+        # The producer took part in the join just now (its store, its group): heard. Its
+        # frames of meanwhile wait unread; this pump could not read them while it joined.
+        self.session.clock.heard(time.monotonic())
         m = self.memory
         m.arenas, m.slot_views = [edge.arena], list(edge.slot_views)
         m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)

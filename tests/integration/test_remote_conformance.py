@@ -103,6 +103,21 @@ def test_contents_order_meta_and_layouts(procs: Any, device: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_consumer_slow_to_join_its_edge_is_not_dropped_for_silence(procs: Any, device: str) -> None:
+    # Joining the edge (NCCL's communicator: seconds on a busy machine) blocks the
+    # consumer, which cannot speak meanwhile. Before, the producer counted that silence
+    # (3 heartbeats of 0.5 s) and dropped it before its ATTACH; now the handshake limit
+    # bounds a join, and silence counts from the ATTACH on.
+    ep = endpoint()
+    p = producer(procs, "p-host", device, endpoint=ep, n=20)
+    c = consumer(procs, "c-host", device, endpoint=ep, join_delay=3.0)
+    got = c.result(90)
+    assert got["errors"] == [] and got["end"] == "stop", got
+    assert got["got"] == list(range(20))
+    assert p.result(60)["stats"]["consumers_lost"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_slow_consumer_backpressure_and_close_mid_stream_lose_nothing(procs: Any, device: str) -> None:
     # Two slots, a slow reader: the producer blocks on its ring, then closes while items
     # are still in flight; the consumer sees every item, then the end of the stream.

@@ -218,8 +218,19 @@ def conf_consume(a: dict[str, Any]) -> None:
     """Receive ``rich`` items (of ``pad``) from ``endpoint`` (or a FanIn over ``endpoints``)
     and check each. ``slow``: seconds per item; ``exit_after``: ``os._exit(0)`` (no close)
     after that many; ``linger``: seconds to live on after the end (and close) before
-    reporting it."""
+    reporting it; ``join_delay``: seconds each join of a remote edge takes on top (as
+    NCCL's communicator takes on a busy machine)."""
     device = a.get("device", "cpu")
+    if a.get("join_delay"):
+        import ipcsync.runtime.remote as remote
+
+        join = remote.open_consumer_edge
+
+        def slow_join(*args: Any, **kw: Any) -> Any:
+            time.sleep(a["join_delay"])
+            return join(*args, **kw)
+
+        remote.open_consumer_edge = slow_join
     got: list[Any] = []
     errors: list[str] = []
     opts = dict(heartbeat=a.get("heartbeat", 0.5), timeout=a.get("timeout", 30.0),
