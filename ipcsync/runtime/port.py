@@ -304,8 +304,7 @@ class ProducerPort:
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
             peer.release_events = list(peer.remote.release_events)
-            peer.watch.joined = True  # from now on its silence is loss
-            peer.session.clock.heard(time.monotonic())
+            peer.watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
         else:
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see
