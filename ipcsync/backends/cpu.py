@@ -92,6 +92,7 @@ class CpuArena(Arena):
         self.handle = name
         self.nbytes = nbytes
         self.owner = owner
+        self.readonly = not owner
         self.path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if owner else os.O_RDONLY
         try:
