@@ -141,6 +141,7 @@ class Consumer(EndpointBase):
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
+        link.credits = credits
         # Weakly: items never keep the Consumer alive (unreferenced, it is torn down at once).
         ref = weakref.ref(self)
         self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,

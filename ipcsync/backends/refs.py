@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import BackendError
+
 __all__ = ["USE_COUNT", "checks_references", "warn_no_count", "own_storage", "SlotStore"]
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,13 @@ def own_storage(region: torch.Tensor) -> torch.Tensor:
     if region.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=region.device)
     if region.device.type == "cuda":
-        return torch.as_tensor(_CudaRegion(region), device=region.device)
-    return torch.from_numpy(region.numpy())
+        t = torch.as_tensor(_CudaRegion(region), device=region.device)
+    else:
+        t = torch.from_numpy(region.numpy())
+    if t.data_ptr() != region.data_ptr() or t.untyped_storage().data_ptr() != region.data_ptr():
+        raise BackendError(f"torch copied a {region.device} region instead of viewing it; items cannot be "
+                           "built in place on this torch")
+    return t
 
 
 class SlotStore:

@@ -159,6 +159,7 @@ class ProducerLink:
         # Items the program released while its tensors still view their slot (the
         # reference rule): given back at a pump once nothing references them.
         self.kept = Kept()
+        self.credits = 1 << 20  # the most items we may hold (the consumer's credits=)
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -217,15 +218,18 @@ class ProducerLink:
 
     def check_stall(self) -> None:
         """Nothing is buffered and the slots this consumer holds (kept by the program's
-        tensors, or held) are all the ring has: report at once what holds them, after a
-        garbage collection (a view may be held by a cycle only). Once per set of items."""
+        tensors, or held) are all it may hold (the ring's slots, or its credits): report
+        at once what holds them, after a garbage collection (a view may be held by a cycle
+        only). Once per set of items. (When several consumers share a ring, kept slots
+        can stall it before that: the producer's wait and a timeout's message show it.)"""
         setup = self.session.setup
-        if setup is None or len(self.kept) + len(self.held) < len(setup.slots):
+        if setup is None:
             return
-        if self.kept.reported == frozenset(self.kept.items):
+        most = min(len(setup.slots), self.credits)
+        if len(self.kept) + len(self.held) < most or self.kept.reported == frozenset(self.kept.items):
             return
         self.release_kept(collect=True)
-        if self.kept and len(self.kept) + len(self.held) >= len(setup.slots) and self.kept.new_stall():
+        if self.kept and len(self.kept) + len(self.held) >= most and self.kept.new_stall():
             log.warning("ipcsync consumer %r: the ring is stalled: %s", self.endpoint.name, self.kept.describe())
 
     def stall_text(self) -> str:
