@@ -383,7 +383,7 @@ class Consumer(EndpointBase):
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
         store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store.typed), recipe.nbytes,
+        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes,
                     store if self._check_refs else None)
         # Held before any wait below: a host-mode wait pumps, and a pump that saw the
         # producer's BYE with nothing held would say BYE under this item.

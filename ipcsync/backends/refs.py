@@ -84,11 +84,12 @@ class SlotStore:
     """One slot's (or forwarded region's) own storage and the library's views of it.
 
     ``base``: uint8 over the whole region; ``typed(dtype)``: the 1-d view of it as
-    ``dtype`` that items are built from (one per dtype, made once); ``in_use()``: True
-    while a tensor other than the library's own references the region. ``own`` is the
-    use count the library itself accounts for, measured as each view is made."""
+    ``dtype`` that items are built from (one per dtype, made once; ``views`` holds those
+    made, for a lookup without a call); ``in_use()``: True while a tensor other than the
+    library's own references the region. The use count the library itself accounts for
+    is measured as each view is made."""
 
-    __slots__ = ("base", "nbytes", "_probe", "_cdata", "_own", "_typed")
+    __slots__ = ("base", "nbytes", "views", "_probe", "_cdata", "_own")
 
     def __init__(self, region: torch.Tensor) -> None:
         self.base = own_storage(region)
@@ -98,16 +99,16 @@ class SlotStore:
         self._probe = self.base.untyped_storage()
         self._cdata = self._probe._cdata
         self._own = USE_COUNT(self._cdata) if USE_COUNT is not None else 0
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.views: dict[torch.dtype, torch.Tensor] = {}
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The region as a 1-d tensor of ``dtype`` (its storage offset 0 is the region's
         first byte; trailing bytes short of one element are left out)."""
-        t = self._typed.get(dtype)
+        t = self.views.get(dtype)
         if t is None:
             size = dtype.itemsize
             before = USE_COUNT(self._cdata) if USE_COUNT is not None else 0
-            t = self._typed[dtype] = self.base[: self.nbytes - self.nbytes % size].view(dtype)
+            t = self.views[dtype] = self.base[: self.nbytes - self.nbytes % size].view(dtype)
             if USE_COUNT is not None:
                 self._own += USE_COUNT(self._cdata) - before
         return t

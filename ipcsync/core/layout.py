@@ -521,14 +521,20 @@ class Recipe:
         return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
 
 
-    def build_in(self, typed: Callable[[torch.dtype], torch.Tensor]) -> Any:
-        """The message as fresh views of a region whose ``typed(dtype)`` is the region as
-        a 1-d ``dtype`` tensor starting at its storage's first byte (a storage of the
-        region's own, ``backends.refs.SlotStore``: so the views' storage counts who
-        references the region). The region must be at least ``extent`` bytes."""
+    def build_in(self, store: Any) -> Any:
+        """The message as fresh views of a region with a storage of its own
+        (``backends.refs.SlotStore``: so the views' storage counts who references the
+        region): ``store.views[dtype]`` (else ``store.typed(dtype)``, which makes it) is
+        the region as a 1-d ``dtype`` tensor from its storage's first byte. The region
+        must be at least ``extent`` bytes."""
+        views = store.views
         if self._only_key is not None:
             dt, shape, stride, offset = self._elems[0]
-            return {self._only_key: typed(dt).as_strided(shape, stride, offset)}
+            base = views.get(dt)
+            if base is None:
+                base = store.typed(dt)
+            return {self._only_key: base.as_strided(shape, stride, offset)}
+        typed = store.typed
         return self._assemble([typed(dt).as_strided(shape, stride, offset)
                                for dt, shape, stride, offset in self._elems])
 

@@ -81,8 +81,8 @@ class ForeignUse:
         self.offset, self.region_bytes = offset, region_bytes
         self.nbytes, self.extent = recipe.nbytes, recipe.extent
 
-    def build_in(self, typed: Callable[[torch.dtype], torch.Tensor]) -> Any:
-        return self.recipe.build_in(typed)
+    def build_in(self, store: SlotStore) -> Any:
+        return self.recipe.build_in(store)
 
 
 class Downstream:

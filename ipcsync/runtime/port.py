@@ -385,7 +385,7 @@ class ProducerPort:
                 if acq.last_holders:
                     h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
                 store = h.slot_store(acq.slot)
-                views = recipe.build_in(store.typed)
+                views = recipe.build_in(store)
             except BaseException:
                 h.ring.abort(acq.slot)
                 raise
