@@ -128,7 +128,10 @@ class Consumer(EndpointBase):
         if self.device.type == "cpu" and not faulthandler.is_enabled():
             # Received items are mapped read-only (backends.cpu): an in-place op on one
             # is a SIGSEGV, and this shows the line that did it.
-            faulthandler.enable()
+            try:
+                faulthandler.enable()
+            except (RuntimeError, ValueError, OSError):  # no usable stderr (a daemon)
+                pass
         self._stats = Stats()
         self._trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
         self.session = s = ConsumerSession(self.endpoint.name, self._backend.name, self._heartbeat, limits,
@@ -141,7 +144,7 @@ class Consumer(EndpointBase):
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
-        link.credits = credits
+        link.credits, link.check_refs = credits, self._check_refs
         # Weakly: items never keep the Consumer alive (unreferenced, it is torn down at once).
         ref = weakref.ref(self)
         self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
@@ -258,11 +261,13 @@ class Consumer(EndpointBase):
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
-        waiting by cause, items held and buffered, whether frames travel on a lane (``lane``)."""
+        waiting by cause, items held and buffered, items released but still viewed by the
+        program's tensors (``kept``: their slots are not given back yet), whether frames
+        travel on a lane (``lane``)."""
         with self._lock:
             clock = self.session.clock
             return self._stats.snapshot(
-                role="consumer", held=len(self._held), buffered=len(self._ready),
+                role="consumer", held=len(self._held), buffered=len(self._ready), kept=len(self._link.kept),
                 forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
                 producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
@@ -383,8 +388,7 @@ class Consumer(EndpointBase):
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
         store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes,
-                    store if self._check_refs else None)
+        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store)
         # Held before any wait below: a host-mode wait pumps, and a pump that saw the
         # producer's BYE with nothing held would say BYE under this item.
         self._held[seq] = item
@@ -429,8 +433,7 @@ class Consumer(EndpointBase):
         self._held.pop(item.seq, None)
         if self._trace is not None:
             self._trace.released(item.seq)
-        store = item.store
-        if store is not None and store.in_use():
+        if self._check_refs and item.store.in_use():
             # The program still views the slot: it goes back once nothing does (the
             # link polls it at every pump; a stall is reported at once).
             self._link.kept.add(item)

@@ -103,8 +103,8 @@ class Item:
     is None. The slot goes back to the producer only once no tensor of the program views
     it any more (the reference rule): a view kept past release() keeps the slot, so keep
     clones of what you keep, or the ring stalls (reported at once, naming the items).
-    ``store``: the slot's own storage (``backends.refs.SlotStore``) whose use count tells;
-    None when the consumer was made with ``keep_refs_check=False``.
+    ``store``: the slot's own storage (``backends.refs.SlotStore``) whose use count tells
+    (not asked when the consumer was made with ``keep_refs_check=False``).
     """
 
     __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin", "store",

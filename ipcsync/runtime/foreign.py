@@ -276,7 +276,7 @@ class Lender:
         uses, pending, kept = self.link.downstream.uses, self.link.session.pending, self.link.kept
         for item in items:
             item.tensors = None  # given back: the item stops viewing its slot
-            if item.store is not None and item.store.in_use():
+            if self.link.check_refs and item.store.in_use():
                 kept.add(item)
                 continue
             if uses:

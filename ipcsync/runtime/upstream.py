@@ -160,6 +160,7 @@ class ProducerLink:
         # reference rule): given back at a pump once nothing references them.
         self.kept = Kept()
         self.credits = 1 << 20  # the most items we may hold (the consumer's credits=)
+        self.check_refs = True  # the consumer's keep_refs_check (and torch can count)
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:

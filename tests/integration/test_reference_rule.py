@@ -58,6 +58,7 @@ def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, ca
     assert any("the ring is stalled" in r.getMessage() and "items 0, 1, 2, 3" in r.getMessage()
                for r in caplog.records)
     assert [t[0].item() for t in kept] == [0.0, 1.0, 2.0, 3.0]  # nothing overwrote them
+    assert inp.stats()["kept"] == 4
     # Dropping a view gives its slot back (at the consumer's next pump).
     kept[0] = kept[0].clone()
     with pytest.raises(ipcsync.IpcTimeoutError):
@@ -120,6 +121,20 @@ def test_in_place_op_on_a_broadcast_item_faults_in_that_consumer(endpoints: Any,
     assert writer.proc.wait(timeout=60) == -signal.SIGSEGV
     err = writer.stderr()
     assert "Segmentation fault" in err and "inplace_consume" in err, err[-2000:]
+    assert not any(line.get("event") == "wrote" for line in writer.lines)
+
+
+def test_in_place_op_on_a_forwarded_item_faults_in_that_consumer(procs: Any) -> None:
+    """A forwarded item lies in the upstream producer's arena; its reader maps that arena
+    read-only too (a borrowed import), so its in-place op faults there as well."""
+    up = procs.start("produce", module="peers.basic", endpoint="fw-w-up", n=20, size=SIZE, slots=4)
+    up.read_until(lambda l: l.get("event") == "bound")
+    mid = procs.start("role_middle", module="test_forward", up="fw-w-up", down="fw-w-down", wait_consumers=1,
+                      slots=4)
+    mid.read_until(lambda l: l.get("event") == "ready")
+    writer = procs.start("inplace_consume", module="peers.refs", endpoint="fw-w-down")
+    assert writer.proc.wait(timeout=60) == -signal.SIGSEGV
+    assert "Segmentation fault" in writer.stderr()
     assert not any(line.get("event") == "wrote" for line in writer.lines)
 
 
