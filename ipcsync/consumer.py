@@ -113,9 +113,9 @@ class Consumer(EndpointBase):
         connect = check_timeout("connect_timeout", connect_timeout)
         credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)
-        self._check_refs = bool(keep_refs_check) and refs.checks_references()
-        if keep_refs_check and not self._check_refs:
-            refs.warn_no_count()
+        self._check_refs = bool(keep_refs_check)
+        # A torch that cannot count references: a storage per item (backends.refs).
+        self._per_item = self._check_refs and not refs.checks_references()
         self._verify = Verifier(endpoint) if verify else None
         if verify:
             self._release_locked = self._release_verified  # type: ignore[method-assign]
@@ -388,7 +388,11 @@ class Consumer(EndpointBase):
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
         store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
+        if self._per_item:
+            store = store.for_item()
         item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store)
+        if self._per_item:
+            store.seal()
         # Held before any wait below: a host-mode wait pumps, and a pump that saw the
         # producer's BYE with nothing held would say BYE under this item.
         self._held[seq] = item

@@ -14,23 +14,22 @@ says whether any tensor of the program still views that slot.
 numpy's buffer (``torch.from_numpy``), on CUDA through ``__cuda_array_interface__``; both
 make a new ``StorageImpl`` whose deleter keeps the region (so the arena it lies in) alive.
 
-``USE_COUNT`` is ``torch._C._storage_Use_Count``; torch builds that lack it (CPU-only
-builds before it moved out of the CUDA module) get no check: ``checks_references()`` is
-False and the endpoints warn once that kept views are not protected there.
+``USE_COUNT`` is ``torch._C._storage_Use_Count``. Torch builds that lack it (CPU-only
+builds before it moved out of the CUDA module) get the fallback, ``ItemStore``: a storage
+of its own per item (``SlotStore.for_item``), held only weakly once the item is built
+(``seal``), so "still referenced" is "not yet expired" (``UntypedStorage._expired``); it
+costs a storage per item instead of one per slot.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BackendError
 
-__all__ = ["USE_COUNT", "checks_references", "warn_no_count", "own_storage", "SlotStore"]
-
-log = logging.getLogger(__name__)
+__all__ = ["USE_COUNT", "checks_references", "own_storage", "SlotStore", "ItemStore"]
 
 USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -38,19 +37,6 @@ USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count",
 def checks_references() -> bool:
     """Whether this torch can tell how many tensors reference a storage."""
     return USE_COUNT is not None
-
-
-_warned = False
-
-
-def warn_no_count() -> None:
-    """Say once per process that this torch cannot check kept views."""
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning("ipcsync: this torch (%s) has no torch._C._storage_Use_Count, so a view kept past "
-                    "an item's release is not protected: its slot is reused and the view may change; "
-                    "clone() what you keep", torch.__version__)
 
 
 class _CudaRegion:
@@ -118,7 +104,40 @@ class SlotStore:
         region. False where torch cannot tell (``checks_references()``)."""
         return USE_COUNT is not None and USE_COUNT(self._cdata) > self._own
 
-    def users(self) -> int:
-        """How many references beyond the library's own (0 where torch cannot tell)."""
-        return max(0, USE_COUNT(self._cdata) - self._own) if USE_COUNT is not None else 0
+    def for_item(self) -> "SlotStore":
+        """What one item is built from: this store, or where torch cannot count
+        references a fresh ``ItemStore`` over the same bytes (``seal`` it once built)."""
+        return self if USE_COUNT is not None else ItemStore(self)
+
+    def seal(self) -> None:
+        """The item is built (see ``ItemStore.seal``; nothing to do here)."""
+
+
+class ItemStore(SlotStore):
+    """The fallback without ``USE_COUNT``: one item's own storage over its slot's bytes.
+    Once the item is built, ``seal`` drops the library's strong references and keeps a
+    weak one: ``in_use()`` is True while anything (the item's tensors, the program's
+    views) keeps the storage alive. ``base`` is then the slot's (another storage)."""
+
+    __slots__ = ("slot", "_weak")
+
+    def __init__(self, slot: SlotStore) -> None:  # noqa: super().__init__ not called: no count here
+        self.slot = slot
+        self.base = own_storage(slot.base)
+        self.nbytes = self.base.numel()
+        self.views = {}
+        self._weak: Any = None
+
+    def seal(self) -> None:
+        storage = self.base.untyped_storage()
+        self._weak = storage._weak_ref()
+        self.base, self.views = self.slot.base, {}
+
+    def in_use(self) -> bool:
+        return self._weak is not None and not torch.UntypedStorage._expired(self._weak)
+
+    def __del__(self) -> None:
+        weak, self._weak = getattr(self, "_weak", None), None
+        if weak is not None:
+            torch.UntypedStorage._free_weak_ref(weak)
 

@@ -384,8 +384,9 @@ class ProducerPort:
                 s = stream if stream is not None else self.default_stream
                 if acq.last_holders:
                     h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
-                store = h.slot_store(acq.slot)
+                store = h.slot_store(acq.slot).for_item()
                 views = recipe.build_in(store)
+                store.seal()
             except BaseException:
                 h.ring.abort(acq.slot)
                 raise

@@ -69,6 +69,34 @@ def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, ca
     assert [t[0].item() for t in kept] == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any) -> None:
+    """A torch without ``_storage_Use_Count`` (older CPU builds): each item (and slot()
+    block) gets a storage of its own, watched through a weak reference."""
+    from ipcsync.backends import refs
+
+    monkeypatch.setattr(refs, "USE_COUNT", None)
+    out = endpoints.producer("keep-old", slots=2, slot_bytes=4096, heartbeat=None, timeout=5)
+    inp = endpoints.consumer("keep-old", heartbeat=None, timeout=5)
+    out.wait_for_consumers(1, timeout=5)
+    for i in range(2):
+        out.send({"x": value(i)}, timeout=5)
+    kept = [inp.get(timeout=5)["x"][1:] for _ in range(2)]  # views of views
+    with pytest.raises(ipcsync.IpcTimeoutError, match="items 0, 1 "):
+        inp.get(timeout=0.3)
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        out.send({"x": value(9)}, timeout=0.3)
+    assert [t[0].item() for t in kept] == [0.0, 1.0]
+    del kept
+    with pytest.raises(ipcsync.SlotKeptError):
+        with out.slot(x=((SIZE,), torch.float32), meta=2) as s:
+            t = s["x"]
+    del t
+    with out.slot(x=((SIZE,), torch.float32), meta=3) as s:
+        s["x"].fill_(3.0)
+    item = inp.get(timeout=5)
+    assert item.meta == 3 and item["x"][0].item() == 3.0
+
+
 def test_opt_out_gives_slots_back_at_release(endpoints: Any) -> None:
     """``keep_refs_check=False``: the slot goes back at release(), and a kept view shows
     a later item (the documented risk of the opt-out)."""
