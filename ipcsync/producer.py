@@ -275,8 +275,8 @@ class Producer(EndpointBase):
     async def _when_slot_free(self, reserve: Callable[[], _T], timeout: float | None) -> _T:
         """Await a free slot (up to ``timeout``, default the producer's), then ``reserve()``
         (a call that reserves with timeout 0, so it never blocks). Lost to another thread
-        in between: wait again. Time over: ``reserve()`` once more, which raises the sync
-        call's IpcTimeoutError if still no slot is free."""
+        in between: wait again. Time over: ``reserve()`` once more; if still no slot is
+        free, the sync call's IpcTimeoutError, naming ``timeout`` (not the 0 of that try)."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         while True:
@@ -288,7 +288,9 @@ class Producer(EndpointBase):
             except IpcTimeoutError:
                 with self._lock:
                     taken = self._ring.free_slots == 0  # by another thread since we looked
-                if not taken or (deadline is not None and time.monotonic() >= deadline):
+                    if taken and deadline is not None and time.monotonic() >= deadline:
+                        raise self._handoffs.no_slot_error(t) from None
+                if not taken:
                     raise
 
     def _slot_free(self) -> tuple[bool, None]:

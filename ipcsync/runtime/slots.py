@@ -206,18 +206,23 @@ class Handoffs:
         else:
             ok = w.wait_until(done, t, cause, waited, pumped=True)
         if not ok:
-            forwarded = self.ledger.count()
-            raise w.timeout_error(
-                "no free slot", t,
-                f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
-                f"{len(self.ring.consumers())} consumer(s); consumers must release items "
-                "(or connect), or raise timeout/slots"
-                + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
-                   "their upstream slots until released" if forwarded else ""),
-            )
+            raise self.no_slot_error(t)
         acq = self.ring.acquire()
         assert acq is not None
         return acq
+
+    def no_slot_error(self, timeout: float | None) -> IpcTimeoutError:
+        """No slot freed within ``timeout``, the wait the user asked for (an asyncio call
+        reports its whole wait, not the last non-blocking try)."""
+        forwarded = self.ledger.count()
+        return self.waits.timeout_error(
+            "no free slot", timeout,
+            f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
+            f"{len(self.ring.consumers())} consumer(s); consumers must release items "
+            "(or connect), or raise timeout/slots"
+            + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
+               "their upstream slots until released" if forwarded else ""),
+        )
 
     # ------------------------------------------------------------------ 2. order after readers
     def order_after_readers(self, acq: Acquired, stream: Any) -> None:
