@@ -164,7 +164,7 @@ class Producer(EndpointBase):
             plan = self._plan_get(key)
             h = self._handoffs
             if plan is None:
-                plan = h.new_plan(key, plan_message(message, self.slot_bytes))
+                plan = h.new_plan(key, plan_message(message, self.slot_bytes, h.check_layout))
             acq = self._ring.acquire() or h.reserve(timeout)  # 1. reserve
             slot = acq.slot
             s = stream if stream is not None else self._stream

@@ -104,21 +104,27 @@ class Handoffs:
         # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
         lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
         if lkey not in self.layout_ids:  # (every layout that has an id was checked)
-            try:
-                P.sendable_layout(plan.layout, self.limits)
-            except ProtocolError as exc:
-                lim = self.limits
-                raise ConfigError(
-                    f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
-                    f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
-                    f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
-                    f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
-                ) from None
+            self.check_layout(plan.layout)
         plan.layout_size = len(encoded)
         plan.layout_key = lkey
         self.assign_layout(plan)
         self.plans.put(key, plan)
         return plan
+
+    def check_layout(self, layout: list[Any]) -> None:
+        """ConfigError for a layout the consumers' decoder would refuse: the hard limits of
+        ``ipcsync.Limits``, which no slot size can lift (so placements check them before
+        the slot's size: ``plan_message(..., check_layout=)``)."""
+        try:
+            P.sendable_layout(layout, self.limits)
+        except ProtocolError as exc:
+            lim = self.limits
+            raise ConfigError(
+                f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
+            ) from None
 
     def assign_layout(self, plan: Plan) -> None:
         """Give ``plan`` its layout's id (see core.layout.LayoutIds): ids of items still in
@@ -137,7 +143,7 @@ class Handoffs:
         except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
             key, plan = None, None
         if plan is None:
-            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes))
+            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes, self.check_layout))
             plan.recipe = Recipe(plan.layout, self.slot_bytes)
         assert plan.recipe is not None
         return plan, plan.recipe

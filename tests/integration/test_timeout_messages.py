@@ -114,3 +114,18 @@ def test_forward_names_its_timeout(endpoints: Any) -> None:
         with pytest.raises(ipcsync.IpcTimeoutError, match=f"no free slot {WITHIN}"):
             ipcsync.forward(item, down, copy=copy, timeout=T)
     item.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_name_nobody_bound_lists_the_live_endpoints(endpoints: Any) -> None:
+    """A consumer of a misspelt name: its handshake error lists the endpoints whose
+    producers live in that runtime directory (a closed one is not listed)."""
+    endpoints.producer("tm-frames", slots=1, slot_bytes=4096, device="cpu")
+    endpoints.producer("tm-labels", slots=1, slot_bytes=4096, device="cpu")
+    endpoints.producer("tm-gone", slots=1, slot_bytes=4096, device="cpu").close()
+    with pytest.raises(ipcsync.IpcTimeoutError) as info:
+        endpoints.consumer("tm-frame", device="cpu", timeout=T)
+    msg = str(info.value)
+    assert f"within {T} s" in msg and "there is no socket" in msg, msg
+    assert re.search(r"live endpoints in \S+: 'tm-frames', 'tm-labels'; ", msg), msg
+    assert "tm-gone" not in msg, msg
