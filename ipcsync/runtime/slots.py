@@ -37,11 +37,14 @@ from ..errors import ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
-__all__ = ["Waits", "Handoffs", "NAG_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
+__all__ = ["Waits", "Handoffs", "NAG_S", "CLOSE_LINGER_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
 log = logging.getLogger(__name__)
 
 NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
+# close(): how long queued items wait for a consumer once every consumer that attached
+# has left; then they are dropped, with a warning naming how many.
+CLOSE_LINGER_S = 2.0
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
 # Layout ids in use at once (least recently used reused), within what a consumer caches.
 MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
@@ -94,6 +97,7 @@ class Handoffs:
         # (foreign arena, region offset, region bytes) or None, layout version, layout].
         self.items: list[list[Any] | None] = [None] * self.slots
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
+        self._alone_since: float | None = None  # since when close() has no consumer to wait for
 
     # ------------------------------------------------------------------ plans
     def new_plan(self, key: Any, placement: Placement) -> Plan:
@@ -169,6 +173,40 @@ class Handoffs:
             log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
                         "this; abort() ends the stream at once)", self.name, words())
             nag = time.monotonic() + NAG_S
+
+    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int]) -> None:
+        """close(): wait (nagging) until every queued item went out, up to ``deadline``.
+
+        When every consumer that attached has left (none attached now, ``attached_ever()``
+        > 0) the items wait only CLOSE_LINGER_S for one to attach; then they are dropped
+        with a warning naming how many: nobody is left to take them, and a close() must
+        neither lose them silently nor stall for its whole timeout. A producer that no
+        consumer ever attached to waits for one until ``deadline`` (either side may start
+        first). Items dropped at ``deadline`` are warned about the same way."""
+        ring = self.ring
+        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever())  # noqa: E731
+        self.wait_nagging(done, deadline, self.queued_words)
+        if ring.queued and not ring.consumers():
+            dropped = ring.drop_queued()
+            for slot in dropped:
+                self.items[slot] = None
+            ever = attached_ever()
+            why = (f"every consumer that attached ({ever}) had left and none attached within "
+                   f"{CLOSE_LINGER_S:g} s" if ever else "no consumer attached before close()'s timeout")
+            log.warning("ipcsync producer %r closed with %d queued item(s) that no consumer took: dropped "
+                        "(%s); to deliver them, keep a consumer attached until close() returns",
+                        self.name, len(dropped), why)
+
+    def alone_too_long(self, attached_ever: int) -> bool:
+        """Every consumer that attached (``attached_ever`` of them) has left, and none has
+        attached for CLOSE_LINGER_S: queued items have nobody to wait for."""
+        if not attached_ever or self.ring.consumers():
+            self._alone_since = None
+            return False
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        return now - self._alone_since >= CLOSE_LINGER_S
 
     def queued_words(self) -> str:
         n = self.ring.queued
