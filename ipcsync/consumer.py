@@ -314,7 +314,7 @@ class Consumer(EndpointBase):
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.ready.popleft(), left)
+            item = self._make_item(s.ready.popleft(), left, timeout)
             self._current[threading.get_ident()] = item
             return item
         if s.bye_received:
@@ -348,11 +348,13 @@ class Consumer(EndpointBase):
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
 
-    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None) -> Item:
+    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None,
+                   asked: float | None = None) -> Item:
         """The item of a READY entry, once its data may be read (its ready event). The
         wait for that event (``wait="host"``, and every remote item: its transfer) is
         bounded by ``timeout``: past it the entry goes back, first in line, for the next
-        call, and IpcTimeoutError is raised; nothing is lost or released."""
+        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
+        when given); nothing is lost or released."""
         seq, slot, gen, sent_ns, meta, recipe = entry
         mem = self._memory
         item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build(slot, mem.slot_views[slot]),
@@ -366,7 +368,7 @@ class Consumer(EndpointBase):
         if not ev.query():
             try:
                 wait_ready_event(ev, self.wait_mode, self._stream,
-                                 lambda done: self._poll_event(done, timeout))
+                                 lambda done: self._poll_event(done, timeout, asked))
             except IpcTimeoutError:
                 del self._held[seq]
                 self._ready.appendleft(entry)
@@ -377,7 +379,7 @@ class Consumer(EndpointBase):
             self._trace.received(seq, now)
         return item
 
-    def _poll_event(self, done: Any, timeout: float | None = None) -> None:
+    def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
         # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
         if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
@@ -385,7 +387,8 @@ class Consumer(EndpointBase):
             self._raise_if_broken()
             raise IpcTimeoutError(
                 f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "
-                f"within {timeout} s (a remote transfer still running, or the producer's stream behind); "
+                f"within {timeout if asked is None else asked} s (a remote transfer still running, or the "
+                "producer's stream behind); "
                 "it stays first in line for the next call")
         self._raise_if_broken()  # complete now: nothing to enqueue
 

@@ -58,6 +58,7 @@ __all__ = [
     "check_transport",
     "producer_identity_problem",
     "diagnose_unanswered",
+    "live_endpoints",
     "raise_fd_limit",
 ]
 
@@ -404,7 +405,7 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return False, f"there is no socket {path} (no producer has bound it)"
+        return False, f"there is no socket {path} (no producer has bound it){_live_words(path)}"
     except OSError as exc:
         return exc.errno in (errno.EACCES, errno.EPERM), f"cannot examine {path}: {exc}"
     mode = stat.S_IMODE(st.st_mode)
@@ -429,6 +430,42 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     if st.st_uid != os.getuid():
         return False, f"{path} belongs to uid {st.st_uid} (mode {mode:o}), not to this user"
     return None
+
+
+def live_endpoints(directory: str) -> list[str] | None:
+    """Names of the ipc endpoints in ``directory`` whose producer lives (its bind lock is
+    held, as /proc/locks says: nothing is connected to or locked); None if unknown."""
+    held = _host.flocked_inodes()
+    if held is None:
+        return None
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".sock"))
+    except OSError:
+        return None
+    live = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(directory, name + ".lock"))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in held:
+            live.append(name[: -len(".sock")])
+    return live
+
+
+_LIVE_SHOWN = 20  # endpoint names listed at most in an error
+
+
+def _live_words(path: str) -> str:
+    """'; live endpoints in DIR: 'a', 'b'', for an error about a name nobody bound."""
+    directory = os.path.dirname(path)
+    live = live_endpoints(directory)
+    if live is None:
+        return ""
+    if not live:
+        return f"; no endpoint is live in {directory}"
+    more = f" and {len(live) - _LIVE_SHOWN} more" if len(live) > _LIVE_SHOWN else ""
+    return f"; live endpoints in {directory}: {', '.join(map(repr, live[:_LIVE_SHOWN]))}{more}"
 
 
 _log = logging.getLogger(__name__)

@@ -370,6 +370,15 @@ def launcher(tmp_path: Path, runtime_dir: Path) -> Iterator[Launcher]:
         ln.cleanup()
 
 
+def assert_no_helper_left(run: Run) -> None:
+    """Stages stopped by the launcher leave no multiprocessing resource tracker behind: no
+    "leaked shared_memory objects" or "[Errno 2]" line from one, no stray process for the
+    launcher to kill."""
+    both = run.out + run.err
+    assert "resource_tracker" not in both and "leaked shared_memory" not in both, run.dump()
+    assert "left running outside their process groups" not in run.err, run.dump()
+
+
 def assert_summary(run: Run, src: str, dst: str, items: int | None) -> None:
     assert "ipcsync-run: edge summary:" in run.err, run.dump()
     m = re.search(rf"ipcsync-run:\s+{src} -> {dst}: (\d+) items", run.err)
@@ -528,6 +537,7 @@ def test_stage_crash_mid_stream_stops_everything(launcher: Launcher, crasher: st
     others = [p for p in launcher.stage_pids() if p.label != crasher]
     assert {p.label for p in others} == {"src/0", "src/1", "sink/0"} - {crasher}, others
     assert not run.events("sink/0", "result") and not run.events("src/0", "sent"), run.dump()
+    assert_no_helper_left(run)
     launcher.assert_nothing_left()
 
 
@@ -620,6 +630,7 @@ def test_signal_to_launcher_stops_all_stages(launcher: Launcher, signum: int) ->
         assert not launcher.markers("sig-SIGINT", label), (label, os.listdir(launcher.state))
     assert len(run.started_lines) == 1, run.dump()
     assert "restarting" not in run.err
+    assert_no_helper_left(run)
     launcher.assert_nothing_left()
 
 
