@@ -43,7 +43,7 @@ from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
 from .launch.plan import ENV_WIRING, WIRING_VERSION
 from .producer import Producer
-from .runtime import telemetry
+from .runtime import files, telemetry
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -274,10 +274,7 @@ def _write_stats() -> None:
     report = _report()
     path = w["stats_path"]
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, default=str)
-        os.replace(tmp, path)
+        files.write_atomic(path, json.dumps(report, default=str))
     except OSError:
         pass  # the run directory is gone (teardown): no summary for this process
 
@@ -295,11 +292,7 @@ def _report_failures(stats_path: str) -> None:
         try:
             report = {"time": time.time(), "type": getattr(kind, "__name__", str(kind)),
                       "message": str(exc)[:500], "consequence": isinstance(exc, PeerLostError)}
-            path = failure_report_path(stats_path)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f)
-            os.replace(tmp, path)
+            files.write_atomic(failure_report_path(stats_path), json.dumps(report))
         except Exception:
             pass  # the run directory is gone (teardown): nothing to report to
         previous(kind, exc, tb)

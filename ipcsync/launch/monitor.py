@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
+from ..runtime import files
 from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
 
 __all__ = [
@@ -345,10 +346,7 @@ def merge_trace(traces: list[ProcessTrace], path: str, *, other: dict[str, Any] 
     """Write the Chrome trace of ``traces`` to ``path`` (whole, then moved into place);
     returns its number of events."""
     data = chrome_trace(traces, other=other)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    files.write_atomic(path, json.JSONEncoder(separators=(",", ":")).iterencode(data), files.SHARED)
     return len(data["traceEvents"])
 
 
@@ -366,7 +364,7 @@ class Observer:
         self.trace_file = trace_file
         self.out = out if out is not None else sys.stderr
         self.started = time.monotonic()
-        self._stats = open(stats_file, "a") if stats_file else None
+        self._stats = files.open_append(stats_file, files.SHARED) if stats_file else None
         self._next = time.monotonic() + interval
         self._prev: dict[tuple[str, Any], dict[str, Any]] = {}
         self._traces: list[ProcessTrace] = []
@@ -424,7 +422,7 @@ class Observer:
 
     def close(self) -> None:
         if self._stats is not None:
-            self._stats.close()
+            os.close(self._stats)
             self._stats = None
 
     def _report(self, run_id: str, run_dir: str, order: list[str], final: bool) -> None:
@@ -439,9 +437,8 @@ class Observer:
             for line in status_lines(a, run_s):
                 self._say(line if not final else line.replace("monitor", "monitor (final)", 1))
         if self._stats is not None:
-            for rec in stats_records(a, cur, run_id=run_id, now=time.time(), run_s=run_s, final=final):
-                self._stats.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._stats.flush()
+            records = stats_records(a, cur, run_id=run_id, now=time.time(), run_s=run_s, final=final)
+            files.write_all(self._stats, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
         self._prev = cur
 
     def _say(self, line: str) -> None:

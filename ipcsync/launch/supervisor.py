@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
-from ..runtime import host
+from ..runtime import files, host
 from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
 
@@ -551,11 +551,7 @@ def _remove_run(run_dir: str, run_id: str) -> None:
 
 def _write_owner(run_dir: str, owner: dict[str, Any]) -> None:
     """Replace the run's owner.json atomically (a reader sees the old or the new one)."""
-    path = os.path.join(run_dir, _OWNER)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(owner, f)
-    os.replace(tmp, path)
+    files.write_atomic(os.path.join(run_dir, _OWNER), json.dumps(owner))
 
 
 def _set_child_subreaper() -> bool:

@@ -34,6 +34,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from . import files
+
 __all__ = [
     "ENV_TELEMETRY", "ENV_TRACE", "ENV_INTERVAL", "ENV_TRACE_MAX", "TRACE_VERSION", "SNAPSHOT_VERSION",
     "BUFFER_CAP", "EdgeTracer", "TraceBuffer", "tracer_for", "edge_key", "publish_periodically",
@@ -135,8 +137,7 @@ class TraceBuffer:
             if not lines:
                 return
             try:
-                with open(self.path, "a") as f:
-                    f.write("\n".join(lines) + "\n")
+                files.append(self.path, ("\n".join(lines) + "\n").encode())
             except OSError:
                 pass
 
@@ -215,10 +216,7 @@ def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> boo
         try:
             snap = report()
             snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(), final=final)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(snap, f, default=str)
-            os.replace(tmp, path)
+            files.write_atomic(path, json.dumps(snap, default=str))
         except Exception:  # a snapshot is best effort: never disturb the stage
             pass
 
