@@ -41,7 +41,7 @@ from typing import Any
 from .consumer import Consumer
 from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
-from .launch.plan import ENV_WIRING, WIRING_VERSION
+from .launch.plan import ENV_WIRING, INCOMPLETE_SUFFIX, WIRING_VERSION
 from .producer import Producer
 from .runtime import files, telemetry
 
@@ -191,6 +191,7 @@ def _wiring(what: str) -> dict[str, Any]:
         _check_wiring(w)
         _wiring_cache = w
         _report_failures(w["stats_path"])
+        telemetry.set_failure_marker(incomplete_marker_path(w["stats_path"]))
         return w
 
 
@@ -275,13 +276,21 @@ def _write_stats() -> None:
     path = w["stats_path"]
     try:
         files.write_atomic(path, json.dumps(report, default=str))
-    except OSError:
+    except FileNotFoundError:
         pass  # the run directory is gone (teardown): no summary for this process
+    except OSError as exc:  # a full disk: the launcher must say its summary is incomplete
+        telemetry.write_failed("exit stats", exc)
 
 
 def failure_report_path(stats_path: str) -> str:
     """Where a stage whose stats go to ``stats_path`` reports its failure."""
     return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
+
+
+def incomplete_marker_path(stats_path: str) -> str:
+    """Where a stage whose stats go to ``stats_path`` marks its telemetry incomplete
+    (``runtime.telemetry.write_failed``)."""
+    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + INCOMPLETE_SUFFIX
 
 
 def _report_failures(stats_path: str) -> None:
