@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
+from ..errors import ConfigError
 from ..runtime import files, host
 from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
@@ -202,7 +203,12 @@ class Supervisor:
         os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
         os.chmod(run_dir, 0o700)
         owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
-        _write_owner(run_dir, owner)  # for sweep_abandoned
+        try:
+            _write_owner(run_dir, owner)  # for sweep_abandoned
+        except OSError as exc:
+            _remove_run(run_dir, run_id)
+            raise ConfigError(f"cannot write to the runtime directory {self._base} ({exc.strerror or exc}): free "
+                              "space there, or set IPCSYNC_RUNTIME_DIR to a directory with room") from None
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
@@ -212,6 +218,7 @@ class Supervisor:
         interrupted: int | None = None
         stats: list[dict[str, Any]] = []
         unwritten: dict[str, str] = {}
+        owner_said = False
         plan: Plan | None = None
         final = False
         try:
@@ -226,7 +233,13 @@ class Supervisor:
                     owner["stages"].append(
                         {"label": inst.label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid}
                     )
-                    _write_owner(run_dir, owner)
+                    try:
+                        _write_owner(run_dir, owner)
+                    except OSError as exc:  # a full runtime directory: go on, and say what it costs
+                        if not owner_said:
+                            owner_said = True
+                            self._say(f"cannot update {_OWNER} in {run_dir} ({exc.strerror or exc}): if this "
+                                      "launcher is killed, a later one may not find every stage to stop")
                 if proc.popen is None:  # could not even start: that is the root cause
                     cause, code = f"stage {inst.label} could not start: {proc.partial.decode()}", 127
                     proc.partial = b""

@@ -226,16 +226,26 @@ def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> boo
         _publisher_started = True
     path = os.path.join(directory, f"{name}.json")
     interval = _interval()
+    # One write at a time, none after the final one: a periodic write landing after the
+    # exit's would leave a stale, non-final snapshot as the last word.
+    write_lock = threading.Lock()
+    finished = False
 
     def write(final: bool) -> None:
-        try:
-            snap = report()
-            snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(), final=final)
-            files.write_atomic(path, json.dumps(snap, default=str))
-        except OSError as exc:
-            write_failed("stats snapshot", exc)
-        except Exception:  # a snapshot is best effort: never disturb the stage
-            pass
+        nonlocal finished
+        with write_lock:
+            if finished:
+                return
+            finished = final
+            try:
+                snap = report()
+                snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(),
+                            final=final)
+                files.write_atomic(path, json.dumps(snap, default=str))
+            except OSError as exc:
+                write_failed("stats snapshot", exc)
+            except Exception:  # a snapshot is best effort: never disturb the stage
+                pass
 
     def loop() -> None:
         while True:

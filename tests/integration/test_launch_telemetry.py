@@ -16,6 +16,8 @@ import test_launch_cli as cli
 from specfile import toml_spec
 from test_launch_monitor import launcher  # noqa: F401 (the fixture)
 
+from ipcsync.launch.cli import EXIT_LAUNCHER_ERROR
+
 pytestmark = pytest.mark.timeout(240)
 
 NOTE = "incomplete: telemetry could not be written"
@@ -80,4 +82,16 @@ def test_complete_telemetry_is_not_marked(launcher: cli.Launcher, tmp_path: Path
     assert "ipcsync-run: edge summary:" in run.err.splitlines(), run.dump()
     records = [json.loads(line) for line in stats.read_text().splitlines()]
     assert records and not any(r["incomplete"] for r in records), records[-3:]
+    launcher.assert_nothing_left()
+
+
+def test_stats_file_through_a_link_is_refused(launcher: cli.Launcher, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "stats.jsonl"
+    link.symlink_to(victim)
+    run = launcher.run(two_stages(launcher, 3), "--stats-file", link)
+    assert run.proc.returncode == EXIT_LAUNCHER_ERROR, run.dump()
+    assert f"--stats-file {link} is a symbolic link" in run.err, run.dump()
+    assert victim.read_text() == "precious\n"
     launcher.assert_nothing_left()

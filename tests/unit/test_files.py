@@ -106,3 +106,22 @@ def test_merge_trace_ignores_a_link_at_the_name_it_used_to_write(tmp_path: Path)
     merge_trace([], str(path))
     assert "traceEvents" in json.loads(path.read_text())
     assert v.read_text() == "precious\n"
+
+
+def test_a_full_runtime_directory_before_any_stage_is_a_clear_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from ipcsync.errors import ConfigError
+    from ipcsync.launch.supervisor import Supervisor
+
+    def full(fd: int, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files, "write_all", full)
+
+    def no_plan(*args: object) -> None:
+        raise AssertionError("no stage may start when the run cannot be recorded")
+
+    with pytest.raises(ConfigError, match="cannot write to the runtime directory .*No space left on device.*"
+                                          "IPCSYNC_RUNTIME_DIR"):
+        Supervisor(no_plan, runtime_base=str(tmp_path)).run()  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []  # its run directory removed
