@@ -536,3 +536,16 @@ def test_fanin_wait_for_idiom_runs_through_more_items_than_slots(endpoints: Any)
         return got
 
     assert run(main()) == list(range(12))
+
+
+def test_aget_called_outside_a_loop_releases_per_thread(endpoints: Any) -> None:
+    """``asyncio.run(inp.aget())`` from plain code, call after call: the caller is the
+    thread, whose previous item goes back at its next call."""
+    out, inp = pair(endpoints, "aio-idiom-run")
+    got = []
+    for i in range(12):  # three times the slots
+        out.send(msg(i), meta=i)  # blocks past 10 s if the ring stalled
+        item = asyncio.run(inp.aget(timeout=10))
+        assert item is not None and item["x"].tolist() == [i, 2 * i]
+        got.append(item.meta)
+    assert got == list(range(12))
