@@ -39,8 +39,7 @@ One set per interval (rates and waits over that interval); the last set of an at
 each process's lifetime. Every record also has ``incomplete``: true when some stage's
 telemetry could not be written (``reports.read_incomplete``: a full runtime directory) or,
 in the final set, when some stage left no final snapshot (it was killed): its figures
-then lag behind what really happened. The monitor's headline says the same, once the
-launcher said why.
+then lag behind what really happened. The monitor's headline carries the same mark.
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ from typing import IO, Any, Iterable
 
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
 from ..runtime import files
-from .reports import INCOMPLETE, clean_report, read_incomplete
 from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
+from .reports import INCOMPLETE, clean_report, read_incomplete
 
 __all__ = [
     "STATS_VERSION", "BOUND", "EdgeView", "Analysis", "analyze", "read_snapshots", "status_lines",

@@ -272,8 +272,11 @@ def write_failed(what: str, exc: OSError) -> None:
     """Telemetry of this process (``what``: "exit stats", "trace events", ...) could not be
     written. The first time in the process: log a warning and leave the marker (best
     effort: its text may not fit on a full disk, the empty file usually does). Never
-    raises."""
+    raises. A directory that is gone (the launcher removed the run's) is no failure:
+    nobody reads it any more."""
     global _failure_said
+    if isinstance(exc, FileNotFoundError):
+        return
     with _buffer_lock:
         if _failure_said:
             return
