@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Coroutine, Iterator
 
 import torch
 
@@ -113,7 +113,7 @@ class Consumer(EndpointBase):
         # Per iterating thread, its current item (auto-released at that thread's next
         # next()): one thread never releases another's item.
         self._current: dict[int, Item] = {}
-        self._task_items = aio.TaskItems()  # the same, per asyncio task (aget)
+        self._caller_items = aio.CallerItems()  # the same, per task calling aget
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
@@ -189,21 +189,27 @@ class Consumer(EndpointBase):
         return item
 
     # ------------------------------------------------------------------ asyncio
-    async def aget(self, timeout: float | None = None) -> Item | None:
-        """``get()`` for asyncio: the same result, timeout and errors (IpcTimeoutError,
-        PeerLostError, ClosedError), and the event loop runs other tasks while it waits.
+    def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
+        """``get()`` for asyncio (``await inp.aget()``): the same result, timeout and
+        errors (IpcTimeoutError, PeerLostError, ClosedError), and the event loop runs other
+        tasks while it waits.
 
         Cancellation-safe: a cancelled ``aget`` took nothing; the item it was waiting for
-        is returned by the next ``aget``/``get``. With ``auto_release``, the item this task
-        got from ``aget`` last is released when it calls ``aget`` again (per task, as
-        ``get``'s is per thread). Any number of tasks may wait on one consumer at once. On
-        CUDA with ``wait="host"`` the item's ready event is polled inline (bounded by the
+        is returned by the next ``aget``/``get``. With ``auto_release``, the items
+        ``aget`` returned to the calling task are released when that task calls ``aget``
+        again, whichever task runs the call (``asyncio.wait_for(inp.aget(), T)``,
+        ``asyncio.create_task(inp.aget())``): see ``runtime.aio.CallerItems``. Any number
+        of tasks may wait on one consumer at once; none releases another's items. On CUDA
+        with ``wait="host"`` the item's ready event is polled inline (bounded by the
         producer's copy); ``"gpu"``, the default, never waits on the host."""
-        t = self._resolve_timeout(timeout)
+        caller = self._caller_items.caller()
         if self.auto_release:
-            self._task_items.release_previous()
-        item = await self._anext_item(t)
-        self._task_items.remember(item)
+            self._caller_items.release_previous(caller)
+        return self._aget(caller, timeout)
+
+    async def _aget(self, caller: Any, timeout: float | None) -> Item | None:
+        item = await self._anext_item(self._resolve_timeout(timeout))
+        self._caller_items.remember(caller, item)
         return item
 
     def __aiter__(self) -> aio.AsyncItems:

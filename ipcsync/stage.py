@@ -41,9 +41,9 @@ from typing import Any
 from .consumer import Consumer
 from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
-from .launch.plan import ENV_WIRING, WIRING_VERSION
+from .launch.plan import ENV_WIRING, INCOMPLETE_SUFFIX, WIRING_VERSION
 from .producer import Producer
-from .runtime import telemetry
+from .runtime import files, telemetry
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -191,6 +191,7 @@ def _wiring(what: str) -> dict[str, Any]:
         _check_wiring(w)
         _wiring_cache = w
         _report_failures(w["stats_path"])
+        telemetry.set_failure_marker(incomplete_marker_path(w["stats_path"]))
         return w
 
 
@@ -274,17 +275,20 @@ def _write_stats() -> None:
     report = _report()
     path = w["stats_path"]
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, default=str)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the run directory is gone (teardown): no summary for this process
+        files.write_atomic(path, json.dumps(report, default=str))
+    except OSError as exc:  # a full disk: the launcher must say its summary is incomplete
+        telemetry.write_failed("exit stats", exc)  # (nothing when the run directory is gone)
 
 
 def failure_report_path(stats_path: str) -> str:
     """Where a stage whose stats go to ``stats_path`` reports its failure."""
     return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
+
+
+def incomplete_marker_path(stats_path: str) -> str:
+    """Where a stage whose stats go to ``stats_path`` marks its telemetry incomplete
+    (``runtime.telemetry.write_failed``)."""
+    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + INCOMPLETE_SUFFIX
 
 
 def _report_failures(stats_path: str) -> None:
@@ -295,11 +299,7 @@ def _report_failures(stats_path: str) -> None:
         try:
             report = {"time": time.time(), "type": getattr(kind, "__name__", str(kind)),
                       "message": str(exc)[:500], "consequence": isinstance(exc, PeerLostError)}
-            path = failure_report_path(stats_path)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f)
-            os.replace(tmp, path)
+            files.write_atomic(failure_report_path(stats_path), json.dumps(report))
         except Exception:
             pass  # the run directory is gone (teardown): nothing to report to
         previous(kind, exc, tb)

@@ -17,6 +17,7 @@ store) and zmq (CURVE keys) are loaded when the pipeline runs (``nodes.py``).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import shutil
@@ -287,6 +288,10 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
         try:
             observer = Observer(monitor=monitor, stats_file=stats_file, trace_file=trace, interval=monitor_interval)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConfigError(f"--stats-file {stats_file} is a symbolic link: ipcsync-run never writes through "
+                                  "one (in a shared directory another user may have planted it); give the "
+                                  "file's own path") from None
             raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
     try:
         if group is not None:

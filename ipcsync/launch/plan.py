@@ -44,11 +44,14 @@ from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
     "Instance", "Plan", "resolve", "resolve_command", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX",
-    "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers",
+    "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers", "INCOMPLETE_SUFFIX",
 ]
 
 WIRING_VERSION = 1
 ENV_WIRING = "IPCSYNC_WIRING"
+# Beside a stage's stats file (``<stage>.<replica>.json``): the marker it leaves when its
+# telemetry could not be written (``runtime.telemetry.write_failed``).
+INCOMPLETE_SUFFIX = ".incomplete"
 OMP_THREADS = "OMP_NUM_THREADS"
 OMP_DEFAULT = "1"
 _PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
