@@ -553,6 +553,45 @@ def test_a_loader_that_raises_never_looks_like_a_finished_stream(launcher: Launc
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("raiser", ["src", "mid"])
+def test_a_stage_ended_by_its_peers_failure_prints_one_line_and_the_root_cause_its_traceback(
+        launcher: Launcher, raiser: str) -> None:
+    """One failure, one story. Before: every stage downstream of the one that raised
+    printed a 17-line traceback of its PeerLostError, burying the root cause. Now each
+    prints one line naming the input that failed; the traceback is the root cause's.
+    The downstream stages ignore SIGTERM here, so that the launcher's stop cannot end
+    them before their peer's failure reaches them."""
+    def raises(name: str) -> list[Any]:
+        return ["--raise-after", 13] if raiser == name else []
+
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "mid", "--n", 100000, "--delay", 0.01, *raises("src"))},
+         "mid": {"cmd": stage("mid.py", *raises("mid"))},
+         "sink": {"cmd": stage("sink.py", "--from", "mid"), "env": {"TEST_IGNORE_SIGTERM": "1"}}},
+        [{"from": "src", "to": "mid", "slot_bytes": "64KiB"}, {"from": "mid", "to": "sink", "slot_bytes": "64KiB"}],
+        stop_timeout=60,
+    ))
+    if raiser == "src":  # mid is downstream too: it must end by itself as well
+        spec.write_text(spec.read_text().replace(
+            '[stages.mid]\n', '[stages.mid]\nenv = { TEST_IGNORE_SIGTERM = "1" }\n'))
+    run = launcher.run(spec)
+    assert run.proc.returncode == 1, run.dump()
+    assert f"stage {raiser}/0" in root_cause(run), run.dump()
+    own = run.lines_of(f"{raiser}/0")
+    assert "Traceback (most recent call last):" in own, run.dump()
+    assert own[-1] == f"RuntimeError: {raiser} broke after 13 items", run.dump()
+    downstream = {"src": [("mid/0", "src/0"), ("sink/0", "mid/0")], "mid": [("sink/0", "mid/0")]}[raiser]
+    for label, upstream in downstream:
+        lines = run.lines_of(label)
+        assert len(lines) == 1, run.dump()
+        assert lines[0].startswith(f"{label} stopped: its input from {upstream} failed; ipcsync-run shows the "
+                                   "root cause ("), run.dump()
+        assert "PeerLostError: " in lines[0] or "ProducerFailedError: " in lines[0], run.dump()
+    assert run.out.count("Traceback") == 1, run.dump()
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("victim_label", ["src/0", "sink/0"])
 def test_stage_killed_by_sigkill(launcher: Launcher, victim_label: str) -> None:
     spec = launcher.spec_file(toml_spec(  # cpu: the producer's arena is in /dev/shm
