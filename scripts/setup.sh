@@ -3,9 +3,10 @@
 # `ipcsync-run` command) and its runtime dependencies; `--test` adds the test dependencies
 # (pytest, pytest-xdist, hypothesis) and the bench extra (matplotlib, for
 # `scripts/bench.py --plot` and its tests). Safe to run again: it installs only what is missing,
-# and when nothing is (torch imports, every requirement of ipcsync's metadata is installed at
-# a version it accepts, that metadata is not older than pyproject.toml, ipcsync resolves to
-# this checkout and its commands exist) it starts the environment's Python once and calls no pip.
+# and when nothing is (torch is there, every requirement of ipcsync's installed metadata is
+# installed at a version it accepts, that metadata is not older than pyproject.toml, ipcsync
+# resolves to this checkout, imports, and its commands exist) it starts the environment's
+# Python once, without importing torch, and calls no pip: about a second.
 #
 # The environment is the active virtual environment if there is one (VIRTUAL_ENV, or a
 # python3 whose sys.prefix is not its base prefix); otherwise .venv in the checkout, made
@@ -17,7 +18,7 @@
 # (`python3 -m pip --python .venv/bin/python`); with no pip at all it says which package to
 # install.
 #
-# torch: reused when the environment can import it. Otherwise, on a machine without an
+# torch: reused when the environment has it (found with its installed version). Otherwise, on a machine without an
 # NVIDIA GPU, the CPU build of torch 2.13.0 (`torch==2.13.0+cpu`: the configured package
 # sources first, then download.pytorch.org/whl/cpu; never the CUDA wheels), and on a
 # machine with one, `torch` (the CUDA build).
@@ -152,14 +153,16 @@ except Exception:
     stale, requires = True, []
 if stale:
     print("missing=ipcsync's installed metadata (older than pyproject.toml)")
-for module in ("ipcsync", "zmq", "msgpack"):
+broken = set()
+for module, name in (("ipcsync", "ipcsync"), ("zmq", "pyzmq"), ("msgpack", "msgpack")):
     try:
         __import__(module)
     except Exception as exc:
-        print(f"missing={module} (does not import: {type(exc).__name__})")
+        broken.add(name)
+        print(f"missing={name} (import {module}: {type(exc).__name__})")
 for req in requires:
     m = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?", req)
-    if m is None or not applies(m.group(3) or ""):
+    if m is None or m.group(1) in broken or not applies(m.group(3) or ""):
         continue
     name, specifiers = m.group(1), m.group(2)
     try:
