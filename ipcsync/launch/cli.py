@@ -48,7 +48,7 @@ exit status:
   128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
            signal N (130 for Ctrl-C)
 
-Spec format: see the README (ipcsync-run) or ipcsync/launch/spec.py. With a spec file,
+Spec format: see docs/launcher.md or ipcsync/launch/spec.py. With a spec file,
 --replicas, --device, --edge-option, --restart and --stop-timeout override its values.
 """
 
