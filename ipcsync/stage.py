@@ -323,9 +323,10 @@ def _report_failures(stats_path: str) -> None:
 
 
 def consequence_line(wiring: dict[str, Any], exc: BaseException) -> str:
-    """The one line a stage ended by its peer's failure (``exc``, a PeerLostError) prints:
-    which of its inputs or outputs failed (found by the endpoint the error names) and
-    that the launcher shows the root cause, then the error itself."""
+    """The one line a stage ended by its peer's failure (``exc``, a PeerLostError) prints
+    (the launcher prefixes it with the stage's label): which of its inputs or outputs
+    failed (found by the endpoint the error names) and that the launcher shows the root
+    cause, then the error itself."""
     text = " ".join(str(exc).split())
     what = "a peer of this stage failed"
     for edge in wiring["inputs"].values():
@@ -337,5 +338,4 @@ def consequence_line(wiring: dict[str, Any], exc: BaseException) -> str:
             what = f"its output to {dst} failed"
     if len(text) > 400:
         text = text[:400] + "..."
-    return (f"{wiring['stage']}/{wiring['replica']} stopped: {what}; ipcsync-run shows the root cause "
-            f"({type(exc).__name__}: {text})")
+    return f"stopped: {what}; ipcsync-run shows the root cause ({type(exc).__name__}: {text})"

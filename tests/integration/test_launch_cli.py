@@ -584,7 +584,7 @@ def test_a_stage_ended_by_its_peers_failure_prints_one_line_and_the_root_cause_i
     for label, upstream in downstream:
         lines = run.lines_of(label)
         assert len(lines) == 1, run.dump()
-        assert lines[0].startswith(f"{label} stopped: its input from {upstream} failed; ipcsync-run shows the "
+        assert lines[0].startswith(f"stopped: its input from {upstream} failed; ipcsync-run shows the "
                                    "root cause ("), run.dump()
         assert "PeerLostError: " in lines[0] or "ProducerFailedError: " in lines[0], run.dump()
     assert run.out.count("Traceback") == 1, run.dump()

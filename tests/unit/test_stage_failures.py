@@ -17,7 +17,7 @@ WIRING = {
 def test_names_the_input_whose_producer_failed() -> None:
     exc = ProducerFailedError("producer (pid 7) on endpoint 'ipc:///r/src.0-mid.sock' failed: RuntimeError: x\nmore")
     line = consequence_line(WIRING, exc)
-    assert line.startswith("mid/1 stopped: its input from src/0 failed; ipcsync-run shows the root cause "
+    assert line.startswith("stopped: its input from src/0 failed; ipcsync-run shows the root cause "
                            "(ProducerFailedError: producer (pid 7)"), line
     assert "\n" not in line and "RuntimeError: x more" in line
 
