@@ -26,8 +26,9 @@ schema version) and ``"type"``:
   over the producers), ``received`` (summed over the consumers), ``items_per_s``,
   ``bytes_per_s`` (over the last interval), ``slots``, ``slots_used``, ``occupancy``
   (``free``/``writing``/``queued``/``in_flight``), ``producer_wait`` and ``consumer_wait``
-  (fraction of the interval), ``bound`` (``"downstream"``, ``"upstream"`` or
-  ``"flowing"``), ``producers``, ``consumers``, ``final``;
+  (fraction of the interval), ``bound`` (``"downstream"``, ``"upstream"``, ``"flowing"``,
+  or ``"finished"``: every end of the edge closed or its process exited), ``producers``,
+  ``consumers``, ``final``;
 - ``"endpoint"``: ``run_id``, ``time``, ``run_s``, ``stage``, ``replica``, ``pid``,
   ``direction`` (``"output"``/``"input"``), ``peer`` (the stage at the other end),
   ``handoffs``, ``bytes``, ``waiting_s``, ``final``;
@@ -87,6 +88,7 @@ class EdgeView:
     consumer_wait: float = 0.0
     producers: int = 0
     consumers: int = 0
+    open_ends: int = 0  # producers and consumers neither closed nor exited
 
     @property
     def name(self) -> str:
@@ -98,8 +100,11 @@ class EdgeView:
 
     @property
     def bound(self) -> str:
-        """``downstream`` (producers wait for slots), ``upstream`` (consumers wait for
-        items) or ``flowing`` (neither waits ``BOUND`` of the time)."""
+        """``finished`` (every end closed, or its process exited), ``downstream``
+        (producers wait for slots), ``upstream`` (consumers wait for items) or
+        ``flowing`` (neither waits ``BOUND`` of the time)."""
+        if not self.open_ends:
+            return "finished"
         p, c = self.producer_wait, self.consumer_wait
         if p >= BOUND and p >= c:
             return "downstream"
@@ -143,16 +148,24 @@ def _consumer_wait(stats: dict[str, Any]) -> float:
     return total
 
 
+def _open(report: dict[str, Any], stats: dict[str, Any]) -> bool:
+    """Whether an end of an edge may still move items: not closed, in a process that
+    has not exited (a snapshot written at exit is ``final``)."""
+    return stats.get("closed") is not True and report.get("final") is not True
+
+
 def _frac(now: float, before: float, dt: float) -> float:
     return min(1.0, max(0.0, (now - before) / dt)) if dt > 0 else 0.0
 
 
 def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, Any], dict[str, Any]],
-            order: Iterable[str] = ()) -> Analysis:
+            order: Iterable[str] = (), *, final: bool = False) -> Analysis:
     """Edges, stages and bottleneck over the interval between two sets of stage reports
     (keyed by (stage, replica); each as ``ipcsync.stage`` writes it, with ``mono``: the
     monotonic time it was taken). A report without a predecessor counts from zero over
-    its own ``elapsed_s``. ``order``: stage names in spec order (for a stable output)."""
+    its own ``elapsed_s``. ``order``: stage names in spec order (for a stable output).
+    ``final``: the reports of a whole attempt, whose every end has finished: edges are
+    classified by their waits over the lifetime, never as ``finished``."""
     edges: dict[tuple[str, str], EdgeView] = {}
     in_wait: dict[str, list[float]] = {}
     out_wait: dict[str, list[float]] = {}
@@ -178,6 +191,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(stage, str(dst))
             e.producers += 1
+            e.open_ends += final or _open(r, s)
             items, nbytes = int(_num(s.get("handoffs"))), int(_num(s.get("bytes")))
             e.items += items
             e.bytes += nbytes
@@ -204,6 +218,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(str(src), stage)
             e.consumers += 1
+            e.open_ends += final or _open(r, s)
             e.received += int(_num(s.get("handoffs")))
             w = _frac(_consumer_wait(s), _consumer_wait(b), span)
             waits_in.append(w)
@@ -229,7 +244,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
         score[name] = (busy + (sum(ups) / len(ups) if ups else 0.0)
                        + (sum(downs) / len(downs) if downs else 0.0))
     bottleneck = None
-    if score and any(e.bound != "flowing" for e in edges.values()):
+    if score and any(e.bound in ("downstream", "upstream") for e in edges.values()):
         bottleneck = max(score, key=lambda n: (score[n], -stage_names.index(n)))
     ordered = sorted(edges.values(), key=lambda e: (_index(stage_names, e.src), _index(stage_names, e.dst)))
     return Analysis(ordered, stages, bottleneck)
@@ -254,6 +269,8 @@ def status_lines(a: Analysis, run_s: float) -> list[str]:
                     if e.src == a.bottleneck and e.bound == "upstream"]
         head = (f"bottleneck: {a.bottleneck} (busy {st.get('busy', 0):.0%}"
                 + (f"; {', '.join(waiting)}" if waiting else "") + ")")
+    elif a.edges and all(e.bound == "finished" for e in a.edges):
+        head = "every edge finished (its ends closed)"
     elif a.edges:
         head = "no bottleneck: no stage waits on another"
     else:
@@ -261,7 +278,7 @@ def status_lines(a: Analysis, run_s: float) -> list[str]:
     lines = [f"monitor {run_s:6.1f} s  {head}"]
     for e in a.edges:
         occ = e.occupancy
-        bound = {"downstream": "downstream-bound", "upstream": "upstream-bound", "flowing": "flowing"}[e.bound]
+        bound = {"downstream": "downstream-bound", "upstream": "upstream-bound"}.get(e.bound, e.bound)
         lines.append(
             f"  {e.src} -> {e.dst}: {e.items_per_s:7.1f} items/s {_mb(e.bytes_per_s):>10}, "
             f"slots {e.slots_used}/{e.slots} used ({occ.get('queued', 0)} queued, {occ.get('in_flight', 0)} in flight), "
@@ -463,7 +480,7 @@ class Observer:
             return
         # The final report covers the whole attempt (rates and waits over each
         # process's lifetime); the others, the last interval.
-        a = analyze({} if final else self._prev, cur, order)
+        a = analyze({} if final else self._prev, cur, order, final=final)
         run_s = time.monotonic() - self.started
         note = _incomplete(run_dir, cur, final)
         if self.monitor and (cur or final):

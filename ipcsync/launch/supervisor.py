@@ -247,8 +247,9 @@ class Supervisor:
                 assert proc.popen.stdout is not None
                 sel.register(proc.popen.stdout, selectors.EVENT_READ, proc)
             if cause is None:
+                n = len(plan.instances)
                 self._say(
-                    f"started {len(plan.instances)} processes of pipeline {plan.spec.name!r} "
+                    f"started {n} process{'es' if n != 1 else ''} of pipeline {plan.spec.name!r} "
                     f"(run {run_id}{f', restart {attempt}' if attempt else ''})"
                 )
             next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
@@ -790,29 +791,44 @@ def _read_stats(directory: str) -> list[dict[str, Any]]:
 
 def summarize(reports: list[dict[str, Any]], incomplete: bool = False) -> list[str]:
     """Per-edge lines from the stages' reports: items, bytes and rate as the producers
-    counted them, latency (send to receipt) as the consumers measured it. Reports are the
-    stages' (untrusted): what is not of the expected shape (``reports.clean_report``) is
-    left out, and one last line says what. ``incomplete``: some stage's telemetry could
-    not be written (the header says so, also when no report could be read)."""
+    counted them, latency (send to receipt) as the consumers measured it. A producer
+    whose report is not here (it runs on another node) is counted by its consumers.
+    Reports are the stages' (untrusted): what is not of the expected shape
+    (``reports.clean_report``) is left out, and one last line says what. ``incomplete``:
+    some stage's telemetry could not be written (the header says so, also when no report
+    could be read)."""
     edges: dict[tuple[str, str], dict[str, Any]] = {}
     reports, skipped = clean_reports([("a stage's exit stats", r) for r in reports])
+
+    def edge(key: tuple[str, str]) -> dict[str, Any]:
+        return edges.setdefault(key, {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {},
+                                      "producers": set(), "received": {}})
+
     for r in reports:
         stage = r.get("stage")
         for dst, s in (r.get("outputs") or {}).items():
-            e = edges.setdefault((stage, dst), {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {}})
+            e = edge((stage, dst))
+            e["producers"].add(f"{stage}/{r.get('replica')}")
             e["items"] += int(s.get("handoffs", 0))
             e["bytes"] += int(s.get("bytes", 0))
             e["elapsed"] = max(e["elapsed"], float(s.get("elapsed_s", 0.0)))
             for cause, sec in (s.get("waiting_s") or {}).items():
                 e["waits"][f"producer:{cause}"] = e["waits"].get(f"producer:{cause}", 0.0) + float(sec)
         for src, s in (r.get("inputs") or {}).items():
-            e = edges.setdefault((src, stage), {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {}})
-            for one in (s.get("sources") or {"": s}).values():
+            e = edge((src, stage))
+            for source, one in (s.get("sources") or {f"{src}/0": s}).items():
+                e["received"].setdefault(source, []).append(one)
                 lat = one.get("latency_s") or {}
                 if lat.get("p50") is not None:
                     e["lat"].append((lat["p50"], lat.get("p99") or lat["p50"]))
                 for cause, sec in (one.get("waiting_s") or {}).items():
                     e["waits"][f"consumer:{cause}"] = e["waits"].get(f"consumer:{cause}", 0.0) + float(sec)
+    for e in edges.values():  # sources whose producer reported elsewhere: as received
+        for source, seen in e["received"].items():
+            if source not in e["producers"]:
+                e["items"] += sum(int(one.get("handoffs", 0)) for one in seen)
+                e["bytes"] += sum(int(one.get("bytes", 0)) for one in seen)
+                e["elapsed"] = max([e["elapsed"], *(float(one.get("elapsed_s", 0.0)) for one in seen)])
     head = f"edge summary ({INCOMPLETE})" if incomplete else "edge summary"
     lines = [f"{head}:"] if edges else [f"{head}: no stage's exit stats could be read"] if incomplete else []
     for (src, dst), e in sorted(edges.items()):
