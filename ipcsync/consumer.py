@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Coroutine, Iterator
 
 import torch
 
@@ -140,7 +140,7 @@ class Consumer(EndpointBase):
         # Per iterating thread, its current item (auto-released at that thread's next
         # next()): one thread never releases another's item.
         self._current: dict[int, Item] = {}
-        self._task_items = aio.TaskItems()  # the same, per asyncio task (aget)
+        self._caller_items = aio.CallerItems()  # the same, per task calling aget
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
@@ -217,21 +217,27 @@ class Consumer(EndpointBase):
         return item
 
     # ------------------------------------------------------------------ asyncio
-    async def aget(self, timeout: float | None = None) -> Item | None:
-        """``get()`` for asyncio: the same result, timeout and errors (IpcTimeoutError,
-        PeerLostError, ClosedError), and the event loop runs other tasks while it waits.
+    def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
+        """``get()`` for asyncio (``await inp.aget()``): the same result, timeout and
+        errors (IpcTimeoutError, PeerLostError, ClosedError), and the event loop runs other
+        tasks while it waits.
 
         Cancellation-safe: a cancelled ``aget`` took nothing; the item it was waiting for
-        is returned by the next ``aget``/``get``. With ``auto_release``, the item this task
-        got from ``aget`` last is released when it calls ``aget`` again (per task, as
-        ``get``'s is per thread). Any number of tasks may wait on one consumer at once. On
-        CUDA with ``wait="host"`` the item's ready event is polled inline (bounded by the
+        is returned by the next ``aget``/``get``. With ``auto_release``, the items
+        ``aget`` returned to the calling task are released when that task calls ``aget``
+        again, whichever task runs the call (``asyncio.wait_for(inp.aget(), T)``,
+        ``asyncio.create_task(inp.aget())``): see ``runtime.aio.CallerItems``. Any number
+        of tasks may wait on one consumer at once; none releases another's items. On CUDA
+        with ``wait="host"`` the item's ready event is polled inline (bounded by the
         producer's copy); ``"gpu"``, the default, never waits on the host."""
-        t = self._resolve_timeout(timeout)
+        caller = self._caller_items.caller()
         if self.auto_release:
-            self._task_items.release_previous()
-        item = await self._anext_item(t)
-        self._task_items.remember(item)
+            self._caller_items.release_previous(caller)
+        return self._aget(caller, timeout)
+
+    async def _aget(self, caller: Any, timeout: float | None) -> Item | None:
+        item = await self._anext_item(self._resolve_timeout(timeout))
+        self._caller_items.remember(caller, item)
         return item
 
     def __aiter__(self) -> aio.AsyncItems:
@@ -345,7 +351,7 @@ class Consumer(EndpointBase):
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.ready.popleft(), left)
+            item = self._make_item(s.ready.popleft(), left, timeout)
             self._current[threading.get_ident()] = item
             return item
         if s.bye_received:
@@ -379,11 +385,13 @@ class Consumer(EndpointBase):
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
 
-    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None) -> Item:
+    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None,
+                   asked: float | None = None) -> Item:
         """The item of a READY entry, once its data may be read (its ready event). The
         wait for that event (``wait="host"``, and every remote item: its transfer) is
         bounded by ``timeout``: past it the entry goes back, first in line, for the next
-        call, and IpcTimeoutError is raised; nothing is lost or released."""
+        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
+        when given); nothing is lost or released."""
         seq, slot, gen, sent_ns, meta, recipe = entry
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
@@ -402,7 +410,7 @@ class Consumer(EndpointBase):
         if not ev.query():
             try:
                 wait_ready_event(ev, self.wait_mode, self._stream,
-                                 lambda done: self._poll_event(done, timeout))
+                                 lambda done: self._poll_event(done, timeout, asked))
             except IpcTimeoutError:
                 del self._held[seq]
                 self._ready.appendleft(entry)
@@ -415,7 +423,7 @@ class Consumer(EndpointBase):
             self._trace.received(seq, now)
         return item
 
-    def _poll_event(self, done: Any, timeout: float | None = None) -> None:
+    def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
         # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
         if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
@@ -423,7 +431,8 @@ class Consumer(EndpointBase):
             self._raise_if_broken()
             raise IpcTimeoutError(
                 f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "
-                f"within {timeout} s (a remote transfer still running, or the producer's stream behind); "
+                f"within {timeout if asked is None else asked} s (a remote transfer still running, or the "
+                "producer's stream behind); "
                 "it stays first in line for the next call")
         self._raise_if_broken()  # complete now: nothing to enqueue
 

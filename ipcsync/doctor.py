@@ -38,7 +38,6 @@ import logging
 import os
 import re
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -743,29 +742,15 @@ def _resolve_device(stage: Any, replica: int, gpus: int) -> tuple[str, str | Non
 
 def _command_problem(stage: Any) -> str | None:
     """Why ``stage``'s command cannot start here, or None: its cwd, its program (a path
-    from the cwd, or found on PATH), and for a Python command, a script argument."""
+    from the cwd, or found on PATH), and for a Python command its script or module."""
+    from .launch.commands import command_problem
     from .launch.plan import resolve_command
 
-    cwd = stage.cwd or os.getcwd()
-    if not os.path.isdir(cwd):
-        return f"cwd {cwd!r} is not a directory"
-    cmd = resolve_command(stage.cmd, sys.executable)
-    prog = cmd[0]
-    if os.sep in prog:
-        path = os.path.join(cwd, prog)
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            return f"{prog!r} {'is not executable' if os.path.isfile(path) else 'does not exist'} (from {cwd})"
-    else:
-        env = dict(stage.env)
-        search = env.get("PATH", os.environ.get("PATH", os.defpath))
-        dirs = [d if os.path.isabs(d) else os.path.join(cwd, d or ".") for d in search.split(os.pathsep)]
-        if shutil.which(prog, path=os.pathsep.join(dirs)) is None:
-            return f"{prog!r} is not found on PATH (from {cwd})"
-    if prog == sys.executable and len(cmd) > 1 and cmd[1].endswith(".py"):
-        script = os.path.join(cwd, cmd[1])
-        if not os.path.isfile(script):
-            return f"the script {cmd[1]!r} does not exist (from {cwd})"
-    return None
+    problem = command_problem(resolve_command(stage.cmd, sys.executable), stage.cwd, dict(stage.env))
+    if problem is None:
+        return None
+    field, message = problem
+    return f"cwd {message}" if field == "cwd" else message
 
 
 def check_spec(spec: Any, gpus: int, run_base: str) -> list[Check]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Coroutine, Iterator, Sequence
 
 from . import limits
 from .runtime import aio
@@ -97,7 +97,7 @@ class FanIn:
         self._current: Item | None = None
         self._error: IpcSyncError | None = None  # a source broke: the merged stream stays broken
         self._closed = False
-        self._task_items = aio.TaskItems()  # aget's current item, per asyncio task
+        self._caller_items = aio.CallerItems()  # aget's items, per calling task
         self._waited = 0.0  # seconds blocked in _wait: no source had an item
 
     # ------------------------------------------------------------------ public API
@@ -127,17 +127,22 @@ class FanIn:
             raise StopIteration
         return item
 
-    async def aget(self, timeout: float | None = None) -> Item | None:
-        """``get()`` for asyncio: the same result, timeout and errors; the event loop runs
-        other tasks while it waits on all the sources. Cancellation-safe: a cancelled
-        ``aget`` took nothing (the next ``aget``/``get`` returns what it waited for). With
-        ``auto_release`` the item this task got from ``aget`` last is released when it
-        calls ``aget`` again."""
-        t = self._timeout if timeout is None else check_timeout("timeout", timeout)
+    def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
+        """``get()`` for asyncio (``await fan.aget()``): the same result, timeout and
+        errors; the event loop runs other tasks while it waits on all the sources.
+        Cancellation-safe: a cancelled ``aget`` took nothing (the next ``aget``/``get``
+        returns what it waited for). With ``auto_release`` the items ``aget`` returned to
+        the calling task are released when that task calls ``aget`` again, whichever task
+        runs the call (``runtime.aio.CallerItems``)."""
+        caller = self._caller_items.caller()
         if self.auto_release:
-            self._task_items.release_previous()
+            self._caller_items.release_previous(caller)
+        return self._aget(caller, timeout)
+
+    async def _aget(self, caller: Any, timeout: float | None) -> Item | None:
+        t = self._timeout if timeout is None else check_timeout("timeout", timeout)
         item = await self._anext_item(None if t is None or math.isinf(t) else t)
-        self._task_items.remember(item)
+        self._caller_items.remember(caller, item)
         return item
 
     def __aiter__(self) -> aio.AsyncItems:

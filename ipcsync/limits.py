@@ -44,7 +44,8 @@ POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its co
 # default: on an H100 host, 200 us against 0 in two sets of three interleaved 4 KiB CUDA
 # request/reply runs gave p50 285 vs 353 us in one set and 430 vs 478 us in the other,
 # inside that host's run-to-run noise (30-50%), and a spin burns CPU on every wait.
-# IPCSYNC_SPIN_US turns it on (an idle endpoint spins once per wait, not per tick).
+# IPCSYNC_SPIN_US turns it on: at most this long per wait, only while the peer is active,
+# backing off when spinning finds nothing (core.spin).
 DEFAULT_SPIN_US = 0
 MAX_SPIN_US = 10_000
 

@@ -164,7 +164,7 @@ class Producer(EndpointBase):
             plan = self._plan_get(key)
             h = self._handoffs
             if plan is None:
-                plan = h.new_plan(key, plan_message(message, self.slot_bytes))
+                plan = h.new_plan(key, plan_message(message, self.slot_bytes, h.check_layout))
             acq = self._ring.acquire() or h.reserve(timeout)  # 1. reserve
             slot = acq.slot
             s = stream if stream is not None else self._stream
@@ -249,7 +249,8 @@ class Producer(EndpointBase):
         event loop) until every item sent was delivered and released, or its holders are
         gone, then runs ``close()`` with what is left of ``timeout`` (default: the
         producer's), whose remaining goodbye exchange is a round trip. Lets consumers on
-        the same event loop finish their items."""
+        the same event loop finish their items. With nobody left, queued items are
+        dropped as ``close()`` drops them."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         with self._lock:
@@ -262,7 +263,10 @@ class Producer(EndpointBase):
                 if self._closed:
                     return True, None
                 self._pump()
-                return self._ring.queued == 0 and not self._ring.busy(), None
+                ring = self._ring
+                # (Nobody left to take queued items: close() drops them, with its warning.)
+                return ((ring.queued == 0 and not ring.busy())
+                        or (ring.queued > 0 and self._handoffs.alone_too_long(self.port.attached_total))), None
 
         def fill(poller: Any) -> None:
             with self._lock:
@@ -275,8 +279,8 @@ class Producer(EndpointBase):
     async def _when_slot_free(self, reserve: Callable[[], _T], timeout: float | None) -> _T:
         """Await a free slot (up to ``timeout``, default the producer's), then ``reserve()``
         (a call that reserves with timeout 0, so it never blocks). Lost to another thread
-        in between: wait again. Time over: ``reserve()`` once more, which raises the sync
-        call's IpcTimeoutError if still no slot is free."""
+        in between: wait again. Time over: ``reserve()`` once more; if still no slot is
+        free, the sync call's IpcTimeoutError, naming ``timeout`` (not the 0 of that try)."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         while True:
@@ -288,7 +292,9 @@ class Producer(EndpointBase):
             except IpcTimeoutError:
                 with self._lock:
                     taken = self._ring.free_slots == 0  # by another thread since we looked
-                if not taken or (deadline is not None and time.monotonic() >= deadline):
+                    if taken and deadline is not None and time.monotonic() >= deadline:
+                        raise self._handoffs.no_slot_error(t) from None
+                if not taken:
                     raise
 
     def _slot_free(self) -> tuple[bool, None]:
@@ -351,7 +357,14 @@ class Producer(EndpointBase):
         producer's; None: as long as the consumers holding items live) for them to be
         released, saying on whom it waits every few seconds, then frees the slots and the
         endpoint. Idempotent; never raises for peers that are gone. A call blocked in
-        another thread raises ClosedError."""
+        another thread raises ClosedError.
+
+        Nobody left: once every consumer that attached has left (said goodbye or died),
+        items still queued wait 2 s (``runtime.slots.CLOSE_LINGER_S``) for a consumer to
+        attach, then are dropped with a warning naming how many; close() does not wait
+        out its timeout for them. If no consumer ever attached, queued items wait for
+        one up to ``timeout`` (either side may start first), and are dropped with that
+        warning when it runs out."""
         with self._lock:
             if self._closed:
                 return
@@ -362,7 +375,7 @@ class Producer(EndpointBase):
             port = self.port
             try:
                 h = self._handoffs
-                h.wait_nagging(lambda: self._ring.queued == 0, deadline, h.queued_words)
+                h.deliver_queued(deadline, lambda: port.attached_total)
                 for peer in port.peers:
                     port.say_bye(peer, "producer closed")
                 h.wait_nagging(lambda: not self._ring.busy() and not port.peers

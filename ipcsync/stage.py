@@ -25,6 +25,11 @@ A stage that dies of an unhandled exception leaves a one-line failure report bes
 (``<stage>.<replica>.error``): its exception, and whether it is only the consequence of a
 peer's failure (a ``PeerLostError``, such as the ``ProducerFailedError`` of a consumer
 whose loader raised), so the launcher names the stage that failed first as the root cause.
+One failure, one story: such a consequence prints one line (which input or output failed,
+and that ipcsync-run shows the root cause) instead of a traceback, which stays for the
+stage that failed on its own. Both through a ``sys.excepthook`` installed once this
+process reads its wiring (the first ``info()``, ``input()`` or ``output()``); a hook the
+stage installed before that is still called instead of the traceback.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ from typing import Any
 from .consumer import Consumer
 from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
-from .launch.plan import ENV_WIRING, WIRING_VERSION
+from .launch.plan import ENV_WIRING, INCOMPLETE_SUFFIX, WIRING_VERSION
 from .producer import Producer
-from .runtime import telemetry
+from .runtime import files, telemetry
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -193,6 +198,7 @@ def _wiring(what: str) -> dict[str, Any]:
         _check_wiring(w)
         _wiring_cache = w
         _report_failures(w["stats_path"])
+        telemetry.set_failure_marker(incomplete_marker_path(w["stats_path"]))
         return w
 
 
@@ -255,14 +261,15 @@ def _track(direction: str, peer: str, ep: Any) -> None:
 
 def _report() -> dict[str, Any]:
     """This process's per-edge stats: ``{"stage", "replica", "inputs": {upstream stage:
-    stats()}, "outputs": {downstream stage: stats()}}``."""
+    stats()}, "outputs": {downstream stage: stats()}}``, each stats with ``closed``: whether
+    this end of the edge is closed (its stream finished here)."""
     w = _wiring_cache or {}
     report: dict[str, Any] = {"stage": w.get("stage"), "replica": w.get("replica"), "inputs": {}, "outputs": {}}
     with _lock:
         made = list(_made)
     for direction, peer, ep in made:
         try:
-            report[direction][peer] = ep.stats()
+            report[direction][peer] = {**ep.stats(), "closed": ep.closed}
         except Exception:
             continue
     return report
@@ -276,12 +283,9 @@ def _write_stats() -> None:
     report = _report()
     path = w["stats_path"]
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, default=str)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the run directory is gone (teardown): no summary for this process
+        files.write_atomic(path, json.dumps(report, default=str))
+    except OSError as exc:  # a full disk: the launcher must say its summary is incomplete
+        telemetry.write_failed("exit stats", exc)  # (nothing when the run directory is gone)
 
 
 def failure_report_path(stats_path: str) -> str:
@@ -289,21 +293,51 @@ def failure_report_path(stats_path: str) -> str:
     return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
 
 
+def incomplete_marker_path(stats_path: str) -> str:
+    """Where a stage whose stats go to ``stats_path`` marks its telemetry incomplete
+    (``runtime.telemetry.write_failed``)."""
+    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + INCOMPLETE_SUFFIX
+
+
 def _report_failures(stats_path: str) -> None:
-    """Chain a ``sys.excepthook`` that writes the failure report, then prints as before."""
+    """Chain a ``sys.excepthook`` that writes the failure report, then prints as before,
+    except for a peer's failure under the default hook: one line (``consequence_line``)."""
     previous = sys.excepthook
 
     def hook(kind: Any, exc: Any, tb: Any) -> None:
+        consequence = isinstance(exc, PeerLostError)
         try:
             report = {"time": time.time(), "type": getattr(kind, "__name__", str(kind)),
-                      "message": str(exc)[:500], "consequence": isinstance(exc, PeerLostError)}
-            path = failure_report_path(stats_path)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f)
-            os.replace(tmp, path)
+                      "message": str(exc)[:500], "consequence": consequence}
+            files.write_atomic(failure_report_path(stats_path), json.dumps(report))
         except Exception:
             pass  # the run directory is gone (teardown): nothing to report to
+        if consequence and previous is sys.__excepthook__ and _wiring_cache is not None:
+            try:
+                sys.stderr.write(consequence_line(_wiring_cache, exc) + "\n")
+                sys.stderr.flush()
+                return
+            except Exception:
+                pass  # stderr is gone, or odd wiring: the traceback, as before
         previous(kind, exc, tb)
 
     sys.excepthook = hook
+
+
+def consequence_line(wiring: dict[str, Any], exc: BaseException) -> str:
+    """The one line a stage ended by its peer's failure (``exc``, a PeerLostError) prints
+    (the launcher prefixes it with the stage's label): which of its inputs or outputs
+    failed (found by the endpoint the error names) and that the launcher shows the root
+    cause, then the error itself."""
+    text = " ".join(str(exc).split())
+    what = "a peer of this stage failed"
+    for edge in wiring["inputs"].values():
+        for endpoint, source in zip(edge["endpoints"], edge["sources"]):
+            if repr(endpoint) in text:
+                what = f"its input from {source} failed"
+    for dst, edge in wiring["outputs"].items():
+        if repr(edge["endpoint"]) in text:
+            what = f"its output to {dst} failed"
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return f"stopped: {what}; ipcsync-run shows the root cause ({type(exc).__name__}: {text})"

@@ -33,10 +33,13 @@ from bench import _touch  # the handoff suite's 1-byte touch: every suite reads 
 
 LAT_SIZES = ("4K", "1M")
 READS = (False, True)
+IDLE_WARM = 50  # items handed over before an idle endpoint is measured
+SPIN_US = 200  # the spin of the "ipcsync spin" rows and idle line (IPCSYNC_SPIN_US)
 
 
-def _entry(results: Any, role: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+def _entry(results: Any, role: str, fn: Callable[..., Any], kwargs: dict[str, Any], env: dict[str, str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(env)
     try:
         value = fn(**kwargs)
     except BaseException:
@@ -187,6 +190,9 @@ def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     dev = _device(device)
     with ipcsync.Producer(f"{base}-idle", slots=4, slot_bytes=4096, device=dev) as out:
         out.wait_for_consumers(1, timeout=120)
+        for i in range(IDLE_WARM):  # active first: a spin that follows activity must stop when it ends
+            out.send({"x": torch.full((4,), i, device=dev)})
+        out.flush(timeout=120)
         time.sleep(1.0)  # handshake settled
         c0, t0 = time.process_time(), time.monotonic()
         time.sleep(seconds)
@@ -200,6 +206,8 @@ def _idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
 
     dev = _device(device)
     with ipcsync.Consumer(f"{base}-idle", device=dev, timeout=120) as inp:
+        for _ in range(IDLE_WARM):
+            inp.get().release()
         time.sleep(1.0)
         c0, t0 = time.process_time(), time.monotonic()
         # Blocked in get() the whole time, as an idle consumer is.
@@ -219,12 +227,13 @@ class LatencyError(RuntimeError):
 
 
 def _pair(what: str, a: tuple[Callable[..., Any], dict[str, Any]], b: tuple[Callable[..., Any], dict[str, Any]],
-          ctx: Any, timeout: float) -> dict[str, Any]:
+          ctx: Any, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``a`` and ``b`` in two processes (with ``env`` set in both) and return their results."""
     results = ctx.Queue()
     procs = {}
     try:
         for role, (fn, kw) in (("a", a), ("b", b)):
-            procs[role] = ctx.Process(target=_entry, args=(results, role, fn, kw), name=f"{what} {role}")
+            procs[role] = ctx.Process(target=_entry, args=(results, role, fn, kw, env or {}), name=f"{what} {role}")
             procs[role].start()
         got: dict[str, Any] = {}
         deadline = time.monotonic() + timeout
@@ -277,15 +286,16 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
     rows.append(("-", "raw pyzmq+msgpack", False, pct(lat, .5), pct(lat, .99)))
     for name in sizes:
         nbytes = size_bytes[name]
-        progress(f"latency {name}: ipcsync, {n} round trips per variant")
-        got = _pair(f"ipcsync {name}",
-                    (_ipc_requester, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
-                                      "device": device}),
-                    (_ipc_responder, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
-                                      "device": device}), ctx, timeout)
-        for read in READS:
-            lat = got["a"]["read" if read else "noread"]
-            rows.append((name, "ipcsync", read, pct(lat, .5), pct(lat, .99)))
+        for method, env in (("ipcsync", {}), (f"ipcsync spin {SPIN_US} us", {"IPCSYNC_SPIN_US": str(SPIN_US)})):
+            progress(f"latency {name}: {method}, {n} round trips per variant")
+            got = _pair(f"{method} {name}",
+                        (_ipc_requester, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
+                                          "device": device}),
+                        (_ipc_responder, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
+                                          "device": device}), ctx, timeout, env)
+            for read in READS:
+                lat = got["a"]["read" if read else "noread"]
+                rows.append((name, method, read, pct(lat, .5), pct(lat, .99)))
         progress(f"latency {name}: torch.multiprocessing queues, {n} round trips per variant")
         import torch.multiprocessing as tmp
 
@@ -298,11 +308,15 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
         for read in READS:
             lat = got["a"]["read" if read else "noread"]
             rows.append((name, "torch.multiprocessing queues", read, pct(lat, .5), pct(lat, .99)))
-    progress("latency: idle cost, 5 s")
-    done = ctx.Event()
-    got = _pair("idle", (_idle_producer, {"base": tag, "seconds": 5.0, "device": device, "done": done}),
-                (_idle_consumer, {"base": tag, "seconds": 5.0, "device": device, "done": done}), ctx, timeout)
-    return {"rows": rows, "idle": {"producer": got["a"], "consumer": got["b"]}}
+    idle = {}
+    for spin in (0, SPIN_US):
+        progress(f"latency: idle cost, spin {spin} us, 5 s")
+        done = ctx.Event()
+        got = _pair("idle", (_idle_producer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
+                    (_idle_consumer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
+                    ctx, timeout, {"IPCSYNC_SPIN_US": str(spin)})
+        idle[spin] = {"producer": got["a"], "consumer": got["b"]}
+    return {"rows": rows, "idle": idle}
 
 
 def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
@@ -327,6 +341,7 @@ def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
         ratio = f"{p50 / base[3]:.2f}x" if base else "-"
         print(row((size, method, "yes" if read else "no", f"{p50:,.0f}", f"{p99:,.0f}", f"{p50 / raw[3]:.2f}x",
                    ratio)))
-    idle = res["idle"]
-    print(f"idle cost (default settings, connected, nothing sent, 5 s): producer process "
-          f"{100 * idle['producer']:.2f}% of a core, consumer process {100 * idle['consumer']:.2f}% of a core")
+    for spin, idle in res["idle"].items():
+        print(f"idle cost (IPCSYNC_SPIN_US={spin}, {IDLE_WARM} items handed over, then nothing for 5 s): "
+              f"producer process {100 * idle['producer']:.2f}% of a core, "
+              f"consumer process {100 * idle['consumer']:.2f}% of a core")

@@ -3,7 +3,7 @@
 # checkout root: `bash scripts/gpu-tests.sh [pytest arguments]`.
 #
 # Needs torch with CUDA, msgpack and pyzmq. Where pyzmq is missing and there is no network,
-# put a pyzmq wheel for the machine's Python in .whl/ of the checkout (README, "Tests"); it
+# put a pyzmq wheel for the machine's Python in .whl/ of the checkout (docs/testing.md); it
 # is installed from there with `pip install --no-index`. After the tests it runs the demo
 # pipeline through ipcsync-run (DEMO=0 skips it); with BENCH=1 it also prints the CUDA
 # benchmark table (BENCH_SUITE=all adds the training and inference comparisons,

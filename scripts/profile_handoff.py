@@ -18,6 +18,15 @@ a handoff is built from.
 consumer in one process, in rounds of ``--batch`` sends (or ``slot()`` blocks), then as many
 ``next()``, then as many ``release()``, each phase timed apart with the sockets settled
 between phases, so no phase waits on the other side. Prints microseconds per call.
+
+``--doorbell``: the floor the shared-memory doorbell (``runtime.doorbell``, not wired into
+the endpoints yet) gives a request/reply: two processes ping-pong one entry each way,
+waiting by a spin of ``IPCSYNC_SPIN_US`` (``os.sched_yield`` between looks) then parked
+on the eventfd; against the same ping-pong over an AF_UNIX SOCK_SEQPACKET pair (a lane).
+
+``--calls``: the same phases, counting instead of timing: the Python calls (functions,
+generator resumptions) and C calls (builtins, C methods) the calling thread makes per
+``send`` (or ``slot()`` block), ``next`` and ``release`` on the steady path, as one table.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import io
 import multiprocessing as mp
 import os
 import pstats
+import sys
 import tempfile
 import time
 
@@ -95,45 +105,185 @@ def consumer(ep, n, device, touch, q):
         _report("consumer", prof, inp.stats(), time.perf_counter() - t0, n - 1, q)
 
 
-def per_call(n: int, batch: int, slots: int, device: str, mode: str) -> None:
+def _steady_rounds(n: int, batch: int, slots: int, device: str, mode: str, phase) -> None:
+    """Producer and consumer in one process, in rounds of ``batch`` sends (or ``slot()``
+    blocks), then as many ``next()``, then as many ``release()``, the sockets settled
+    between phases so no phase waits on the other side. ``phase(op, calls, counted)`` runs
+    each phase's list of calls; ``counted`` is False for the three warm-up rounds."""
     import ipcsync
 
     src = torch.zeros(4096, dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     settle = 3e-4
-    spent = {"call": 0.0, "next": 0.0, "release": 0.0}
-    with ipcsync.Producer("percall", slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out, \
-            ipcsync.Consumer("percall", device=device, heartbeat=None, timeout=60, auto_release=False) as inp:
+
+    def produce() -> None:
+        if mode == "slot":
+            with out.slot(x=((4096,), torch.uint8)):
+                pass
+        else:
+            out.send({"x": src})
+
+    with ipcsync.Producer("steady", slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out, \
+            ipcsync.Consumer("steady", device=device, heartbeat=None, timeout=60, auto_release=False) as inp:
         out.wait_for_consumers(1, timeout=60)
         it = iter(inp)
         done = -3 * batch  # three warm-up rounds
         while done < n:
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                if mode == "slot":
-                    with out.slot(x=((4096,), torch.uint8)):
-                        pass
-                else:
-                    out.send({"x": src})
-            t1 = time.perf_counter()
+            phase(mode, [produce] * batch, done >= 0)
             sync()
             time.sleep(settle)
-            t2 = time.perf_counter()
-            items = [next(it) for _ in range(batch)]
-            t3 = time.perf_counter()
-            for item in items:
-                item.release()
-            t4 = time.perf_counter()
+            items: list = []
+            phase("next", [lambda: items.append(next(it))] * batch, done >= 0)
+            phase("release", [item.release for item in items], done >= 0)
             sync()
             time.sleep(settle)
-            if done >= 0:
-                spent["call"] += t1 - t0
-                spent["next"] += t3 - t2
-                spent["release"] += t4 - t3
             done += batch
+
+
+def per_call(n: int, batch: int, slots: int, device: str, mode: str) -> None:
+    spent = {mode: 0.0, "next": 0.0, "release": 0.0}
+
+    def phase(op: str, fns: list, counted: bool) -> None:
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        if counted:
+            spent[op] += time.perf_counter() - t0
+
+    _steady_rounds(n, batch, slots, device, mode, phase)
     print(f"per call ({device}, {n} handoffs in rounds of {batch}, {slots} slots): "
-          f"{mode} {spent['call'] / n * 1e6:.2f} us, next {spent['next'] / n * 1e6:.2f} us, "
-          f"release {spent['release'] / n * 1e6:.2f} us")
+          + ", ".join(f"{op} {t / n * 1e6:.2f} us" for op, t in spent.items()))
+
+
+class _CallCounter:
+    """Counts the calling thread's Python and C calls while on (``sys.setprofile``)."""
+
+    def __init__(self) -> None:
+        self.py = self.c = 0
+
+    def _hook(self, frame, event, arg) -> None:
+        if event == "call":
+            self.py += 1
+        elif event == "c_call":
+            self.c += 1
+
+    def __enter__(self) -> "_CallCounter":
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+        self.c -= 1  # setprofile(None) itself is a C call counted on the way out
+
+
+def calls(n: int, batch: int, slots: int, device: str, mode: str) -> None:
+    """Python and C calls per send/next/release on the steady path (the --per-call rounds)."""
+    counts = {op: [0, 0] for op in (mode, "next", "release")}
+
+    def phase(op: str, fns: list, counted: bool) -> None:
+        for fn in fns:
+            with _CallCounter() as k:
+                fn()
+            if counted:
+                counts[op][0] += k.py
+                counts[op][1] += k.c
+
+    _steady_rounds(n, batch, slots, device, mode, phase)
+    print(f"calls per operation on the steady path ({device}, {n} handoffs in rounds of {batch}, {slots} slots)")
+    print(f"{'operation':10s} {'Python calls':>13s} {'C calls':>9s}")
+    # What the rounds' wrappers call themselves, not the library: produce() (one Python
+    # call); the next lambda (one Python call) with next() and list.append (two C calls).
+    harness = {mode: (1, 0), "next": (1, 2), "release": (0, 0)}
+    for op, (py, c) in counts.items():
+        print(f"{op:10s} {py / n - harness[op][0]:13.1f} {c / n - harness[op][1]:9.1f}")
+
+
+def _db_wait(bell, spin_s: float) -> None:
+    """Wait until the peer's ring has an entry: spin, then park on our eventfd."""
+    import select
+
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if bell.pending():
+            return
+        os.sched_yield()
+    while not bell.pending():
+        if bell.park():
+            select.select([bell.fd], [], [], 0.05)  # a missed ring costs this at most
+            bell.unpark()
+
+
+def _db_side(role: int, names, sock, n: int, spin_s: float, out) -> None:
+    from ipcsync.core.doorbell import Geometry
+    from ipcsync.runtime import doorbell as R
+
+    geom = Geometry(64, 2)
+    own, bell = R.OwnSegment(geom), R.Bell()
+    names[role] = own.name
+    R.send_bell(sock, bell)
+    peer_bell = R.receive_bell(sock, "peer")
+    while names[1 - role] == "":
+        time.sleep(0.001)
+    db = R.Doorbell(own, R.PeerSegment(names[1 - role], geom, "peer"), bell, peer_bell, "peer", [0, 0], 0)
+    sock.send(b"up")
+    sock.recv(8)
+    own.unlink()
+    rt = []
+    for k in range(n + 200):
+        if role == 0:
+            t0 = time.perf_counter_ns()
+            db.post([(k, 0)])
+            _db_wait(db, spin_s)
+            db.take()
+            rt.append(time.perf_counter_ns() - t0)
+        else:
+            _db_wait(db, spin_s)
+            db.take()
+            db.post([(k, 0)])
+    if role == 0:
+        rt = sorted(rt[200:])
+        out.put(rt[len(rt) // 2] / 1e3)
+    sock.recv(8) if role == 1 else sock.send(b"end")
+    db.close()
+
+
+def _seq_side(role: int, sock, n: int, out) -> None:
+    rt = []
+    for k in range(n + 200):
+        if role == 0:
+            t0 = time.perf_counter_ns()
+            sock.send(b"x" * 16)
+            sock.recv(64)
+            rt.append(time.perf_counter_ns() - t0)
+        else:
+            sock.send(sock.recv(64))
+    if role == 0:
+        rt = sorted(rt[200:])
+        out.put(rt[len(rt) // 2] / 1e3)
+
+
+def doorbell(n: int) -> None:
+    import socket
+
+    ctx = mp.get_context("fork")  # (the socket pair is inherited; nothing else is open yet)
+    spin_s = int(os.environ.get("IPCSYNC_SPIN_US", "0")) / 1e6
+    out = ctx.Queue()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ps = [ctx.Process(target=_seq_side, args=(r, s, n, out)) for r, s in ((0, a), (1, b))]
+    for p in ps:
+        p.start()
+    seq = out.get(timeout=_HANG_S)
+    for p in ps:
+        p.join(60)
+    names = ctx.Manager().list(["", ""])
+    ps = [ctx.Process(target=_db_side, args=(r, names, s, n, spin_s, out)) for r, s in ((0, a), (1, b))]
+    for p in ps:
+        p.start()
+    db = out.get(timeout=_HANG_S)
+    for p in ps:
+        p.join(60)
+    print(f"round trip, one entry each way, {n} after 200 warm-up: AF_UNIX SOCK_SEQPACKET p50 {seq:.1f} us; "
+          f"doorbell (spin {spin_s * 1e6:.0f} us, then eventfd) p50 {db:.1f} us")
 
 
 _HANG_S = float(os.environ.get("PROFILE_HANG_S", "120"))  # a round-trip role this long: dump stacks, exit
@@ -327,7 +477,11 @@ def main() -> None:
     ap.add_argument("--mode", default="send")
     ap.add_argument("--no-touch", action="store_true")
     ap.add_argument("--per-call", action="store_true", help="time each hot call alone, in one process")
-    ap.add_argument("--batch", type=int, default=4, help="--per-call: calls per timed round")
+    ap.add_argument("--doorbell", action="store_true",
+                    help="request/reply floor over the shared-memory doorbell against a raw AF_UNIX lane")
+    ap.add_argument("--calls", action="store_true",
+                    help="count Python and C calls per send/next/release on the steady path, in one process")
+    ap.add_argument("--batch", type=int, default=4, help="--per-call/--calls: calls per round")
     ap.add_argument("--ops", action="store_true", help="time each primitive alone")
     ap.add_argument("--roundtrip", action="store_true",
                     help="request/reply, one in flight: host time of each step on each side")
@@ -342,6 +496,13 @@ def main() -> None:
         return
     if a.roundtrip:
         roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)
+        return
+    if a.doorbell:
+        doorbell(min(a.n, 20000))
+        return
+    if a.calls:
+        torch.set_num_threads(1)
+        calls(min(a.n, 2000), a.batch, a.slots, a.device, a.mode)
         return
     if a.per_call:
         torch.set_num_threads(1)

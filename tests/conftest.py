@@ -135,8 +135,9 @@ def shm_segments(pid: int) -> list[str]:
 
 
 def wait_no_segments(pids: list[int], timeout: float = 10.0) -> list[str]:
-    """Wait (for resource trackers of killed processes) until no segment of ``pids`` is
-    left; return what is left after ``timeout``."""
+    """Wait (for processes that are closing, or a consumer that reclaims a dead
+    producer's arena) until no segment of ``pids`` is left; return what is left after
+    ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         left = [s for p in pids for s in shm_segments(p)]
@@ -147,7 +148,7 @@ def wait_no_segments(pids: list[int], timeout: float = 10.0) -> list[str]:
 
 # --------------------------------------------------------------------------- endpoints, sockets, leftovers
 SERVICE_THREAD_PREFIX = "ipcsync-"  # EndpointBase._start_service names its thread ipcsync-<role>-<endpoint>
-LEFTOVER_GRACE_S = 2.0  # close is asynchronous in places (service threads join, trackers unlink)
+LEFTOVER_GRACE_S = 2.0  # close is asynchronous in places (service threads join)
 
 # zmq sockets made through the `sockets` fixture, in this process (xdist: one worker each).
 _tracked_sockets: "weakref.WeakSet[zmq.Socket]" = weakref.WeakSet()
@@ -418,7 +419,11 @@ class Procs:
         return peer
 
     def close(self) -> list[str]:
-        """Kill everything; return shm segments any peer left behind (after cleanup)."""
+        """Kill everything; return shm segments any peer left behind (after cleanup): a
+        peer that exited by itself must have removed its own; those of a peer killed by a
+        signal (here or by the test) must be removed by ``reclaim_dead_segments``, which
+        the next producer of the user and a consumer that lost its producer run."""
+        exited = {p.pid for p in self.peers if p.proc.poll() is not None and p.proc.returncode >= 0}
         for p in self.peers:
             if p.proc.poll() is None:
                 try:
@@ -433,13 +438,17 @@ class Procs:
                 if stream is not None:
                     stream.close()
         pids = [p.pid for p in self.peers]
-        left = wait_no_segments(pids, timeout=10.0)
+        left = [s for p in exited for s in shm_segments(p)]
+        from ipcsync.backends.cpu import reclaim_dead_segments  # noqa: PLC0415 - torch-heavy
+
+        reclaim_dead_segments()
+        left += [s for p in pids if p not in exited for s in shm_segments(p)]
         for name in left:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
                 pass
-        # Kill anything left in the peers' process groups (resource trackers included).
+        # Kill anything left in the peers' process groups.
         for p in self.peers:
             try:
                 os.killpg(p.proc.pid, signal.SIGKILL)

@@ -3,15 +3,18 @@
 Arena lifetime:
 
 - the producer creates ``/dev/shm/ipcsync-<pid>-[r<run id>-]<start time>-<pid ns>-<token>``
-  (mode 0600, O_EXCL), maps it, and registers the name with multiprocessing's resource
-  tracker, a helper process that unlinks it if the producer dies without closing (SIGKILL
-  included);
+  itself (``os.open`` with O_CREAT|O_EXCL, mode 0600, ``ftruncate``, ``mmap``): no
+  ``multiprocessing.shared_memory`` and no resource tracker, so no helper process and
+  no "leaked shared_memory objects" warnings at a stage's exit;
 - the name says who owns it: pid, start time (clock ticks since boot) and pid namespace
-  (inode of /proc/self/ns/pid). A tracker shared with a living parent (multiprocessing
-  spawn, torch.multiprocessing.spawn) unlinks nothing until that parent exits, so
-  ``reclaim_dead_segments`` also unlinks the segments of this user whose owner provably no
-  longer exists; every producer runs it when it creates an arena, and a consumer when its
-  producer is lost;
+  (inode of /proc/self/ns/pid). Who unlinks it:
+  - the owner, in ``close()`` (a ``with`` block's exit, Ctrl-C included), and at
+    interpreter exit for any arena still open (``atexit``; never in a forked child);
+  - for an owner that died without either (SIGKILL, a default SIGTERM),
+    ``reclaim_dead_segments``: it unlinks the segments of this user whose owner provably
+    no longer exists, and runs whenever a producer creates an arena and whenever a
+    consumer loses its producer; ``ipcsync-run`` also removes every segment tagged with
+    its run id when the run ends (``runtime.shm.remove_run_segments``);
 - the whole arena (slots x slot_bytes) is reserved when created (``posix_fallocate``: a
   full /dev/shm is a ConfigError then, never a SIGBUS at a later write) and faulted in when
   mapped (MAP_POPULATE), so no send pays page faults;
@@ -21,15 +24,16 @@ Arena lifetime:
   forwarded items); consumers enable ``faulthandler`` so that fault shows where it
   happened. A mapping stays valid after the producer unlinks the name, so items already
   delivered remain readable;
-- ``close()`` on the producer unlinks the name and unregisters it. Mappings are dropped
-  when the last tensor viewing them is freed (torch keeps the mmap alive), so closing can
-  never pull memory from under a live tensor.
+- ``close()`` on the producer unlinks the name. Mappings are dropped when the last tensor
+  viewing them is freed (torch keeps the mmap alive), so closing can never pull memory
+  from under a live tensor.
 
 Linux only (it needs /dev/shm); so is CUDA IPC.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import mmap
 import os
@@ -37,7 +41,6 @@ import re
 import secrets
 import stat
 import warnings
-from multiprocessing import resource_tracker
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +57,28 @@ __all__ = [
 
 _EVENT_HANDLE = b"ipcsync-cpu-event"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+# Paths of the arenas this process created and has not unlinked yet, with the pid that
+# created them (a forked child inherits the dict, never the arenas: it unlinks nothing).
+_owned: dict[str, int] = {}
+
+
+@atexit.register
+def _unlink_owned_at_exit() -> None:
+    """An interpreter that exits with producers not closed (no ``with``, a global) leaves
+    no segment behind."""
+    me = os.getpid()
+    for path, pid in list(_owned.items()):
+        if pid == me:
+            _unlink_path(path)
+
+
+def _unlink_path(path: str) -> None:
+    _owned.pop(path, None)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class CpuEvent(Event):
@@ -104,8 +129,8 @@ class CpuArena(Arena):
             ) from None
         try:
             if owner:
-                # Registered before anything else can fail, so it is unlinked on any exit.
-                resource_tracker.register("/" + name, "shared_memory")
+                # Recorded before anything else can fail, so it is unlinked on any exit.
+                _owned[self.path] = os.getpid()
                 os.ftruncate(fd, nbytes)
                 _reserve(fd, nbytes)
             else:
@@ -136,14 +161,7 @@ class CpuArena(Arena):
         self._closed = False
 
     def _unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        try:
-            resource_tracker.unregister("/" + self.handle, "shared_memory")
-        except Exception:  # tracker gone at interpreter exit
-            pass
+        _unlink_path(self.path)
 
     def close(self) -> None:
         if self._closed:

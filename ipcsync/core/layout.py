@@ -193,9 +193,14 @@ def _place(
     shapes_strides_dtypes: Iterable[tuple[Sequence[int], Sequence[int], torch.dtype]],
     slot_bytes: int,
     flags: Sequence[int] = (),
+    tree: Any = None,
+    check_layout: Callable[[list[Any]], None] | None = None,
 ) -> tuple[list[list[Any]], int]:
     """Specs of tensors of the given shapes, strides and dtypes placed one after the other
-    (``flags``: their autograd flags, in order; none: all 0), and the bytes they take."""
+    (``flags``: their autograd flags, in order; none: all 0), and the bytes they take.
+
+    ``check_layout([tree, specs])`` runs before the slot's size is checked: a hard limit
+    (too many tensors, ...) is named before "raise slot_bytes", which would not help."""
     specs: list[list[Any]] = []
     offset = 0
     gaps = 0  # bytes shipped only because a view has gaps (its whole span travels)
@@ -209,6 +214,8 @@ def _place(
         dense = math.prod(shape) * dtype.itemsize
         gaps += max(0, span - dense)
         offset += span
+    if check_layout is not None:
+        check_layout([tree, specs])
     if offset > slot_bytes:
         hint = (
             f"; {gaps} of them are gaps of non-contiguous views, whose whole span is sent: "
@@ -221,12 +228,12 @@ def _place(
     return specs, offset
 
 
-def plan_message(msg: Any, slot_bytes: int) -> Placement:
+def plan_message(msg: Any, slot_bytes: int, check_layout: Callable[[list[Any]], None] | None = None) -> Placement:
     """Flatten ``msg`` and place its tensors in a slot of ``slot_bytes`` bytes.
 
     Raises ConfigError for a leaf that is not a tensor, a tensor that cannot travel as
-    bytes, a tensor that requires grad but is not a leaf, or a message larger than the slot
-    (naming both sizes).
+    bytes, a tensor that requires grad but is not a leaf, a layout ``check_layout``
+    refuses (checked first), or a message larger than the slot (naming both sizes).
     """
     leaves: list[torch.Tensor] = []
     tree = _flatten(msg, leaves, 1)
@@ -237,15 +244,17 @@ def plan_message(msg: Any, slot_bytes: int) -> Placement:
         flags.append(autograd_flags(t))
     tensors = [_check_tensor(t) for t in leaves]
     specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes,
-                           flags if any(flags) else ())
+                           flags if any(flags) else (), tree, check_layout)
     return Placement([tree, specs], tensors, nbytes)
 
 
 def plan_empty(
-    fields: Mapping[str, tuple[Sequence[int], torch.dtype]], slot_bytes: int
+    fields: Mapping[str, tuple[Sequence[int], torch.dtype]], slot_bytes: int,
+    check_layout: Callable[[list[Any]], None] | None = None,
 ) -> Placement:
     """Place contiguous tensors of the given ``{name: (shape, dtype)}`` in a slot (for
-    zero-copy writes). The message is a flat dict of those names."""
+    zero-copy writes). The message is a flat dict of those names. ``check_layout``: as
+    for ``plan_message``."""
     keys = list(fields)
     items = []
     for k in keys:
@@ -265,8 +274,8 @@ def plan_empty(
         for i in range(len(shape) - 2, -1, -1):
             stride[i] = stride[i + 1] * max(shape[i + 1], 1)
         items.append((shape, stride, dtype))
-    specs, nbytes = _place(items, slot_bytes)
     tree = ["d", keys, list(range(len(keys)))]
+    specs, nbytes = _place(items, slot_bytes, (), tree, check_layout)
     return Placement([tree, specs], [], nbytes)
 
 

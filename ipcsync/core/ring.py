@@ -131,6 +131,15 @@ class Ring:
         self.abort(slot)
         return True
 
+    def drop_queued(self) -> list[int]:
+        """Free every QUEUED slot (items committed, never handed to a consumer) and return
+        them: close() with nobody left to take them."""
+        slots = list(self._queue)
+        self._queue.clear()
+        for slot in slots:
+            self._free_slot(slot)
+        return slots
+
     def commit(self, slot: int) -> int:
         """A written slot is ready to go out; returns its sequence number."""
         if not 0 <= slot < self.nslots or self.state[slot] is not _WRITING:

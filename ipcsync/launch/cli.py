@@ -17,9 +17,9 @@ store) and zmq (CURVE keys) are loaded when the pipeline runs (``nodes.py``).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
-import shutil
 import sys
 import traceback
 from dataclasses import replace
@@ -28,6 +28,7 @@ from typing import NoReturn, Sequence
 from .. import __version__
 from ..errors import ConfigError
 from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
+from .commands import command_problem
 from .plan import OMP_THREADS, Nodes, Plan, RemoteEndpoint, place, remote_producers, resolve
 from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
@@ -48,7 +49,7 @@ exit status:
   128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
            signal N (130 for Ctrl-C)
 
-Spec format: see the README (ipcsync-run) or ipcsync/launch/spec.py. With a spec file,
+Spec format: see docs/launcher.md or ipcsync/launch/spec.py. With a spec file,
 --replicas, --device, --edge-option, --restart and --stop-timeout override its values.
 """
 
@@ -173,31 +174,19 @@ def needs_gpu_count(spec: PipelineSpec) -> bool:
 
 
 def check_plan(plan: Plan) -> list[str]:
-    """What would stop a stage from starting: a missing ``cwd``, a command that is not
-    an executable file (a path, taken from the stage's cwd) or not found on the stage's
-    PATH. One line per problem; empty when every stage can start."""
+    """What would stop a stage from starting (``commands.command_problem``): a missing
+    ``cwd``, a program that is not an executable file or not found on the stage's PATH,
+    and for a Python command a script or ``-m`` module that is not there. One line per
+    problem; empty when every stage can start."""
     problems = []
     seen: set[str] = set()
     for inst in plan.instances:
         if inst.stage in seen:  # replicas share cwd and command
             continue
         seen.add(inst.stage)
-        key = f"{plan.spec.source}: stages.{inst.stage}"
-        cwd = inst.cwd or os.getcwd()
-        if not os.path.isdir(cwd):
-            problems.append(f"{key}.cwd: {cwd!r} is not a directory")
-            continue
-        prog = inst.cmd[0]
-        path = os.path.join(cwd, prog)  # prog itself if absolute
-        if os.sep in prog:
-            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-                why = "is not executable" if os.path.isfile(path) else "does not exist"
-                problems.append(f"{key}.cmd: {prog!r} {why} (from directory {cwd})")
-            continue
-        search = inst.env.get("PATH", os.environ.get("PATH", os.defpath))
-        dirs = [d if os.path.isabs(d) else os.path.join(cwd, d or ".") for d in search.split(os.pathsep)]
-        if shutil.which(prog, path=os.pathsep.join(dirs)) is None:
-            problems.append(f"{key}.cmd: {prog!r} is not found on PATH (from directory {cwd})")
+        problem = command_problem(inst.cmd, inst.cwd, inst.env)
+        if problem is not None:
+            problems.append(f"{plan.spec.source}: stages.{inst.stage}.{problem[0]}: {problem[1]}")
     return problems
 
 
@@ -287,6 +276,10 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
         try:
             observer = Observer(monitor=monitor, stats_file=stats_file, trace_file=trace, interval=monitor_interval)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConfigError(f"--stats-file {stats_file} is a symbolic link: ipcsync-run never writes through "
+                                  "one (in a shared directory another user may have planted it); give the "
+                                  "file's own path") from None
             raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
     try:
         if group is not None:

@@ -26,8 +26,9 @@ schema version) and ``"type"``:
   over the producers), ``received`` (summed over the consumers), ``items_per_s``,
   ``bytes_per_s`` (over the last interval), ``slots``, ``slots_used``, ``occupancy``
   (``free``/``writing``/``queued``/``in_flight``), ``producer_wait`` and ``consumer_wait``
-  (fraction of the interval), ``bound`` (``"downstream"``, ``"upstream"`` or
-  ``"flowing"``), ``producers``, ``consumers``, ``final``;
+  (fraction of the interval), ``bound`` (``"downstream"``, ``"upstream"``, ``"flowing"``,
+  or ``"finished"``: every end of the edge closed or its process exited), ``producers``,
+  ``consumers``, ``final``;
 - ``"endpoint"``: ``run_id``, ``time``, ``run_s``, ``stage``, ``replica``, ``pid``,
   ``direction`` (``"output"``/``"input"``), ``peer`` (the stage at the other end),
   ``handoffs``, ``bytes``, ``waiting_s``, ``final``;
@@ -36,12 +37,16 @@ schema version) and ``"type"``:
 
 One set per interval (rates and waits over that interval); the last set of an attempt
 (``final: true``) holds the counts the stages reported at exit, with rates and waits over
-each process's lifetime.
+each process's lifetime. Every record also has ``incomplete``: true when some stage's
+telemetry could not be written (``reports.read_incomplete``: a full runtime directory) or,
+in the final set, when some stage left no final snapshot (it was killed): its figures
+then lag behind what really happened. The monitor's headline carries the same mark.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -49,7 +54,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
+from ..runtime import files
 from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
+from .reports import INCOMPLETE, clean_report, read_incomplete
 
 __all__ = [
     "STATS_VERSION", "BOUND", "EdgeView", "Analysis", "analyze", "read_snapshots", "status_lines",
@@ -81,6 +88,7 @@ class EdgeView:
     consumer_wait: float = 0.0
     producers: int = 0
     consumers: int = 0
+    open_ends: int = 0  # producers and consumers neither closed nor exited
 
     @property
     def name(self) -> str:
@@ -92,8 +100,11 @@ class EdgeView:
 
     @property
     def bound(self) -> str:
-        """``downstream`` (producers wait for slots), ``upstream`` (consumers wait for
-        items) or ``flowing`` (neither waits ``BOUND`` of the time)."""
+        """``finished`` (every end closed, or its process exited), ``downstream``
+        (producers wait for slots), ``upstream`` (consumers wait for items) or
+        ``flowing`` (neither waits ``BOUND`` of the time)."""
+        if not self.open_ends:
+            return "finished"
         p, c = self.producer_wait, self.consumer_wait
         if p >= BOUND and p >= c:
             return "downstream"
@@ -113,8 +124,12 @@ def _key(report: dict[str, Any]) -> tuple[str, Any]:
     return (str(report.get("stage")), report.get("replica"))
 
 
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _num(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    return float(v) if _finite(v) else 0.0
 
 
 def _waits(stats: dict[str, Any], causes: Iterable[str] | None) -> float:
@@ -133,16 +148,24 @@ def _consumer_wait(stats: dict[str, Any]) -> float:
     return total
 
 
+def _open(report: dict[str, Any], stats: dict[str, Any]) -> bool:
+    """Whether an end of an edge may still move items: not closed, in a process that
+    has not exited (a snapshot written at exit is ``final``)."""
+    return stats.get("closed") is not True and report.get("final") is not True
+
+
 def _frac(now: float, before: float, dt: float) -> float:
     return min(1.0, max(0.0, (now - before) / dt)) if dt > 0 else 0.0
 
 
 def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, Any], dict[str, Any]],
-            order: Iterable[str] = ()) -> Analysis:
+            order: Iterable[str] = (), *, final: bool = False) -> Analysis:
     """Edges, stages and bottleneck over the interval between two sets of stage reports
     (keyed by (stage, replica); each as ``ipcsync.stage`` writes it, with ``mono``: the
     monotonic time it was taken). A report without a predecessor counts from zero over
-    its own ``elapsed_s``. ``order``: stage names in spec order (for a stable output)."""
+    its own ``elapsed_s``. ``order``: stage names in spec order (for a stable output).
+    ``final``: the reports of a whole attempt, whose every end has finished: edges are
+    classified by their waits over the lifetime, never as ``finished``."""
     edges: dict[tuple[str, str], EdgeView] = {}
     in_wait: dict[str, list[float]] = {}
     out_wait: dict[str, list[float]] = {}
@@ -168,6 +191,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(stage, str(dst))
             e.producers += 1
+            e.open_ends += final or _open(r, s)
             items, nbytes = int(_num(s.get("handoffs"))), int(_num(s.get("bytes")))
             e.items += items
             e.bytes += nbytes
@@ -194,6 +218,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(str(src), stage)
             e.consumers += 1
+            e.open_ends += final or _open(r, s)
             e.received += int(_num(s.get("handoffs")))
             w = _frac(_consumer_wait(s), _consumer_wait(b), span)
             waits_in.append(w)
@@ -219,7 +244,7 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
         score[name] = (busy + (sum(ups) / len(ups) if ups else 0.0)
                        + (sum(downs) / len(downs) if downs else 0.0))
     bottleneck = None
-    if score and any(e.bound != "flowing" for e in edges.values()):
+    if score and any(e.bound in ("downstream", "upstream") for e in edges.values()):
         bottleneck = max(score, key=lambda n: (score[n], -stage_names.index(n)))
     ordered = sorted(edges.values(), key=lambda e: (_index(stage_names, e.src), _index(stage_names, e.dst)))
     return Analysis(ordered, stages, bottleneck)
@@ -244,6 +269,8 @@ def status_lines(a: Analysis, run_s: float) -> list[str]:
                     if e.src == a.bottleneck and e.bound == "upstream"]
         head = (f"bottleneck: {a.bottleneck} (busy {st.get('busy', 0):.0%}"
                 + (f"; {', '.join(waiting)}" if waiting else "") + ")")
+    elif a.edges and all(e.bound == "finished" for e in a.edges):
+        head = "every edge finished (its ends closed)"
     elif a.edges:
         head = "no bottleneck: no stage waits on another"
     else:
@@ -251,7 +278,7 @@ def status_lines(a: Analysis, run_s: float) -> list[str]:
     lines = [f"monitor {run_s:6.1f} s  {head}"]
     for e in a.edges:
         occ = e.occupancy
-        bound = {"downstream": "downstream-bound", "upstream": "upstream-bound", "flowing": "flowing"}[e.bound]
+        bound = {"downstream": "downstream-bound", "upstream": "upstream-bound"}.get(e.bound, e.bound)
         lines.append(
             f"  {e.src} -> {e.dst}: {e.items_per_s:7.1f} items/s {_mb(e.bytes_per_s):>10}, "
             f"slots {e.slots_used}/{e.slots} used ({occ.get('queued', 0)} queued, {occ.get('in_flight', 0)} in flight), "
@@ -262,9 +289,10 @@ def status_lines(a: Analysis, run_s: float) -> list[str]:
 
 
 def stats_records(a: Analysis, reports: dict[tuple[str, Any], dict[str, Any]], *, run_id: str,
-                  now: float, run_s: float, final: bool) -> list[dict[str, Any]]:
+                  now: float, run_s: float, final: bool, incomplete: bool = False) -> list[dict[str, Any]]:
     """The ``--stats-file`` objects of one interval (schema: the module docstring)."""
-    common = {"v": STATS_VERSION, "run_id": run_id, "time": now, "run_s": round(run_s, 3), "final": final}
+    common = {"v": STATS_VERSION, "run_id": run_id, "time": now, "run_s": round(run_s, 3), "final": final,
+              "incomplete": incomplete}
     out: list[dict[str, Any]] = []
     for e in a.edges:
         out.append({**common, "type": "edge", "edge": e.name, "src": e.src, "dst": e.dst, "items": e.items,
@@ -289,10 +317,11 @@ def stats_records(a: Analysis, reports: dict[tuple[str, Any], dict[str, Any]], *
 
 
 # ---------------------------------------------------------------------------- files
-def read_snapshots(directory: str) -> dict[tuple[str, Any], dict[str, Any]]:
+def read_snapshots(directory: str, skipped: list[str] | None = None) -> dict[tuple[str, Any], dict[str, Any]]:
     """The stages' latest snapshots in ``directory``, keyed by (stage, replica). Files
     that cannot be read, are too large, are not JSON, not of this snapshot version or
-    not of the expected shape are skipped (fields inside are checked where used)."""
+    not of the expected shape are skipped, and so are endpoints whose stats are not
+    (``reports.clean_report``); ``skipped`` (if given) gets a line for each of those."""
     out: dict[tuple[str, Any], dict[str, Any]] = {}
     try:
         names = sorted(os.listdir(directory))
@@ -309,10 +338,12 @@ def read_snapshots(directory: str) -> dict[tuple[str, Any], dict[str, Any]]:
             report = json.loads(raw)
         except (OSError, ValueError, RecursionError):
             continue
-        if (isinstance(report, dict) and report.get("v") == SNAPSHOT_VERSION and isinstance(report.get("stage"), str)
-                and isinstance(report.get("mono"), (int, float))
-                and isinstance(report.get("inputs", {}), dict) and isinstance(report.get("outputs", {}), dict)):
-            out[_key(report)] = report
+        if isinstance(report, dict) and report.get("v") == SNAPSHOT_VERSION and _finite(report.get("mono")):
+            report, problems = clean_report(report, name)
+            if skipped is not None:
+                skipped += problems
+            if report is not None:
+                out[_key(report)] = report
     return out
 
 
@@ -345,11 +376,18 @@ def merge_trace(traces: list[ProcessTrace], path: str, *, other: dict[str, Any] 
     """Write the Chrome trace of ``traces`` to ``path`` (whole, then moved into place);
     returns its number of events."""
     data = chrome_trace(traces, other=other)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    files.write_atomic(path, json.JSONEncoder(separators=(",", ":")).iterencode(data), files.SHARED)
     return len(data["traceEvents"])
+
+
+def _incomplete(run_dir: str, cur: dict[tuple[str, Any], dict[str, Any]], final: bool) -> str | None:
+    """Why this interval's figures are incomplete, or None: some stage's telemetry could
+    not be written, or (at the end) some stage left no final snapshot."""
+    if read_incomplete(os.path.join(run_dir, "stats")):
+        return INCOMPLETE
+    if final and any(r.get("final") is not True for r in cur.values()):
+        return "incomplete: some stages left no final report"
+    return None
 
 
 # ---------------------------------------------------------------------------- the launcher's part
@@ -366,11 +404,14 @@ class Observer:
         self.trace_file = trace_file
         self.out = out if out is not None else sys.stderr
         self.started = time.monotonic()
-        self._stats = open(stats_file, "a") if stats_file else None
+        self._stats = files.open_append(stats_file, files.SHARED) if stats_file else None
         self._next = time.monotonic() + interval
         self._prev: dict[tuple[str, Any], dict[str, Any]] = {}
         self._traces: list[ProcessTrace] = []
         self._trace_budget = _MAX_TRACE_EVENTS
+        self._skipped_said = False  # said that stage telemetry of the wrong shape was skipped
+        self._stats_file = stats_file
+        self._stats_failed = False  # said that --stats-file could not be written
 
     @property
     def telemetry(self) -> bool:
@@ -418,30 +459,44 @@ class Observer:
                 n = merge_trace(self._traces, self.trace_file, other={"run_ids": run_id})
                 dropped = sum(t.dropped for t in self._traces)
                 self._say(f"trace: {n} events from {len(self._traces)} processes written to {self.trace_file}"
-                          + (f" ({dropped} events dropped: over the cap)" if dropped else ""))
+                          + (f" ({dropped} events dropped: over the cap or not written)" if dropped else "")
+                          + (f" ({INCOMPLETE})" if read_incomplete(os.path.join(run_dir, "stats")) else ""))
             except Exception as exc:
                 self._say(f"trace: not written ({type(exc).__name__}: {exc})")
 
     def close(self) -> None:
         if self._stats is not None:
-            self._stats.close()
+            os.close(self._stats)
             self._stats = None
 
     def _report(self, run_id: str, run_dir: str, order: list[str], final: bool) -> None:
-        cur = read_snapshots(os.path.join(run_dir, "telemetry"))
+        skipped: list[str] = []
+        cur = read_snapshots(os.path.join(run_dir, "telemetry"), skipped)
+        if skipped and not self._skipped_said:
+            self._skipped_said = True
+            self._say(f"monitor: skipping stage telemetry not of the expected shape: {skipped[0]}"
+                      + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
         if not cur and not final:
             return
         # The final report covers the whole attempt (rates and waits over each
         # process's lifetime); the others, the last interval.
-        a = analyze({} if final else self._prev, cur, order)
+        a = analyze({} if final else self._prev, cur, order, final=final)
         run_s = time.monotonic() - self.started
+        note = _incomplete(run_dir, cur, final)
         if self.monitor and (cur or final):
-            for line in status_lines(a, run_s):
-                self._say(line if not final else line.replace("monitor", "monitor (final)", 1))
-        if self._stats is not None:
-            for rec in stats_records(a, cur, run_id=run_id, now=time.time(), run_s=run_s, final=final):
-                self._stats.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._stats.flush()
+            for i, line in enumerate(status_lines(a, run_s)):
+                line = line if not final else line.replace("monitor", "monitor (final)", 1)
+                self._say(f"{line} ({note})" if note and i == 0 else line)
+        if self._stats is not None and not self._stats_failed:
+            records = stats_records(a, cur, run_id=run_id, now=time.time(), run_s=run_s, final=final,
+                                    incomplete=note is not None)
+            try:
+                files.write_all(self._stats,
+                                "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+            except OSError as exc:
+                self._stats_failed = True
+                self._say(f"cannot write --stats-file {self._stats_file} ({exc.strerror or exc}): it stops here, "
+                          "incomplete")
         self._prev = cur
 
     def _say(self, line: str) -> None:

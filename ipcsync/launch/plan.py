@@ -43,12 +43,16 @@ from ..runtime.shm import ENV_RUN_ID
 from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
-    "Instance", "Plan", "resolve", "resolve_command", "WIRING_VERSION", "ENV_WIRING", "IPC_PATH_MAX",
-    "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers",
+    "Instance", "Plan", "resolve", "resolve_command", "is_python_word", "WIRING_VERSION", "ENV_WIRING",
+    "IPC_PATH_MAX", "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers",
+    "INCOMPLETE_SUFFIX",
 ]
 
 WIRING_VERSION = 1
 ENV_WIRING = "IPCSYNC_WIRING"
+# Beside a stage's stats file (``<stage>.<replica>.json``): the marker it leaves when its
+# telemetry could not be written (``runtime.telemetry.write_failed``).
+INCOMPLETE_SUFFIX = ".incomplete"
 OMP_THREADS = "OMP_NUM_THREADS"
 OMP_DEFAULT = "1"
 _PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
@@ -168,10 +172,14 @@ class Plan:
             lines.append("  (none)")
         for e in self.spec.edges:
             src, dst = self.spec.stage(e.src), self.spec.stage(e.dst)
+            # The wait mode is how a CUDA consumer waits on its producer's events: not
+            # shown when this node's consumers of the edge are all on the CPU.
+            consumers = [i.device for i in self.instances if i.stage == e.dst]
+            wait = f"wait {e.wait}, " if not consumers or any(d != "cpu" for d in consumers) else ""
             lines.append(
                 f"  {e.src} -> {e.dst}{' (reply)' if e.reply else ''}: {src.replicas} producer(s) x "
                 f"{dst.replicas} consumer(s), "
-                f"policy {e.policy}, slots {e.slots}, slot_bytes {e.slot_bytes}, wait {e.wait}, "
+                f"policy {e.policy}, slots {e.slots}, slot_bytes {e.slot_bytes}, {wait}"
                 f"timeout {e.timeout:g} s"
             )
             for i in range(src.replicas):
@@ -187,9 +195,14 @@ def endpoint_url(run_dir: str, src: str, replica: int, dst: str) -> str:
     return "ipc://" + os.path.join(run_dir, f"{src}.{replica}-{dst}.sock")
 
 
+def is_python_word(word: str) -> bool:
+    """Whether ``word`` names a Python interpreter: ``python``, ``python3`` or ``python3.N``."""
+    return _PYTHON_RE.fullmatch(word) is not None
+
+
 def resolve_command(cmd: tuple[str, ...], python: str) -> tuple[str, ...]:
     """``cmd`` with a first word ``python``/``python3``/``python3.N`` replaced by ``python``."""
-    if cmd and python and _PYTHON_RE.fullmatch(cmd[0]):
+    if cmd and python and is_python_word(cmd[0]):
         return (python, *cmd[1:])
     return cmd
 

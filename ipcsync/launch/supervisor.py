@@ -49,9 +49,11 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
-from ..runtime import host
+from ..errors import ConfigError
+from ..runtime import files, host
 from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
+from .reports import INCOMPLETE, clean_reports, incomplete_line, read_incomplete
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
 
@@ -78,6 +80,7 @@ class Outcome:
     interrupted: int | None = None  # the signal that stopped the launcher, if one did
     final: bool = False  # no restart, whatever the policy (a node of the group is gone)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    incomplete: bool = False  # some stage's telemetry could not be written: stats are partial
 
 
 def exit_code_of(returncode: int) -> int:
@@ -186,7 +189,7 @@ class Supervisor:
                 if outcome.code == 0:
                     self._say("all stages finished")
                     if self._summary:
-                        for line in summarize(outcome.stats):
+                        for line in summarize(outcome.stats, incomplete=outcome.incomplete):
                             self._say(line)
                     return 0
                 if outcome.interrupted is None and not outcome.final and attempt < self._restart:
@@ -211,7 +214,12 @@ class Supervisor:
         os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
         os.chmod(run_dir, 0o700)
         owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
-        _write_owner(run_dir, owner)  # for sweep_abandoned
+        try:
+            _write_owner(run_dir, owner)  # for sweep_abandoned
+        except OSError as exc:
+            _remove_run(run_dir, run_id)
+            raise ConfigError(f"cannot write to the runtime directory {self._base} ({exc.strerror or exc}): free "
+                              "space there, or set IPCSYNC_RUNTIME_DIR to a directory with room") from None
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
@@ -220,6 +228,8 @@ class Supervisor:
         code = 0
         interrupted: int | None = None
         stats: list[dict[str, Any]] = []
+        unwritten: dict[str, str] = {}
+        owner_said = False
         plan: Plan | None = None
         final = False
         try:
@@ -234,7 +244,13 @@ class Supervisor:
                     owner["stages"].append(
                         {"label": inst.label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid}
                     )
-                    _write_owner(run_dir, owner)
+                    try:
+                        _write_owner(run_dir, owner)
+                    except OSError as exc:  # a full runtime directory: go on, and say what it costs
+                        if not owner_said:
+                            owner_said = True
+                            self._say(f"cannot update {_OWNER} in {run_dir} ({exc.strerror or exc}): if this "
+                                      "launcher is killed, a later one may not find every stage to stop")
                 if proc.popen is None:  # could not even start: that is the root cause
                     cause, code = f"stage {inst.label} could not start: {proc.partial.decode()}", 127
                     proc.partial = b""
@@ -242,8 +258,9 @@ class Supervisor:
                 assert proc.popen.stdout is not None
                 sel.register(proc.popen.stdout, selectors.EVENT_READ, proc)
             if cause is None:
+                n = len(plan.instances)
                 self._say(
-                    f"started {len(plan.instances)} processes of pipeline {plan.spec.name!r} "
+                    f"started {n} process{'es' if n != 1 else ''} of pipeline {plan.spec.name!r} "
                     f"(run {run_id}{f', restart {attempt}' if attempt else ''})"
                 )
             next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
@@ -297,6 +314,9 @@ class Supervisor:
                 # Interrupted while stopping a failed attempt: no restart; the failure
                 # stays the root cause and sets the exit code.
                 interrupted = self._signal
+            unwritten = read_incomplete(os.path.join(run_dir, "stats"))
+            if unwritten:
+                self._say(incomplete_line(unwritten))  # once: before any figure it concerns
             if cause is None:
                 stats = _read_stats(os.path.join(run_dir, "stats"))
             if self._observer is not None and plan is not None:
@@ -304,7 +324,7 @@ class Supervisor:
                                       {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
             _remove_run(run_dir, run_id)
             sel.close()
-        return Outcome(code, cause, interrupted, final, stats)
+        return Outcome(code, cause, interrupted, final, stats, bool(unwritten))
 
     def _root_cause(self, p: _Proc, sel: selectors.BaseSelector) -> tuple[str, int]:
         """The first failure of an attempt, as (one line, exit code). ``p`` exited non-zero
@@ -563,11 +583,7 @@ def _remove_run(run_dir: str, run_id: str) -> None:
 
 def _write_owner(run_dir: str, owner: dict[str, Any]) -> None:
     """Replace the run's owner.json atomically (a reader sees the old or the new one)."""
-    path = os.path.join(run_dir, _OWNER)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(owner, f)
-    os.replace(tmp, path)
+    files.write_atomic(os.path.join(run_dir, _OWNER), json.dumps(owner))
 
 
 def _set_child_subreaper() -> bool:
@@ -785,30 +801,48 @@ def _read_stats(directory: str) -> list[dict[str, Any]]:
     return reports
 
 
-def summarize(reports: list[dict[str, Any]]) -> list[str]:
+def summarize(reports: list[dict[str, Any]], incomplete: bool = False) -> list[str]:
     """Per-edge lines from the stages' reports: items, bytes and rate as the producers
-    counted them, latency (send to receipt) as the consumers measured it."""
+    counted them, latency (send to receipt) as the consumers measured it. A producer
+    whose report is not here (it runs on another node) is counted by its consumers.
+    Reports are the stages' (untrusted): what is not of the expected shape
+    (``reports.clean_report``) is left out, and one last line says what. ``incomplete``:
+    some stage's telemetry could not be written (the header says so, also when no report
+    could be read)."""
     edges: dict[tuple[str, str], dict[str, Any]] = {}
+    reports, skipped = clean_reports([("a stage's exit stats", r) for r in reports])
+
+    def edge(key: tuple[str, str]) -> dict[str, Any]:
+        return edges.setdefault(key, {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {},
+                                      "producers": set(), "received": {}})
+
     for r in reports:
         stage = r.get("stage")
         for dst, s in (r.get("outputs") or {}).items():
-            e = edges.setdefault((stage, dst), {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {}})
+            e = edge((stage, dst))
+            e["producers"].add(f"{stage}/{r.get('replica')}")
             e["items"] += int(s.get("handoffs", 0))
             e["bytes"] += int(s.get("bytes", 0))
             e["elapsed"] = max(e["elapsed"], float(s.get("elapsed_s", 0.0)))
             for cause, sec in (s.get("waiting_s") or {}).items():
                 e["waits"][f"producer:{cause}"] = e["waits"].get(f"producer:{cause}", 0.0) + float(sec)
         for src, s in (r.get("inputs") or {}).items():
-            e = edges.setdefault((src, stage), {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {}})
-            for one in (s.get("sources") or {"": s}).values():
+            e = edge((src, stage))
+            for source, one in (s.get("sources") or {f"{src}/0": s}).items():
+                e["received"].setdefault(source, []).append(one)
                 lat = one.get("latency_s") or {}
                 if lat.get("p50") is not None:
                     e["lat"].append((lat["p50"], lat.get("p99") or lat["p50"]))
                 for cause, sec in (one.get("waiting_s") or {}).items():
                     e["waits"][f"consumer:{cause}"] = e["waits"].get(f"consumer:{cause}", 0.0) + float(sec)
-    if not edges:
-        return []
-    lines = ["edge summary:"]
+    for e in edges.values():  # sources whose producer reported elsewhere: as received
+        for source, seen in e["received"].items():
+            if source not in e["producers"]:
+                e["items"] += sum(int(one.get("handoffs", 0)) for one in seen)
+                e["bytes"] += sum(int(one.get("bytes", 0)) for one in seen)
+                e["elapsed"] = max([e["elapsed"], *(float(one.get("elapsed_s", 0.0)) for one in seen)])
+    head = f"edge summary ({INCOMPLETE})" if incomplete else "edge summary"
+    lines = [f"{head}:"] if edges else [f"{head}: no stage's exit stats could be read"] if incomplete else []
     for (src, dst), e in sorted(edges.items()):
         rate = e["items"] / e["elapsed"] if e["elapsed"] > 0 else 0.0
         lat = ""
@@ -821,4 +855,7 @@ def summarize(reports: list[dict[str, Any]]) -> list[str]:
             f"  {src} -> {dst}: {e['items']} items, {e['bytes'] / 1e6:.1f} MB, {rate:.0f} items/s"
             f"{lat}{'; waited ' + waits if waits else ''}"
         )
+    if skipped:
+        lines.append(f"left out of the summary, not of the expected shape: {skipped[0]}"
+                     + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
     return lines

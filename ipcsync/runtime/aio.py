@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
@@ -38,7 +39,7 @@ from .waiting import Poller, SourcePort
 if TYPE_CHECKING:
     from ..item import Item
 
-__all__ = ["readable", "wait_for_attempt", "fill_from_ports", "TaskItems", "AsyncItems"]
+__all__ = ["readable", "wait_for_attempt", "fill_from_ports", "CallerItems", "AsyncItems"]
 
 T = TypeVar("T")
 
@@ -129,26 +130,55 @@ def fill_from_ports(poller: Poller, ports: Iterable[SourcePort], closed: Callabl
         poller.lend(other)
 
 
-class TaskItems:
-    """``aget()``'s auto-release, per asyncio task (as ``get()``'s is per thread): the
-    item a task got last is released when that task asks for the next one."""
+class CallerItems:
+    """``aget()``'s auto-release, per caller: the items ``aget`` returned to a caller are
+    released when that caller calls ``aget`` again (as ``get()``'s are per thread).
 
-    __slots__ = ("current",)
+    The caller is the task that *calls* ``aget()`` (the running task when the call
+    expression is evaluated; the thread, outside a running loop), not the task that runs
+    the coroutine: ``asyncio.wait_for(inp.aget(), T)`` (a task of its own per call on
+    Python 3.11) and ``await asyncio.create_task(inp.aget())`` are keyed by the task that
+    wrote them, so the usual timeout idioms give back the caller's previous item instead
+    of stalling the ring with items whose task is gone. Rules:
+
+    - **"Previous" is per caller**: many tasks on one consumer each hold what they got
+      until they call again; one task never releases another task's item.
+    - **The release happens at the call**, in the caller, before the coroutine exists:
+      a call whose coroutine is cancelled before it starts (``wait_for(..., 0)``) still
+      gave back the previous items, and took nothing.
+    - **Every item of a round is kept until the next round**: ``gather(inp.aget(),
+      inp.aget())`` in one task holds both results; both go back at that task's next call
+      (``remember`` adds to the caller's list, ``release_previous`` takes the whole list).
+    - A task that ends without calling again keeps its items until they are released
+      (explicitly, or when their consumer closes), as before.
+    """
+
+    __slots__ = ("by_task", "by_thread")
 
     def __init__(self) -> None:
-        self.current: "weakref.WeakKeyDictionary[asyncio.Task[Any], Item]" = weakref.WeakKeyDictionary()
+        self.by_task: "weakref.WeakKeyDictionary[asyncio.Task[Any], list[Item]]" = weakref.WeakKeyDictionary()
+        self.by_thread: dict[int, list["Item"]] = {}
 
-    def release_previous(self) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            cur = self.current.pop(task, None)
-            if cur is not None:
-                cur.release()
+    @staticmethod
+    def caller() -> "asyncio.Task[Any] | int":
+        """Who calls: the running task, or this thread when no loop runs here."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop in this thread
+            task = None
+        return task if task is not None else threading.get_ident()
 
-    def remember(self, item: "Item | None") -> None:
-        task = asyncio.current_task()
-        if task is not None and item is not None:
-            self.current[task] = item
+    def release_previous(self, caller: "asyncio.Task[Any] | int") -> None:
+        """Release what ``aget`` returned to ``caller`` since its last call."""
+        held = self.by_thread.pop(caller, None) if isinstance(caller, int) else self.by_task.pop(caller, None)
+        for item in held or ():
+            item.release()
+
+    def remember(self, caller: "asyncio.Task[Any] | int", item: "Item | None") -> None:
+        if item is None:
+            return
+        table: Any = self.by_thread if isinstance(caller, int) else self.by_task
+        table.setdefault(caller, []).append(item)
 
 
 class AsyncItems:

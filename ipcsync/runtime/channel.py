@@ -29,6 +29,7 @@ import fcntl
 import logging
 import os
 import re
+import select
 import socket
 import stat
 import time
@@ -58,6 +59,7 @@ __all__ = [
     "check_transport",
     "producer_identity_problem",
     "diagnose_unanswered",
+    "live_endpoints",
     "raise_fd_limit",
 ]
 
@@ -266,10 +268,30 @@ def _configure(sock: zmq.Socket, max_frame: int) -> None:
     sock.setsockopt(zmq.RCVHWM, 100_000)
 
 
+def _always_signaled(timeout: float) -> list[tuple[int, int]]:
+    return [(-1, 0)]
+
+
 class _Channel:
+    """Quiet sockets cost one ``epoll_wait``, not a ``ZMQ_EVENTS`` query each.
+
+    A ZeroMQ socket's ``ZMQ_FD`` becomes readable when the socket gets work (a frame, a
+    connection change) and stays so until its commands are processed (a ``ZMQ_EVENTS``
+    query, a ``send`` or ``recv`` on it). So once a query or a ``recv`` found nothing
+    (``_sock_quiet``/``_mon_quiet``), the socket stays empty until its fd is readable:
+    ``_zq``, a level-triggered epoll on both fds, says so in one syscall. Invariant: a
+    quiet flag is True only while nothing but that epoll poll touched the socket since it
+    was found empty; every ``send``, ``wait`` and ``disconnect`` (each may process the
+    commands of an arrival, leaving the fd unreadable with a frame queued) and every frame
+    received clears it. On a lane
+    edge, where frames travel elsewhere, a pump thus polls neither socket."""
+
     sock: zmq.Socket
     mon: zmq.Socket | None = None
     mux: LaneMux | None = None  # the lanes' wait descriptor (None: no lanes on this channel)
+    _sock_quiet = False  # found empty, and only _zq polled since
+    _mon_quiet = False
+    _zq: Any = None
 
     def _setup_monitor(self) -> None:
         self.mon = self.sock.get_monitor_socket(_MONITOR_EVENTS)
@@ -277,6 +299,17 @@ class _Channel:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.mon, zmq.POLLIN)
+        try:
+            self._zq = select.epoll()  # close-on-exec
+            self._zq.register(self.sock.getsockopt(zmq.FD), select.EPOLLIN)
+            self._zq.register(self.mon.getsockopt(zmq.FD), select.EPOLLIN)
+            self._zq_poll = self._zq.poll
+        except OSError as exc:  # (no descriptor left: query the sockets every time)
+            _log.debug("ipcsync: no epoll for the sockets' fds (%s); querying them at every pump", exc)
+            if self._zq is not None:
+                self._zq.close()
+                self._zq = None
+            self._zq_poll = _always_signaled
 
     def _bind_hot(self) -> None:
         """Bound backend methods of the socket, for the per-frame calls."""
@@ -286,6 +319,7 @@ class _Channel:
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for a frame or a monitor event."""
+        self._sock_quiet = self._mon_quiet = False  # zmq_poll processes the sockets' commands
         return bool(self.poller.poll(max(0, int(timeout * 1000))))
 
     def fds(self) -> list[int]:
@@ -301,35 +335,57 @@ class _Channel:
 
     def pending(self) -> bool:
         """True if the socket, its monitor or a lane has something to read now."""
-        if self._get(_EVENTS) & _POLLIN:
-            return True
-        if self.mon is not None and self._mget(_EVENTS) & _POLLIN:
-            return True
+        if not (self._sock_quiet and self._mon_quiet) or self._zq_poll(0):
+            if self._get(_EVENTS) & _POLLIN:
+                self._sock_quiet = False
+                return True
+            self._sock_quiet = True
+            if self.mon is not None:
+                if self._mget(_EVENTS) & _POLLIN:
+                    self._mon_quiet = False
+                    return True
+                self._mon_quiet = True
         mux = self.mux
         return mux is not None and mux.count > 0 and mux.pending()
 
     def events(self) -> list[tuple[int, int]] | tuple[()]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon
-        if mon is None or not self._mget(_EVENTS) & _POLLIN:
+        if mon is None or (self._mon_quiet and not self._zq_poll(0)):
             return _NO_EVENTS
+        if not self._mget(_EVENTS) & _POLLIN:
+            self._mon_quiet = True
+            return _NO_EVENTS
+        self._mon_quiet = False
         out = []
         while True:
             try:
                 raw = mon.recv_multipart(_NOBLOCK)
             except zmq.Again:
+                self._mon_quiet = True
                 return out
             msg = parse_monitor_message(raw)
             out.append((int(msg["event"]), int(msg["value"])))
 
+    def disconnect(self, url: str) -> None:
+        """``zmq_disconnect`` (it processes the socket's commands: the socket is no longer
+        known quiet). zmq.ZMQError as ZeroMQ raises it."""
+        self._sock_quiet = False
+        self.sock.disconnect(url)
+
     def _recv_parts(self, copy: bool) -> list[Any] | None:
         """One whole message, as ``recv_multipart`` gives it, or None if none is waiting."""
-        if not self._get(_EVENTS) & _POLLIN:
+        if self._sock_quiet and not self._zq_poll(0):
             return None
+        if not self._get(_EVENTS) & _POLLIN:
+            self._sock_quiet = True
+            return None
+        self._sock_quiet = False  # (more may be queued behind this frame, unsignaled)
         recv = self._recv
         try:
             frame = recv(_NOBLOCK, False)
         except zmq.Again:
+            self._sock_quiet = True
             return None
         # The parts of a message arrive together: the rest never raises zmq.Again.
         # (``Frame.more`` rather than a ZMQ_RCVMORE getsockopt: no option lookup per part.)
@@ -340,6 +396,10 @@ class _Channel:
         return [f.bytes for f in parts] if copy else parts
 
     def close(self) -> None:
+        zq, self._zq = self._zq, None
+        if zq is not None:
+            self._zq_poll = _always_signaled
+            zq.close()
         sock = getattr(self, "sock", None)
         if sock is None or sock.closed:
             return
@@ -404,7 +464,7 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return False, f"there is no socket {path} (no producer has bound it)"
+        return False, f"there is no socket {path} (no producer has bound it){_live_words(path)}"
     except OSError as exc:
         return exc.errno in (errno.EACCES, errno.EPERM), f"cannot examine {path}: {exc}"
     mode = stat.S_IMODE(st.st_mode)
@@ -429,6 +489,42 @@ def diagnose_unanswered(endpoint: Endpoint) -> tuple[bool, str] | None:
     if st.st_uid != os.getuid():
         return False, f"{path} belongs to uid {st.st_uid} (mode {mode:o}), not to this user"
     return None
+
+
+def live_endpoints(directory: str) -> list[str] | None:
+    """Names of the ipc endpoints in ``directory`` whose producer lives (its bind lock is
+    held, as /proc/locks says: nothing is connected to or locked); None if unknown."""
+    held = _host.flocked_inodes()
+    if held is None:
+        return None
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".sock"))
+    except OSError:
+        return None
+    live = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(directory, name + ".lock"))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in held:
+            live.append(name[: -len(".sock")])
+    return live
+
+
+_LIVE_SHOWN = 20  # endpoint names listed at most in an error
+
+
+def _live_words(path: str) -> str:
+    """'; live endpoints in DIR: 'a', 'b'', for an error about a name nobody bound."""
+    directory = os.path.dirname(path)
+    live = live_endpoints(directory)
+    if live is None:
+        return ""
+    if not live:
+        return f"; no endpoint is live in {directory}"
+    more = f" and {len(live) - _LIVE_SHOWN} more" if len(live) > _LIVE_SHOWN else ""
+    return f"; live endpoints in {directory}: {', '.join(map(repr, live[:_LIVE_SHOWN]))}{more}"
 
 
 _log = logging.getLogger(__name__)
@@ -604,6 +700,7 @@ class ProducerChannel(_Channel):
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to a peer; False if its queue is full (retry later). Raises
         zmq.ZMQError(EHOSTUNREACH) when the peer is gone."""
+        self._sock_quiet = False  # a send processes the socket's commands (class docstring)
         try:
             # ROUTER_MANDATORY fails the identity part at once if the peer is gone or full,
             # so the two parts go out together or not at all.
@@ -740,6 +837,7 @@ class ConsumerChannel(_Channel):
         self._send_switch()
 
     def _send_switch(self) -> bool:
+        self._sock_quiet = False  # a send processes the socket's commands (class docstring)
         try:
             self._send(self._switch, _NOBLOCK)
         except zmq.Again:
@@ -780,6 +878,7 @@ class ConsumerChannel(_Channel):
             return False
         if self.lane_out:
             return self.send(frame)
+        self._sock_quiet = False  # a send processes the socket's commands (class docstring)
         try:
             self._send(frame, _NOBLOCK)
             return True

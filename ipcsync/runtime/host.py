@@ -190,3 +190,24 @@ def owner_gone(pid: int, started: int) -> bool | None:
     if t is None:
         return None
     return t == GONE or t != started
+
+
+def flocked_inodes() -> set[tuple[int, int]] | None:
+    """(device, inode) of every file some process holds an ``flock`` on now, from
+    /proc/locks (read only: no lock is taken); None where it cannot be read."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    held = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            held.add((os.makedev(int(major, 16), int(minor, 16)), int(inode)))
+        except ValueError:
+            continue
+    return held

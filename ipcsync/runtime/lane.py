@@ -22,9 +22,12 @@ Rules:
   ``_FRAGMENT + 4-byte length + bytes`` then raw continuation packets, reassembled up to
   the receiver's frame limit. Once its first packet went out the rest is kept in ``tail``
   and goes before any later frame (``flush``, at every pump).
-- **Closing is evidence, not a verdict.** EOF or ECONNRESET on a switched lane is what a
-  closed ZeroMQ connection is, and goes to the same liveness rule (``PeerTable
+- **Closing is evidence, not a verdict.** EOF on a switched lane is what a closed ZeroMQ
+  connection is, and goes to the same liveness rule (``PeerTable
   .on_disconnect`` on the producer, ``ConsumerSession.disconnected`` on the consumer).
+  Every frame the peer sent before it closed is read first: the ECONNRESET the kernel
+  reports ahead of them (the peer closed with our frames unread) is skipped, so a last
+  word (an abort's ERROR, a BYE) is never overtaken by the close.
 - **Waiting.** Each channel owns one epoll descriptor (``LaneMux``) that holds the lanes
   it reads (and, on the producer, the listener and unauthenticated connections); it is
   one of the channel's ``fds()``, so every wait on the channel (select, FanIn, asyncio's
@@ -153,14 +156,24 @@ class Lane:
         return True
 
     def recv(self) -> bytes | None:
-        """The next whole frame, or None if none has arrived whole. LaneClosed at EOF or
-        reset; ProtocolError for a packet that breaks the framing (the lane is then
-        unusable: the caller ends the session)."""
+        """The next whole frame, or None if none has arrived whole. LaneClosed at EOF (every
+        frame the peer sent before closing has been returned first); ProtocolError for a
+        packet that breaks the framing (the lane is then unusable: the caller ends the
+        session)."""
+        reset = False
         while True:
             try:
                 data = self.sock.recv(LANE_PACKET_MAX + 1)
             except BlockingIOError:
                 return None
+            except ConnectionResetError as exc:
+                # A peer that closes with frames of ours unread makes the kernel report
+                # ECONNRESET once, *before* the frames it sent us last (an abort's ERROR):
+                # read on; EOF follows them.
+                if reset:
+                    raise LaneClosed(str(exc)) from None
+                reset = True
+                continue
             except OSError as exc:
                 raise LaneClosed(str(exc)) from None
             if not data:  # no empty packet is ever sent: this is EOF

@@ -5,7 +5,7 @@ segments and re-exports these names.
 
 A segment is ``/dev/shm/ipcsync-<pid>-[r<run id>-]<start time>-<pid ns>-<token>``: the
 run id (``launcher_run_id()``: IPCSYNC_RUN_ID, set by ipcsync-run) lets the launcher sweep
-what a killed process group left behind, resource tracker included; the owner's start time and pid namespace
+what a killed process group left behind; the owner's start time and pid namespace
 prove it gone (``backends.cpu.reclaim_dead_segments``). Names without them
 (``ipcsync-<pid>-[r<run id>-]<token>``) are still opened, never reclaimed.
 """

@@ -38,11 +38,14 @@ from ..errors import ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
-__all__ = ["Waits", "Handoffs", "NAG_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
+__all__ = ["Waits", "Handoffs", "NAG_S", "CLOSE_LINGER_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
 log = logging.getLogger(__name__)
 
 NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
+# close(): how long queued items wait for a consumer once every consumer that attached
+# has left; then they are dropped, with a warning naming how many.
+CLOSE_LINGER_S = 2.0
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
 # Layout ids in use at once (least recently used reused), within what a consumer caches.
 MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
@@ -95,6 +98,7 @@ class Handoffs:
         # (foreign arena, region offset, region bytes) or None, layout version, layout].
         self.items: list[list[Any] | None] = [None] * self.slots
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
+        self._alone_since: float | None = None  # since when close() has no consumer to wait for
         # slot() blocks build their views from the slot's own storage (made at its first
         # block), whose use count tells whether a tensor of the block outlived it; such a
         # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
@@ -125,21 +129,27 @@ class Handoffs:
         # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
         lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
         if lkey not in self.layout_ids:  # (every layout that has an id was checked)
-            try:
-                P.sendable_layout(plan.layout, self.limits)
-            except ProtocolError as exc:
-                lim = self.limits
-                raise ConfigError(
-                    f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
-                    f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
-                    f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
-                    f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
-                ) from None
+            self.check_layout(plan.layout)
         plan.layout_size = len(encoded)
         plan.layout_key = lkey
         self.assign_layout(plan)
         self.plans.put(key, plan)
         return plan
+
+    def check_layout(self, layout: list[Any]) -> None:
+        """ConfigError for a layout the consumers' decoder would refuse: the hard limits of
+        ``ipcsync.Limits``, which no slot size can lift (so placements check them before
+        the slot's size: ``plan_message(..., check_layout=)``)."""
+        try:
+            P.sendable_layout(layout, self.limits)
+        except ProtocolError as exc:
+            lim = self.limits
+            raise ConfigError(
+                f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
+                f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
+                f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
+                f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
+            ) from None
 
     def assign_layout(self, plan: Plan) -> None:
         """Give ``plan`` its layout's id (see core.layout.LayoutIds): ids of items still in
@@ -158,7 +168,7 @@ class Handoffs:
         except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
             key, plan = None, None
         if plan is None:
-            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes))
+            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes, self.check_layout))
             plan.recipe = Recipe(plan.layout, self.slot_bytes)
         assert plan.recipe is not None
         return plan, plan.recipe
@@ -184,6 +194,40 @@ class Handoffs:
             log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
                         "this; abort() ends the stream at once)", self.name, words())
             nag = time.monotonic() + NAG_S
+
+    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int]) -> None:
+        """close(): wait (nagging) until every queued item went out, up to ``deadline``.
+
+        When every consumer that attached has left (none attached now, ``attached_ever()``
+        > 0) the items wait only CLOSE_LINGER_S for one to attach; then they are dropped
+        with a warning naming how many: nobody is left to take them, and a close() must
+        neither lose them silently nor stall for its whole timeout. A producer that no
+        consumer ever attached to waits for one until ``deadline`` (either side may start
+        first). Items dropped at ``deadline`` are warned about the same way."""
+        ring = self.ring
+        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever())  # noqa: E731
+        self.wait_nagging(done, deadline, self.queued_words)
+        if ring.queued and not ring.consumers():
+            dropped = ring.drop_queued()
+            for slot in dropped:
+                self.items[slot] = None
+            ever = attached_ever()
+            why = (f"every consumer that attached ({ever}) had left and none attached within "
+                   f"{CLOSE_LINGER_S:g} s" if ever else "no consumer attached before close()'s timeout")
+            log.warning("ipcsync producer %r closed with %d queued item(s) that no consumer took: dropped "
+                        "(%s); to deliver them, keep a consumer attached until close() returns",
+                        self.name, len(dropped), why)
+
+    def alone_too_long(self, attached_ever: int) -> bool:
+        """Every consumer that attached (``attached_ever`` of them) has left, and none has
+        attached for CLOSE_LINGER_S: queued items have nobody to wait for."""
+        if not attached_ever or self.ring.consumers():
+            self._alone_since = None
+            return False
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        return now - self._alone_since >= CLOSE_LINGER_S
 
     def queued_words(self) -> str:
         n = self.ring.queued
@@ -227,18 +271,23 @@ class Handoffs:
         else:
             ok = w.wait_until(done, t, cause, waited, pumped=True)
         if not ok:
-            forwarded = self.ledger.count()
-            raise w.timeout_error(
-                "no free slot", t,
-                f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
-                f"{len(self.ring.consumers())} consumer(s); consumers must release items "
-                "(or connect), or raise timeout/slots"
-                + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
-                   "their upstream slots until released" if forwarded else ""),
-            )
+            raise self.no_slot_error(t)
         acq = self.ring.acquire()
         assert acq is not None
         return acq
+
+    def no_slot_error(self, timeout: float | None) -> IpcTimeoutError:
+        """No slot freed within ``timeout``, the wait the user asked for (an asyncio call
+        reports its whole wait, not the last non-blocking try)."""
+        forwarded = self.ledger.count()
+        return self.waits.timeout_error(
+            "no free slot", timeout,
+            f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
+            f"{len(self.ring.consumers())} consumer(s); consumers must release items "
+            "(or connect), or raise timeout/slots"
+            + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
+               "their upstream slots until released" if forwarded else ""),
+        )
 
     # ------------------------------------------------------------------ 2. order after readers
     def order_after_readers(self, acq: Acquired, stream: Any) -> None:

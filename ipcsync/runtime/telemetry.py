@@ -15,6 +15,14 @@ process not started by a monitoring launcher does nothing here (the endpoints' h
   flushes and at most ``$IPCSYNC_TRACE_MAX_EVENTS`` are written; the rest are counted as
   dropped (the file says how many).
 
+Telemetry that cannot be written (a full runtime directory: ENOSPC) never disturbs the
+stage, and is never silent: the first failure of the process is logged once (a warning:
+what could not be written, and that the launcher's figures for this process will be
+incomplete) and leaves an empty-or-short marker file (``set_failure_marker``: under
+ipcsync-run, ``stats/<stage>.<replica>.incomplete``; creating an empty file needs no data
+block, so it usually succeeds on a full disk) that the launcher reports and marks its
+figures with. Trace events lost to a failed flush are counted as dropped.
+
 Trace file lines (JSON, no pickle): a header object ``{"v": 1, "pid", "stage",
 "replica"}``, then one array per event ``[kind, edge, seq, ts_ns, tid, arg]`` (``ts_ns``:
 ``time.monotonic_ns()``, one clock for every process of the host), ``["T", tid, name]``
@@ -28,15 +36,21 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from . import files
+
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ENV_TELEMETRY", "ENV_TRACE", "ENV_INTERVAL", "ENV_TRACE_MAX", "TRACE_VERSION", "SNAPSHOT_VERSION",
     "BUFFER_CAP", "EdgeTracer", "TraceBuffer", "tracer_for", "edge_key", "publish_periodically",
+    "set_failure_marker", "write_failed",
 ]
 
 ENV_TELEMETRY = "IPCSYNC_TELEMETRY_DIR"
@@ -131,14 +145,16 @@ class TraceBuffer:
             if self.dropped != self._dropped_said:
                 self._dropped_said = self.dropped
                 lines.append(json.dumps({"dropped": self.dropped}))
-            self.written += n
             if not lines:
                 return
             try:
-                with open(self.path, "a") as f:
-                    f.write("\n".join(lines) + "\n")
-            except OSError:
-                pass
+                files.append(self.path, ("\n".join(lines) + "\n").encode())
+            except OSError as exc:
+                # Lost: counted as dropped (said in the next line that gets written).
+                self.dropped += n
+                write_failed("trace events", exc)
+                return
+            self.written += n
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -210,17 +226,26 @@ def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> boo
         _publisher_started = True
     path = os.path.join(directory, f"{name}.json")
     interval = _interval()
+    # One write at a time, none after the final one: a periodic write landing after the
+    # exit's would leave a stale, non-final snapshot as the last word.
+    write_lock = threading.Lock()
+    finished = False
 
     def write(final: bool) -> None:
-        try:
-            snap = report()
-            snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(), final=final)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(snap, f, default=str)
-            os.replace(tmp, path)
-        except Exception:  # a snapshot is best effort: never disturb the stage
-            pass
+        nonlocal finished
+        with write_lock:
+            if finished:
+                return
+            finished = final
+            try:
+                snap = report()
+                snap.update(v=SNAPSHOT_VERSION, pid=os.getpid(), time=time.time(), mono=time.monotonic(),
+                            final=final)
+                files.write_atomic(path, json.dumps(snap, default=str))
+            except OSError as exc:
+                write_failed("stats snapshot", exc)
+            except Exception:  # a snapshot is best effort: never disturb the stage
+                pass
 
     def loop() -> None:
         while True:
@@ -230,3 +255,48 @@ def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> boo
     threading.Thread(target=loop, name="ipcsync.telemetry", daemon=True).start()
     atexit.register(write, True)
     return True
+
+
+_failure_marker: str | None = None
+_failure_said = False
+
+
+def set_failure_marker(path: str) -> None:
+    """Where ``write_failed`` leaves its marker for the launcher (``ipcsync.stage`` sets it
+    from the wiring)."""
+    global _failure_marker
+    _failure_marker = path
+
+
+def write_failed(what: str, exc: OSError) -> None:
+    """Telemetry of this process (``what``: "exit stats", "trace events", ...) could not be
+    written. The first time in the process: log a warning and leave the marker (best
+    effort: its text may not fit on a full disk, the empty file usually does). Never
+    raises. A directory that is gone (the launcher removed the run's) is no failure:
+    nobody reads it any more."""
+    global _failure_said
+    if isinstance(exc, FileNotFoundError):
+        return
+    with _buffer_lock:
+        if _failure_said:
+            return
+        _failure_said = True
+    reason = f"{what}: {exc.strerror or exc}"
+    marker = _failure_marker
+    where = (os.path.dirname(exc.filename) if isinstance(exc.filename, str)
+             else os.path.dirname(os.path.dirname(marker)) if marker else "the runtime directory")
+    log.warning("ipcsync: telemetry could not be written (%s); the launcher's figures for this process "
+                "(summary, --stats-file, --monitor, --trace) will be incomplete. Free space in %s, or set "
+                "IPCSYNC_RUNTIME_DIR to a directory with room.", reason, where)
+    if marker is None:
+        return
+    try:
+        fd = files.create_new(marker)
+    except OSError:
+        return  # there already (another thread's), or the directory is gone
+    try:
+        files.write_all(fd, reason.encode()[:400])
+    except OSError:
+        pass  # the empty marker says enough
+    finally:
+        os.close(fd)

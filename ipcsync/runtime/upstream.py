@@ -458,7 +458,7 @@ class ProducerLink:
             self.remote.fail("producer lost")  # abandons (aborts) its pending recvs
         # Stop ZeroMQ from silently reconnecting to a successor on the same path.
         try:
-            self.chan.sock.disconnect(self.endpoint.url)
+            self.chan.disconnect(self.endpoint.url)
         except zmq.ZMQError:
             pass
         self.remove_stale(0.0)

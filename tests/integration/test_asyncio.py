@@ -414,3 +414,138 @@ def test_cuda_async_for_and_asend(procs: Any, endpoints: Any) -> None:
     got, errors, echoed = run(main())
     assert got == list(range(n)) and echoed == got and not errors
     assert peer.result()["sent"] == n
+
+
+# --------------------------------------------------------------------------- timeout idioms
+# ``asyncio.wait_for(inp.aget(), T)`` (a new task per call on Python 3.11) and
+# ``await asyncio.create_task(inp.aget())`` run each aget in a task of its own: the
+# auto-release must still give back the caller's previous item, or the ring stalls once
+# every slot is held.
+def _idiom(inp: Any, how: str) -> Awaitable[Any]:
+    if how == "wait_for":
+        return asyncio.wait_for(inp.aget(), 10)
+    if how == "create_task":
+        return asyncio.create_task(inp.aget())
+    return asyncio.ensure_future(inp.aget())
+
+
+@pytest.mark.parametrize("how", ["wait_for", "create_task", "ensure_future"])
+def test_timeout_idioms_run_through_more_items_than_slots(procs: Any, endpoints: Any, how: str) -> None:
+    n = 24  # six times the slots
+    peer = procs.start("produce", module="peers.basic", endpoint=f"aio-idiom-{how}", n=n, wait_consumers=1)
+    peer.read_until(lambda l: l.get("event") == "bound")
+    inp = endpoints.consumer(f"aio-idiom-{how}", device="cpu", timeout=30.0)
+
+    async def main() -> list[int]:
+        got = []
+        while (item := await _idiom(inp, how)) is not None:
+            assert item["a"][0].item() == item.meta["i"]  # still readable: not released under us
+            got.append(item.meta["i"])
+        return got
+
+    assert run(main()) == list(range(n))
+    assert peer.result()["sent"] == n
+
+
+def test_many_tasks_with_wait_for_keep_their_own_items(procs: Any, endpoints: Any) -> None:
+    """Each task's item stays held (readable) while it works on it, whatever the other
+    tasks ask for meanwhile; its previous one is released at its next call."""
+    n = 80
+    peer = procs.start("produce", module="peers.basic", endpoint="aio-idiom-many", n=n, wait_consumers=1)
+    peer.read_until(lambda l: l.get("event") == "bound")
+    inp = endpoints.consumer("aio-idiom-many", device="cpu", timeout=30.0)
+
+    async def reader(seen: list[int]) -> None:
+        prev = None
+        while (item := await asyncio.wait_for(inp.aget(), 10)) is not None:
+            assert prev is None or prev.released  # this task's previous one went back
+            for _ in range(3):  # the other tasks run and call aget meanwhile
+                await asyncio.sleep(0.001)
+                assert not item.released
+            seen.append(item.meta["i"])
+            prev = item
+
+    async def main() -> list[list[int]]:
+        per_task: list[list[int]] = [[] for _ in range(3)]
+        await asyncio.gather(*(reader(s) for s in per_task))
+        return per_task
+
+    per_task = run(main())
+    assert sorted(i for s in per_task for i in s) == list(range(n))
+    assert peer.result()["sent"] == n
+
+
+def test_gather_of_agets_in_one_task(endpoints: Any) -> None:
+    """Several agets awaited together by one task: none releases an item the others
+    returned in the same round; the round's items go back at the task's next call."""
+    out, inp = pair(endpoints, "aio-idiom-gather")
+
+    async def main() -> list[int]:
+        got: list[int] = []
+        for r in range(4):
+            for i in range(2):
+                out.send(msg(2 * r + i), meta=2 * r + i)
+            items = await asyncio.gather(inp.aget(timeout=10), inp.aget(timeout=10))
+            assert not any(it.released for it in items)
+            got += [it.meta for it in items]
+        return got
+
+    assert sorted(run(main())) == list(range(8))
+
+
+def test_wait_for_cancellations_lose_nothing(endpoints: Any) -> None:
+    """wait_for timing out at every point relative to the item's arrival: every item is
+    delivered once, in order, by that call or the next; the ring never stalls."""
+    out, inp = pair(endpoints, "aio-idiom-cancel")
+    n = 40
+
+    async def main() -> list[int]:
+        got: list[int] = []
+        sent = 0
+        for attempt in range(50 * n):  # bounded: a stalled ring fails, it does not hang
+            if len(got) == n:
+                break
+            if sent < n and sent - len(got) < 2:
+                out.send(msg(sent), meta=sent)
+                sent += 1
+            try:
+                item = await asyncio.wait_for(inp.aget(), (0, 0.001, 0.002, 0.05)[attempt % 4])
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            assert item is not None and item["x"].tolist() == [item.meta, 2 * item.meta]
+            got.append(item.meta)
+        with pytest.raises(IpcTimeoutError):
+            await inp.aget(timeout=0.2)
+        return got
+
+    assert run(main()) == list(range(n))
+
+
+def test_fanin_wait_for_idiom_runs_through_more_items_than_slots(endpoints: Any) -> None:
+    outs = [endpoints.producer(f"aio-idiom-fi{k}", device="cpu", slots=2, slot_bytes=4096, timeout=10.0)
+            for k in range(2)]
+    fan = endpoints.fanin([f"aio-idiom-fi{k}" for k in range(2)], device="cpu", timeout=10.0)
+
+    async def main() -> list[int]:
+        got: list[int] = []
+        for i in range(12):  # three times the slots of both sources
+            outs[i % 2].send(msg(i), meta=i)  # blocks past 10 s if the ring stalled
+            item = await asyncio.wait_for(fan.aget(), 10)
+            assert item["x"].tolist() == [i, 2 * i]
+            got.append(item.meta)
+        return got
+
+    assert run(main()) == list(range(12))
+
+
+def test_aget_called_outside_a_loop_releases_per_thread(endpoints: Any) -> None:
+    """``asyncio.run(inp.aget())`` from plain code, call after call: the caller is the
+    thread, whose previous item goes back at its next call."""
+    out, inp = pair(endpoints, "aio-idiom-run")
+    got = []
+    for i in range(12):  # three times the slots
+        out.send(msg(i), meta=i)  # blocks past 10 s if the ring stalled
+        item = asyncio.run(inp.aget(timeout=10))
+        assert item is not None and item["x"].tolist() == [i, 2 * i]
+        got.append(item.meta)
+    assert got == list(range(12))

@@ -57,8 +57,8 @@ def group_gone(pgid: int, timeout: float) -> bool:
 
 
 def segments_of(pids: list[int], timeout: float) -> list[str]:
-    """ipcsync shared-memory segments made by ``pids`` still there after ``timeout`` (the
-    resource tracker of a killed process removes its own a little later)."""
+    """ipcsync shared-memory segments made by ``pids`` still there after ``timeout`` (a
+    killed process's are removed a little later, by whoever reclaims them)."""
     prefixes = tuple(f"ipcsync-{p}-" for p in pids)
     deadline = time.monotonic() + timeout
     while True:

@@ -649,3 +649,28 @@ def test_bind_lock_does_not_follow_a_planted_symlink(endpoint: Endpoint, scratch
     with pytest.raises(ConfigError, match="cannot open the bind lock"):
         BindLock(endpoint).acquire()
     assert Path(victim).read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("between", ["send", "pending", "events", "nothing"])
+def test_a_frame_reaching_a_quiet_socket_is_read_whatever_call_came_between(
+    producer: ProducerChannel, endpoint: Endpoint, closing: Callable, between: str
+) -> None:
+    """A channel found empty skips its ZMQ_EVENTS queries until the socket's fd signals
+    (channel._Channel). A call that processes the socket's commands (a send) consumes that
+    signal: the frame must still be read, with no wait() in between (it would mask this)."""
+    import select
+
+    c = closing(ConsumerChannel(endpoint, b"quiet", MAX_FRAME))
+    assert c.send(b"hello")
+    ident, frames, _fd = producer_recv(producer)
+    assert poll_until(lambda: c.recv() is None and c.events() == () and not c.pending() or None, DEADLINE)
+    assert producer.send(ident, b"one")
+    sock_fd = c.sock.getsockopt(zmq.FD)
+    assert poll_until(lambda: select.select([sock_fd], [], [], 0.02)[0] or None, DEADLINE), "the frame never arrived"
+    if between == "send":
+        assert c.send(b"more")
+    elif between == "pending":
+        assert c.pending()
+    elif between == "events":
+        c.events()
+    assert poll_until(c.recv, DEADLINE) == [b"one"]

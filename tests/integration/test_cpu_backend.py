@@ -49,7 +49,7 @@ def arenas() -> Iterator[list[CpuArena]]:
 
 class Children:
     """Raw child processes, each in a process group of its own: ``start(args, **popen)``.
-    At teardown every group is killed (resource trackers included) and reaped."""
+    At teardown every group is killed and reaped."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -227,7 +227,15 @@ import os
 from ipcsync.backends.cpu import CpuBackend
 arena = CpuBackend().create_arena(1 << 16)
 arena.tensor[:] = 1
-print(arena.handle, flush=True)
+kids = []  # processes this one started (a resource tracker would be one)
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                kids.append(pid)
+    except (OSError, IndexError, ValueError):
+        pass
+print(arena.handle, ",".join(kids) or "-", flush=True)
 os.kill(os.getpid(), 9)
 """
 
@@ -250,24 +258,62 @@ def read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
 
 
 def test_segment_of_a_killed_process_is_removed(tmp_path: Path, children: Children, shm_names: list[str]) -> None:
+    """An arena's owner starts no helper process (no multiprocessing resource tracker);
+    once it is SIGKILLed, the next producer's arena removes its segment."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     err_path = tmp_path / "child.err"
     with open(err_path, "wb") as err:
         proc = children.start([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=err, env=env)
-    name = read_line(proc, timeout=20.0).decode()
-    assert NAME_RE.fullmatch(name), (
-        f"child did not print an arena name: {name!r}; stderr: {err_path.read_text()[-2000:]}"
+    line = read_line(proc, timeout=20.0).decode().split()
+    assert len(line) == 2 and NAME_RE.fullmatch(line[0]), (
+        f"child did not print an arena name: {line!r}; stderr: {err_path.read_text()[-2000:]}"
     )
-    shm_names.append(name)  # removed at teardown if its creator's tracker did not
+    name, kids = line
+    shm_names.append(name)  # removed at teardown if the reclaim did not
+    assert kids == "-", f"creating an arena started processes {kids} (a resource tracker?)"
     assert name.startswith(f"ipcsync-{proc.pid}-")
     assert proc.wait(timeout=10) == -signal.SIGKILL
     path = os.path.join(SHM_DIR, name)
-    # The child's resource tracker (still in its process group) unlinks the segment.
-    deadline = time.monotonic() + 10.0
-    while os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    CpuBackend().create_arena(4096).close()  # a new producer's arena sweeps
     assert not os.path.exists(path), f"{path} survived its creator's SIGKILL"
+    assert "resource_tracker" not in err_path.read_text()
+
+
+EXITS = """
+import sys
+import ipcsync
+p = ipcsync.Producer(sys.argv[1], slots=2, slot_bytes=4096, device="cpu")
+print(p.port.arena.handle, flush=True)
+if sys.argv[2] == "exception":
+    raise RuntimeError("the stage failed")
+if sys.argv[2] == "interrupt":
+    raise KeyboardInterrupt
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exception", "interrupt", "exit"])
+def test_a_process_exiting_without_close_leaves_no_segment_and_no_warning(
+        tmp_path: Path, children: Children, shm_names: list[str], how: str) -> None:
+    """A producer never closed (a global, no ``with``) when its process ends by an
+    exception, Ctrl-C or sys.exit: its segment is gone at exit, and stderr carries no
+    resource_tracker line ("leaked shared_memory objects", "[Errno 2]")."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["IPCSYNC_RUNTIME_DIR"] = str(tmp_path / "run")
+    err_path = tmp_path / "child.err"
+    with open(err_path, "wb") as err:
+        proc = children.start([sys.executable, "-c", EXITS, f"exits-{how}", how], stdout=subprocess.PIPE,
+                              stderr=err, env=env)
+    name = read_line(proc, timeout=30.0).decode().strip()
+    assert NAME_RE.fullmatch(name), f"{name!r}; stderr: {err_path.read_text()[-2000:]}"
+    shm_names.append(name)
+    assert proc.wait(timeout=30) != 0
+    assert not os.path.exists(os.path.join(SHM_DIR, name)), f"{name} outlived its process ({how})"
+    err = err_path.read_text()
+    assert "resource_tracker" not in err and "leaked" not in err and "Errno 2" not in err, err
 
 
 # --------------------------------------------------------------------------- events
@@ -558,7 +604,7 @@ def child(q, i):
 
 
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn")  # as torch.multiprocessing.spawn: one resource tracker, ours
+    ctx = mp.get_context("spawn")  # as torch.multiprocessing.spawn
     q = ctx.Queue()
     kids = [ctx.Process(target=child, args=(q, i), daemon=True) for i in range(3)]
     for k in kids:
@@ -577,7 +623,7 @@ def test_segments_of_killed_spawn_children_are_reclaimed_while_the_parent_lives(
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     script = tmp_path / "spawn_parent.py"
     script.write_text(SPAWN_PARENT)
-    # killed at teardown with its group: the parent, its children, its resource tracker
+    # killed at teardown with its group: the parent and its children
     parent = children.start([sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env)
     names = shm_names  # the children's segments, removed at teardown whatever happens
@@ -598,7 +644,7 @@ def test_segments_of_killed_spawn_children_are_reclaimed_while_the_parent_lives(
     deadline = time.monotonic() + 5
     while any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert parent.poll() is None, "the parent must still live (its tracker removes nothing yet)"
+    assert parent.poll() is None, "the parent must still live"
     left = [n for n in names if os.path.exists(os.path.join(SHM_DIR, n))]
     assert not left, f"segments of SIGKILLed spawn children survive while their parent lives: {left}"
 

@@ -24,10 +24,9 @@ def test_nested_tensor_is_refused_with_what_to_send_instead() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_consumer_reclaims_the_arena_of_a_producer_killed_with_its_tracker(procs: Procs) -> None:
-    """The whole process group of the producer is SIGKILLed, its resource tracker too (as
-    when a container stops one process tree): the consumer that sees it die removes its
-    arena."""
+def test_consumer_reclaims_the_arena_of_a_producer_killed_with_its_process_group(procs: Procs) -> None:
+    """The whole process group of the producer is SIGKILLed (as when a container stops
+    one process tree): the consumer that sees it die removes its arena."""
     prod = procs.start("produce", module="peers.basic", endpoint="reclaim", n=1000, slots=4, slot_bytes=4096, heartbeat=0.5)
     prod.read_until(lambda l: l.get("event") == "bound")
     with ipcsync.Consumer("reclaim", device="cpu", timeout=20) as c:

@@ -61,7 +61,7 @@ MARGIN = 0.25  # scheduling slack on a shared, noisy machine
 SLOTS = 4
 FD_SLACK = 2  # open fds of the survivor may end at most this far above its baseline
 RSS_SLACK_MB = 64.0
-SHM_WAIT = 5.0  # the dead process's resource tracker unlinks its segment within this
+SHM_WAIT = 5.0  # the consumer that saw the producer die reclaims its segment within this
 
 TESTS = Path(__file__).resolve().parent
 
@@ -635,7 +635,7 @@ def test_producer_killed(procs: Any, runtime_dir: Path, phase: str, device: str)
             assert errors == [], errors
             if device == "cpu":
                 # Items already received stay readable and intact, also once the dead
-                # producer's resource tracker unlinked its segment.
+                # producer's segment was unlinked.
                 for it in held:
                     assert fault_check(it, it.meta["i"]) is None
             gone = shm_gone(victim.pid, device)

@@ -325,7 +325,7 @@ def test_items_whose_memory_is_gone_are_dropped_downstream(procs: Any, endpoints
     item = mid.get(timeout=10)
     ipcsync.forward(item, out, copy=False)  # queued: no consumer yet
     up.kill()
-    deadline = time.monotonic() + 10  # its resource tracker unlinks the arena
+    deadline = time.monotonic() + 10  # mid, which sees it die, reclaims its arena
     while any(n.startswith(f"ipcsync-{up.pid}-") for n in os.listdir("/dev/shm")):
         assert time.monotonic() < deadline
         time.sleep(0.02)

@@ -102,6 +102,51 @@ def test_an_error_after_the_switch_follows_the_last_item(endpoints: Any) -> None
     assert got in ([], [100])
 
 
+def test_frames_sent_before_a_close_are_read_before_the_end_even_after_a_reset() -> None:
+    """A side that closes its lane with frames of ours unread (an aborting producer with
+    releases not yet read) makes the kernel report ECONNRESET ahead of the frames it sent
+    last: they are still returned, in order, then the end."""
+    from ipcsync.runtime.lane import Lane, LaneClosed
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = Lane(a, 1 << 20), Lane(b, 1 << 20)
+    assert ours.send(b"\x91\x01")  # unread by them when they close
+    big = b"\x92" + bytes(3 * ours.max_packet)  # a split frame, too
+    assert theirs.send(b"\x91\x02") and theirs.send(big) and theirs.flush()
+    theirs.close()
+    got = []
+    with pytest.raises(LaneClosed):
+        while True:
+            frame = ours.recv()
+            assert frame is not None, "a closed lane never makes recv() wait"
+            got.append(frame)
+    assert got == [b"\x91\x02", big]
+    ours.close()
+
+
+@pytest.mark.timeout(90)
+def test_an_abort_with_releases_unread_still_delivers_its_cause(endpoints: Any) -> None:
+    """abort() right after the consumer released items (its releases likely still unread
+    on the producer's lane): the consumer gets ProducerFailedError with the cause, never
+    a bare 'disconnected'."""
+    for k in range(5):
+        p = endpoints.producer(f"lane-err-unread{k}", slots=4, slot_bytes=4096, device="cpu")
+        c = endpoints.consumer(f"lane-err-unread{k}", device="cpu", timeout=10)
+        p.wait_for_consumers(1, timeout=10)
+        _stream(p, c, 8)
+        assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
+        for i in range(2):
+            p.send({"x": torch.zeros(16)}, meta={"i": i})
+        for _ in range(2):
+            c.get(timeout=10).release()
+        with pytest.raises(ipcsync.IpcTimeoutError):
+            c.get(timeout=0.01)  # pumps: the releases go out on the lane
+        p.abort(KeyboardInterrupt())
+        with pytest.raises(ipcsync.ProducerFailedError, match="KeyboardInterrupt"):
+            c.get(timeout=10)
+        c.close()
+
+
 @pytest.mark.timeout(60)
 def test_ipcsync_lane_0_keeps_every_frame_on_zeromq(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IPCSYNC_LANE", "0")

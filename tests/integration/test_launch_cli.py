@@ -46,7 +46,7 @@ STOP_TIMEOUT = 45.0  # from a failure or a signal to the launcher's exit
 START_TIMEOUT = 90.0  # until stages are up (python + torch imports under load)
 LEFT_TIMEOUT = 10.0  # for processes to disappear after the launcher exited
 
-STARTED_RE = re.compile(r"ipcsync-run: started (\d+) processes of pipeline '[^']*' \(run ([0-9a-f]{8})")
+STARTED_RE = re.compile(r"ipcsync-run: started (\d+) process(?:es)? of pipeline '[^']*' \(run ([0-9a-f]{8})")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -370,6 +370,15 @@ def launcher(tmp_path: Path, runtime_dir: Path) -> Iterator[Launcher]:
         ln.cleanup()
 
 
+def assert_no_helper_left(run: Run) -> None:
+    """Stages stopped by the launcher leave no multiprocessing resource tracker behind: no
+    "leaked shared_memory objects" or "[Errno 2]" line from one, no stray process for the
+    launcher to kill."""
+    both = run.out + run.err
+    assert "resource_tracker" not in both and "leaked shared_memory" not in both, run.dump()
+    assert "left running outside their process groups" not in run.err, run.dump()
+
+
 def assert_summary(run: Run, src: str, dst: str, items: int | None) -> None:
     assert "ipcsync-run: edge summary:" in run.err, run.dump()
     m = re.search(rf"ipcsync-run:\s+{src} -> {dst}: (\d+) items", run.err)
@@ -528,6 +537,7 @@ def test_stage_crash_mid_stream_stops_everything(launcher: Launcher, crasher: st
     others = [p for p in launcher.stage_pids() if p.label != crasher]
     assert {p.label for p in others} == {"src/0", "src/1", "sink/0"} - {crasher}, others
     assert not run.events("sink/0", "result") and not run.events("src/0", "sent"), run.dump()
+    assert_no_helper_left(run)
     launcher.assert_nothing_left()
 
 
@@ -549,6 +559,45 @@ def test_a_loader_that_raises_never_looks_like_a_finished_stream(launcher: Launc
     assert "RuntimeError: src broke after 13 items" in run.out, run.dump()
     assert not run.events("sink/0", "result"), run.dump()
     assert "all stages finished" not in run.err
+    launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("raiser", ["src", "mid"])
+def test_a_stage_ended_by_its_peers_failure_prints_one_line_and_the_root_cause_its_traceback(
+        launcher: Launcher, raiser: str) -> None:
+    """One failure, one story. Before: every stage downstream of the one that raised
+    printed a 17-line traceback of its PeerLostError, burying the root cause. Now each
+    prints one line naming the input that failed; the traceback is the root cause's.
+    The downstream stages ignore SIGTERM here, so that the launcher's stop cannot end
+    them before their peer's failure reaches them."""
+    def raises(name: str) -> list[Any]:
+        return ["--raise-after", 13] if raiser == name else []
+
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": stage("src.py", "--to", "mid", "--n", 100000, "--delay", 0.01, *raises("src"))},
+         "mid": {"cmd": stage("mid.py", *raises("mid"))},
+         "sink": {"cmd": stage("sink.py", "--from", "mid"), "env": {"TEST_IGNORE_SIGTERM": "1"}}},
+        [{"from": "src", "to": "mid", "slot_bytes": "64KiB"}, {"from": "mid", "to": "sink", "slot_bytes": "64KiB"}],
+        stop_timeout=60,
+    ))
+    if raiser == "src":  # mid is downstream too: it must end by itself as well
+        spec.write_text(spec.read_text().replace(
+            '[stages.mid]\n', '[stages.mid]\nenv = { TEST_IGNORE_SIGTERM = "1" }\n'))
+    run = launcher.run(spec)
+    assert run.proc.returncode == 1, run.dump()
+    assert f"stage {raiser}/0" in root_cause(run), run.dump()
+    own = run.lines_of(f"{raiser}/0")
+    assert "Traceback (most recent call last):" in own, run.dump()
+    assert own[-1] == f"RuntimeError: {raiser} broke after 13 items", run.dump()
+    downstream = {"src": [("mid/0", "src/0"), ("sink/0", "mid/0")], "mid": [("sink/0", "mid/0")]}[raiser]
+    for label, upstream in downstream:
+        lines = run.lines_of(label)
+        assert len(lines) == 1, run.dump()
+        assert lines[0].startswith(f"stopped: its input from {upstream} failed; ipcsync-run shows the "
+                                   "root cause ("), run.dump()
+        assert "PeerLostError: " in lines[0] or "ProducerFailedError: " in lines[0], run.dump()
+    assert run.out.count("Traceback") == 1, run.dump()
     launcher.assert_nothing_left()
 
 
@@ -620,6 +669,7 @@ def test_signal_to_launcher_stops_all_stages(launcher: Launcher, signum: int) ->
         assert not launcher.markers("sig-SIGINT", label), (label, os.listdir(launcher.state))
     assert len(run.started_lines) == 1, run.dump()
     assert "restarting" not in run.err
+    assert_no_helper_left(run)
     launcher.assert_nothing_left()
 
 
@@ -802,7 +852,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(launcher: Launcher) -> None:
     for label in ("src/0", "src/1", "sink/0", "sink/1"):
         assert re.search(rf"^\s+{re.escape(label)}\s+device cpu\s+cmd: .*(src|sink)\.py", out, re.M), (label, out)
     assert re.search(r"src -> sink: 2 producer\(s\) x 2 consumer\(s\), policy broadcast, slots 3, "
-                     r"slot_bytes 65536, wait gpu, timeout 12 s", out), out
+                     r"slot_bytes 65536, timeout 12 s", out), out  # (no wait mode on the CPU)
     base = re.escape(str(launcher.runtime_dir))
     for i in (0, 1):
         assert re.search(rf"src/{i}: ipc://{base}/run-[^/\s]+/src\.{i}-sink\.sock", out), out
@@ -825,8 +875,11 @@ def test_dry_run_from_command_line(launcher: Launcher) -> None:
     assert run.proc.returncode == 0, run.dump()
     out = run.out
     assert "from <command line>: 2 stages, 4 processes, restart up to 2, stop timeout 3 s" in out, out
-    assert "a -> b: 1 producer(s) x 3 consumer(s), policy shard, slots 7" in out and "wait host" in out, out
+    assert "a -> b: 1 producer(s) x 3 consumer(s), policy shard, slots 7" in out, out
     assert re.search(r"^\s+b/2\s+device ", out, re.M), out
+    device = re.search(r"^\s+b/0\s+device (\S+)", out, re.M)
+    assert device, out
+    assert ("wait host" in out) == (device.group(1) != "cpu"), out  # the wait mode where it applies
     assert not launcher.stage_pids() and not list(launcher.runtime_dir.glob("run-*"))
     launcher.assert_nothing_left()
 
@@ -1057,7 +1110,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # endpoint, backend, channel, torch or zmq.
 LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
-                    "ipcsync.launch.__main__"}
+                    "ipcsync.launch.commands", "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}
 
 

@@ -193,3 +193,32 @@ def test_trace_is_written_when_a_stage_fails(launcher: cli.Launcher, tmp_path: P
     sent = sorted(seq for (e, seq), pts in items.items() if e == "src.0-sink" and "send" in pts)
     assert sent == list(range(10)), run.dump()
     launcher.assert_nothing_left()
+
+
+@pytest.mark.timeout(200)
+def test_an_edge_whose_stages_finished_it_shows_finished_while_they_still_run(launcher: cli.Launcher,
+                                                                              tmp_path: Path) -> None:
+    """Before: the monitor kept printing "flowing" for an edge both stages had closed,
+    as long as one of their processes lived. The source here holds on after closing
+    its output until the test has seen the edge shown as finished."""
+    go = tmp_path / "go"
+    spec = launcher.spec_file(toml_spec(
+        {"src": {"cmd": cli.stage("src.py", "--n", 5, "--hold-until", go), "device": "cpu"},
+         "sink": {"cmd": cli.stage("sink.py"), "device": "cpu"}},
+        [{"from": "src", "to": "sink", "slot_bytes": "64KiB"}],
+    ))
+    run = launcher.start(spec, "--monitor", "--monitor-interval", "0.2")
+    try:
+        cli.wait_until(lambda: "src -> sink:" in run.err and ": finished; 5 sent" in run.err
+                       or run.proc.poll() is not None, 120, "the edge shown as finished")
+        assert run.proc.poll() is None, run.dump()  # the source still runs
+    finally:
+        go.write_text("")
+    assert run.wait() == 0, run.dump()
+    lines = run.err.splitlines()
+    end = next(i for i, line in enumerate(lines) if "monitor (final)" in line)  # (the lifetime view)
+    live = [line for line in lines[:end] if "src -> sink:" in line]
+    finished = [i for i, line in enumerate(live) if ": finished;" in line]
+    assert finished and all("flowing" not in line for line in live[finished[0]:]), run.dump()
+    assert cli.assert_complete(run.result("sink/0"), {"src/0": 5}) is None
+    launcher.assert_nothing_left()

@@ -221,6 +221,10 @@ def test_producer_on_node_0_consumer_on_node_1(cluster: Cluster) -> None:
     assert got["errors"] == [] and got["counts"] == {"src/0": 40} and got["contiguous"] == {"src/0": True}
     assert "all stages finished" in n0.err and "all stages finished" in n1.err
     assert "(serving it)" in n0.err
+    # Each node's summary counts the edge's items: node 0 as sent, node 1 (before: "0
+    # items, 0.0 MB") as received.
+    for node in (n0, n1):
+        assert "ipcsync-run:   src -> sink: 40 items, " in node.err, node.dump()
     assert cluster.leftovers() == []
 
 
@@ -310,7 +314,7 @@ def test_node_0_killed_the_others_stop(cluster: Cluster) -> None:
     ))
     n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
     deadline = time.monotonic() + 90
-    while "started 1 processes" not in n1.err:
+    while "started 1 process of" not in n1.err:
         assert time.monotonic() < deadline and n1.proc.poll() is None, n1.dump()
         time.sleep(0.1)
     os.killpg(n0.proc.pid, signal.SIGKILL)  # the store goes with it
@@ -473,6 +477,8 @@ def test_dataloader_example_over_two_nodes(cluster: Cluster) -> None:
     assert (rc0, rc1) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
     assert any(line.startswith("[train/0] train: done, 64 batches") for line in n1.out.splitlines()), n1.dump()
     assert "[loader/" in n0.out and "[train/" not in n0.out
+    for node in (n0, n1):
+        assert "ipcsync-run:   loader -> train: 64 items, " in node.err, node.dump()
     assert cluster.leftovers() == []
 
 

@@ -232,6 +232,32 @@ def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any,
     assert "KeyboardInterrupt" in prod.stderr()
 
 
+SIGINT_RUNS = 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run", range(SIGINT_RUNS))
+def test_sigint_on_a_streaming_producer_always_delivers_its_cause(procs: Any, endpoints: Any, device: str,
+                                                                 run: int) -> None:
+    """Ctrl-C on a producer streaming to a consumer (on the default lane, releases in
+    flight both ways): the consumer ends with ProducerFailedError naming the
+    KeyboardInterrupt, every run; never a bare 'disconnected' PeerLostError."""
+    ep = f"live-sigint-{run}"
+    prod = procs.start("produce", module="peers.basic", endpoint=ep, n=1_000_000, slots=4, device=device)
+    prod.read_until(_event("bound"))
+    inp = endpoints.consumer(ep, device=device, timeout=30)
+    got = 0
+    with pytest.raises(ipcsync.ProducerFailedError, match="KeyboardInterrupt"):
+        while True:
+            item = inp.get(timeout=30)
+            assert item is not None, "a clean end: the interrupt was lost"
+            got += 1
+            item.release()
+            if got == 50:
+                os.kill(prod.pid, signal.SIGINT)
+    assert prod.proc.wait(timeout=30) != 0
+
+
 # --------------------------------------------------------------------------- threads
 def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
     caught: dict[str, BaseException] = {}

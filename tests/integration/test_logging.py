@@ -49,7 +49,7 @@ def test_default_level_shows_warnings_only(launcher: Any, tmp_path: Path) -> Non
     assert "probe warning" in lines, run.dump()
     assert not any("probe debug" in line or "probe info" in line or "DEBUG" in line for line in lines), run.dump()
     assert "DEBUG" not in run.err and "INFO" not in run.err, run.dump()
-    assert "ipcsync-run: started 1 processes" in run.err  # status lines are output, not logging
+    assert "ipcsync-run: started 1 process of" in run.err  # status lines are output, not logging
 
 
 def test_log_level_error_hides_warnings(launcher: Any, tmp_path: Path) -> None:

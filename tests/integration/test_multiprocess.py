@@ -97,7 +97,7 @@ def test_producer_sigkilled_consumer_gets_peer_lost_fast(procs, runtime_dir):
     assert "pid %d" % prod.pid in lost["message"]
     assert detected < 2 * 1.0, f"PeerLostError after {detected:.2f} s, over two heartbeats"
     # The consumer noticed the producer was dead and removed its stale socket files; the
-    # producer's resource tracker removed its segment (checked by the fixture).
+    # producer's segment is reclaimed (checked by the fixture).
     deadline = time.monotonic() + 5
     while leftover_files(runtime_dir) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -190,6 +190,25 @@ def test_send_refuses_messages_the_consumer_would_refuse(pair: Any) -> None:
         _roundtrip(out, inp, k)
 
 
+def test_the_hard_limit_is_named_before_the_slot_size(pair: Any) -> None:
+    """5,000 tensors that also overflow the slot: the error names the limit no slot size
+    lifts (at most 4096 tensors), not "raise slot_bytes", which would not help; send()
+    and slot() alike."""
+    out, inp = pair
+    n = DEFAULT_LIMITS.max_tensors + 904
+    too_many = f"at most {DEFAULT_LIMITS.max_tensors} tensors"
+    with pytest.raises(ConfigError, match=too_many) as info:
+        out.send([torch.zeros(64)] * n, timeout=5)
+    assert "slot_bytes" not in str(info.value)
+    with pytest.raises(ConfigError, match=too_many) as info:
+        with out.slot({f"f{i}": ((64,), torch.float32) for i in range(n)}, timeout=5):
+            pass
+    assert "slot_bytes" not in str(info.value)
+    with pytest.raises(ConfigError, match="slot_bytes>="):  # within the limits: the slot's size
+        out.send([torch.zeros(64)] * 300, timeout=5)
+    _roundtrip(out, inp, 3)
+
+
 def test_slot_refuses_too_many_fields_and_bad_meta(pair: Any) -> None:
     out, inp = pair
     fields = {f"f{i}": ((0,), torch.uint8) for i in range(5000)}

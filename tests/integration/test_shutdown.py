@@ -78,7 +78,7 @@ def test_consumer_close_with_a_stopped_producer(procs: Any, endpoints: Any) -> N
     finally:
         c.close()
         os.kill(prod.pid, signal.SIGCONT)
-        prod.kill()  # the leader only (procs would kill its group): its resource tracker removes the segment
+        prod.kill()  # the leader only (procs would kill its group); procs reclaims its segment
 
 
 @pytest.mark.timeout(60)

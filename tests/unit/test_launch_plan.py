@@ -166,10 +166,19 @@ def test_describe_names_every_process_edge_and_socket() -> None:
     assert f"run directory {RUN_DIR} (run id {RUN_ID}; a new one per attempt)" in text
     for label in ("src/0", "src/1", "sink/0", "sink/1"):
         assert f"  {label:<16} device cpu      cmd: {PY} " in text, text
+    # A CPU edge has no wait mode: its events are complete when recorded.
     assert ("src -> sink: 2 producer(s) x 2 consumer(s), policy broadcast, slots 3, slot_bytes 65536, "
-            "wait gpu, timeout 12 s") in text
+            "timeout 12 s") in text
+    assert "wait" not in text, text
     for i in (0, 1):
         assert f"    src/{i}: ipc://{RUN_DIR}/src.{i}-sink.sock" in text
+
+
+@pytest.mark.parametrize("gpus, shown", [(0, None), (1, "wait host")])
+def test_describe_shows_the_wait_mode_only_where_a_consumer_is_on_a_gpu(gpus: int, shown: str | None) -> None:
+    text = plan_of(two_stage(wait="host"), gpus=gpus).describe()  # device auto: cpu, or cuda:0
+    edge = next(line for line in text.splitlines() if "src -> sink:" in line)
+    assert (shown in edge) if shown else ("wait" not in edge), edge
 
 
 def test_describe_without_edges() -> None:
@@ -258,6 +267,43 @@ def test_dry_run_checks_cwd_and_command(tmp_path: Path, case: str) -> None:
     word = {"missing-cwd": "is not a directory", "missing-program": "is not found on PATH",
             "missing-script-path": "does not exist", "not-executable": "is not executable"}[case]
     assert word in problems[0], problems
+
+
+@pytest.mark.parametrize("cmd, phrase", [
+    (["python3", "nonexistent.py"], "the script 'nonexistent.py' does not exist"),
+    (["python3", "-u", "-X", "dev", "-W", "ignore", "nonexistent.py", "--n", "3"], "the script 'nonexistent.py'"),
+    (["python3", "-m", "ipcsync_no_such_module_xyz"], "the module 'ipcsync_no_such_module_xyz' is not found"),
+    (["python3", "-mipcsync.no_such_submodule"], "the module 'ipcsync.no_such_submodule' is not found"),
+    (["python3", "-m", "ipcsync"], None),  # a package with a __main__
+    (["python3", "-m", "ipcsync.launch"], None),
+    (["python3", "-m", "json.tool"], None),  # the standard library
+    (["python3", "-m", "local_mod"], None),  # from the stage's cwd
+    (["python3", "-m", "pkg_without_main"], "the package 'pkg_without_main' has no __main__ module"),
+    (["python3", "-c", "pass"], None),
+    (["python3", "--version"], None),
+    (["python3", "stage_dir"], None),  # a directory with __main__.py
+], ids=["script", "script-after-options", "module", "submodule", "package", "subpackage", "stdlib", "cwd-module",
+        "package-without-main", "dash-c", "version", "directory"])
+def test_dry_run_checks_a_python_commands_script_or_module(tmp_path: Path, cmd: list[str], phrase: str | None) -> None:
+    (tmp_path / "local_mod.py").write_text("print('hi')\n")
+    (tmp_path / "pkg_without_main").mkdir()
+    (tmp_path / "pkg_without_main" / "__init__.py").write_text("raise SystemExit('must not be imported')\n")
+    (tmp_path / "stage_dir").mkdir()
+    (tmp_path / "stage_dir" / "__main__.py").write_text("")
+    spec = loads(toml({"s": {"cmd": cmd, "cwd": str(tmp_path)}}), source="pipe.toml")
+    problems = cli.check_plan(resolve(spec, run_id=RUN_ID, run_dir=RUN_DIR, gpus=0))
+    if phrase is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith("pipe.toml: stages.s.cmd: "), problems
+        assert phrase in problems[0] and f"from directory {tmp_path}" in problems[0], problems
+
+
+def test_dry_run_finds_a_module_on_the_stages_pythonpath(tmp_path: Path) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "stage_mod.py").write_text("")
+    spec = loads(toml({"s": {"cmd": ["python3", "-m", "stage_mod"], "env": {"PYTHONPATH": str(tmp_path / "lib")}}}))
+    assert cli.check_plan(resolve(spec, run_id=RUN_ID, run_dir=RUN_DIR, gpus=0)) == []
 
 
 def test_dry_run_finds_commands_on_path_and_relative_to_cwd(tmp_path: Path) -> None:

@@ -111,6 +111,39 @@ def test_fanin_and_replicas_are_summed_per_edge() -> None:
     json.dumps(recs)  # JSON-able as written
 
 
+def test_an_edge_whose_ends_all_finished_shows_finished_not_flowing() -> None:
+    # Before: an edge whose stages had closed it (or exited) kept reading "flowing"
+    # until the launcher's final report.
+    prev, cur = chain(0.0, 0.0, 0.0, 0.0, items=0)  # nothing moved in this interval
+    cur[("a", 0)]["outputs"]["b"]["closed"] = True  # a closed its output...
+    cur[("b", 0)]["inputs"]["a"]["closed"] = True  # ...and b its input from a
+    cur[("c", 0)]["final"] = True  # c exited; b's output to it is still open
+    a = analyze(prev, cur, order=["a", "b", "c"])
+    ab, bc = a.edges
+    assert ab.bound == "finished" and bc.bound == "flowing"
+    lines = status_lines(a, 3.0)
+    assert "a -> b:" in lines[1] and ": finished; 0 sent" in lines[1], lines
+    cur[("b", 0)]["outputs"]["c"]["closed"] = True
+    a = analyze(prev, cur, order=["a", "b", "c"])
+    assert [e.bound for e in a.edges] == ["finished", "finished"] and a.bottleneck is None
+    assert "every edge finished" in status_lines(a, 3.0)[0]
+    assert {r["bound"] for r in stats_records(a, cur, run_id="r", now=0.0, run_s=3.0, final=False)
+            if r["type"] == "edge"} == {"finished"}
+
+
+def test_the_final_report_keeps_the_lifetime_view() -> None:
+    # At the end every end is closed: the final report still says who waited on whom.
+    prev, cur = chain(0.8, 0.0, 0.0, 0.9)
+    for r in cur.values():
+        r["final"] = True
+        for side in ("inputs", "outputs"):
+            for s in r[side].values():
+                s["closed"] = True
+    assert all(e.bound == "finished" for e in analyze(prev, cur, order=["a", "b", "c"]).edges)
+    a = analyze(prev, cur, order=["a", "b", "c"], final=True)
+    assert [e.bound for e in a.edges] == ["downstream", "upstream"] and a.bottleneck == "b"
+
+
 def test_malformed_snapshots_are_tolerated() -> None:
     cur = {("x", 0): {"stage": "x", "replica": 0, "mono": 1.0, "inputs": {"y": "nonsense"},
                       "outputs": {"z": {"handoffs": "many", "waiting_s": [1], "occupancy": {"free": None}}}}}

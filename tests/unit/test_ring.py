@@ -999,3 +999,21 @@ def test_would_dispatch_says_whether_an_item_committed_now_goes_out_at_once(poli
     assert acq is not None
     ring.commit(acq.slot)
     assert ring.dispatch() == [] and not ring.would_dispatch()  # queued ahead of any other
+
+
+def test_drop_queued_frees_only_the_items_no_consumer_took() -> None:
+    """close() with nobody left: queued items are freed; one in flight stays held."""
+    ring = Ring(3)
+    ring.add_consumer("c", 1)
+    sent = [ring.acquire() for _ in range(3)]
+    for acq in sent:
+        assert acq is not None
+        ring.commit(acq.slot)
+    (taken,) = ring.dispatch()
+    assert ring.queued == 2
+    dropped = ring.drop_queued()
+    assert sorted(dropped) == sorted(a.slot for a in sent if a.slot != taken.slot)
+    assert ring.queued == 0 and ring.free_slots == 2
+    assert ring.state[taken.slot] is SlotState.IN_FLIGHT
+    assert ring.drop_queued() == []
+    assert ring.acquire() is not None  # a dropped slot is writable again

@@ -241,10 +241,9 @@ def raw_peer(a: dict[str, Any]) -> None:
 def raw_producer(a: dict[str, Any]) -> None:
     """A raw ZeroMQ ROUTER that plays a producer on the wire. ``mode="unanswered"``: take the
     first HELLO, report it, never answer. ``mode="setup"``: answer it with a valid SETUP (a
-    real shared-memory arena, registered with the resource tracker like the library's own;
-    CPU event handles), then never read the ATTACH and only send HEARTBEATs, until killed."""
-    from multiprocessing import resource_tracker
-
+    real shared-memory arena, named as the library's are so that ``reclaim_dead_segments``
+    removes it once we are killed; CPU event handles), then never read the ATTACH and only
+    send HEARTBEATs, until killed."""
     import zmq
 
     from ipcsync.core import protocol as P
@@ -262,12 +261,12 @@ def raw_producer(a: dict[str, Any]) -> None:
         identity, frame = sock.recv_multipart()
         say(event="hello", kind=type(P.decode(frame)).__name__, t=time.monotonic())
         if a.get("mode") == "setup":
-            name = f"ipcsync-{os.getpid()}-{os.urandom(8).hex()}"
+            me = _proc_identity()
+            ns = me["pid_ns"].split("[")[-1].rstrip("]")
+            name = f"ipcsync-{os.getpid()}-{me['start_time']}-{ns}-{os.urandom(8).hex()}"
             fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            resource_tracker.register("/" + name, "shared_memory")  # unlinked when we die
             os.ftruncate(fd, slots * slot_bytes)
             os.close(fd)
-            me = _proc_identity()
             event_handle = backend_for(torch.device("cpu")).create_event().handle()
             setup = P.Setup(
                 version=P.PROTOCOL_VERSION, pid=me["pid"], start_time=me["start_time"], pid_ns=me["pid_ns"],

@@ -20,6 +20,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--from", dest="src", default="src")
     ap.add_argument("--to", default="sink")
+    ap.add_argument("--raise-after", type=int, default=None, metavar="K",
+                    help="raise RuntimeError inside the with-block once K items were forwarded")
     stagelib.add_crash_args(ap)
     args = ap.parse_args()
 
@@ -30,6 +32,8 @@ def main() -> int:
         stagelib.mark("ready")
         for item in inp:
             stagelib.maybe_crash(args, n, me.replica, me.restart)
+            if args.raise_after is not None and n == args.raise_after:
+                raise RuntimeError(f"mid broke after {n} items")
             meta = dict(item.meta)
             meta["via"] = label
             meta["hop_source"] = item.source

@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--zero-copy", action="store_true", help="use out.slot() instead of send()")
     ap.add_argument("--raise-after", type=int, default=None, metavar="K",
                     help="raise RuntimeError inside the output's with-block once K items were sent")
+    ap.add_argument("--hold-until", default=None, metavar="FILE",
+                    help="after closing the output, wait (up to 120 s) until FILE exists, then exit")
     stagelib.add_crash_args(ap)
     args = ap.parse_args()
 
@@ -57,6 +59,9 @@ def main() -> int:
                 time.sleep(args.delay)
         stagelib.maybe_crash(args, args.n, me.replica, me.restart)
     stagelib.say(event="sent", stage=me.stage, replica=me.replica, restart=me.restart, n=args.n)
+    deadline = time.monotonic() + 120
+    while args.hold_until and not os.path.exists(args.hold_until) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -55,6 +56,10 @@ def _write(name: str, text: str) -> None:
 
 
 def record_pid() -> None:
+    """Record this stage's pid; with ``TEST_IGNORE_SIGTERM=1`` in its environment, also
+    ignore SIGTERM (the launcher's stop) so that it ends only on its own."""
+    if os.environ.get("TEST_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stage, replica, restart = ident()
     pid = os.getpid()
     _write(

@@ -1,0 +1,163 @@
+"""What a stage reports about its endpoints, checked before the launcher uses it.
+
+A stage's telemetry snapshots (``telemetry/<stage>.<replica>.json``) and exit stats
+(``stats/<stage>.<replica>.json``) are written by the stage's process: untrusted input,
+like a peer's frames. ``clean_report`` keeps what has the shape ``ipcsync.stage`` writes
+and drops the rest, saying what it dropped:
+
+- the report: a JSON object whose ``stage`` is a string and whose ``inputs`` and
+  ``outputs`` (if present) are objects; anything else is dropped whole;
+- each endpoint's stats (``inputs[peer]``, ``outputs[peer]``): an object whose counts
+  (``handoffs``, ``bytes``, ``occupancy``'s values) are integers from 0 to 2**63 - 1,
+  whose seconds (``elapsed_s``, ``waiting_s``'s values, ``latency_s``'s ``p50``/``p90``/
+  ``p99``, null allowed there) are finite and not negative, and whose ``sources`` (a
+  FanIn's, if present) are each such stats; an endpoint with one bad field is dropped
+  whole (a partial entry would make its edge's figures silently wrong), the others kept.
+
+Fields not named here are kept as they are (readers check them where used).
+
+``read_incomplete`` finds the stages whose telemetry could not be written (the markers
+``runtime.telemetry.write_failed`` leaves, e.g. on a full runtime directory): the
+launcher says so once and marks the figures it prints and writes with ``INCOMPLETE``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from .plan import INCOMPLETE_SUFFIX
+
+__all__ = ["MAX_COUNT", "INCOMPLETE", "clean_report", "clean_reports", "read_incomplete", "incomplete_line"]
+
+INCOMPLETE = "incomplete: telemetry could not be written"
+_MAX_REASON = 400
+
+MAX_COUNT = (1 << 63) - 1
+_COUNTS = ("handoffs", "bytes")
+_SECONDS = ("elapsed_s",)
+_LATENCIES = ("p50", "p90", "p99")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+
+
+def _seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _stats_problem(s: Any, depth: int = 0) -> str | None:
+    """Why ``s`` is not an endpoint's stats, or None."""
+    if not isinstance(s, dict):
+        return f"is {_show(s)}, not an object"
+    for k in _COUNTS:
+        if k in s and not _count(s[k]):
+            return f"{k!r} is {_show(s[k])}, not a count"
+    for k in _SECONDS:
+        if k in s and not _seconds(s[k]):
+            return f"{k!r} is {_show(s[k])}, not seconds"
+    waits = s.get("waiting_s")
+    if waits is not None:
+        if not isinstance(waits, dict):
+            return f"'waiting_s' is {_show(waits)}, not an object"
+        for cause, sec in waits.items():
+            if not _seconds(sec):
+                return f"'waiting_s' of {cause!r} is {_show(sec)}, not seconds"
+    lat = s.get("latency_s")
+    if lat is not None:
+        if not isinstance(lat, dict):
+            return f"'latency_s' is {_show(lat)}, not an object"
+        for k in _LATENCIES:
+            if lat.get(k) is not None and not _seconds(lat[k]):
+                return f"'latency_s' {k} is {_show(lat[k])}, not seconds"
+    occ = s.get("occupancy")
+    if occ is not None:
+        if not isinstance(occ, dict) or not all(_count(v) for v in occ.values()):
+            return f"'occupancy' is {_show(occ)}, not counts by state"
+    sources = s.get("sources")
+    if sources is not None:
+        if depth or not isinstance(sources, dict):
+            return f"'sources' is {_show(sources)}, not a FanIn's sources"
+        for label, one in sources.items():
+            why = _stats_problem(one, depth + 1)
+            if why is not None:
+                return f"source {label!r}: {why}"
+    return None
+
+
+def clean_report(raw: Any, name: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """``raw`` (a parsed report file called ``name``) with only the endpoints of the
+    expected shape (module docstring), and one line per thing dropped. None when the
+    report itself is not of the expected shape."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("stage"), str):
+        return None, [f"{name}: not a stage report (no 'stage' name)"]
+    problems: list[str] = []
+    report = dict(raw)
+    label = f"{raw['stage']}/{raw.get('replica')}"
+    for key, direction, towards in (("outputs", "output", "to"), ("inputs", "input", "from")):
+        side = raw.get(key)
+        if side is None:
+            continue
+        if not isinstance(side, dict):
+            return None, [f"{label}: {key!r} is {_show(side)}, not an object"]
+        kept = {}
+        for peer, s in side.items():
+            why = _stats_problem(s)
+            if why is None:
+                kept[peer] = s
+            else:
+                problems.append(f"{label} {direction} {towards} {peer!r}: {why}")
+        report[key] = kept
+    return report, problems
+
+
+def clean_reports(raw: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``clean_report`` over (file name, parsed report) pairs: the reports kept, and every
+    problem."""
+    out: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for name, r in raw:
+        report, why = clean_report(r, name)
+        problems += why
+        if report is not None:
+            out.append(report)
+    return out, problems
+
+
+def read_incomplete(stats_dir: str) -> dict[str, str]:
+    """``stage/replica`` -> why (the marker's text, printable, or "reason not recorded")
+    for each process whose telemetry could not be written."""
+    out: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(stats_dir))
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(INCOMPLETE_SUFFIX):
+            continue
+        base = name[: -len(INCOMPLETE_SUFFIX)]
+        stage, _, replica = base.rpartition(".")
+        try:
+            with open(os.path.join(stats_dir, name), "rb") as f:
+                raw = f.read(_MAX_REASON)
+        except OSError:
+            raw = b""
+        text = "".join(c for c in raw.decode(errors="replace") if c.isprintable()).strip()
+        out[f"{stage}/{replica}" if stage else base] = text or "reason not recorded"
+    return out
+
+
+def incomplete_line(incomplete: dict[str, str]) -> str:
+    """The launcher's one line about ``read_incomplete``'s findings."""
+    who = "; ".join(f"{label} ({why})" for label, why in sorted(incomplete.items())[:4])
+    more = f" and {len(incomplete) - 4} more" if len(incomplete) > 4 else ""
+    return (f"telemetry could not be written by {who}{more}: this run's figures (summary, monitor, "
+            "--stats-file, trace) are incomplete; is the runtime directory full? Free space there or set "
+            "IPCSYNC_RUNTIME_DIR to a directory with room")
