@@ -28,9 +28,11 @@ from .errors import (
     ConfigError,
     IpcSyncError,
     IpcTimeoutError,
+    ItemWrittenError,
     PeerLostError,
     ProducerFailedError,
     ProtocolError,
+    SlotKeptError,
 )
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __getattr__
@@ -52,7 +54,7 @@ __all__ = [
     "IpcEvent", "export_tensor", "import_tensor",
     # the one exception tree (ipcsync.errors)
     "IpcSyncError", "ProtocolError", "PeerLostError", "ProducerFailedError", "ClosedError",
-    "IpcTimeoutError", "ConfigError", "BackendError",
+    "IpcTimeoutError", "ConfigError", "BackendError", "ItemWrittenError", "SlotKeptError",
     "PROTOCOL_VERSION", "Limits", "__version__",
 ]
 

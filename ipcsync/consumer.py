@@ -19,6 +19,7 @@ After the producer is declared lost, no wait is ever enqueued on its events.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from typing import Any, Coroutine, Iterator
 import torch
 
 from . import limits
-from .backends import backend_for, resolve_device
+from .backends import backend_for, refs, resolve_device
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
 from .core.stats import Stats
@@ -40,9 +41,10 @@ from .item import Item
 from .runtime.channel import ConsumerChannel, CurveKeys, check_transport, resolve_endpoint
 from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout, check_wait
 from .runtime import aio
-from .runtime.foreign import Lender
+from .runtime.foreign import ForeignUse, Lender
 from .runtime.telemetry import tracer_for
 from .runtime.upstream import ProducerLink, make_hello, unanswered_error
+from .runtime.verify import Verifier
 from .runtime.waiting import SourcePort, wait_ready_event
 
 __all__ = ["Consumer", "Item"]
@@ -73,6 +75,17 @@ class Consumer(EndpointBase):
             connection closed without goodbye.
         credits: most items held at once (buffered + unreleased); default: all slots.
         auto_release: release the previous item at the next iteration.
+        keep_refs_check: the reference rule (default True): a released item's slot goes
+            back to the producer only once no tensor of this program views it any more
+            (one C call per release); a ring stalled by kept views is reported at once,
+            naming the items. False: a slot goes back at ``release()``, and a view kept
+            past it may show a later item's data (for programs that never keep views).
+        verify: check that no item is changed while this consumer holds it (an in-place
+            op on a received tensor writes into memory other readers share): a checksum
+            of the item's bytes when received and when released; a difference raises
+            ``ItemWrittenError`` at the next call. Costs two reads of every item: for
+            CUDA, where received memory cannot be mapped read-only (on the CPU backend it
+            is: an in-place op faults at once).
         stream: CUDA stream for waits and release events (default: current at each call).
         curve: for a ``tcp://`` endpoint, ``CurveKeys`` with ``server`` = the producer's
             public key; refused without them unless ``insecure=True``.
@@ -90,6 +103,7 @@ class Consumer(EndpointBase):
         idle_timeout: float | None = None, heartbeat: float | None = limits.DEFAULT_HEARTBEAT,
         credits: int | None = None, auto_release: bool = True, stream: Any = None,
         curve: CurveKeys | None = None, insecure: bool = False, limits: P.Limits = P.DEFAULT_LIMITS,
+        keep_refs_check: bool = True, verify: bool = False,
     ) -> None:
         super().__init__(endpoint, timeout, heartbeat)
         self.wait_mode = check_wait(wait)
@@ -99,12 +113,25 @@ class Consumer(EndpointBase):
         connect = check_timeout("connect_timeout", connect_timeout)
         credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)
+        self._check_refs = bool(keep_refs_check)
+        # A torch that cannot count references: a storage per item (backends.refs).
+        self._per_item = self._check_refs and not refs.checks_references()
+        self._verify = Verifier(endpoint) if verify else None
+        if verify:
+            self._release_locked = self._release_verified  # type: ignore[method-assign]
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
         check_transport(self.endpoint, curve, insecure, "consumer")
         self.source = endpoint  # what Item.source says; FanIn relabels it
         self._stream = stream
         self._backend = backend_for(self.device)
+        if self.device.type == "cpu" and not faulthandler.is_enabled():
+            # Received items are mapped read-only (backends.cpu): an in-place op on one
+            # is a SIGSEGV, and this shows the line that did it.
+            try:
+                faulthandler.enable()
+            except (RuntimeError, ValueError, OSError):  # no usable stderr (a daemon)
+                pass
         self._stats = Stats()
         self._trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
         self.session = s = ConsumerSession(self.endpoint.name, self._backend.name, self._heartbeat, limits,
@@ -117,6 +144,7 @@ class Consumer(EndpointBase):
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
                                          self._held)
+        link.credits, link.check_refs = credits, self._check_refs
         # Weakly: items never keep the Consumer alive (unreferenced, it is torn down at once).
         ref = weakref.ref(self)
         self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
@@ -232,18 +260,20 @@ class Consumer(EndpointBase):
             return item
         raise IpcTimeoutError(
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            "it is alive but sent nothing (pass a larger timeout, or None to wait)")
+            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
 
     def _closed_error(self) -> Exception:
         return ClosedError(f"this {self._role} was closed while this call waited")
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
-        waiting by cause, items held and buffered, whether frames travel on a lane (``lane``)."""
+        waiting by cause, items held and buffered, items released but still viewed by the
+        program's tensors (``kept``: their slots are not given back yet), whether frames
+        travel on a lane (``lane``)."""
         with self._lock:
             clock = self.session.clock
             return self._stats.snapshot(
-                role="consumer", held=len(self._held), buffered=len(self._ready),
+                role="consumer", held=len(self._held), buffered=len(self._ready), kept=len(self._link.kept),
                 forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
                 producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
@@ -286,6 +316,7 @@ class Consumer(EndpointBase):
             try:
                 for item in list(self._held.values()):
                     self._release_locked(item, None)
+                link.give_up_kept()
                 while s.ready:
                     seq, slot, gen, *_ = s.ready.popleft()
                     s.pending.append((seq, slot, gen))
@@ -328,7 +359,7 @@ class Consumer(EndpointBase):
             return None
         raise IpcTimeoutError(
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            "it is alive but sent nothing (pass a larger timeout, or None to wait)")
+            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
 
     def _poll(self) -> tuple[bool, Item | None]:
         """``port.poll``: see SourcePort."""
@@ -362,13 +393,18 @@ class Consumer(EndpointBase):
         call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
         when given); nothing is lost or released."""
         seq, slot, gen, sent_ns, meta, recipe = entry
-        mem = self._memory
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build(slot, mem.slot_views[slot]),
-                    recipe.nbytes)
+        # Built from the slot's own storage (a forwarded item: its region's), whose use
+        # count tells at release whether the program still views it (the reference rule).
+        store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
+        if self._per_item:
+            store = store.for_item()
+        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store)
+        if self._per_item:
+            store.seal()
         # Held before any wait below: a host-mode wait pumps, and a pump that saw the
         # producer's BYE with nothing held would say BYE under this item.
         self._held[seq] = item
-        ev = mem.ready_events[slot]
+        ev = self._memory.ready_events[slot]
         # Complete already (the producer re-records it only after we release the slot):
         # nothing to wait for. Tested here, not in wait_ready_event: a call less per item.
         if not ev.query():
@@ -379,6 +415,8 @@ class Consumer(EndpointBase):
                 del self._held[seq]
                 self._ready.appendleft(entry)
                 raise
+        if self._verify is not None:
+            self._verify.received(item, recipe.extent, self._stream)
         now = time.monotonic_ns()
         self._stats.handoff(recipe.nbytes, (now - sent_ns) / 1e9)
         if self._trace is not None:
@@ -406,13 +444,18 @@ class Consumer(EndpointBase):
         # producer's memory mapped (see ProducerLink.let_go_of_memory).
         item.tensors = None
         self._held.pop(item.seq, None)
+        if self._trace is not None:
+            self._trace.released(item.seq)
+        if self._check_refs and item.store.in_use():
+            # The program still views the slot: it goes back once nothing does (the
+            # link polls it at every pump; a stall is reported at once).
+            self._link.kept.add(item)
+            return
         if self._foreign_uses:
             self._foreign_uses.pop(item.seq, None)
         s = self.session
         if s.error is None:
             self._memory.release_events[item.slot].record(stream if stream is not None else self._stream)
-        if self._trace is not None:
-            self._trace.released(item.seq)
         pending = self._pending
         pending.append((item.seq, item.slot, item.gen))
         # Batched: queued releases go out together when this many are waiting, when the
@@ -420,6 +463,23 @@ class Consumer(EndpointBase):
         # service thread.
         if len(pending) >= s.release_batch:
             self._link.flush_releases()
+
+    def _release_verified(self, item: Item, stream: Any) -> None:
+        """``_release_locked`` with ``verify=True``: the item's checksum is taken again
+        before its release event, and a finished comparison that found a change raises
+        (not while closing: close() logs it)."""
+        if item.released:
+            return
+        assert self._verify is not None
+        self._verify.released(item, stream if stream is not None else self._stream)
+        Consumer._release_locked(self, item, stream)
+        if self._closer is None:
+            self._verify.check()
+        else:
+            try:
+                self._verify.check()
+            except IpcSyncError as exc:
+                log.warning("ipcsync consumer %r closing: %s", self.endpoint.name, exc)
 
     # ------------------------------------------------------------------ EndpointBase hooks
     def _pump(self) -> None:

@@ -192,9 +192,10 @@ def batches(inp: Consumer | FanIn, *, copy: bool | None = None, keep: bool = Fal
             consumer waits on (its ``stream=``, default the current one), after that wait,
             and the release is recorded there after them: use the batch on that stream
             (or synchronize with it). ``False``: zero-copy: the tensors are views of the
-            producer's slot, valid until the next batch is asked for (or the generator
-            ends or is closed); clone what you keep. Finish (or, on CUDA, queue) the step's
-            work on a batch before asking for the next.
+            producer's slot; asking for the next batch releases it, and the slot goes
+            back once no view of it is left (a view you keep holds its slot: keep clones,
+            or the producer stalls, reported at once). Finish (or, on CUDA, queue) the
+            step's work on a batch before asking for the next.
         keep: yield ``(tensors, item)`` pairs and never release: the tensors are views
             of the slot until you call ``item.release()`` (holding every slot stalls the
             producers). Zero-copy only: ``copy`` must be left out or False.

@@ -16,6 +16,8 @@ __all__ = [
     "IpcTimeoutError",
     "ConfigError",
     "BackendError",
+    "ItemWrittenError",
+    "SlotKeptError",
 ]
 
 
@@ -58,3 +60,17 @@ class ConfigError(IpcSyncError, ValueError):
 class BackendError(IpcSyncError):
     """The memory/event backend failed (shared memory or CUDA IPC could not be created,
     opened or used)."""
+
+
+class ItemWrittenError(IpcSyncError):
+    """A received item changed while this consumer held it (``verify=True``): an in-place
+    op on a received tensor (``x.mul_()``, ``x.div_()``, ...) wrote into the producer's
+    slot, which other readers of a broadcast edge and forwarded copies share. The item
+    was released; clone() a received tensor before changing it."""
+
+
+class SlotKeptError(IpcSyncError):
+    """A ``Producer.slot()`` block ended while a tensor taken from it is still referenced:
+    a write through it would change the item after it was sent, so it was not sent. Its
+    slot is reused once that tensor is gone; keep no reference to ``s[name]`` past the
+    block (``del`` it, or copy into it without naming it)."""

@@ -99,15 +99,19 @@ class Item:
     ``ipcsync.forward`` hands the item over through; ``origin.stream`` is the stream the
     item's ready-event wait went on, None: the current one).
 
-    The tensors are valid until ``release()``: after it the producer may overwrite the
-    slot, ``item[key]`` raises ClosedError and ``tensors`` is None. Clone what you need to
-    keep; views you keep past release() keep the producer's memory mapped in this process.
+    ``release()`` says "I am done": ``item[key]`` then raises ClosedError and ``tensors``
+    is None. The slot goes back to the producer only once no tensor of the program views
+    it any more (the reference rule): a view kept past release() keeps the slot, so keep
+    clones of what you keep, or the ring stalls (reported at once, naming the items).
+    ``store``: the slot's own storage (``backends.refs.SlotStore``) whose use count tells
+    (not asked when the consumer was made with ``keep_refs_check=False``).
     """
 
-    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin")
+    __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin", "store",
+                 "sums")
 
     def __init__(self, origin: "Lender", source: str, seq: int, slot: int, gen: int, meta: Any,
-                 tensors: Any, nbytes: int) -> None:
+                 tensors: Any, nbytes: int, store: Any = None) -> None:
         self.tensors = tensors
         self.meta = meta
         self.seq = seq
@@ -117,6 +121,8 @@ class Item:
         self.released = False
         self.source = source
         self.origin = origin
+        self.store = store
+        self.sums: Any = None  # verify=True: the item's checksum when received
 
     def __getitem__(self, key: Any) -> Any:
         if self.released:

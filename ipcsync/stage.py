@@ -112,6 +112,8 @@ def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the na
     # data calls wait as long as the peer lives.
     kw: dict[str, Any] = {"device": w["device"], "wait": edge["wait"], "connect_timeout": edge["timeout"]}
     kw.update(_transport_in(edge))
+    if edge.get("verify") is True:  # the edge's verify = true (Consumer's verify=)
+        kw["verify"] = True
     kw.update(options)
     if len(edge["endpoints"]) == 1:
         if isinstance(kw.get("curve"), list):

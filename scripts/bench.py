@@ -156,11 +156,12 @@ def _ipc_producer(endpoint: str, nbytes: int, n: int, slots: int, mode: str, dev
                 out.send({"x": src}, meta=time.monotonic_ns())
 
 
-def _ipc_consumer(endpoint: str, n: int, device: str, wait: str, results: Any) -> None:
+def _ipc_consumer(endpoint: str, n: int, device: str, wait: str, results: Any, refs_check: bool = True) -> None:
     import ipcsync
 
     lat = []
-    with ipcsync.Consumer(endpoint, device=device, wait=wait, heartbeat=None, timeout=60) as inp:
+    with ipcsync.Consumer(endpoint, device=device, wait=wait, heartbeat=None, timeout=60,
+                          keep_refs_check=refs_check) as inp:
         t0 = None
         for k, item in enumerate(inp):
             _touch(item["x"])  # (no view kept past the loop: see Consumer._let_go_of_memory)
@@ -259,13 +260,15 @@ def _event_get(ev: Any) -> Callable[[float], Any]:
     return get
 
 
-def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str) -> tuple[float, list[float]]:
+def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str,
+                refs_check: bool = True) -> tuple[float, list[float]]:
     ctx = mp.get_context("spawn")
-    endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}"
+    endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}-{int(refs_check)}"
     results, ready = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready),
                     name="ipcsync producer")
-    c = ctx.Process(target=_ipc_consumer, args=(endpoint, n, device, wait, results), name="ipcsync consumer")
+    c = ctx.Process(target=_ipc_consumer, args=(endpoint, n, device, wait, results, refs_check),
+                    name="ipcsync consumer")
     try:
         p.start()
         _await("ipcsync producer start", _event_get(ready), [p], 120)
@@ -1169,11 +1172,14 @@ def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
         _progress(f"handoff {name}: {n} messages per method")
         host = run_host_copy(nbytes, n, device)
         mrate, mlat = run_mpq(nbytes, n, args.slots, device)
+        checks = {"on": (True,), "off": (False,), "both": (True, False)}[args.refs_check]
         for mode in modes:
             for wait in waits:
-                rate, lat = run_ipcsync(nbytes, n, args.slots, mode, device, wait)
-                label = f"ipcsync {mode}" + (f" wait={wait}" if device.startswith("cuda") else "")
-                rows.append((name, label, rate, pct(lat, .5), pct(lat, .99), rate / mrate, host))
+                for check in checks:  # ("both": one after the other, so they share the machine's state)
+                    rate, lat = run_ipcsync(nbytes, n, args.slots, mode, device, wait, check)
+                    label = (f"ipcsync {mode}" + (f" wait={wait}" if device.startswith("cuda") else "")
+                             + ("" if check else " refs-check=off"))
+                    rows.append((name, label, rate, pct(lat, .5), pct(lat, .99), rate / mrate, host))
         rows.append((name, "torch.multiprocessing.Queue", mrate, pct(mlat, .5), pct(mlat, .99), 1.0, host))
     return rows
 
@@ -1207,6 +1213,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     h.add_argument("--sizes", default="4K,1M,64M")
     h.add_argument("--modes", default="send,slot")
     h.add_argument("--waits", default=None, help="wait modes (CUDA): gpu,host")
+    h.add_argument("--refs-check", choices=("on", "off", "both"), default="on",
+                   help="the consumer's reference check (Consumer keep_refs_check=): on (the default), "
+                        "off, or both (each ipcsync row twice, to compare its cost)")
     t = ap.add_argument_group("train suite (defaults: real size / with --quick)")
     t.add_argument("--train-loaders", type=int, help="loader processes = DataLoader workers (4 / 2)")
     t.add_argument("--train-batch", type=int, help="images per batch (256 / 16)")

@@ -43,11 +43,14 @@ class Event(abc.ABC):
 
 
 class Arena(abc.ABC):
-    """A byte buffer shared between processes. ``tensor`` is a uint8 view of all of it."""
+    """A byte buffer shared between processes. ``tensor`` is a uint8 view of all of it.
+    ``readonly``: this process maps it read-only (a write through ``tensor`` faults): the
+    CPU backend's imports, so a consumer cannot change what other readers see."""
 
     handle: bytes | str
     nbytes: int
     tensor: torch.Tensor
+    readonly: bool = False
 
     def export(self) -> bytes | str:
         """The handle to send to one new connection (exported once per connection)."""

@@ -18,8 +18,12 @@ Arena lifetime:
 - the whole arena (slots x slot_bytes) is reserved when created (``posix_fallocate``: a
   full /dev/shm is a ConfigError then, never a SIGBUS at a later write) and faulted in when
   mapped (MAP_POPULATE), so no send pays page faults;
-- consumers map it by name once per connection; a mapping stays valid after the producer
-  unlinks the name, so items already delivered remain readable;
+- consumers map it by name once per connection, **read-only** (``O_RDONLY``,
+  ``PROT_READ``): an in-place op on a received tensor faults (SIGSEGV) in the consumer
+  that did it instead of changing what other readers of the item see (a broadcast edge,
+  forwarded items); consumers enable ``faulthandler`` so that fault shows where it
+  happened. A mapping stays valid after the producer unlinks the name, so items already
+  delivered remain readable;
 - ``close()`` on the producer unlinks the name. Mappings are dropped when the last tensor
   viewing them is freed (torch keeps the mmap alive), so closing can never pull memory
   from under a live tensor.
@@ -36,6 +40,7 @@ import os
 import re
 import secrets
 import stat
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -112,8 +117,9 @@ class CpuArena(Arena):
         self.handle = name
         self.nbytes = nbytes
         self.owner = owner
+        self.readonly = not owner
         self.path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if owner else os.O_RDONLY
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
@@ -137,7 +143,9 @@ class CpuArena(Arena):
                     )
             # MAP_POPULATE: fault the whole arena in now. Otherwise every first write to a
             # page of a large slot faults (64 MiB sends ran at a tenth of a memcpy).
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            # A consumer's mapping is read-only (module docstring).
+            prot = mmap.PROT_READ | mmap.PROT_WRITE if owner else mmap.PROT_READ
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _MAP_POPULATE, prot)
         except BaseException:
             if owner:
                 self._unlink()
@@ -145,8 +153,11 @@ class CpuArena(Arena):
         finally:
             os.close(fd)
         # torch keeps a reference to the mmap object: the mapping lives as long as any
-        # tensor that views it.
-        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        # tensor that views it. (torch warns that a read-only buffer gives tensors it
+        # cannot protect: the mapping protects them.)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         self._closed = False
 
     def _unlink(self) -> None:

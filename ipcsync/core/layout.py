@@ -480,7 +480,7 @@ class Plan:
 class Recipe:
     """A validated layout and how to view it in any slot (consumer side)."""
 
-    __slots__ = ("tree", "specs", "nbytes", "extent", "_bases", "_assemble", "_only_key")
+    __slots__ = ("tree", "specs", "nbytes", "extent", "_bases", "_assemble", "_only_key", "_elems")
 
     def __init__(self, layout: Sequence[Any], slot_bytes: int) -> None:
         """Validate ``layout`` (already structure-checked by the protocol) against a slot of
@@ -496,6 +496,8 @@ class Recipe:
         self.nbytes = nbytes
         # Bytes from the slot's start that the layout reaches: it fits any region this long.
         self.extent = max((s[1] for s in self.specs), default=0)
+        # (dtype, shape, stride, offset in elements of dtype) per tensor: for build_in.
+        self._elems = [(dt, shape, stride, o // dt.itemsize) for o, _e, dt, shape, stride in self.specs]
         # slot -> [(1-d typed span view, shape, stride)]
         self._bases: dict[int, list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]] = {}
         self._assemble = _assembler(tree, len(self.specs))
@@ -527,6 +529,23 @@ class Recipe:
             return {self._only_key: b.as_strided(shape, stride)}
         return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
 
+
+    def build_in(self, store: Any) -> Any:
+        """The message as fresh views of a region with a storage of its own
+        (``backends.refs.SlotStore``: so the views' storage counts who references the
+        region): ``store.views[dtype]`` (else ``store.typed(dtype)``, which makes it) is
+        the region as a 1-d ``dtype`` tensor from its storage's first byte. The region
+        must be at least ``extent`` bytes."""
+        views = store.views
+        if self._only_key is not None:
+            dt, shape, stride, offset = self._elems[0]
+            base = views.get(dt)
+            if base is None:
+                base = store.typed(dt)
+            return {self._only_key: base.as_strided(shape, stride, offset)}
+        typed = store.typed
+        return self._assemble([typed(dt).as_strided(shape, stride, offset)
+                               for dt, shape, stride, offset in self._elems])
 
     def build_at(self, region: torch.Tensor) -> Any:
         """The message as views of ``region`` (uint8, at least ``extent`` bytes), without

@@ -314,6 +314,8 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
             "wait": e.wait,
             "timeout": e.timeout,
         }
+        if e.verify:
+            inputs[e.src]["verify"] = True
         eps = [remote.get((e.src, i, stage.name)) for i in range(src.replicas)]
         if any(ep is not None for ep in eps):
             if insecure:

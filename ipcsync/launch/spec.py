@@ -31,6 +31,8 @@ A spec::
     wait = "gpu"                # how the consumer waits on the producer's events
     timeout = 30                # seconds the two ends wait for each other to appear
                                 # (the handshake); see below
+    verify = false              # true: consumers check that no received item changes
+                                # while they hold it (Consumer(verify=True); for CUDA)
 
     [[edges]]                   # a reply edge: answers going back upstream (the only
     from = "train"              # kind of edge allowed to close a cycle); its output()
@@ -104,7 +106,7 @@ _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 
 _TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name"}
 _STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd", "node", "nodes"}
 MAX_NODES = 1024
-_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply"}
+_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply", "verify"}
 
 
 class SpecError(ConfigError):
@@ -145,6 +147,7 @@ class EdgeSpec:
     wait: str = "gpu"
     timeout: float = DEFAULT_CONNECT_TIMEOUT  # the handshake: how long the ends wait to meet
     reply: bool = False  # a back edge (answers to an upstream stage): exempt from the cycle check
+    verify: bool = False  # consumers check that no item changes while they hold it (Consumer verify=)
 
     @property
     def name(self) -> str:
@@ -437,6 +440,7 @@ def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
         wait=wait,
         timeout=_seconds(where, f"{key}.timeout", body.get("timeout", DEFAULT_CONNECT_TIMEOUT)),
         reply=_bool(where, f"{key}.reply", body.get("reply", False)),
+        verify=_bool(where, f"{key}.verify", body.get("verify", False)),
     )
 
 

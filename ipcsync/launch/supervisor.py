@@ -88,6 +88,17 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def fault_hint(inst: Instance, returncode: int | None) -> str:
+    """What a stage's SIGSEGV most likely means when it reads inputs on the CPU backend,
+    which maps received items read-only (the reference rule): "" otherwise."""
+    inputs = inst.wiring.get("inputs") if isinstance(inst.wiring, dict) else None
+    if returncode != -signal.SIGSEGV or not inputs or not str(inst.device).startswith("cpu"):
+        return ""
+    return ("; it receives items read-only (CPU backend), and a write into a received tensor (an in-place "
+            "op such as x.mul_() or x.div_(), or x[...] = ...) faults: clone() it first (its stderr "
+            "above shows the line)")
+
+
 def _describe(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -352,6 +363,7 @@ class Supervisor:
         line = f"stage {chosen.inst.label} (pid {pid}) {how} after {time.monotonic() - chosen.started:.1f} s"
         if report is not None:
             line += f": {report.get('type')}: {str(report.get('message'))[:300]}"
+        line += fault_hint(chosen.inst, chosen.returncode)
         if chosen is not p:
             line += f" (stage {p.inst.label} then failed because of it)"
         code = exit_code_of(chosen.returncode) if chosen.returncode is not None else exit_code_of(p.returncode)

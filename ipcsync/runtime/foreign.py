@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..backends import Arena
+from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.layout import Recipe
 from ..core.ratelog import RateLog, best_effort
@@ -41,28 +42,47 @@ log = logging.getLogger(__name__)
 
 
 class ForeignArena:
-    """Another producer's arena, described by FOREIGN: open, or why it could not be."""
+    """Another producer's arena, described by FOREIGN: open, or why it could not be;
+    ``stores``: a storage of its own per region items lie in ((offset, nbytes): the
+    upstream slots, so few), whose use count says who still views the region."""
 
-    __slots__ = ("msg", "arena", "error")
+    __slots__ = ("msg", "arena", "error", "stores")
 
     def __init__(self, msg: P.Foreign, arena: Arena | None, error: str | None) -> None:
         self.msg, self.arena, self.error = msg, arena, error
+        self.stores: dict[tuple[int, int], SlotStore] = {}
+
+    def store(self, offset: int, nbytes: int) -> SlotStore:
+        """The region's store (made at its first item; an item keeps its own reference)."""
+        key = (offset, nbytes)
+        store = self.stores.get(key)
+        if store is None:
+            if len(self.stores) >= _MAX_REGIONS:
+                self.stores.clear()
+            assert self.arena is not None
+            store = self.stores[key] = SlotStore(self.arena.tensor[offset : offset + nbytes])
+        return store
+
+
+_MAX_REGIONS = 4096  # regions cached per foreign arena (items keep their own store)
 
 
 class ForeignUse:
-    """What a buffered FREADY keeps in place of a Recipe (the Consumer calls ``build`` and
-    reads ``nbytes`` alike): the item's views are built in the foreign region."""
+    """What a buffered FREADY keeps in place of a Recipe (the Consumer calls ``build_in``
+    and reads ``nbytes`` and ``extent`` alike): the item's views are built in the foreign
+    region, from its own storage (``store``; ``view`` is that storage's whole region). The
+    session checked that the layout fits the region."""
 
-    __slots__ = ("recipe", "entry", "view", "offset", "region_bytes", "nbytes")
+    __slots__ = ("recipe", "entry", "store", "view", "offset", "region_bytes", "nbytes", "extent")
 
-    def __init__(self, recipe: Recipe, entry: ForeignArena, view: torch.Tensor, offset: int,
+    def __init__(self, recipe: Recipe, entry: ForeignArena, store: SlotStore, offset: int,
                  region_bytes: int) -> None:
-        self.recipe, self.entry, self.view = recipe, entry, view
+        self.recipe, self.entry, self.store, self.view = recipe, entry, store, store.base
         self.offset, self.region_bytes = offset, region_bytes
-        self.nbytes = recipe.nbytes
+        self.nbytes, self.extent = recipe.nbytes, recipe.extent
 
-    def build(self, slot_index: int, slot: torch.Tensor) -> Any:
-        return self.recipe.build_at(self.view)
+    def build_in(self, store: SlotStore) -> Any:
+        return self.recipe.build_in(store)
 
 
 class Downstream:
@@ -115,8 +135,7 @@ class Downstream:
                 "of producer pid %d it lies in cannot be opened (%s)",
                 self.name, m.seq, self.lost, entry.msg.pid, entry.error)
             return None
-        view = entry.arena.tensor[m.offset : m.offset + m.nbytes]
-        use = self.uses[m.seq] = ForeignUse(recipe, entry, view, m.offset, m.nbytes)
+        use = self.uses[m.seq] = ForeignUse(recipe, entry, entry.store(m.offset, m.nbytes), m.offset, m.nbytes)
         return use
 
     def close(self) -> None:
@@ -202,7 +221,7 @@ class Lender:
             else:
                 a, off, n = setup.slots[item.slot]
                 src = ForwardSource(setup.backend, setup.device, setup.pid, setup.start_time, setup.arenas[a],
-                                    setup.arena_bytes[a], off, n, mem.slot_views[item.slot],
+                                    setup.arena_bytes[a], off, n, mem.stores[item.slot].base,
                                     mem.ready_events[item.slot])
             if self.wake is None:
                 self.wake = Wake()
@@ -251,9 +270,15 @@ class Lender:
                 pass
 
     def _give_back(self, items: list[Any]) -> None:
-        """Queue the RELEASEs of ``items`` and send them. Lock held."""
-        uses, pending = self.link.downstream.uses, self.link.session.pending
+        """Queue the RELEASEs of ``items`` and send them; an item whose slot a tensor of
+        the program still views waits in the link's ``kept`` (the reference rule; its
+        release event is recorded again when it goes). Lock held."""
+        uses, pending, kept = self.link.downstream.uses, self.link.session.pending, self.link.kept
         for item in items:
+            item.tensors = None  # given back: the item stops viewing its slot
+            if self.link.check_refs and item.store.in_use():
+                kept.add(item)
+                continue
             if uses:
                 uses.pop(item.seq, None)
             pending.append((item.seq, item.slot, item.gen))

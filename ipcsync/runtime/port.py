@@ -22,7 +22,7 @@ from ..core.producer_session import Kind, ProducerSession
 from ..core.remote_session import READY_PLACEHOLDER
 from ..core.ring import Acquired
 from ..core.ratelog import best_effort
-from ..errors import ProtocolError
+from ..errors import ProtocolError, SlotKeptError
 from . import host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import ProducerChannel
@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 class SlotTicket:
     """What ``open_slot`` reserved for one ``Producer.slot()`` block."""
 
-    __slots__ = ("acq", "plan", "stream")
+    __slots__ = ("acq", "plan", "stream", "store")
 
-    def __init__(self, acq: Acquired, plan: Any, stream: Any) -> None:
-        self.acq, self.plan, self.stream = acq, plan, stream
+    def __init__(self, acq: Acquired, plan: Any, stream: Any, store: Any) -> None:
+        self.acq, self.plan, self.stream, self.store = acq, plan, stream, store
 
 
 class ProducerPort:
@@ -112,6 +112,8 @@ class ProducerPort:
         fwd = self.forwarder
         if fwd.ledger.pending:
             fwd.poll()
+        if self.handoffs.kept_slots:
+            self.handoffs.free_kept_slots()
         self.handoffs.dispatch()
         if self.remote_hub is not None:
             self.confirm_sends()
@@ -356,6 +358,8 @@ class ProducerPort:
         # export is settled here, not left for the interpreter's exit, where torch would
         # warn "Producer process has been terminated before all shared CUDA tensors released".
         self.handoffs.plans.clear()
+        self.handoffs.free_kept_slots(all_of_them=True)
+        self.handoffs.stores = []
         self.handoffs.slot_views.clear()
         best_effort("producer teardown", self.chan.close, self.arena.close, self.backend.collect, self.backend.close)
 
@@ -380,11 +384,13 @@ class ProducerPort:
                 s = stream if stream is not None else self.default_stream
                 if acq.last_holders:
                     h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
-                views = recipe.build(acq.slot, h.slot_views[acq.slot])
+                store = h.slot_store(acq.slot).for_item()
+                views = recipe.build_in(store)
+                store.seal()
             except BaseException:
                 h.ring.abort(acq.slot)
                 raise
-        return SlotTicket(acq, plan, stream), views
+        return SlotTicket(acq, plan, stream, store), views
 
     def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
         """Steps 3-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
@@ -392,6 +398,17 @@ class ProducerPort:
         h = self.handoffs
         slot = ticket.acq.slot
         with self.lock:
+            if ticket.store.in_use():
+                # A tensor of the block outlived it: a write through it would change the
+                # item after it was sent. Not sent; the slot waits until it is gone.
+                h.kept_slots[slot] = ticket.store
+                if ok:
+                    raise SlotKeptError(
+                        f"a tensor taken from this Producer.slot() block on {self.name!r} is "
+                        "still referenced after the block ended, so the item was not sent (a write through "
+                        "it would change an item already sent); keep no reference to s[name] past the "
+                        "block: del it before the block ends, or use s[name] without naming it")
+                return
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return

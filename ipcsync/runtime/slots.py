@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import msgpack
 
 from ..backends import Event
+from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
 from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_empty
@@ -98,6 +99,26 @@ class Handoffs:
         self.items: list[list[Any] | None] = [None] * self.slots
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
         self._alone_since: float | None = None  # since when close() has no consumer to wait for
+        # slot() blocks build their views from the slot's own storage (made at its first
+        # block), whose use count tells whether a tensor of the block outlived it; such a
+        # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
+        self.stores: list[SlotStore | None] = [None] * self.slots
+        self.kept_slots: dict[int, SlotStore] = {}
+
+    # ------------------------------------------------------------------ slot() blocks
+    def slot_store(self, slot: int) -> SlotStore:
+        store = self.stores[slot]
+        if store is None:
+            store = self.stores[slot] = SlotStore(self.slot_views[slot])
+        return store
+
+    def free_kept_slots(self, all_of_them: bool = False) -> None:
+        """Give back each kept slot nothing references any more (``all_of_them``: every
+        one, at close: nothing is sent after it)."""
+        for slot, store in list(self.kept_slots.items()):
+            if all_of_them or not store.in_use():
+                del self.kept_slots[slot]
+                self.ring.abort(slot)
 
     # ------------------------------------------------------------------ plans
     def new_plan(self, key: Any, placement: Placement) -> Plan:

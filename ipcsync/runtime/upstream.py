@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from ..backends import Arena, Event
+from ..backends.refs import SlotStore
 from ..backends.cpu import reclaim_dead_segments, segment_owner
 from ..core import protocol as P
 from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgain, LaneOffered, SentReceived,
@@ -29,6 +30,7 @@ from ..errors import (
 from . import host
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
 from .foreign import Downstream
+from .keeping import Kept
 
 __all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "remove_stale_endpoint",
            "ProducerLink"]
@@ -72,14 +74,17 @@ def identity_problem(endpoint: Endpoint, connection_fd: int, backend_name: str, 
 
 
 class RingMemory:
-    """The producer's ring as this consumer sees it: its arenas, a view per slot, its ready
-    events, and our release events (one per slot)."""
+    """The producer's ring as this consumer sees it: its arenas, a view per slot, the
+    slot's own storage (``stores``: items are built from it, and it says whether a tensor
+    of the program still references the slot), its ready events, and our release events
+    (one per slot)."""
 
-    __slots__ = ("arenas", "slot_views", "ready_events", "release_events")
+    __slots__ = ("arenas", "slot_views", "stores", "ready_events", "release_events")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.slot_views: list[torch.Tensor] = []
+        self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
         self.release_events: list[Event] = []
 
@@ -88,16 +93,22 @@ class RingMemory:
         BackendError if it cannot be."""
         try:
             self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
-            self.slot_views = [self.arenas[a].tensor[off : off + n] for a, off, n in s.slots]
+            self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
             self.ready_events = [backend.open_event(h) for h in s.ready_events]
             self.release_events = [backend.create_event() for _ in s.slots]
         except IpcSyncError as exc:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
 
+    def set_slots(self, views: list[torch.Tensor]) -> None:
+        """The slots' views (uint8, one per slot) and a storage of its own for each."""
+        self.slot_views = views
+        self.stores = [SlotStore(v) for v in views]
+
     def let_go(self) -> None:
         """Drop the slot views and close the arena imports (tensors the user still holds
         keep their memory mapped until they go)."""
         self.slot_views = []
+        self.stores = []
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
@@ -145,6 +156,11 @@ class ProducerLink:
         # receive ring fills ``memory``; None on every local edge.
         self.remote: Any = None
         self.lane_loss_seen = False  # a closed lane was handled as a closed connection
+        # Items the program released while its tensors still view their slot (the
+        # reference rule): given back at a pump once nothing references them.
+        self.kept = Kept()
+        self.credits = 1 << 20  # the most items we may hold (the consumer's credits=)
+        self.check_refs = True  # the consumer's keep_refs_check (and torch can count)
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -176,6 +192,59 @@ class ProducerLink:
             s.clock.last_send = time.monotonic()
             del s.pending[: out[1]]
 
+    def release_kept(self, collect: bool = False) -> None:
+        """Give back the kept items nothing references any more (``collect``: after a
+        garbage collection); all of them once the producer said BYE (it writes nothing
+        more) or is gone. Each release event is recorded now, on the consumer's stream:
+        work the program queued through its views came before it dropped them."""
+        s = self.session
+        kept = self.kept
+        items = kept.take_all() if s.bye_received or s.error is not None else kept.freed(collect)
+        if items:
+            self.queue_releases(items)
+            if s.error is None and len(s.pending) >= s.release_batch:
+                self.flush_releases()
+
+    def queue_releases(self, items: list[Any]) -> None:
+        """Record each kept item's release event on the consumer's stream and queue its
+        RELEASE."""
+        s = self.session
+        uses = self.downstream.uses
+        for item in items:
+            if uses:
+                uses.pop(item.seq, None)
+            if s.error is None:
+                self.memory.release_events[item.slot].record(self.stream)
+            s.pending.append((item.seq, item.slot, item.gen))
+
+    def check_stall(self) -> None:
+        """Nothing is buffered and the slots this consumer holds (kept by the program's
+        tensors, or held) are all it may hold (the ring's slots, or its credits): report
+        at once what holds them, after a garbage collection (a view may be held by a cycle
+        only). Once per set of items. (When several consumers share a ring, kept slots
+        can stall it before that: the producer's wait and a timeout's message show it.)"""
+        setup = self.session.setup
+        if setup is None:
+            return
+        most = min(len(setup.slots), self.credits)
+        if len(self.kept) + len(self.held) < most or self.kept.reported == frozenset(self.kept.items):
+            return
+        self.release_kept(collect=True)
+        if self.kept and len(self.kept) + len(self.held) >= most and self.kept.new_stall():
+            log.warning("ipcsync consumer %r: the ring is stalled: %s", self.endpoint.name, self.kept.describe())
+
+    def stall_text(self) -> str:
+        """For a timeout's message: what the program keeps, if anything."""
+        return f"; {self.kept.describe()}" if self.kept else ""
+
+    def give_up_kept(self) -> None:
+        """close(): give every kept slot back; warn if the producer may still write them."""
+        s = self.session
+        if self.kept and not s.bye_received and s.error is None:
+            log.warning("ipcsync consumer %r closing: %s; they are given back now and may change",
+                        self.endpoint.name, self.kept.describe())
+        self.queue_releases(self.kept.take_all())
+
     def say_bye(self) -> None:
         """Nothing is held (every caller releases first)."""
         frame = self.session.bye()
@@ -199,6 +268,8 @@ class ProducerLink:
     def pump(self) -> None:
         """Handle everything that has arrived, without blocking."""
         lender, s, chan = self.lender, self.session, self.chan
+        if self.kept:
+            self.release_kept()
         if lender.wake is not None:
             lender.drain()
         if self.remote is not None and self.remote.wake is not None:
@@ -243,6 +314,8 @@ class ProducerLink:
             self.on_lost()
         if s.error is None:
             if not s.ready:
+                if self.kept:
+                    self.check_stall()
                 self.flush_releases()
             if s.finished(bool(self.held) or bool(lender.forwarded)):
                 self.say_bye()
@@ -340,7 +413,8 @@ class ProducerLink:
         # frames of meanwhile wait unread; this pump could not read them while it joined.
         self.session.clock.heard(time.monotonic())
         m = self.memory
-        m.arenas, m.slot_views = [edge.arena], list(edge.slot_views)
+        m.arenas = [edge.arena]
+        m.set_slots(list(edge.slot_views))
         m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)
         self.watch = RemoteWatch(self.session.clock, edge)  # type: ignore[assignment]
         self.send(self.session.attach(s, [RELEASE_PLACEHOLDER] * len(s.slots)))

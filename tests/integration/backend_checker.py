@@ -228,6 +228,7 @@ class _Ctx:
         self.event: Event | None = None  # recorded here, opened in the peer as "ev"
         self.peer_event: Event | None = None  # recorded in the peer ("pev"), opened here
         self.closed_handle: bytes | str = ""  # step 4's arena, closed, its imports closed
+        self.readonly = False  # the peer's import is read-only (a write through it faults)
 
     def arena_for_test(self, nbytes: int = N) -> Arena:
         a = self.backend.create_arena(nbytes)
@@ -272,9 +273,11 @@ def _check_round_trip(ctx: _Ctx) -> None:
         seen = ctx.peer("read", key="rt", offset=4096, length=256)
         s.require(seen["hex"] == _pattern(1).hex(),
                   "bytes written into the arena here are not what the peer reads through the exported handle")
-        ctx.peer("write", key="rt", offset=N - 256, data=_pattern(2).hex())
-        s.require(_local_read(a, N - 256, 256) == _pattern(2),
-                  "bytes the peer wrote through its import are not seen in the owner's arena")
+        ctx.readonly = got["readonly"]
+        if not ctx.readonly:  # (a read-only import, the CPU backend's, faults on a write)
+            ctx.peer("write", key="rt", offset=N - 256, data=_pattern(2).hex())
+            s.require(_local_read(a, N - 256, 256) == _pattern(2),
+                      "bytes the peer wrote through its import are not seen in the owner's arena")
 
         ev = ctx.event = ctx.backend.create_event()
         eh = ev.handle()
@@ -331,10 +334,14 @@ def _check_record_query_wait(ctx: _Ctx, spin: float) -> None:
         ev.wait()  # waiting on completed work is a no-op, never an error
 
         # The peer writes (behind a GPU spin), records its event; this process waits, reads.
+        # (Through a read-only import the peer only records: this process writes.)
         off2 = off + length
         write_span(a.tensor[off2:off2 + length], bytes([1]) * length)
         settle(ctx.backend)
-        ctx.peer("fill_recorded", key="rt", offset=off2, length=length, value=3, event="pev", spin=spin)
+        if ctx.readonly:
+            a.tensor[off2:off2 + length].fill_(3)
+        ctx.peer("fill_recorded", key="rt", offset=off2, length=0 if ctx.readonly else length, value=3,
+                 event="pev", spin=spin)
         control = read_span(a.tensor[off2:off2 + length]) if gpu else {}
         pev.wait(ctx.backend.current_stream())
         waited = read_span(a.tensor[off2:off2 + length])
@@ -360,9 +367,12 @@ def _check_imports(ctx: _Ctx) -> tuple[Arena, bytes | str]:
         s.require(b["numel"] == N, f"open_borrowed_arena(handle, {N}) gave {b['numel']} bytes")
         s.require(ctx.peer("read", key="borrowed", offset=0, length=256)["hex"] == _pattern(3).hex(),
                   "a borrowed import of a handle does not see the owner's bytes")
-        ctx.peer("write", key="borrowed", offset=1024, data=_pattern(4).hex())
-        s.require(_local_read(a, 1024, 256) == _pattern(4),
-                  "bytes written through a borrowed import are not seen by the owner")
+        if b["readonly"]:
+            _local_write(ctx.backend, a, 1024, _pattern(4))
+        else:
+            ctx.peer("write", key="borrowed", offset=1024, data=_pattern(4).hex())
+            s.require(_local_read(a, 1024, 256) == _pattern(4),
+                      "bytes written through a borrowed import are not seen by the owner")
         s.require(ctx.peer("read", key="main", offset=1024, length=256)["hex"] == _pattern(4).hex(),
                   "two imports of one handle in one process (open_arena, open_borrowed_arena) do not "
                   "share memory")

@@ -141,7 +141,7 @@ def c_open_arena(s: State, key: str, handle: Packed, nbytes: int, borrowed: bool
     a = s.backend.open_borrowed_arena(h, nbytes) if borrowed else s.backend.open_arena(h, nbytes)
     s.arenas[key] = a
     return {"nbytes": a.nbytes, "numel": a.tensor.numel(), "dtype": str(a.tensor.dtype),
-            "data_ptr": a.tensor.data_ptr()}
+            "data_ptr": a.tensor.data_ptr(), "readonly": bool(getattr(a, "readonly", False))}
 
 
 def c_try_open_arena(s: State, handle: Packed, nbytes: int, borrowed: bool = False) -> dict[str, Any]:

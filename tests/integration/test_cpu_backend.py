@@ -136,8 +136,9 @@ def test_open_arena_maps_the_same_memory(backend: CpuBackend, arenas: list[CpuAr
     assert peer.tensor.shape == (4096,) and peer.tensor.dtype == torch.uint8
     owner.tensor[100:200] = torch.arange(100, dtype=torch.uint8)
     assert torch.equal(peer.tensor[100:200], torch.arange(100, dtype=torch.uint8))
-    peer.tensor[4095] = 42
-    assert int(owner.tensor[4095]) == 42
+    owner.tensor[4095] = 42
+    assert int(peer.tensor[4095]) == 42
+    assert peer.readonly and not owner.readonly  # (a write through peer faults: see test_reference_rule)
     assert owner.tensor.data_ptr() != peer.tensor.data_ptr()  # two mappings, one memory
     # Closing an importer never unlinks the segment.
     peer.close()

@@ -357,3 +357,22 @@ def test_limits_module_imports_nothing_of_its_own() -> None:
     tree = ast.parse(Path(limits.__file__).read_text())
     imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports), ast.dump(imports[0])
+
+
+def test_verify_edge_reaches_the_consumer_wiring_only_when_set() -> None:
+    on = by_label(plan_of(two_stage({"device": "cpu"}, {"device": "cpu"}, verify=True)))
+    off = by_label(plan_of(two_stage({"device": "cpu"}, {"device": "cpu"})))
+    assert on["sink/0"].wiring["inputs"]["src"]["verify"] is True
+    assert "verify" not in off["sink/0"].wiring["inputs"]["src"]
+
+
+def test_a_cpu_stage_with_inputs_dying_of_sigsegv_is_told_the_likely_cause() -> None:
+    import signal
+
+    from ipcsync.launch.supervisor import fault_hint
+
+    insts = by_label(plan_of(two_stage({"device": "cpu"}, {"device": "cpu"})))
+    hint = fault_hint(insts["sink/0"], -signal.SIGSEGV)
+    assert "read-only" in hint and "clone() it first" in hint
+    assert fault_hint(insts["src/0"], -signal.SIGSEGV) == ""  # no inputs: no such cause
+    assert fault_hint(insts["sink/0"], -signal.SIGKILL) == "" and fault_hint(insts["sink/0"], 1) == ""

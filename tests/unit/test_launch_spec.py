@@ -41,7 +41,7 @@ SRC = "pipe.toml"
 CLI = "<command line>"
 TOP_KEYS = ("edges", "name", "restart", "stages", "stop_timeout")
 STAGE_KEYS = ("cmd", "cwd", "device", "env", "node", "nodes", "replicas", "visible_devices")
-EDGE_KEYS = ("from", "policy", "reply", "slot_bytes", "slots", "timeout", "to", "wait")
+EDGE_KEYS = ("from", "policy", "reply", "slot_bytes", "slots", "timeout", "to", "verify", "wait")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -1130,6 +1130,15 @@ class TestFixedBugs:
         # then c before b (declared first), then d.
         text = toml({n: 'cmd = "x"' for n in "dcba"}, edges=[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
         assert [s.name for s in loads(text, source=SRC).stages] == ["a", "c", "b", "d"]
+
+
+def test_edge_verify_is_a_bool_reaching_the_consumers_wiring() -> None:
+    text = toml({"a": 'cmd = "x"', "b": 'cmd = "y"'}, edges=[]) + '[[edges]]\nfrom = "a"\nto = "b"\nverify = true\n'
+    spec = loads(text, source=SRC)
+    assert [e.verify for e in spec.edges] == [True]
+    bad = toml({"a": 'cmd = "x"', "b": 'cmd = "y"'}, edges=[]) + '[[edges]]\nfrom = "a"\nto = "b"\nverify = 1\n'
+    with spec_error("edges[0].verify", "true or false"):
+        loads(bad, source=SRC)
 
 
 class TestReplyEdges:

@@ -1004,3 +1004,23 @@ def test_too_big_because_of_gaps_says_so() -> None:
     with pytest.raises(ConfigError) as info:
         L.plan_message({"x": torch.zeros(300)}, 1024)
     assert "gaps" not in str(info.value)
+
+
+def test_build_in_a_regions_own_storage_matches_build_and_counts_every_view() -> None:
+    from ipcsync.backends.refs import SlotStore, checks_references
+
+    slot = torch.arange(SLOT, dtype=torch.uint8)
+    layout = [["d", ["a", "b"], [0, 1]], [["float32", [2, 3], [1, 2], 0], ["int64", [4], [2], ALIGN]]]
+    recipe = L.Recipe(layout, SLOT)
+    store = SlotStore(slot)
+    got, ref = recipe.build_in(store), recipe.build(0, slot)
+    for k in ("a", "b"):
+        assert got[k].shape == ref[k].shape and got[k].stride() == ref[k].stride()
+        assert torch.equal(got[k], ref[k]) and got[k].data_ptr() == ref[k].data_ptr()
+    if checks_references():
+        assert store.in_use()
+        view = got["a"][1:].t()
+        del got
+        assert store.in_use()  # a view of a view
+        del view
+        assert not store.in_use()

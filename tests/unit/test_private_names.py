@@ -51,7 +51,10 @@ def _violations(path: Path) -> list[str]:
 THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "_release_ipc_counter", "_exit",
                # torch.distributed's process-group options (runtime/remote.py: a group built
                # on a store without init_process_group has no public way to set them)
-               "_Options", "_devices", "_timeout"}
+               "_Options", "_devices", "_timeout",
+               # torch's storage weak references (what torch.multiprocessing's
+               # StorageWeakRef uses): the reference rule's fallback (backends/refs.py)
+               "_weak_ref", "_expired", "_free_weak_ref"}
 
 # Private attributes of a module's own classes used on other objects of that module
 # (e.g. a helper class reading its owner's state): allowed only within that module.
