@@ -4,12 +4,13 @@ A producer and a consumer on different hosts keep the ZeroMQ control channel (tc
 CURVE) and move each item's bytes with torch.distributed point-to-point: gloo for CPU
 tensors, NCCL for CUDA tensors, through the same code. Each edge (one producer, one
 consumer connection) has its own two-rank process group built directly on a
-``PrefixStore`` of a c10d ``TCPStore`` that the producer serves: no
+``SealedStore`` over a c10d ``TCPStore`` that the producer serves: no
 ``init_process_group``, so a user's default process group is never touched, and no
 ``*_object_list`` (no pickle).
 
-- Producer: ``RemoteHub`` (the store, made at the first remote HELLO) makes a
-  ``ProducerEdge`` per remote consumer (rank 0). Its ``send(slot, layout)`` posts one send
+- Producer: ``RemoteHub`` (the store, made at the first remote HELLO, on the endpoint's
+  address) makes a ``ProducerEdge`` per remote consumer (rank 0), at most
+  ``MAX_PENDING_JOINS`` of them joining at once. Its ``send(slot, layout)`` posts one send
   of the item's extent, tag = slot; ``release_events`` (one ``SendEvent`` per slot) stand
   for the consumer's release events, so ``runtime.slots`` orders an overwrite after the
   previous send as it orders it after a local reader.
@@ -20,9 +21,10 @@ consumer connection) has its own two-rank process group built directly on a
   edge is aborted (``ProcessGroup.abort``/``shutdown`` where this torch has them) and its
   pending work abandoned, never waited for.
 
-Security: torch.distributed's store and data connections are neither authenticated nor
-encrypted (as under torchrun); only the control channel is (CURVE). Remote edges are for a
-trusted network; see docs/remote.md.
+Security: the control channel is CURVE (with the producer's client allow-list); the
+edge's rendezvous goes through the producer's store sealed with the edge's secret
+(``sealed_store``), which only the SETUP carries; torch.distributed's data connections
+are neither authenticated nor encrypted (as under torchrun). See docs/remote.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ them (``allow``); a CURVE handshake to that socket then succeeds only for a clie
 public key is one of them. Invariants:
 
 - one handler per process, started with the first ``allow`` on ``inproc://zeromq.zap.01``
-  of the shared context, a daemon thread; it answers every request of the context;
+  of the shared context, a daemon thread; it answers every request of the context, and
+  ends (unbinding the endpoint) once no domain has a list;
 - a domain with an allow-list admits exactly its keys; every other domain (a producer
   with CURVE and no allow-list) admits any client that completed CURVE, as without ZAP;
 - ``forbid(domain)`` removes the list: the domain is not reused (names are unique per
@@ -29,11 +30,12 @@ __all__ = ["allow", "forbid", "new_domain", "ZAP_ENDPOINT"]
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-_POLL_MS = 200
+_POLL_MS = 50
 
 _lock = threading.Lock()
 _allowed: dict[bytes, frozenset[bytes]] = {}
-_started_pid: int | None = None
+_thread: threading.Thread | None = None
+_stop = threading.Event()
 _ids = itertools.count()
 
 
@@ -54,17 +56,24 @@ def forbid(domain: str) -> None:
     """Forget ``domain``'s list (its socket is closed)."""
     with _lock:
         _allowed.pop(domain.encode(), None)
+        if not _allowed:
+            _stop.set()
 
 
 def _start() -> None:
-    global _started_pid
-    if _started_pid == os.getpid():
+    """(Lock held.) Start the handler unless it runs in this process."""
+    global _thread
+    t = _thread
+    if t is not None and t.is_alive() and not _stop.is_set():
         return
+    if t is not None and t.is_alive():
+        t.join()  # it is ending (within _POLL_MS): its endpoint must be free
+    _stop.clear()
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(ZAP_ENDPOINT)
-    _started_pid = os.getpid()
-    threading.Thread(target=_serve, args=(sock,), name="ipcsync-zap", daemon=True).start()
+    _thread = threading.Thread(target=_serve, args=(sock,), name="ipcsync-zap", daemon=True)
+    _thread.start()
 
 
 def _decide(request: list[bytes]) -> tuple[bytes, bytes]:
@@ -84,7 +93,14 @@ def _decide(request: list[bytes]) -> tuple[bytes, bytes]:
 def _serve(sock: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    while True:
+    try:
+        _answer(sock, poller)
+    finally:
+        sock.close()
+
+
+def _answer(sock: zmq.Socket, poller: zmq.Poller) -> None:
+    while not _stop.is_set():
         try:
             if not poller.poll(_POLL_MS):
                 continue

@@ -24,6 +24,9 @@ def _keys(a: dict[str, Any], side: str) -> dict[str, Any]:
         return {"insecure": True}
     if side == "producer":
         return {"curve": ipcsync.CurveKeys(a["public"].encode(), a["secret"].encode())}
+    if a.get("client_public"):  # a client key the producer allows
+        return {"curve": ipcsync.CurveKeys(a["client_public"].encode(), a["client_secret"].encode(),
+                                           server=a["server"].encode())}
     client = ipcsync.CurveKeys.generate(server=a["server"].encode())
     return {"curve": client}
 
