@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import queue
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
 DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
 _POLL_S = 0.0005
+_edge_ids = itertools.count()  # names the edges' threads (never the edge's secret)
 # Remote consumers joining a producer at once (SETUP sent, no ATTACH yet); more are
 # refused until one attaches or is dropped (a HELLO flood costs at most this many joins).
 MAX_PENDING_JOINS = 16
@@ -714,7 +716,7 @@ class ProducerEdge:
         self.store = SealedStore(hub.store, addr.edge.encode(), self.timeout)
         self._built = threading.Lock()  # `pg` is set only while the edge is not closed
         self._thread = threading.Thread(target=self._build, args=(self.store,), daemon=True,
-                                        name="ipcsync-remote-join")
+                                        name=f"ipcsync-remote-{next(_edge_ids)}")
         self._thread.start()
 
     def joining(self) -> bool:
@@ -747,7 +749,7 @@ class ProducerEdge:
             # before their send (made at the slot's first send). Reused only after the slot's
             # previous send completed: the ring writes the slot again only then (invariant 5).
             self.staging = {} if self.address.transport == "gloo" and self.stream is not None else None
-            self.completer = _Completer(self, "ipcsync-send",
+            self.completer = _Completer(self, f"ipcsync-send-{next(_edge_ids)}",
                                         sum(v.numel() for v in self.hub.slot_views))
         return self.broken
 
@@ -949,7 +951,7 @@ class ConsumerEdge:
         # so a consumer waiting for an item sleeps in its socket wait, not in a poll loop.
         # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
         self.wake: Wake | None = Wake() if addr.transport == "gloo" else None
-        self.completer = _Completer(self, "ipcsync-recv", arena_bytes)
+        self.completer = _Completer(self, f"ipcsync-recv-{next(_edge_ids)}", arena_bytes)
         try:
             self.pg: Any = None
             self._store = self._join(addr, device, timeout)

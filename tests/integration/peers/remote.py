@@ -375,7 +375,9 @@ def hand_produce(a: dict[str, Any]) -> None:
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = datetime.timedelta(seconds=30)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 0, 2, opts)
+    from ipcsync.runtime.sealed_store import SealedStore
+
+    pg = dist.ProcessGroupGloo(SealedStore(store, addr.edge.encode(), 30.0), 0, 2, opts)
     while type(recv()[1]) is not P.Attach:
         pass
     placement = plan_message(expected(0, size), slot_bytes)
