@@ -162,7 +162,11 @@ def _transport_in(edge: dict[str, Any]) -> dict[str, Any]:
         return {}
     from .runtime.channel import CurveKeys  # noqa: PLC0415 (zmq: only for edges between nodes)
 
-    return {"curve": [CurveKeys.generate(server=s.encode()) if s else None for s in servers]}
+    mine = edge.get("curve_client")
+    if mine is None:
+        return {"curve": [CurveKeys.generate(server=s.encode()) if s else None for s in servers]}
+    public, secret = mine["public"].encode(), mine["secret"].encode()
+    return {"curve": [CurveKeys(public, secret, server=s.encode()) if s else None for s in servers]}
 
 
 def _transport_out(edge: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +178,9 @@ def _transport_out(edge: dict[str, Any]) -> dict[str, Any]:
         return {}
     from .runtime.channel import CurveKeys  # noqa: PLC0415
 
-    return {"curve": CurveKeys(curve["public"].encode(), curve["secret"].encode())}
+    clients = curve.get("clients")
+    return {"curve": CurveKeys(curve["public"].encode(), curve["secret"].encode(),
+                               clients=None if clients is None else frozenset(k.encode() for k in clients))}
 
 
 def _wiring(what: str) -> dict[str, Any]:
@@ -238,6 +244,10 @@ def _check_wiring(w: Any) -> None:
         if servers is not None and (type(servers) is not list or len(servers) != len(eps)
                                     or not all(x is None or type(x) is str for x in servers)):
             raise bad(f"inputs[{name!r}].curve_servers is not one key (or null) per endpoint")
+        mine = edge.get("curve_client")
+        if mine is not None and (type(mine) is not dict or type(mine.get("public")) is not str
+                                 or type(mine.get("secret")) is not str):
+            raise bad(f"inputs[{name!r}].curve_client is not {{\"public\": str, \"secret\": str}}")
     for direction in ("inputs", "outputs"):
         for name, edge in w[direction].items():
             if "insecure" in edge and type(edge["insecure"]) is not bool:
@@ -247,6 +257,9 @@ def _check_wiring(w: Any) -> None:
         if curve is not None and (type(curve) is not dict or type(curve.get("public")) is not str
                                   or type(curve.get("secret")) is not str):
             raise bad(f"outputs[{name!r}].curve is not {{\"public\": str, \"secret\": str}}")
+        clients = curve.get("clients") if curve is not None else None
+        if clients is not None and (type(clients) is not list or not all(type(k) is str for k in clients)):
+            raise bad(f"outputs[{name!r}].curve.clients is not a list of public keys")
 
 
 def _track(direction: str, peer: str, ep: Any) -> None:

@@ -82,7 +82,8 @@ _HOST = re.compile(r"^[A-Za-z0-9_.:%-]{1,253}$")
 @dataclass(frozen=True)
 class EdgeAddress:
     """Where a remote edge's process group meets: the producer's c10d TCPStore
-    (``host``:``port``), the edge's key prefix in it (``edge``, unique per connection), the
+    (``host``:``port``), the edge's secret (``edge``, unique per connection, sent only in
+    the SETUP: the store's names and values are sealed with it, core.seal), the
     transport, and the producer's data address for gloo (``data_host``)."""
 
     transport: str

@@ -4,8 +4,10 @@
     ipcsync-run --stage loader="python3 loader.py" --stage train="python3 train.py" \\
                 --edge loader:train --replicas loader=2
     ipcsync-run pipeline.toml --replicas loader=4 --dry-run
-    ipcsync-run pipeline.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400   # on node 0
-    ipcsync-run pipeline.toml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400   # on node 1
+    ipcsync-run pipeline.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 \\
+                --rdzv-secret-file ~/run.secret          # on node 0: writes the run's secret
+    ipcsync-run pipeline.toml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400 \\
+                --rdzv-secret-file ~/run.secret          # on node 1: a copy of node 0's file
 
 Neither importing this module nor ``--help``, ``--version`` or ``--dry-run`` loads torch,
 zmq or a backend: ``--help`` answers at once. The supervisor is loaded only when a
@@ -113,9 +115,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     nodes.add_argument("--node-addr", default=None, metavar="ADDR",
                        help="the address other nodes reach this one at (default: this host's address "
                             "towards the rendezvous endpoint)")
+    nodes.add_argument("--rdzv-secret-file", default=None, metavar="PATH",
+                       help="the run's rendezvous secret: node 0 writes a fresh one to PATH (mode 600) unless "
+                            "it exists; every other node reads its copy (or set $IPCSYNC_RDZV_SECRET). Without "
+                            "either, node 0 writes one into its runtime directory and says where")
     nodes.add_argument("--insecure", action="store_true",
-                       help="edges between nodes without CURVE: no authentication, no encryption; only on a "
-                            "network you trust")
+                       help="edges between nodes without CURVE, and no rendezvous secret needed: no "
+                            "authentication, no encryption; only on a network you trust")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return ap.parse_args(argv)
 
@@ -211,13 +217,14 @@ def placeholder_nodes(spec: PipelineSpec, nnodes: int, rank: int, insecure: bool
 def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, monitor: bool = False,
         monitor_interval: float = 1.0, stats_file: str | None = None, trace: str | None = None,
         nnodes: int = 1, node_rank: int | None = None, rdzv_endpoint: str | None = None,
-        rdzv_timeout: float = 300.0, node_addr: str | None = None, insecure: bool = False) -> int:
+        rdzv_timeout: float = 300.0, node_addr: str | None = None, insecure: bool = False,
+        rdzv_secret_file: str | None = None) -> int:
     from ..runtime.paths import runtime_dir
 
     base = runtime_dir()
     gpus = visible_gpus() if needs_gpu_count(spec) else 0
     omp_default = OMP_THREADS not in os.environ
-    many = _check_nodes(nnodes, node_rank, rdzv_endpoint, dry_run, insecure, node_addr)
+    many = _check_nodes(nnodes, node_rank, rdzv_endpoint, dry_run, insecure, node_addr, rdzv_secret_file)
     rank = node_rank or 0
     group = None
     if dry_run and many:
@@ -264,7 +271,7 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
 
         assert rdzv_endpoint is not None
         group = NodeGroup(spec, nnodes=nnodes, rank=rank, rdzv=rdzv_endpoint, insecure=insecure, addr=node_addr,
-                          rdzv_timeout=rdzv_timeout, say=_say)
+                          rdzv_timeout=rdzv_timeout, say=_say, secret_file=rdzv_secret_file, secret_dir=base)
     observer = None
     if monitor or stats_file or trace:
         from .monitor import Observer
@@ -296,13 +303,14 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
 
 
 def _check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, dry_run: bool,
-                 insecure: bool, node_addr: str | None) -> bool:
+                 insecure: bool, node_addr: str | None, secret_file: str | None = None) -> bool:
     """Whether this is a run over several nodes; ConfigError for options that do not fit."""
     if nnodes < 1 or nnodes > 1024:
         raise ConfigError(f"--nnodes must be from 1 to 1024, got {nnodes}")
     if nnodes == 1:
         extra = [flag for flag, v in (("--node-rank", node_rank not in (None, 0)), ("--rdzv-endpoint", rdzv_endpoint),
-                                      ("--insecure", insecure), ("--node-addr", node_addr)) if v]
+                                      ("--insecure", insecure), ("--node-addr", node_addr),
+                                      ("--rdzv-secret-file", secret_file)) if v]
         if extra:
             raise ConfigError(f"{', '.join(extra)} only go with --nnodes N (N > 1)")
         return False
@@ -336,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(spec, dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
                    monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace,
                    nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                   rdzv_timeout=args.rdzv_timeout, node_addr=args.node_addr, insecure=args.insecure)
+                   rdzv_timeout=args.rdzv_timeout, node_addr=args.node_addr, insecure=args.insecure,
+                   rdzv_secret_file=args.rdzv_secret_file)
     except ConfigError as exc:  # SpecError included
         _say(f"error: {exc}")
         return EXIT_LAUNCHER_ERROR

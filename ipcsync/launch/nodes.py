@@ -2,13 +2,27 @@
 (``ipcsync-run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT``).
 
 As torchrun's c10d rendezvous: node 0's launcher serves a c10d ``TCPStore`` on the
-rendezvous endpoint, every other launcher is its client. Store values are JSON bytes
-written here (never pickle). Keys, per attempt ``n`` (a group restart is a new attempt):
+rendezvous endpoint (its address only), every other launcher is its client. Store values
+are JSON bytes written here (never pickle).
 
-- ``a<n>/node/<r>``: node r's address, host identity, spec digest, and for each of its
-  producer replicas with consumers on another node (``plan.remote_producers``) the port it
-  binds and its CURVE public key (keys are made per attempt, here; the secret never
-  leaves node r: it goes into its own stage's wiring);
+Authentication. c10d's store lets anyone who reaches it read, write and list keys, so
+every launcher holds the run's secret (``load_secret``: ``$IPCSYNC_RDZV_SECRET`` or
+``--rdzv-secret-file``; node 0 makes it) and (``core.seal``) stores each key below under a
+name only the secret gives, each record signed with it. A process without the secret
+cannot claim a node rank (it cannot name the key before its holder writes it), and a
+record it writes or replaces is refused (``_forged``: the group fails, nothing it wrote
+is used). Node 0 stores ``ipcsync/rdzv-check`` (a salted MAC of the secret) so that a node
+given another secret, or none, is refused with the reason. Records hold public
+information only: no secret key is ever stored. Without a secret (``--insecure`` only)
+keys are stored by their own names, unsigned. Keys, per attempt ``n`` (a group restart is
+a new attempt):
+
+- ``a<n>/node/<r>``: node r's address, host identity, spec digest, its CURVE client
+  public key (its consumers' key; each producer admits only the client keys of the
+  nodes its consumers run on), and for each of its producer replicas with consumers on
+  another node (``plan.remote_producers``) the port it binds and its CURVE public key
+  (keys are made per attempt, here; secret keys never leave node r: they go into its own
+  stages' wiring);
 - ``a<n>/failed``: the group's root cause, ``{"node", "cause", "code", "restart"}``,
   written once (``compare_set``: the first failure wins) by the node where it happened;
 - ``a<n>/done/<r>``: node r's stages all exited 0; ``a<n>/exit/<r>``: node r is done with
@@ -28,6 +42,7 @@ given the same ``--node-rank`` is refused, never run beside the first.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -40,13 +55,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..core import seal
 from ..errors import ConfigError
 from ..runtime.host import host_identity
-from .plan import Nodes, RemoteEndpoint, place, remote_producers
+from .plan import ClientKey, Nodes, RemoteEndpoint, place, remote_producers
 from .spec import PipelineSpec
 from .store import BoundedStore, Job, StoreUnresponsive, bounded
 
-__all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_TIMEOUT_ENV", "HEARTBEAT_S"]
+__all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_TIMEOUT_ENV", "HEARTBEAT_S",
+           "SECRET_ENV", "load_secret"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +75,8 @@ _POLL_ANSWER_S = 0.02  # poll() waits this long for the checks it just started
 _STORE_OP_S = 10.0  # one store call at most
 _MAX_VALUE = 1 << 20
 DONE = "done"
+SECRET_ENV = "IPCSYNC_RDZV_SECRET"
+_CHECK_KEY = "ipcsync/rdzv-check"  # node 0's proof of its secret (the one key stored by its own name)
 
 
 @dataclass(frozen=True)
@@ -123,8 +142,95 @@ def _free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _keypair() -> tuple[str, str]:
+    """A CURVE key pair (Z85 text): public, secret."""
+    import zmq  # noqa: PLC0415 (only with --nnodes > 1)
+
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def _forged(what: str) -> GroupFailure:
+    """The group's failure when a record is not signed with the run's secret."""
+    return GroupFailure(f"{what} in the rendezvous store is not signed with this run's secret: a process "
+                        "outside the run wrote it (whoever can reach the store's port can write to it); "
+                        "the run stops rather than use it", 125, False)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+def _read_secret(path: str, what: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{what} {path} can be read by other users (mode {st.st_mode & 0o777:o}); "
+                              f"chmod 600 {path}")
+        text = f.read(4096).decode(errors="replace").strip()
+    return text
+
+
+def _write_secret(path: str) -> str:
+    """A fresh secret, written to a new file ``path`` (0600; never through a link, never
+    over an existing file)."""
+    text = _secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+def load_secret(rank: int, secret_file: str | None, insecure: bool, wait: float,
+                say: Callable[[str], None], default_dir: str) -> tuple[bytes | None, str | None]:
+    """The run's rendezvous secret, from ``$IPCSYNC_RDZV_SECRET``, else ``secret_file``
+    (node 0 writes a fresh one there if it does not exist; another node waits up to
+    ``wait`` seconds for it to appear), else node 0 writes a fresh one into
+    ``default_dir``; and the file written into ``default_dir`` (to remove at the end), if
+    any. None only under ``insecure`` without one. ConfigError otherwise."""
+    written = None
+    text = os.environ.get(SECRET_ENV)
+    where = f"${SECRET_ENV}"
+    if not text and secret_file:
+        where = f"--rdzv-secret-file {secret_file}"
+        if rank == 0 and not os.path.lexists(secret_file):
+            try:
+                text = _write_secret(secret_file)
+            except OSError as exc:
+                raise ConfigError(f"--rdzv-secret-file {secret_file}: cannot create it ({exc.strerror})") from None
+            say(f"wrote this run's rendezvous secret to {secret_file} (mode 600): give it to every other node "
+                f"(copy the file there and pass --rdzv-secret-file, or set ${SECRET_ENV} to its contents)")
+        else:
+            deadline = time.monotonic() + wait
+            said = False
+            while not os.path.lexists(secret_file) and rank > 0 and time.monotonic() < deadline:
+                if not said:
+                    say(f"waiting for the rendezvous secret file {secret_file} (node 0's ipcsync-run writes it; "
+                        "copy it here)")
+                    said = True
+                time.sleep(0.1)
+            text = _read_secret(secret_file, "--rdzv-secret-file")
+    elif not text and rank == 0 and not insecure:
+        path = written = os.path.join(default_dir, f"rdzv-secret-{os.getpid()}")
+        text = _write_secret(path)
+        say(f"wrote this run's rendezvous secret to {path} (mode 600): start every other node with "
+            f"${SECRET_ENV} set to its contents, or with the file copied and --rdzv-secret-file")
+    if not text:
+        if insecure:
+            return None, None
+        raise ConfigError(
+            f"node {rank}: no rendezvous secret: the launchers of a run prove to each other that they belong "
+            f"to it with a secret node 0's ipcsync-run makes; set ${SECRET_ENV} to it or pass "
+            "--rdzv-secret-file PATH (a copy of node 0's file); --insecure runs without one, on a network "
+            "you trust"
+        )
+    if len(text) < seal.MIN_SECRET_CHARS:
+        raise ConfigError(f"{where}: the rendezvous secret has {len(text)} characters, fewer than "
+                          f"{seal.MIN_SECRET_CHARS}; use the one node 0's ipcsync-run writes (64 hex digits)")
+    return text.encode(), written
 
 
 class NodeGroup:
@@ -132,7 +238,8 @@ class NodeGroup:
 
     def __init__(self, spec: PipelineSpec, *, nnodes: int, rank: int, rdzv: str, insecure: bool = False,
                  addr: str | None = None, rdzv_timeout: float = 300.0,
-                 say: Callable[[str], None] = lambda line: None) -> None:
+                 say: Callable[[str], None] = lambda line: None, secret_file: str | None = None,
+                 secret_dir: str | None = None) -> None:
         if nnodes < 1:
             raise ConfigError(f"--nnodes must be 1 or more, got {nnodes}")
         if not 0 <= rank < nnodes:
@@ -148,6 +255,10 @@ class NodeGroup:
         self.rdzv_timeout = rdzv_timeout
         self.node_timeout = node_timeout()
         self._say = say
+        self.secret_file = secret_file
+        self.secret_dir = secret_dir
+        self.secret: bytes | None = None  # the run's (load_secret); None: --insecure without one
+        self._secret_written: str | None = None  # the file node 0 made in the runtime dir
         self._store: BoundedStore | None = None
         self._poll_job: Job | None = None
         self._nonce = _secrets.token_hex(8)  # tells this launcher's rank claim from another's
@@ -187,15 +298,21 @@ class NodeGroup:
             if had is None:
                 os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
+        from ..runtime.paths import runtime_dir  # noqa: PLC0415
+        from ..runtime.sealed_store import serve_store  # noqa: PLC0415
+
+        self.secret, self._secret_written = load_secret(self.rank, self.secret_file, self.insecure, self.rdzv_timeout, self._say,
+                                  self.secret_dir or runtime_dir())
         try:
             if self.rank == 0:
-                raw = TCPStore(self.rdzv_host, self.rdzv_port, None, True,
-                               timeout=datetime.timedelta(seconds=_STORE_OP_S), wait_for_workers=False)
+                # On the endpoint's address only (c10d alone listens on every interface).
+                raw = serve_store(self.rdzv_host, self.rdzv_port, _STORE_OP_S)
             else:
                 raw = self._connect(self.rdzv_timeout)
             self._store = BoundedStore(raw, self.node_timeout,
                                        f"node 0's rendezvous store at {self.rdzv_host}:{self.rdzv_port}")
             self._hb_store = self._connect(_STORE_OP_S)
+            self._check_secret()
         except StoreUnresponsive as exc:
             raise ConfigError(
                 f"node {self.rank}: {exc} (--rdzv-timeout, then ${NODE_TIMEOUT_ENV}); is the port node 0's "
@@ -213,13 +330,53 @@ class NodeGroup:
                   f"{self.rdzv_host}:{self.rdzv_port}" + (" (serving it)" if self.rank == 0 else ""))
         if self.insecure:
             self._say("WARNING: --insecure: edges between nodes use plain tcp, with no authentication and no "
-                      "encryption; anyone who can reach their ports can read and inject items. Use it only "
-                      "on a network you trust")
+                      "encryption; anyone who can reach their ports can read and inject items"
+                      + ("" if self.secret else ", and with no rendezvous secret anyone who reaches the "
+                         "rendezvous store can join the run as a node or change what it says")
+                      + ". Use it only on a network you trust")
+
+    def _check_secret(self) -> None:
+        """Node 0 states which secret the run uses (a salted HMAC of it, or none); every
+        other node compares its own: a node given another secret, or none, is refused
+        here, with the reason, rather than waiting for records it cannot read."""
+        if self.rank == 0:
+            salt = _secrets.token_hex(16)
+            proof = {"salt": salt, "tag": seal.name(self.secret, salt)} if self.secret else {"open": True}
+            self.store.set(_CHECK_KEY, json.dumps(proof).encode())
+            return
+        deadline = time.monotonic() + self.node_timeout
+        while not self.store.check([_CHECK_KEY]):
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"node {self.rank}: the rendezvous store at {self.rdzv_host}:{self.rdzv_port} "
+                                  "does not say which secret the run uses; is it node 0's ipcsync-run of the "
+                                  "same version?")
+            time.sleep(0.05)
+        proof = self._get(_CHECK_KEY, signed=False) or {}
+        fix = ("give every node the secret node 0's ipcsync-run wrote (the same --rdzv-secret-file contents "
+               f"or ${SECRET_ENV})")
+        if proof.get("open") is True:
+            if self.secret is not None:
+                raise ConfigError(f"node {self.rank}: node 0 runs without a rendezvous secret (--insecure), this "
+                                  "node has one: start every node with the same secret, or every node with "
+                                  "--insecure and none")
+            return
+        if self.secret is None:
+            raise ConfigError(f"node {self.rank}: node 0's rendezvous needs the run's secret and this node has "
+                              f"none; {fix}")
+        salt, tag = proof.get("salt"), proof.get("tag")
+        if not isinstance(salt, str) or not isinstance(tag, str) or seal.name(self.secret, salt) != tag:
+            raise ConfigError(f"node {self.rank}: this node's rendezvous secret is not the run's (node 0's at "
+                              f"{self.rdzv_host}:{self.rdzv_port}); {fix}")
+
+    def _key(self, key: str) -> str:
+        """The stored name of logical key ``key`` (core.seal 1; as is without a secret)."""
+        return key if self.secret is None else "k/" + seal.name(self.secret, key)
 
     def _heartbeat(self) -> None:
+        name = self._key(f"hb/{self.rank}")
         while not self._hb_stop.wait(HEARTBEAT_S):
             try:
-                self._hb_store.add(f"hb/{self.rank}", 1)
+                self._hb_store.add(name, 1)
             except Exception:  # the store is gone: poll() says so
                 return
 
@@ -231,6 +388,9 @@ class NodeGroup:
         if self._store is not None:
             self._store.close()
         self._hb_store = self._store = None  # node 0: the server stops with its last reference
+        if self._secret_written is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._secret_written)
 
     # ------------------------------------------------------------------ store helpers
     @property
@@ -238,27 +398,43 @@ class NodeGroup:
         assert self._store is not None, "NodeGroup.start() first"
         return self._store
 
-    def _set(self, key: str, value: dict[str, Any]) -> None:
-        self.store.set(key, json.dumps(value).encode())
+    def _record(self, key: str, value: dict[str, Any]) -> bytes:
+        """``value`` as stored under logical ``key``: signed with the secret (core.seal 2)."""
+        return json.dumps(value).encode() if self.secret is None else seal.sign(self.secret, key, value)
 
-    def _get(self, key: str, store: Any = None) -> dict[str, Any] | None:
-        raw = (store or self.store).get(key)
+    def _read(self, key: str, raw: bytes) -> dict[str, Any] | None:
+        """The record stored under logical ``key``; None if malformed or not signed with
+        the run's secret."""
         if len(raw) > _MAX_VALUE:
             return None
+        if self.secret is not None:
+            return seal.verify(self.secret, key, raw)
         try:
             value = json.loads(raw)
         except ValueError:
             return None
         return value if isinstance(value, dict) else None
 
+    def _get(self, key: str, store: Any = None, signed: bool = True) -> dict[str, Any] | None:
+        if not signed:  # the secret check itself
+            raw = (store or self.store).get(key)
+            try:
+                value = json.loads(raw) if len(raw) <= _MAX_VALUE else None
+            except ValueError:
+                return None
+            return value if isinstance(value, dict) else None
+        return self._read(key, (store or self.store).get(self._key(key)))
+
     def _failure(self, store: Any = None) -> GroupFailure | None:
         """The attempt's root cause, if any yet. ``store``: the raw store, on the store's
         own thread."""
         store = store or self.store
         key = f"a{self.attempt}/failed"
-        if not store.check([key]):
+        if not store.check([self._key(key)]):
             return None
-        rec = self._get(key, store) or {}
+        rec = self._get(key, store)
+        if rec is None:
+            return _forged("the group's failure record")
         return GroupFailure(str(rec.get("cause", "a node failed"))[:1000], int(rec.get("code", 1)),
                             bool(rec.get("restart", False)))
 
@@ -273,17 +449,18 @@ class NodeGroup:
         mine = {k for k in remote_producers(self.spec, self.placement) if self.placement[(k[0], k[1])] == self.rank}
         secrets: dict[tuple[str, int, str], tuple[str, str]] = {}
         producers = {}
+        client: ClientKey | None = None
+        if not self.insecure:
+            client = ClientKey(*_keypair())
         for key in sorted(mine):
             public = secret = ""
             if not self.insecure:
-                import zmq  # noqa: PLC0415 (only with --nnodes > 1)
-
-                pub, sec = zmq.curve_keypair()
-                public, secret = pub.decode(), sec.decode()
+                public, secret = _keypair()
             secrets[key] = (public, secret)
             producers[f"{key[0]}.{key[1]}.{key[2]}"] = {"port": _free_port(self.addr), "public": public}
         info = {"addr": self.addr, "host": host_identity(), "digest": spec_digest(self.spec),
-                "insecure": self.insecure, "producers": producers, "nonce": self._nonce}
+                "insecure": self.insecure, "producers": producers, "nonce": self._nonce,
+                "client": client.public if client is not None else ""}
         prefix = f"a{attempt}"
         try:
             self._claim(f"{prefix}/node/{self.rank}", info)
@@ -316,23 +493,29 @@ class NodeGroup:
                 addr = str(other["addr"])
                 host = f"[{addr}]" if ":" in addr else addr
                 secret = secrets[key][1] if r == self.rank else ""
-                remote[key] = RemoteEndpoint(f"tcp://{host}:{int(ep['port'])}", str(ep.get("public", "")), secret)
+                # The consumers it admits: those of the nodes that run a replica of `dst`.
+                at = {self.placement[(dst, j)] for j in range(self.spec.stage(dst).replicas)}
+                clients = tuple(sorted({str(infos[n].get("client", "")) for n in at} - {""}))
+                remote[key] = RemoteEndpoint(f"tcp://{host}:{int(ep['port'])}", str(ep.get("public", "")), secret,
+                                             clients)
         now = time.monotonic()
         self._hb_seen = {r: (-1, now) for r in range(self.nnodes) if r != self.rank}
-        return Nodes(nnodes=self.nnodes, rank=self.rank, remote=remote, insecure=self.insecure)
+        return Nodes(nnodes=self.nnodes, rank=self.rank, remote=remote, insecure=self.insecure, client=client)
 
     def _claim(self, key: str, info: dict[str, Any]) -> None:
         """Publish this node's record under ``key`` unless another launcher did
         (ConfigError then: two launchers were given the same ``--node-rank``)."""
-        mine = json.dumps(info).encode()
-        now = self.store.compare_set(key, b"", mine)
+        mine = self._record(key, info)
+        now = self.store.compare_set(self._key(key), b"", mine)
         if now == mine:
             self._claimed = True
             return
+        other = self._read(key, now)
+        if other is None:
+            raise ConfigError(_forged(f"node {self.rank}'s rendezvous record").cause)
         try:
-            other = json.loads(now)
             where = f" (address {other['addr']}, host {other['host']})"
-        except (ValueError, KeyError, TypeError):
+        except KeyError:
             where = ""
         raise ConfigError(
             f"node {self.rank}: another ipcsync-run{where} already joined this run as --node-rank {self.rank}; "
@@ -341,14 +524,15 @@ class NodeGroup:
 
     def _wait_nodes(self, prefix: str) -> dict[int, dict[str, Any]]:
         keys = [f"{prefix}/node/{r}" for r in range(self.nnodes)]
+        names = [self._key(k) for k in keys]
         deadline = time.monotonic() + self.rdzv_timeout
         said = False
-        while not self.store.check(keys):
+        while not self.store.check(names):
             failure = self._failure()
             if failure is not None:
                 raise ConfigError(f"the group failed during the rendezvous: {failure.cause}")
             if time.monotonic() >= deadline:
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                missing = [r for r, k in enumerate(names) if not self.store.check([k])]
                 raise ConfigError(
                     f"node {self.rank}: node(s) {', '.join(map(str, missing))} did not join the rendezvous at "
                     f"{self.rdzv_host}:{self.rdzv_port} within {self.rdzv_timeout:g} s (--rdzv-timeout); start "
@@ -361,7 +545,11 @@ class NodeGroup:
         infos = {}
         for r, k in enumerate(keys):
             value = self._get(k)
-            if value is None or not isinstance(value.get("addr"), str):
+            if value is None:
+                failure = _forged(f"node {r}'s rendezvous record")
+                self._publish(failure)
+                raise ConfigError(failure.cause)
+            if not isinstance(value.get("addr"), str):
                 raise ConfigError(f"node {r}'s rendezvous record is malformed; is it the same ipcsync version?")
             infos[r] = value
         return infos
@@ -409,7 +597,7 @@ class NodeGroup:
         if failure is not None:
             return failure
         for r, (count, since) in list(self._hb_seen.items()):
-            value = int(store.add(f"hb/{r}", 0))
+            value = int(store.add(self._key(f"hb/{r}"), 0))
             if value != count:
                 self._hb_seen[r] = (value, now)
             elif now - since > self.node_timeout:
@@ -419,22 +607,28 @@ class NodeGroup:
                 return self._publish(lost, store)
         if local_done:
             if not self._done_said:
-                store.set(f"a{self.attempt}/done/{self.rank}", b"1")
+                store.set(self._key(f"a{self.attempt}/done/{self.rank}"), b"1")
                 self._done_said = True
-            if store.check([f"a{self.attempt}/done/{r}" for r in range(self.nnodes)]):
+            if store.check([self._key(f"a{self.attempt}/done/{r}") for r in range(self.nnodes)]):
                 return DONE
         return None
 
     def _publish(self, failure: GroupFailure, store: Any = None) -> GroupFailure:
         """Make ``failure`` the group's root cause unless another one is; return the one
         that is. ``store``: the raw store, on the store's own thread."""
-        rec = json.dumps({"node": self.rank, "cause": failure.cause, "code": failure.code,
-                          "restart": failure.restart}).encode()
+        key = f"a{self.attempt}/failed"
+        rec = self._record(key, {"node": self.rank, "cause": failure.cause, "code": failure.code,
+                                 "restart": failure.restart})
         try:
-            now = (store or self.store).compare_set(f"a{self.attempt}/failed", b"", rec)
-            value = json.loads(now)
-            return GroupFailure(str(value["cause"]), int(value["code"]), bool(value["restart"]))
+            now = (store or self.store).compare_set(self._key(key), b"", rec)
         except Exception:  # the store is gone: our cause stands, here
+            return failure
+        value = self._read(key, now)
+        if value is None:
+            return _forged("the group's failure record")
+        try:
+            return GroupFailure(str(value["cause"]), int(value["code"]), bool(value["restart"]))
+        except (KeyError, TypeError, ValueError):
             return failure
 
     def fail(self, cause: str, code: int, *, consequence: bool = False, restart: bool = True,
@@ -462,9 +656,9 @@ class NodeGroup:
         if not self._claimed:
             return
         try:
-            self.store.set(f"a{self.attempt}/exit/{self.rank}", b"1")
+            self.store.set(self._key(f"a{self.attempt}/exit/{self.rank}"), b"1")
             if self.rank == 0 and not self._gone:
-                keys = [f"a{self.attempt}/exit/{r}" for r in range(self.nnodes)]
+                keys = [self._key(f"a{self.attempt}/exit/{r}") for r in range(self.nnodes)]
                 deadline = time.monotonic() + self.node_timeout
                 while not self.store.check(keys) and time.monotonic() < deadline:
                     time.sleep(0.1)

@@ -16,9 +16,10 @@ Several nodes (``ipcsync-run --nnodes N``). ``place`` says which node runs each 
 with CURVE keys made by its node's launcher and exchanged through the rendezvous
 (``Nodes.remote``); every consumer of it, on its node or not, connects there. Edges whose
 ends all run on one node stay ipc. The wiring carries the keys: ``outputs[dst].curve``
-(``{"public", "secret"}``) for such a producer, ``inputs[src].curve_servers`` (the
-producers' public keys, ``null`` for an ipc endpoint) for a consumer, and ``insecure``
-under ``--insecure``.
+(``{"public", "secret", "clients"}``: the client keys it admits, those of the nodes its
+consumers run on) for such a producer, ``inputs[src].curve_servers`` (the producers'
+public keys, ``null`` for an ipc endpoint) and ``inputs[src].curve_client`` (its node's
+client key pair, ``Nodes.client``) for a consumer, and ``insecure`` under ``--insecure``.
 
 Commands. A command whose first word is ``python``, ``python3`` or ``python3.N`` runs
 under the launcher's own interpreter (``python=``, ``sys.executable`` by default), as
@@ -44,8 +45,8 @@ from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
     "Instance", "Plan", "resolve", "resolve_command", "is_python_word", "WIRING_VERSION", "ENV_WIRING",
-    "IPC_PATH_MAX", "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "place", "remote_producers",
-    "INCOMPLETE_SUFFIX",
+    "IPC_PATH_MAX", "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "ClientKey", "place",
+    "remote_producers", "INCOMPLETE_SUFFIX",
 ]
 
 WIRING_VERSION = 1
@@ -68,9 +69,23 @@ class RemoteEndpoint:
     url: str  # tcp://ADDR:PORT on the producer's node
     public: str = ""  # its CURVE public key (Z85); "" under --insecure
     secret: str = ""  # its CURVE secret key: only in the plan of the producer's own node
+    clients: tuple[str, ...] = ()  # the CURVE public keys of the nodes its consumers run on
 
     def __repr__(self) -> str:  # never print the secret
-        return f"RemoteEndpoint(url={self.url!r}, public={self.public!r})"
+        return f"RemoteEndpoint(url={self.url!r}, public={self.public!r}, clients={self.clients!r})"
+
+
+@dataclass(frozen=True)
+class ClientKey:
+    """This node's CURVE client key pair (Z85) for this attempt: every consumer of a
+    producer on a tcp endpoint uses it, and those producers admit only the keys of the
+    nodes their consumers run on."""
+
+    public: str
+    secret: str
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ClientKey(public={self.public!r})"
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,7 @@ class Nodes:
     rank: int
     remote: Mapping[ProducerKey, RemoteEndpoint] = field(default_factory=dict)
     insecure: bool = False
+    client: ClientKey | None = None  # None under --insecure (and in placeholders)
 
 
 def place(spec: PipelineSpec, nnodes: int) -> dict[tuple[str, int], int]:
@@ -322,6 +338,9 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
                 inputs[e.src]["insecure"] = True
             else:
                 inputs[e.src]["curve_servers"] = [ep.public if ep is not None else None for ep in eps]
+                client = nodes.client if nodes is not None else None
+                if client is not None:
+                    inputs[e.src]["curve_client"] = {"public": client.public, "secret": client.secret}
     outputs: dict[str, Any] = {}
     for e in spec.outputs_of(stage.name):
         outputs[e.dst] = {
@@ -338,7 +357,7 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
             if insecure:
                 outputs[e.dst]["insecure"] = True
             else:
-                outputs[e.dst]["curve"] = {"public": ep.public, "secret": ep.secret}
+                outputs[e.dst]["curve"] = {"public": ep.public, "secret": ep.secret, "clients": list(ep.clients)}
     return {
         "version": WIRING_VERSION,
         "pipeline": spec.name,

@@ -34,12 +34,13 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import host as _host
+from . import zap
 from ..core import protocol as P
 from ..core.ratelog import RateLog
 from ..errors import ConfigError
@@ -195,24 +196,37 @@ def remove_stale(endpoint: Endpoint) -> bool:
 class CurveKeys:
     """CURVE keys for a ``tcp://`` control channel (Z85 bytes, as ``zmq.curve_keypair()``
     makes them). The producer needs its own pair; a consumer needs a pair of its own and
-    ``server``, the producer's public key, which it must get out of band: only a peer that
-    knows it can connect, and everything on the wire is encrypted.
+    ``server``, the producer's public key, which it must get out of band. Everything on the
+    wire is encrypted. ``clients`` (the producer's): the public keys of the consumers
+    allowed to connect (``runtime.zap``); without it any client that knows the server's
+    public key can, so a producer whose public key is not a secret needs it.
 
-        server = CurveKeys.generate()                      # producer side
-        client = CurveKeys.generate(server=server.public)  # consumer side
+        client = CurveKeys.generate()                                   # consumer side
+        server = CurveKeys.generate(clients=[client.public])           # producer side
+        client = CurveKeys(client.public, client.secret, server=server.public)
     """
 
     public: bytes
     secret: bytes
     server: bytes | None = None
+    clients: frozenset[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.clients is not None:
+            clients = frozenset(bytes(k) for k in self.clients)
+            for k in clients:
+                if len(k) != 40:
+                    raise ConfigError("CurveKeys clients: each is a Z85 public key of 40 characters "
+                                      "(as CurveKeys.generate().public)")
+            object.__setattr__(self, "clients", clients)
 
     @classmethod
-    def generate(cls, server: bytes | None = None) -> "CurveKeys":
+    def generate(cls, server: bytes | None = None, clients: Iterable[bytes] | None = None) -> "CurveKeys":
         public, secret = zmq.curve_keypair()
-        return cls(public, secret, server)
+        return cls(public, secret, server, None if clients is None else frozenset(clients))
 
     def __repr__(self) -> str:  # never print the secret
-        return f"CurveKeys(public={self.public!r}, server={self.server!r})"
+        return f"CurveKeys(public={self.public!r}, server={self.server!r}, clients={self.clients!r})"
 
 
 def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool, role: str) -> None:
@@ -243,16 +257,25 @@ def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool,
         )
 
 
-def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> None:
+def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> str | None:
+    """Set ``sock``'s CURVE options; for a server with an allow-list, the ZAP domain that
+    enforces it (to ``zap.forbid`` when the socket closes)."""
     if curve is None:
-        return
+        return None
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
     if server:
         sock.setsockopt(zmq.CURVE_SERVER, 1)
+        if curve.clients is not None:
+            domain = zap.new_domain()
+            sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            zap.allow(domain, curve.clients)
+            return domain
+        return None
     else:
         assert curve.server is not None
         sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server)
+    return None
 
 
 def _context() -> zmq.Context:
@@ -608,11 +631,12 @@ class ProducerChannel(_Channel):
                     f"endpoint {endpoint.name!r} ({endpoint.path}) is held by a live producer; "
                     "close it first or pick another name"
                 )
+        self.zap_domain: str | None = None
         self.sock = _context().socket(zmq.ROUTER)
         try:
             _configure(self.sock, max_frame)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            _apply_curve(self.sock, curve, server=True)
+            self.zap_domain = _apply_curve(self.sock, curve, server=True)
             self._setup_monitor()
             self._bind_hot()
             try:
@@ -712,6 +736,9 @@ class ProducerChannel(_Channel):
 
     def close(self) -> None:
         super().close()
+        if getattr(self, "zap_domain", None) is not None:
+            zap.forbid(self.zap_domain)  # type: ignore[arg-type]
+            self.zap_domain = None
         lanes = getattr(self, "lanes", None)
         if lanes is not None:
             lanes.close()

@@ -4,12 +4,13 @@ A producer and a consumer on different hosts keep the ZeroMQ control channel (tc
 CURVE) and move each item's bytes with torch.distributed point-to-point: gloo for CPU
 tensors, NCCL for CUDA tensors, through the same code. Each edge (one producer, one
 consumer connection) has its own two-rank process group built directly on a
-``PrefixStore`` of a c10d ``TCPStore`` that the producer serves: no
+``SealedStore`` over a c10d ``TCPStore`` that the producer serves: no
 ``init_process_group``, so a user's default process group is never touched, and no
 ``*_object_list`` (no pickle).
 
-- Producer: ``RemoteHub`` (the store, made at the first remote HELLO) makes a
-  ``ProducerEdge`` per remote consumer (rank 0). Its ``send(slot, layout)`` posts one send
+- Producer: ``RemoteHub`` (the store, made at the first remote HELLO, on the endpoint's
+  address) makes a ``ProducerEdge`` per remote consumer (rank 0), at most
+  ``MAX_PENDING_JOINS`` of them joining at once. Its ``send(slot, layout)`` posts one send
   of the item's extent, tag = slot; ``release_events`` (one ``SendEvent`` per slot) stand
   for the consumer's release events, so ``runtime.slots`` orders an overwrite after the
   previous send as it orders it after a local reader.
@@ -20,15 +21,17 @@ consumer connection) has its own two-rank process group built directly on a
   edge is aborted (``ProcessGroup.abort``/``shutdown`` where this torch has them) and its
   pending work abandoned, never waited for.
 
-Security: torch.distributed's store and data connections are neither authenticated nor
-encrypted (as under torchrun); only the control channel is (CURVE). Remote edges are for a
-trusted network; see docs/remote.md.
+Security: the control channel is CURVE (with the producer's client allow-list); the
+edge's rendezvous goes through the producer's store sealed with the edge's secret
+(``sealed_store``), which only the SETUP carries; torch.distributed's data connections
+are neither authenticated nor encrypted (as under torchrun). See docs/remote.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import queue
@@ -50,8 +53,9 @@ from .bounded import within
 from .channel import Endpoint
 from .foreign import Wake
 from .host import HOST_ID_ENV, host_identity
+from .sealed_store import SealedStore, serve_store
 
-__all__ = ["RemoteHub", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
+__all__ = ["RemoteHub", "BusyError", "MAX_PENDING_JOINS", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
            "open_consumer_edge", "transport_for", "TRANSPORT_ENV", "OP_TIMEOUT_ENV", "op_timeout"]
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,10 @@ log = logging.getLogger(__name__)
 OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
 DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
 _POLL_S = 0.0005
+_edge_ids = itertools.count()  # names the edges' threads (never the edge's secret)
+# Remote consumers joining a producer at once (SETUP sent, no ATTACH yet); more are
+# refused until one attaches or is dropped (a HELLO flood costs at most this many joins).
+MAX_PENDING_JOINS = 16
 
 
 def op_timeout() -> float:
@@ -176,7 +184,7 @@ def _nccl_counts_hosts_as_ipcsync_does() -> None:
 
 def _make_group(transport: str, store: Any, rank: int, device: torch.device, data_host: str,
                 timeout: float) -> Any:
-    """A two-rank process group of ``transport`` on ``store`` (a PrefixStore of the edge);
+    """A two-rank process group of ``transport`` on ``store`` (the edge's SealedStore);
     blocks until both ranks joined (or raises after ``timeout``)."""
     import torch.distributed as dist  # noqa: PLC0415 (only for remote edges)
 
@@ -624,7 +632,12 @@ class SendEvent(_TransferEvent):
 
 class RemoteHub:
     """The producer's rendezvous for its remote edges: one c10d TCPStore (made at the
-    first remote HELLO, on an ephemeral port) and a key prefix per edge."""
+    first remote HELLO, on an ephemeral port of the endpoint's address and no other) and,
+    per edge, a ``SealedStore`` on it under the edge's own secret (sent only in the
+    SETUP, inside the CURVE-encrypted channel). At most ``MAX_PENDING_JOINS`` edges are
+    joining (SETUP sent, no ATTACH yet) at once: a flood of HELLOs that never ATTACH is
+    refused past that, and each dropped join frees its thread and half-made group at once
+    (``ProducerEdge.drop``)."""
 
     def __init__(self, endpoint: Endpoint, device: torch.device, slot_views: Sequence[torch.Tensor],
                  ready_events: Sequence[Event], name: str) -> None:
@@ -648,16 +661,22 @@ class RemoteHub:
             return os.environ.get("IPCSYNC_REMOTE_ADDR") or socket.getfqdn()
         return self.host
 
-    def new_edge(self, label: str, consumer_backend: str) -> "ProducerEdge":
-        """The edge to a consumer whose device is of kind ``consumer_backend``."""
-        import torch.distributed as dist  # noqa: PLC0415
+    def pending_joins(self) -> int:
+        """Edges whose consumer has not attached yet (and not been dropped)."""
+        return sum(1 for e in self.edges if e.joining())
 
+    def new_edge(self, label: str, consumer_backend: str) -> "ProducerEdge":
+        """The edge to a consumer whose device is of kind ``consumer_backend``.
+        ``BusyError`` when MAX_PENDING_JOINS edges are joining already."""
+        self.edges = [e for e in self.edges if not e.closed]
+        if self.pending_joins() >= MAX_PENDING_JOINS:
+            raise BusyError(f"{MAX_PENDING_JOINS} remote consumers are joining already (none has attached "
+                            "yet); retry in a moment")
         transport = transport_for(self.device, consumer_backend)
         host = self.advertised_host()
         if self.store is None:
-            self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout),
-                                       wait_for_workers=False)
-        key = os.urandom(12).hex()
+            self.store = serve_store(host, 0, self.timeout)
+        key = os.urandom(32).hex()  # the edge's secret: only in the (encrypted) SETUP
         addr = EdgeAddress(transport, host, int(self.store.port), key, host)
         edge = ProducerEdge(self, addr, label)
         self.edges.append(edge)
@@ -670,40 +689,51 @@ class RemoteHub:
         self.store = None
 
 
+class BusyError(RuntimeError):
+    """Too many remote consumers are joining at once (``MAX_PENDING_JOINS``)."""
+
+
 class ProducerEdge:
     """Rank 0 of one remote edge. The group is built in a thread (its rendezvous waits
-    for the consumer), ``attach`` waits for it; ``send`` posts one item's transfer."""
+    for the consumer), ``attach`` waits for it; ``send`` posts one item's transfer. The
+    completion threads start at ``attach``: a join that never attaches costs one thread,
+    ended by ``drop``."""
 
     def __init__(self, hub: RemoteHub, addr: EdgeAddress, label: str) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
-
         self.hub = hub
         self.address = addr
         self.label = label
         self.timeout = hub.timeout
         self.pg: Any = None
         self.broken: str | None = None
+        self.closed = False
+        self.attached = False
         self.ledger = SendLedger()  # invariant 7: the sends completed and confirmed
         self.release_events = [SendEvent(self) for _ in hub.slot_views]
-        self.stream: Any = torch.cuda.Stream(hub.device) if hub.device.type == "cuda" else None
-        # gloo from a CUDA producer: per slot, pinned host memory its items are copied to
-        # before their send (made at the slot's first send). Reused only after the slot's
-        # previous send completed: the ring writes the slot again only then (invariant 5).
-        self.staging: dict[int, torch.Tensor] | None = (
-            {} if addr.transport == "gloo" and self.stream is not None else None)
-        self.completer = _Completer(self, f"ipcsync-send-{addr.edge[:8]}",
-                                    sum(v.numel() for v in hub.slot_views))
-        store = dist.PrefixStore(f"ipcsync/{addr.edge}/", hub.store)
-        self._thread = threading.Thread(target=self._build, args=(store,), daemon=True,
-                                        name=f"ipcsync-remote-{addr.edge[:8]}")
+        self.stream: Any = None
+        self.staging: dict[int, torch.Tensor] | None = None
+        self.completer: _Completer | None = None
+        self.store = SealedStore(hub.store, addr.edge.encode(), self.timeout)
+        self._built = threading.Lock()  # `pg` is set only while the edge is not closed
+        self._thread = threading.Thread(target=self._build, args=(self.store,), daemon=True,
+                                        name=f"ipcsync-remote-{next(_edge_ids)}")
         self._thread.start()
+
+    def joining(self) -> bool:
+        return not self.attached and not self.closed
 
     def _build(self, store: Any) -> None:
         try:
-            self.pg = _make_group(self.address.transport, store, 0, self.hub.device, self.address.data_host,
-                                  self.timeout)
+            pg = _make_group(self.address.transport, store, 0, self.hub.device, self.address.data_host,
+                             self.timeout)
         except Exception as exc:  # noqa: BLE001 (reported through `broken`)
             self.broken = f"rendezvous failed: {exc}"
+            return
+        with self._built:
+            if not self.closed:
+                self.pg = pg
+                return
+        _shut_down_or_abort(pg, False, keep=None)  # dropped while its group was made
 
     def attach(self, timeout: float) -> str | None:
         """Wait (bounded) for the group: None when it is up, else why not. The consumer
@@ -711,6 +741,16 @@ class ProducerEdge:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return f"the remote edge's rendezvous did not complete within {timeout} s"
+        if self.broken is None:
+            self.attached = True
+            if self.hub.device.type == "cuda":
+                self.stream = torch.cuda.Stream(self.hub.device)
+            # gloo from a CUDA producer: per slot, pinned host memory its items are copied to
+            # before their send (made at the slot's first send). Reused only after the slot's
+            # previous send completed: the ring writes the slot again only then (invariant 5).
+            self.staging = {} if self.address.transport == "gloo" and self.stream is not None else None
+            self.completer = _Completer(self, f"ipcsync-send-{next(_edge_ids)}",
+                                        sum(v.numel() for v in self.hub.slot_views))
         return self.broken
 
     def sent(self, completer: _Completer) -> None:
@@ -723,7 +763,7 @@ class ProducerEdge:
         """Post the send of item ``seq`` in ``slot`` (invariant 3). Its ready event was
         recorded before READY was queued; NCCL's stream is made to wait on it. The send is
         confirmed once it completed (invariant 7)."""
-        if self.broken is not None or self.pg is None:
+        if self.broken is not None or self.pg is None or self.completer is None:
             return  # lost: the ring reclaims its slots; nothing to send to
         nbytes = layout_extent(layout)
         if nbytes == 0:
@@ -775,14 +815,20 @@ class ProducerEdge:
         the endpoint's lock: the peer left the table). Nothing is confirmed from here on
         (invariant 7)."""
         self.ledger.close()
-        self.completer.stop()
+        with self._built:
+            self.closed = True
+        self.store.cancel()  # a join under way ends now (its thread, its half-made group)
+        completer = self.completer
+        if completer is not None:
+            completer.stop()
         pg, self.pg = self.pg, None
         if pg is None:
             return
         clean = self.broken is None and all(e.query() for e in self.release_events)
         self.broken = self.broken or "closed"
         _shut_down_or_abort(pg, clean, keep=(self.hub.slot_views, self.staging))
-        self.completer.join(join)
+        if completer is not None:
+            completer.join(join)
 
 
 # ---------------------------------------------------------------------------- consumer
@@ -905,7 +951,7 @@ class ConsumerEdge:
         # so a consumer waiting for an item sleeps in its socket wait, not in a poll loop.
         # (NCCL's recvs complete on the GPU, which wakes nothing: those are polled.)
         self.wake: Wake | None = Wake() if addr.transport == "gloo" else None
-        self.completer = _Completer(self, f"ipcsync-recv-{addr.edge[:8]}", arena_bytes)
+        self.completer = _Completer(self, f"ipcsync-recv-{next(_edge_ids)}", arena_bytes)
         try:
             self.pg: Any = None
             self._store = self._join(addr, device, timeout)
@@ -929,7 +975,7 @@ class ConsumerEdge:
             raise RuntimeError(f"its store did not answer within {2 * timeout:g} s (${OP_TIMEOUT_ENV}, twice): "
                                "is the producer paused?") from None
         data_host = _local_address_towards(addr.host, addr.port)
-        self.pg = _make_group(addr.transport, dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 1, device,
+        self.pg = _make_group(addr.transport, SealedStore(store, addr.edge.encode(), timeout), 1, device,
                               data_host, timeout)
         return store
 

@@ -1,7 +1,8 @@
 """``ipcsync-run --nnodes 2`` on one machine: two launchers on localhost, each with its own
 ``IPCSYNC_HOST_ID``, so they count as two hosts and every edge between them is a remote
 edge (tcp://127.0.0.1 with CURVE, data over gloo). Node 0's launcher serves the
-rendezvous store on a free port.
+rendezvous store on a free port, and writes the run's secret to ``--rdzv-secret-file``,
+which node 1 reads (as docs/remote.md says to run two nodes).
 
 Each launcher runs in its own session (process group); at teardown, pass or fail, every
 launcher group is SIGKILLed, then every stage pid the stage scripts recorded (under
@@ -85,6 +86,7 @@ class Cluster:
         self.state.mkdir()
         self.token = uuid.uuid4().hex
         self.port = free_port()
+        self.secret_file = tmp / "run.secret"  # node 0 writes it; the others read it
         self.nodes: list[Node] = []
 
     def spec(self, text: str) -> Path:
@@ -92,7 +94,11 @@ class Cluster:
         path.write_text(text)
         return path
 
-    def start(self, spec: Path, rank: int, nnodes: int = 2, *extra: str, env: dict[str, str] | None = None) -> Node:
+    def start(self, spec: Path, rank: int, nnodes: int = 2, *extra: str, env: dict[str, str] | None = None,
+              secret: str | None = "file") -> Node:
+        """``secret``: how the launcher gets the run's rendezvous secret, as documented:
+        "file" (``--rdzv-secret-file``: node 0 writes it, the others read it), "env"
+        (``$IPCSYNC_RDZV_SECRET``), or None (none)."""
         e = dict(os.environ)
         for k in ("IPCSYNC_WIRING", "IPCSYNC_RUN_ID", "IPCSYNC_STAGE", "IPCSYNC_REPLICA", "IPCSYNC_DEVICE"):
             e.pop(k, None)
@@ -103,7 +109,12 @@ class Cluster:
             "IPCSYNC_REMOTE_TIMEOUT": "30",
             "PYTHONPATH": str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else ""),
         })
+        e.pop("IPCSYNC_RDZV_SECRET", None)
+        if secret == "env":
+            e["IPCSYNC_RDZV_SECRET"] = self.token * 2
         e.update(env or {})
+        if secret == "file":
+            extra = ("--rdzv-secret-file", str(self.secret_file), *extra)
         n = len(self.nodes)
         out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
         args = [str(spec), "--nnodes", str(nnodes), "--node-rank", str(rank),
@@ -248,7 +259,8 @@ def test_three_stages_with_a_same_node_edge_and_a_cross_node_edge(cluster: Clust
 @pytest.mark.timeout(180)
 def test_insecure_run_says_so_loudly(cluster: Cluster) -> None:
     spec = cluster.spec(two_stage(n=10))
-    n0, n1 = cluster.start(spec, 0, 2, "--insecure"), cluster.start(spec, 1, 2, "--insecure")
+    n0 = cluster.start(spec, 0, 2, "--insecure", secret=None)
+    n1 = cluster.start(spec, 1, 2, "--insecure", secret=None)
     assert n0.wait() == 0, n0.dump()
     assert n1.wait() == 0, n1.dump()
     assert n1.result("sink/0")["counts"] == {"src/0": 10}
@@ -434,7 +446,7 @@ def test_bad_node_options_are_refused(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(120)
 def test_no_node_0_is_refused_after_the_rendezvous_timeout_in_one_line(cluster: Cluster) -> None:
-    node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")  # nothing on the port
+    node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2", secret="env")  # nothing on the port
     assert node.wait(60) == 125, node.dump()
     assert f"node 1: cannot reach node 0's rendezvous store at 127.0.0.1:{cluster.port}" in node.err, node.dump()
     assert "frame #" not in node.err and "[c10d]" not in node.err, node.dump()  # no C++ log or stack
@@ -447,7 +459,7 @@ def test_a_rendezvous_endpoint_that_never_answers_is_refused_within_its_bounds(c
     with silent_listener() as port:
         cluster.port = port
         t0 = time.monotonic()
-        node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2")
+        node = cluster.start(cluster.spec(two_stage()), 1, 2, "--rdzv-timeout", "2", secret="env")
         rc = node.wait(60)
         took = time.monotonic() - t0
     assert rc == 125, node.dump()

@@ -14,7 +14,7 @@ from specfile import toml_spec
 from ipcsync.errors import ConfigError
 from ipcsync.launch import cli
 from ipcsync.launch.nodes import parse_endpoint, spec_digest
-from ipcsync.launch.plan import ENV_WIRING, Nodes, RemoteEndpoint, place, remote_producers, resolve
+from ipcsync.launch.plan import ENV_WIRING, ClientKey, Nodes, RemoteEndpoint, place, remote_producers, resolve
 from ipcsync.launch.spec import PipelineSpec, SpecError, loads
 from ipcsync.stage import _check_wiring
 
@@ -38,8 +38,10 @@ def nodes_for(s: PipelineSpec, rank: int, nnodes: int = 2, insecure: bool = Fals
     for k, key in enumerate(remote_producers(s, placement)):
         here = placement[(key[0], key[1])] == rank
         remote[key] = RemoteEndpoint(f"tcp://10.0.0.{placement[(key[0], key[1])]}:{5000 + k}",
-                                     "" if insecure else f"pub{k}", "" if insecure or not here else f"sec{k}")
-    return Nodes(nnodes=nnodes, rank=rank, remote=remote, insecure=insecure)
+                                     "" if insecure else f"pub{k}", "" if insecure or not here else f"sec{k}",
+                                     () if insecure else ("client1",))
+    client = None if insecure else ClientKey(f"client{rank}", f"clientsec{rank}")
+    return Nodes(nnodes=nnodes, rank=rank, remote=remote, insecure=insecure, client=client)
 
 
 def wiring(plan: Any, label: str) -> dict[str, Any]:
@@ -105,11 +107,13 @@ def test_each_node_resolves_only_its_replicas_with_tcp_between_nodes_and_ipc_wit
     assert "curve_servers" not in mid["inputs"]["src"]
     out = mid["outputs"]["sink"]
     assert out["endpoint"] == "tcp://10.0.0.0:5000"
-    assert out["curve"] == {"public": "pub0", "secret": "sec0"}
+    # the producer admits only the client keys of the nodes its consumers run on
+    assert out["curve"] == {"public": "pub0", "secret": "sec0", "clients": ["client1"]}
     sink = wiring(p1, "sink/0")["inputs"]["mid"]
     assert sink["endpoints"] == ["tcp://10.0.0.0:5000"] and sink["curve_servers"] == ["pub0"]
+    assert sink["curve_client"] == {"public": "client1", "secret": "clientsec1"}  # its node's client key
     assert "sec0" not in json.dumps(wiring(p1, "sink/0"))  # the secret stays on the producer's node
-    assert "sec0" not in repr(p0.nodes)
+    assert "sec0" not in repr(p0.nodes) and "clientsec" not in repr(p0.nodes) + repr(p1.nodes)
 
 
 def test_fan_in_from_both_nodes_gives_one_key_per_endpoint() -> None:
@@ -125,6 +129,7 @@ def test_insecure_wiring_has_no_keys() -> None:
     w1 = wiring(resolve(s, run_id="0badcafe", run_dir=RUN_DIR, gpus=0, nodes=nodes_for(s, 1, insecure=True)), "sink/0")
     assert w0["outputs"]["sink"]["insecure"] is True and "curve" not in w0["outputs"]["sink"]
     assert w1["inputs"]["mid"]["insecure"] is True and "curve_servers" not in w1["inputs"]["mid"]
+    assert "curve_client" not in w1["inputs"]["mid"]
 
 
 def test_without_nodes_the_plan_is_as_before() -> None:

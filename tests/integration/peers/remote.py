@@ -24,6 +24,9 @@ def _keys(a: dict[str, Any], side: str) -> dict[str, Any]:
         return {"insecure": True}
     if side == "producer":
         return {"curve": ipcsync.CurveKeys(a["public"].encode(), a["secret"].encode())}
+    if a.get("client_public"):  # a client key the producer allows
+        return {"curve": ipcsync.CurveKeys(a["client_public"].encode(), a["client_secret"].encode(),
+                                           server=a["server"].encode())}
     client = ipcsync.CurveKeys.generate(server=a["server"].encode())
     return {"curve": client}
 
@@ -372,7 +375,9 @@ def hand_produce(a: dict[str, Any]) -> None:
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = datetime.timedelta(seconds=30)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ipcsync/{addr.edge}/", store), 0, 2, opts)
+    from ipcsync.runtime.sealed_store import SealedStore
+
+    pg = dist.ProcessGroupGloo(SealedStore(store, addr.edge.encode(), 30.0), 0, 2, opts)
     while type(recv()[1]) is not P.Attach:
         pass
     placement = plan_message(expected(0, size), slot_bytes)
