@@ -451,6 +451,7 @@ class Consumer(EndpointBase):
             # link polls it at every pump; a stall is reported at once).
             self._link.kept.add(item)
             return
+        item.store = None  # given back: nor does a leftover item keep the slot's storage
         if self._foreign_uses:
             self._foreign_uses.pop(item.seq, None)
         s = self.session

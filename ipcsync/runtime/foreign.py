@@ -279,6 +279,7 @@ class Lender:
             if self.link.check_refs and item.store.in_use():
                 kept.add(item)
                 continue
+            item.store = None  # given back: a leftover item keeps no storage of the slot
             if uses:
                 uses.pop(item.seq, None)
             pending.append((item.seq, item.slot, item.gen))

@@ -211,6 +211,7 @@ class ProducerLink:
         s = self.session
         uses = self.downstream.uses
         for item in items:
+            item.store = None  # given back: a leftover item keeps no storage of the slot
             if uses:
                 uses.pop(item.seq, None)
             if s.error is None:
