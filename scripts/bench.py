@@ -78,6 +78,14 @@ infer     The inference setup of examples/inference (its TinyLM transformer, ran
           arrival), latency = arrival to answer. The first --infer-warmup batches (one at
           a time) are not counted.
 
+weightsync
+          A trainer process hands a bf16 model's weights (many tensors) to 1..N colocated
+          worker processes that load them in place: ipcsync broadcast (examples/weight_sync)
+          against today's colocated-RLHF pattern (reduce_tensor + ZeroMQ send_pyobj,
+          synchronize and an ack per bucket) and a torch.multiprocessing.Queue; seconds per
+          sync, GPU memory on each side, every load checked bit for bit. Sizes: --ws-*.
+          See scripts/bench_weightsync.py.
+
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
 by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1. Processes are
 spawned by the bench rather than by ``ipcsync-run`` so that both methods of a comparison
@@ -1129,6 +1137,43 @@ def remote_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
                              list(groups.values()), group_axis="message size")]
 
 
+def weightsync_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The weightsync suite (scripts/bench_weightsync.py): seconds per sync per method,
+    grouped by model size and worker count."""
+    if not res:
+        return []
+    import bench_weightsync as bw
+
+    groups: dict[str, benchchart.Group] = {}
+    for r in res["rows"]:
+        name = f"{r['size']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}"
+        groups.setdefault(name, benchchart.Group(name)).bars.append(benchchart.Bar(bw.LABELS[r["method"]], r["sync_s"]))
+    return [benchchart.Panel("weight sync: trainer -> workers, loaded in place", "s per sync", False,
+                             list(groups.values()), group_axis="model, workers")]
+
+
+def weightsync_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The weightsync suite's sizes: --ws-* options, else per device and --quick."""
+    import bench_weightsync as bw
+
+    cuda = args.device.startswith("cuda")
+    sizes = args.ws_sizes or ("256K" if args.quick else "128M,1G,4G" if cuda else "16M,64M")
+    workers = args.ws_workers or ("1,2" if args.quick or not cuda else "1,4")
+    bucket = args.ws_bucket or ("64K" if args.quick else "512M" if cuda else "8M")
+    try:
+        cfg = {"sizes": [x.strip() for x in sizes.split(",") if x.strip()],
+               "workers": [int(x) for x in workers.split(",") if x.strip()],
+               "syncs": args.ws_syncs or (3 if args.quick else 6), "bucket": bw.parse_size(bucket)}
+        for x in cfg["sizes"]:
+            bw.parse_size(x)
+    except ValueError as exc:
+        raise SystemExit(f"bench.py: error: --ws-*: {exc}") from None
+    if not cfg["sizes"] or not cfg["workers"] or min(cfg["workers"]) < 1 or cfg["syncs"] < 2:
+        raise SystemExit("bench.py: error: --ws-sizes and --ws-workers need one entry or more (workers >= 1), "
+                         "--ws-syncs at least 2")
+    return cfg
+
+
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1154,7 +1199,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "remote", "train", "infer")
+SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1191,7 +1236,8 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, latency, remote, train, infer, or all (default: handoff)")
+                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, or all "
+                         "(default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: fewer handoff messages, tiny train/infer sizes")
@@ -1202,7 +1248,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also save a PNG chart of the comparisons run (needs matplotlib: "
                          f"{benchchart.INSTALL_HINT})")
     ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds for one method of the train/infer suites (default 600)")
+                    help="seconds for one method of the train/infer/weightsync suites (default 600)")
     h = ap.add_argument_group("handoff suite")
     h.add_argument("--sizes", default="4K,1M,64M")
     h.add_argument("--modes", default="send,slot")
@@ -1232,6 +1278,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests/s of Poisson arrivals with dynamic batching (default 0: closed loop)")
     i.add_argument("--infer-max-wait-ms", type=float, default=5.0,
                    help="with --infer-rate: how long a batch waits to fill after its first request")
+    w = ap.add_argument_group("weightsync suite (defaults: CUDA / CPU / with --quick)")
+    w.add_argument("--ws-sizes", help="model sizes in bf16 bytes (128M,1G,4G / 16M,64M / 256K)")
+    w.add_argument("--ws-workers", help="worker counts (1,4 / 1,2 / 1,2)")
+    w.add_argument("--ws-syncs", type=int, help="syncs per method, the first apart (6 / 6 / 3)")
+    w.add_argument("--ws-bucket", help="the baseline's bucket size (512M / 8M / 64K)")
     args = ap.parse_args(argv)
     suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(",") if s.strip())
     bad = [s for s in suites if s not in SUITES]
@@ -1259,6 +1310,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     train_cfg = train_config(args) if "train" in args.suites else None
     infer_cfg = infer_config(args) if "infer" in args.suites else None
+    ws_cfg = weightsync_config(args) if "weightsync" in args.suites else None
+    ws_res: dict[str, Any] | None = None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
     remote_res: dict[str, Any] | None = None
@@ -1296,13 +1349,23 @@ def main(argv: list[str] | None = None) -> int:
                 _progress(f"infer {method}: {infer_cfg['requests']} requests in batches of {infer_cfg['batch']}")
                 infer_res[method] = run_infer(method, infer_cfg, device, args.slots, args.timeout)
             print_infer(infer_res, infer_cfg, device, args.slots, command)
+        if ws_cfg is not None:
+            import bench_weightsync as bw
+
+            try:
+                ws_res = bw.run_weightsync(device, ws_cfg["sizes"], ws_cfg["workers"], ws_cfg["syncs"],
+                                           ws_cfg["bucket"], args.timeout, _progress)
+            except bw.WeightSyncError as exc:
+                raise BenchError(str(exc)) from None
+            bw.print_weightsync(ws_res, lambda: _header("weightsync", device, command))
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
                                                    *latency_panels(latency_res),
                                                    *remote_panels(remote_res),
                                                    *train_panels(train_res, train_cfg, device),
-                                                   *infer_panels(infer_res, infer_cfg)])
+                                                   *infer_panels(infer_res, infer_cfg),
+                                                   *weightsync_panels(ws_res)])
     except BenchError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1

@@ -19,8 +19,6 @@ import os
 import signal
 import time
 
-import torch
-
 import ipcsync
 from weights import fingerprint, model_bytes, parser, setup, slot_bytes, update
 

@@ -159,7 +159,13 @@ def test_size_options_real_quick_and_explicit() -> None:
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
-    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer"}
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync"}
+    ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--device", "cuda"]))
+    assert ws == {"sizes": ["128M", "1G", "4G"], "workers": [1, 4], "syncs": 6, "bucket": 512 << 20}
+    ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--quick", "--ws-workers", "3"]))
+    assert ws == {"sizes": ["256K"], "workers": [3], "syncs": 3, "bucket": 64 << 10}
+    with pytest.raises(SystemExit, match="a size like 256K"):
+        bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--ws-sizes", "1T"]))
     with pytest.raises(SystemExit):
         bench.parse_args(["--suite", "train,bogus"])
     with pytest.raises(SystemExit):
@@ -190,23 +196,28 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     infer_cfg = {"batch": 8, "seq": 12}
     infer = {"ipcsync": {"rps": 900.0, "p50_ms": 1.0, "p99_ms": 2.0},
              "mpq": {"rps": 300.0, "p50_ms": 3.0, "p99_ms": 9.0}}
+    ws = {"rows": [{"size": "1G", "workers": w, "method": m, "sync_s": s} for w in (1, 4)
+                   for m, s in (("ipcsync", 0.05), ("zmq", 0.5), ("mpq", 0.3))]}
     panels = [*bench.handoff_panels(rows), *bench.train_panels(train, train_cfg, "cpu"),
-              *bench.infer_panels(infer, infer_cfg)]
+              *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws)]
     assert [(p.unit, p.higher_is_better) for p in panels] == [
         ("handoffs/s", True), ("ms", False), ("samples/s", True), ("% of trainer wall time", False),
-        ("requests/s", True), ("ms", False)]
+        ("requests/s", True), ("ms", False), ("s per sync", False)]
+    assert [g.title for g in panels[6].groups] == ["1G, 1 worker", "1G, 4 workers"]
+    assert [b.label for b in panels[6].groups[1].bars][0] == "ipcsync broadcast, 1 message"
     handoff, latency = panels[:2]
     assert [g.title for g in handoff.groups] == ["4K", "64M"] and handoff.uses_log()  # 100 .. 20,000/s
     assert latency.groups[0].bars[0] == benchchart.Bar("ipcsync send", 0.1, 0.3)  # seconds -> ms
     assert panels[3].groups[0].bars[0].value == 25.0  # CPU: the trainer's waiting share, in percent
     assert panels[5].groups[0].bars[1] == benchchart.Bar("torch.multiprocessing.Queue x2", 3.0, 9.0)
     assert bench.handoff_panels(None) == bench.train_panels({}, None, "cpu") == bench.infer_panels(None, None) == []
+    assert bench.weightsync_panels(None) == []
     if not HAVE_MATPLOTLIB:
         pytest.skip("matplotlib is not installed: pip install 'ipcsync[bench]'")
     png = tmp_path / "synthetic.png"
     bench.save_plot(str(png), "cpu", "python3 scripts/bench.py --plot x.png", panels)
     width, height = png_size(png.read_bytes())
-    assert width > 500 and height > 600  # six panels
+    assert width > 500 and height > 600  # seven panels
 
 
 def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
@@ -280,3 +291,23 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert [g.title for g in panel.groups] == ["no tensor", "4K", "4K, host read"]
     assert [[b.label for b in g.bars] for g in panel.groups][1] == ["ipcsync", "torch.multiprocessing queues"]
     assert not panel.higher_is_better and bench.latency_panels(None) == []
+
+
+@pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
+def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    rc, out, err = run_bench(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
+                             env, timeout=240)
+    dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    assert rc == 0, dump
+    assert re.search(r"^ipcsync bench: weightsync: device=cpu ", out, re.M), dump
+    for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
+                  "torch.multiprocessing.Queue"):
+        m = re.search(rf"^256K\s+2\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}x\s+-/-\s+-/-\s+yes, 4 loads$",
+                      out, re.M)
+        assert m, f"no weightsync row for {label}\n{dump}"
+        assert all(num(g) > 0 for g in m.groups()), dump
+    pids = [int(p) for p in re.findall(r"weightsync \S+: started (?:trainer|worker \d) \(pid (\d+)\)", err)]
+    assert len(pids) == 9, dump
+    assert not [p for p in pids if pid_running(p)], dump
+    assert not segments_of(pids, timeout=10.0), dump
