@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from conftest import shm_segments, wait_no_segments
 
@@ -77,3 +78,14 @@ class ExampleProcs:
 
         reclaim_dead_segments()
         return left + [s for pid in killed for s in shm_segments(pid)]
+
+
+def example_procs(example: str) -> Iterator[ExampleProcs]:
+    """For a fixture (``yield from``): the processes of ``example``, all killed after the
+    test, pass or fail; and none may leave a shared-memory segment behind."""
+    p = ExampleProcs(example)
+    try:
+        yield p
+    finally:
+        p.close()
+    assert not p.leftovers(), p.dump()

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from example_procs import ExampleProcs
+from example_procs import ExampleProcs, example_procs
 
 SMALL = ["--dim", "64", "--layers", "3", "--timeout", "60"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -20,12 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 @pytest.fixture
 def procs(runtime_dir: object) -> Iterator[ExampleProcs]:
-    p = ExampleProcs("weight_sync")
-    try:
-        yield p
-    finally:
-        p.close()
-    assert not p.leftovers(), p.dump()
+    yield from example_procs("weight_sync")
 
 
 def applied(out: str, rank: int) -> list[int]:
