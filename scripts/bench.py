@@ -86,6 +86,12 @@ weightsync
           sync, GPU memory on each side, every load checked bit for bit. Sizes: --ws-*.
           See scripts/bench_weightsync.py.
 
+gpupipe   examples/gpu_pipeline's encoder and decoder stages: one process, against an
+          encoder process handing activations every step to 1..R decoder replica
+          processes through ipcsync, and through a torch.multiprocessing.Queue; steps/s,
+          p50/p99 latency, GPU busy fraction (CUDA events). Sizes: --pipe-*.
+          See scripts/bench_gpupipe.py.
+
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
 by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1. Processes are
 spawned by the bench rather than by ``ipcsync-run`` so that both methods of a comparison
@@ -944,6 +950,12 @@ INFER_SIZES = {
 }
 
 
+PIPE_SIZES = {  # option: (real size, --quick); real sizes make a step of a few ms on a GPU
+    "batch": (4096, 16), "dim": (4096, 32), "layers": (4, 2), "vocab": (4096, 50), "steps": (500, 30),
+    "warmup": (50, 5), "replicas": ("1,2", "2"),
+}
+
+
 def _sizes(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
     cfg = {}
     for key, (real, quick) in table.items():
@@ -1174,6 +1186,32 @@ def weightsync_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def gpupipe_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _sizes(args, "pipe", PIPE_SIZES)
+    try:
+        cfg["replicas"] = [int(x) for x in str(cfg["replicas"]).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit("bench.py: --pipe-replicas: a comma-separated list of counts, e.g. 1,2") from None
+    if min([*cfg["replicas"], cfg["batch"], cfg["dim"], cfg["layers"], cfg["vocab"], 1]) < 1 or not cfg["replicas"]:
+        raise SystemExit("bench.py: --pipe-* sizes and replica counts must be at least 1")
+    if not 1 <= cfg["warmup"] < cfg["steps"]:
+        raise SystemExit("bench.py: --pipe-warmup must be at least 1 and below --pipe-steps")
+    cfg["slots"], cfg["timeout"] = args.slots, args.timeout
+    return cfg
+
+
+def gpupipe_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The gpupipe suite (scripts/bench_gpupipe.py): steps/s, and latency p50/p99."""
+    if not res:
+        return []
+    import bench_gpupipe as bg
+
+    rate = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["rate"]) for r in res["rows"]]
+    lat = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["p50_ms"], r["p99_ms"]) for r in res["rows"]]
+    return [benchchart.Panel("GPU pipeline: encoder -> decoder stages", "steps/s", True, [benchchart.Group("", rate)]),
+            benchchart.Panel("GPU pipeline: step latency", "ms", False, [benchchart.Group("", lat)])]
+
+
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1199,7 +1237,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync")
+SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1236,7 +1274,7 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, or all "
+                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, gpupipe, or all "
                          "(default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
@@ -1248,7 +1286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also save a PNG chart of the comparisons run (needs matplotlib: "
                          f"{benchchart.INSTALL_HINT})")
     ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds for one method of the train/infer/weightsync suites (default 600)")
+                    help="seconds for one method of the train/infer/weightsync/gpupipe suites (default 600)")
     h = ap.add_argument_group("handoff suite")
     h.add_argument("--sizes", default="4K,1M,64M")
     h.add_argument("--modes", default="send,slot")
@@ -1283,6 +1321,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--ws-workers", help="worker counts (1,4 / 1,2 / 1,2)")
     w.add_argument("--ws-syncs", type=int, help="syncs per method, the first apart (6 / 6 / 3)")
     w.add_argument("--ws-bucket", help="the baseline's bucket size (512M / 8M / 64K)")
+    g = ap.add_argument_group("gpupipe suite (defaults: real size / with --quick)")
+    g.add_argument("--pipe-batch", type=int, help="rows per step (4096 / 16)")
+    g.add_argument("--pipe-dim", type=int, help="model dimension (4096 / 32)")
+    g.add_argument("--pipe-layers", type=int, help="Linear+GELU blocks per stage (4 / 2)")
+    g.add_argument("--pipe-vocab", type=int, help="the decoder head's outputs (4096 / 50)")
+    g.add_argument("--pipe-steps", type=int, help="steps per method (500 / 30)")
+    g.add_argument("--pipe-warmup", type=int, help="first steps not timed (50 / 5)")
+    g.add_argument("--pipe-replicas", help="decoder replica counts (1,2 / 2)")
     args = ap.parse_args(argv)
     suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(",") if s.strip())
     bad = [s for s in suites if s not in SUITES]
@@ -1312,6 +1358,8 @@ def main(argv: list[str] | None = None) -> int:
     infer_cfg = infer_config(args) if "infer" in args.suites else None
     ws_cfg = weightsync_config(args) if "weightsync" in args.suites else None
     ws_res: dict[str, Any] | None = None
+    pipe_cfg = gpupipe_config(args) if "gpupipe" in args.suites else None
+    pipe_res: dict[str, Any] | None = None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
     remote_res: dict[str, Any] | None = None
@@ -1358,6 +1406,14 @@ def main(argv: list[str] | None = None) -> int:
             except bw.WeightSyncError as exc:
                 raise BenchError(str(exc)) from None
             bw.print_weightsync(ws_res, lambda: _header("weightsync", device, command))
+        if pipe_cfg is not None:
+            import bench_gpupipe as bg
+
+            try:
+                pipe_res = bg.run_gpupipe(device, pipe_cfg, _progress)
+            except bg.GpuPipeError as exc:
+                raise BenchError(str(exc)) from None
+            bg.print_gpupipe(pipe_res, device, lambda: _header("gpupipe", device, command))
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
@@ -1365,7 +1421,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    *remote_panels(remote_res),
                                                    *train_panels(train_res, train_cfg, device),
                                                    *infer_panels(infer_res, infer_cfg),
-                                                   *weightsync_panels(ws_res)])
+                                                   *weightsync_panels(ws_res),
+                                                   *gpupipe_panels(pipe_res)])
     except BenchError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1

@@ -40,20 +40,15 @@ trainer through CUDA IPC is the trainer's and counted there.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
-import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from bench_latency import child_device
+from benchprocs import ProcsError, load_example, report, run_procs, spawn
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("ipcsync", "zmq", "mpq")
 LABELS = {"ipcsync": "ipcsync broadcast, 1 message",
           "zmq": "baseline: reduce_tensor+ZeroMQ pickle",
@@ -66,16 +61,7 @@ class WeightSyncError(Exception):
     """A process of the suite failed, or the device cannot run it (the text says which)."""
 
 
-def _load_weights() -> Any:
-    path = ROOT / "examples" / "weight_sync" / "weights.py"
-    spec = importlib.util.spec_from_file_location("ipcsync_bench_weight_sync", path)
-    assert spec is not None and spec.loader is not None, path
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-WS = _load_weights()
+WS = load_example("weight_sync/weights")
 
 
 def parse_size(text: str) -> int:
@@ -320,15 +306,6 @@ RECEIVERS: dict[str, Callable[..., Any]] = {"ipcsync": _IpcsyncRecv, "zmq": _Zmq
 
 
 # ------------------------------------------------------------------ the two sides
-def _report(results: Any, role: str, fn: Callable[[], Any]) -> None:
-    try:
-        value = fn()
-    except BaseException:
-        results.put(("error", role, traceback.format_exc()))
-        raise SystemExit(1)
-    results.put(("ok", role, value))
-
-
 def _trainer(results: Any, method: str, cfg: dict[str, Any], device: str, links: Any, acks: Any) -> None:
     def run() -> dict[str, Any]:
         dev = child_device(device)
@@ -354,7 +331,7 @@ def _trainer(results: Any, method: str, cfg: dict[str, Any], device: str, links:
         sender.close()
         return {"times": times, "mem": mem.result()}
 
-    _report(results, "trainer", run)
+    report(results, "trainer", run)
 
 
 def _worker(results: Any, method: str, cfg: dict[str, Any], device: str, rank: int, link: Any,
@@ -376,15 +353,15 @@ def _worker(results: Any, method: str, cfg: dict[str, Any], device: str, rank: i
         receiver.close()
         return mem.result()
 
-    _report(results, f"worker {rank}", run)
+    report(results, f"worker {rank}", run)
 
 
 # ------------------------------------------------------------------ the runner
 def run_one(method: str, cfg: dict[str, Any], device: str, tag: str, progress: Callable[[str], None]) -> dict[str, Any]:
     """One method at one size and worker count: the trainer's per-sync seconds and each
     side's memory. WeightSyncError when a process fails, dies or runs out of time."""
-    ctx = mp.get_context("spawn")
-    results, acks = ctx.Queue(), ctx.Queue()
+    ctx, results = spawn()
+    acks = ctx.Queue()
     w = cfg["workers"]
     rdir = os.environ.get("IPCSYNC_RUNTIME_DIR", "/tmp")
     if method == "ipcsync":
@@ -396,41 +373,14 @@ def run_one(method: str, cfg: dict[str, Any], device: str, tag: str, progress: C
     else:
         links = [ctx.Queue() for _ in range(w)]
         worker_links = links
-    procs = {"trainer": ctx.Process(target=_trainer, args=(results, method, cfg, device, links, acks))}
+    targets = {"trainer": (_trainer, (results, method, cfg, device, links, acks))}
     for r in range(w):
-        procs[f"worker {r}"] = ctx.Process(target=_worker, args=(results, method, cfg, device, r, worker_links[r], acks))
-    got: dict[str, Any] = {}
+        targets[f"worker {r}"] = (_worker, (results, method, cfg, device, r, worker_links[r], acks))
     try:
-        for role, p in procs.items():
-            p.start()
-            progress(f"weightsync {method}: started {role} (pid {p.pid})")
-        deadline = time.monotonic() + cfg["timeout"]
-        dead_since: dict[str, float] = {}
-        while len(got) < len(procs):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WeightSyncError(f"weightsync {method}: no result from "
-                                      f"{', '.join(sorted(set(procs) - set(got)))} within {cfg['timeout']:.0f} s")
-            try:
-                status, role, value = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                now = time.monotonic()
-                for role, p in procs.items():
-                    # Exited without a result: it may still be in the pipe, for a few seconds.
-                    if role not in got and p.exitcode is not None and now - dead_since.setdefault(role, now) > 5:
-                        raise WeightSyncError(f"weightsync {method}: {role} (pid {p.pid}) exited with code "
-                                              f"{p.exitcode} without a result") from None
-                continue
-            if status != "ok":
-                raise WeightSyncError(f"weightsync {method}: {role} failed:\n{value}")
-            got[role] = value
+        got = run_procs(f"weightsync {method}", ctx, results, targets, cfg["timeout"], progress)
+    except ProcsError as exc:
+        raise WeightSyncError(str(exc)) from None
     finally:
-        grace = 30.0 if len(got) == len(procs) else 1.0
-        for p in procs.values():
-            p.join(grace)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
         for q in (results, acks, *(links if method == "mpq" else ())):
             q.close()
     workers = [got[f"worker {r}"] for r in range(w)]

@@ -159,7 +159,11 @@ def test_size_options_real_quick_and_explicit() -> None:
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
-    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync"}
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe"}
+    pipe = bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--pipe-replicas", "1,3"]))
+    assert (pipe["batch"], pipe["dim"], pipe["steps"], pipe["warmup"], pipe["replicas"]) == (4096, 4096, 500, 50, [1, 3])
+    with pytest.raises(SystemExit, match="--pipe-warmup"):
+        bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--quick", "--pipe-warmup", "30"]))
     ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--device", "cuda"]))
     assert ws == {"sizes": ["128M", "1G", "4G"], "workers": [1, 4], "syncs": 6, "bucket": 512 << 20}
     ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--quick", "--ws-workers", "3"]))
@@ -199,10 +203,12 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     ws = {"rows": [{"size": "1G", "workers": w, "method": m, "sync_s": s} for w in (1, 4)
                    for m, s in (("ipcsync", 0.05), ("zmq", 0.5), ("mpq", 0.3))]}
     panels = [*bench.handoff_panels(rows), *bench.train_panels(train, train_cfg, "cpu"),
-              *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws)]
+              *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws),
+              *bench.gpupipe_panels({"rows": [{"method": m, "replicas": 2, "rate": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
+                                              for m in ("single", "ipcsync", "mpq")]})]
     assert [(p.unit, p.higher_is_better) for p in panels] == [
         ("handoffs/s", True), ("ms", False), ("samples/s", True), ("% of trainer wall time", False),
-        ("requests/s", True), ("ms", False), ("s per sync", False)]
+        ("requests/s", True), ("ms", False), ("s per sync", False), ("steps/s", True), ("ms", False)]
     assert [g.title for g in panels[6].groups] == ["1G, 1 worker", "1G, 4 workers"]
     assert [b.label for b in panels[6].groups[1].bars][0] == "ipcsync broadcast, 1 message"
     handoff, latency = panels[:2]
@@ -211,13 +217,15 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     assert panels[3].groups[0].bars[0].value == 25.0  # CPU: the trainer's waiting share, in percent
     assert panels[5].groups[0].bars[1] == benchchart.Bar("torch.multiprocessing.Queue x2", 3.0, 9.0)
     assert bench.handoff_panels(None) == bench.train_panels({}, None, "cpu") == bench.infer_panels(None, None) == []
-    assert bench.weightsync_panels(None) == []
+    assert bench.weightsync_panels(None) == bench.gpupipe_panels(None) == []
+    assert [b.label for b in panels[8].groups[0].bars] == [
+        "one process (both stages)", "ipcsync, encoder -> 2 decoders", "torch.mp.Queue, encoder -> 2 decoders"]
     if not HAVE_MATPLOTLIB:
         pytest.skip("matplotlib is not installed: pip install 'ipcsync[bench]'")
     png = tmp_path / "synthetic.png"
     bench.save_plot(str(png), "cpu", "python3 scripts/bench.py --plot x.png", panels)
     width, height = png_size(png.read_bytes())
-    assert width > 500 and height > 600  # seven panels
+    assert width > 500 and height > 600  # nine panels
 
 
 def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
@@ -293,13 +301,25 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert not panel.higher_is_better and bench.latency_panels(None) == []
 
 
-@pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
-def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
+def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
+    """``scripts/bench.py args``, which must succeed and start ``processes`` processes
+    (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
+    shared memory; its stdout and the dump to show when an assertion fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    rc, out, err = run_bench(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
-                             env, timeout=240)
+    rc, out, err = run_bench(args, env, timeout=240)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
+    pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z ]+\d* \(pid (\d+)\)$", err, re.M)]
+    assert len(pids) == processes, dump
+    assert not [p for p in pids if pid_running(p)], dump
+    assert not segments_of(pids, timeout=10.0), dump
+    return out, dump
+
+
+@pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
+def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
+    out, dump = run_suite(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
+                          "weightsync", 9)
     assert re.search(r"^ipcsync bench: weightsync: device=cpu ", out, re.M), dump
     for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
                   "torch.multiprocessing.Queue"):
@@ -307,7 +327,17 @@ def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
                       out, re.M)
         assert m, f"no weightsync row for {label}\n{dump}"
         assert all(num(g) > 0 for g in m.groups()), dump
-    pids = [int(p) for p in re.findall(r"weightsync \S+: started (?:trainer|worker \d) \(pid (\d+)\)", err)]
-    assert len(pids) == 9, dump
-    assert not [p for p in pids if pid_running(p)], dump
-    assert not segments_of(pids, timeout=10.0), dump
+
+
+@pytest.mark.timeout(300)  # one process, then 2 x (an encoder + 2 decoders), spawned
+def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
+    out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "12", "--pipe-warmup", "2"],
+                          "gpupipe", 7)
+    assert re.search(r"^ipcsync bench: gpupipe: device=cpu ", out, re.M), dump
+    assert "every method's checksum equal" in out, dump
+    for label, vs_mpq in (("one process (both stages)", r"-"), ("ipcsync, encoder -> 2 decoders", rf"{NUM}x"),
+                          ("torch.mp.Queue, encoder -> 2 decoders", r"1\.00x")):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{vs_mpq}\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$", out, re.M)
+        assert m, f"no gpupipe row for {label}\n{dump}"
+        rate, *_, p50, p99, busy = (num(g) for g in m.groups())
+        assert rate > 0 and 0 < p50 <= p99 and busy > 0, dump
