@@ -15,6 +15,8 @@ import argparse
 
 import torch
 
+from ipcsync.backends import resolve_device
+
 
 def dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -70,9 +72,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
-    """This process's device, made current on CUDA."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """This process's device (default: the current GPU if any), made current on CUDA."""
+    device = resolve_device(args.device)
     if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     return device

@@ -21,6 +21,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ipcsync.backends import resolve_device
+
 DTYPE = torch.bfloat16
 
 
@@ -39,9 +41,9 @@ def parser(doc: str | None, what: str) -> argparse.ArgumentParser:
 
 def setup(args: argparse.Namespace) -> tuple[torch.device, torch.nn.Module, list[torch.nn.Parameter]]:
     """This process's device (made current on CUDA), its model and the model's parameters."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
+        torch.cuda.set_device(device)
     model = build_model(args.dim, args.layers, device)
     return device, model, list(model.parameters())
 
