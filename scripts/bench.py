@@ -92,6 +92,11 @@ gpupipe   examples/gpu_pipeline's encoder and decoder stages: one process, again
           p50/p99 latency, GPU busy fraction (CUDA events). Sizes: --pipe-*.
           See scripts/bench_gpupipe.py.
 
+kv        KV-cache handoff, a prefill process -> a decode process (examples/kv_handoff:
+          per-layer K and V, prompt lengths varying per request), ipcsync slot() against
+          a torch.multiprocessing.Queue: requests/s, time to first token p50/p99, KV GB/s.
+          Sizes: --kv-*. See scripts/bench_kv.py.
+
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
 by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1. Processes are
 spawned by the bench rather than by ``ipcsync-run`` so that both methods of a comparison
@@ -142,6 +147,7 @@ if str(ROOT) not in sys.path:
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 import benchchart  # noqa: E402  (imports matplotlib only to draw, for --plot)
+from benchprocs import ProcsError  # noqa: E402
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
 COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}  # CPU backend: host memcpy speeds
@@ -955,6 +961,11 @@ PIPE_SIZES = {  # option: (real size, --quick); real sizes make a step of a few 
     "warmup": (50, 5), "replicas": ("1,2", "2"),
 }
 
+KV_SIZES = {  # option: (real size, --quick); real: up to 256 MiB of bf16 KV per request
+    "layers": (32, 4), "heads": (8, 2), "head_dim": (128, 16), "max_seq": (2048, 64), "requests": (200, 24),
+    "warmup": (20, 4),
+}
+
 
 def _sizes(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
     cfg = {}
@@ -1186,17 +1197,24 @@ def weightsync_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def _use_config(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, Any]], count: str) -> dict[str, Any]:
+    """The sizes of a suite of ``table`` whose first ``warmup`` of ``count`` are not timed,
+    with --slots and --timeout."""
+    cfg = _sizes(args, prefix, table)
+    if not 1 <= cfg["warmup"] < cfg[count]:
+        raise SystemExit(f"bench.py: --{prefix}-warmup must be at least 1 and below --{prefix}-{count}")
+    cfg["slots"], cfg["timeout"] = args.slots, args.timeout
+    return cfg
+
+
 def gpupipe_config(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = _sizes(args, "pipe", PIPE_SIZES)
+    cfg = _use_config(args, "pipe", PIPE_SIZES, "steps")
     try:
         cfg["replicas"] = [int(x) for x in str(cfg["replicas"]).split(",") if x.strip()]
     except ValueError:
         raise SystemExit("bench.py: --pipe-replicas: a comma-separated list of counts, e.g. 1,2") from None
     if min([*cfg["replicas"], cfg["batch"], cfg["dim"], cfg["layers"], cfg["vocab"], 1]) < 1 or not cfg["replicas"]:
         raise SystemExit("bench.py: --pipe-* sizes and replica counts must be at least 1")
-    if not 1 <= cfg["warmup"] < cfg["steps"]:
-        raise SystemExit("bench.py: --pipe-warmup must be at least 1 and below --pipe-steps")
-    cfg["slots"], cfg["timeout"] = args.slots, args.timeout
     return cfg
 
 
@@ -1210,6 +1228,26 @@ def gpupipe_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
     lat = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["p50_ms"], r["p99_ms"]) for r in res["rows"]]
     return [benchchart.Panel("GPU pipeline: encoder -> decoder stages", "steps/s", True, [benchchart.Group("", rate)]),
             benchchart.Panel("GPU pipeline: step latency", "ms", False, [benchchart.Group("", lat)])]
+
+
+def kv_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _use_config(args, "kv", KV_SIZES, "requests")
+    if min(cfg["layers"], cfg["heads"], cfg["head_dim"], cfg["max_seq"]) < 1:
+        raise SystemExit("bench.py: --kv-* sizes must be at least 1")
+    return cfg
+
+
+def kv_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The kv suite (scripts/bench_kv.py): KV GB/s, and time to first token p50/p99."""
+    if not res:
+        return []
+    import bench_kv as bk
+
+    m = res["methods"]
+    gbs = [benchchart.Bar(bk.LABELS[k], r["gbs"]) for k, r in m.items()]
+    ttft = [benchchart.Bar(bk.LABELS[k], r["p50_ms"], r["p99_ms"]) for k, r in m.items()]
+    return [benchchart.Panel("KV handoff, prefill -> decode", "GB/s of KV", True, [benchchart.Group("", gbs)]),
+            benchchart.Panel("KV handoff: time to first token", "ms", False, [benchchart.Group("", ttft)])]
 
 
 def plot_problem(path: str | None) -> str | None:
@@ -1237,7 +1275,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe")
+SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1274,7 +1312,7 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, gpupipe, or all "
+                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, gpupipe, kv, or all "
                          "(default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
@@ -1286,7 +1324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also save a PNG chart of the comparisons run (needs matplotlib: "
                          f"{benchchart.INSTALL_HINT})")
     ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds for one method of the train/infer/weightsync/gpupipe suites (default 600)")
+                    help="seconds for one method of the train/infer/weightsync/gpupipe/kv suites (default 600)")
     h = ap.add_argument_group("handoff suite")
     h.add_argument("--sizes", default="4K,1M,64M")
     h.add_argument("--modes", default="send,slot")
@@ -1329,6 +1367,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--pipe-steps", type=int, help="steps per method (500 / 30)")
     g.add_argument("--pipe-warmup", type=int, help="first steps not timed (50 / 5)")
     g.add_argument("--pipe-replicas", help="decoder replica counts (1,2 / 2)")
+    k = ap.add_argument_group("kv suite (defaults: real size / with --quick)")
+    k.add_argument("--kv-layers", type=int, help="layers, a K and a V tensor each (32 / 4)")
+    k.add_argument("--kv-heads", type=int, help="KV heads (8 / 2)")
+    k.add_argument("--kv-head-dim", type=int, help="head dimension (128 / 16)")
+    k.add_argument("--kv-max-seq", type=int, help="the longest prompt; prompts vary from a quarter of it (2048 / 64)")
+    k.add_argument("--kv-requests", type=int, help="requests per method (200 / 24)")
+    k.add_argument("--kv-warmup", type=int, help="first requests not timed (20 / 4)")
     args = ap.parse_args(argv)
     suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(",") if s.strip())
     bad = [s for s in suites if s not in SUITES]
@@ -1360,6 +1405,8 @@ def main(argv: list[str] | None = None) -> int:
     ws_res: dict[str, Any] | None = None
     pipe_cfg = gpupipe_config(args) if "gpupipe" in args.suites else None
     pipe_res: dict[str, Any] | None = None
+    kv_cfg = kv_config(args) if "kv" in args.suites else None
+    kv_res: dict[str, Any] | None = None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
     remote_res: dict[str, Any] | None = None
@@ -1400,20 +1447,19 @@ def main(argv: list[str] | None = None) -> int:
         if ws_cfg is not None:
             import bench_weightsync as bw
 
-            try:
-                ws_res = bw.run_weightsync(device, ws_cfg["sizes"], ws_cfg["workers"], ws_cfg["syncs"],
-                                           ws_cfg["bucket"], args.timeout, _progress)
-            except bw.WeightSyncError as exc:
-                raise BenchError(str(exc)) from None
+            ws_res = bw.run_weightsync(device, ws_cfg["sizes"], ws_cfg["workers"], ws_cfg["syncs"],
+                                       ws_cfg["bucket"], args.timeout, _progress)
             bw.print_weightsync(ws_res, lambda: _header("weightsync", device, command))
         if pipe_cfg is not None:
             import bench_gpupipe as bg
 
-            try:
-                pipe_res = bg.run_gpupipe(device, pipe_cfg, _progress)
-            except bg.GpuPipeError as exc:
-                raise BenchError(str(exc)) from None
+            pipe_res = bg.run_gpupipe(device, pipe_cfg, _progress)
             bg.print_gpupipe(pipe_res, device, lambda: _header("gpupipe", device, command))
+        if kv_cfg is not None:
+            import bench_kv as bk
+
+            kv_res = bk.run_kv(device, kv_cfg, _progress)
+            bk.print_kv(kv_res, lambda: _header("kv", device, command))
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
@@ -1422,8 +1468,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    *train_panels(train_res, train_cfg, device),
                                                    *infer_panels(infer_res, infer_cfg),
                                                    *weightsync_panels(ws_res),
-                                                   *gpupipe_panels(pipe_res)])
-    except BenchError as exc:
+                                                   *gpupipe_panels(pipe_res),
+                                                   *kv_panels(kv_res)])
+    except (BenchError, ProcsError) as exc:  # ProcsError: the weightsync, gpupipe and kv suites'
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1
     finally:

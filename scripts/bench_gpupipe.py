@@ -37,7 +37,7 @@ from benchprocs import ProcsError, load_example, report, run_procs, spawn
 METHODS = ("single", "ipcsync", "mpq")
 
 
-class GpuPipeError(Exception):
+class GpuPipeError(ProcsError):
     """A process of the suite failed, or the device cannot run it (the text says which)."""
 
 
@@ -187,15 +187,8 @@ def run_one(method: str, cfg: dict[str, Any], device: str, progress: Callable[[s
         targets = {"encoder": (_encoder, (results, method, cfg, device, link))}
         for r in range(cfg["replicas"]):
             targets[f"decoder {r}"] = (_decoder, (results, method, cfg, device, r, link))
-    try:
-        got = run_procs(f"gpupipe {method}", ctx, results, targets, cfg["timeout"], progress)
-    except ProcsError as exc:
-        raise GpuPipeError(str(exc)) from None
-    finally:
-        results.close()
-        if method == "mpq":
-            for q in link:
-                q.close()
+    got = run_procs(f"gpupipe {method}", ctx, results, targets, cfg["timeout"], progress,
+                    queues=link if method == "mpq" else ())
     sides = list(got.values())
     done = sorted((d for s in sides for d in s.get("done", ())), key=lambda d: d[2])
     if len(done) != cfg["steps"] or sorted(d[0] for d in done) != list(range(cfg["steps"])):

@@ -57,7 +57,7 @@ SEED = 1234
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-class WeightSyncError(Exception):
+class WeightSyncError(ProcsError):
     """A process of the suite failed, or the device cannot run it (the text says which)."""
 
 
@@ -376,13 +376,8 @@ def run_one(method: str, cfg: dict[str, Any], device: str, tag: str, progress: C
     targets = {"trainer": (_trainer, (results, method, cfg, device, links, acks))}
     for r in range(w):
         targets[f"worker {r}"] = (_worker, (results, method, cfg, device, r, worker_links[r], acks))
-    try:
-        got = run_procs(f"weightsync {method}", ctx, results, targets, cfg["timeout"], progress)
-    except ProcsError as exc:
-        raise WeightSyncError(str(exc)) from None
-    finally:
-        for q in (results, acks, *(links if method == "mpq" else ())):
-            q.close()
+    got = run_procs(f"weightsync {method}", ctx, results, targets, cfg["timeout"], progress,
+                    queues=(acks, *(links if method == "mpq" else ())))
     workers = [got[f"worker {r}"] for r in range(w)]
     worker_mem = None if workers[0] is None else {k: max(m[k] for m in workers) for k in workers[0]}
     return {"times": got["trainer"]["times"], "trainer_mem": got["trainer"]["mem"], "worker_mem": worker_mem}

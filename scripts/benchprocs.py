@@ -42,10 +42,11 @@ def report(results: Any, role: str, fn: Callable[[], Any]) -> None:
 
 
 def run_procs(what: str, ctx: Any, results: Any, targets: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]],
-              timeout: float, progress: Callable[[str], None]) -> dict[str, Any]:
+              timeout: float, progress: Callable[[str], None], queues: tuple[Any, ...] = ()) -> dict[str, Any]:
     """Start ``role: (target, args)`` with ``ctx`` (each calls ``report(results, role, ...)``)
     and return every role's value. ProcsError as soon as one fails or dies, or after
-    ``timeout`` seconds; every process is gone when this returns or raises."""
+    ``timeout`` seconds; every process is gone when this returns or raises, and
+    ``results`` and ``queues`` (the run's other queues) are closed."""
     procs = {role: ctx.Process(target=fn, args=args, name=role) for role, (fn, args) in targets.items()}
     got: dict[str, Any] = {}
     try:
@@ -79,6 +80,8 @@ def run_procs(what: str, ctx: Any, results: Any, targets: dict[str, tuple[Callab
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for q in (results, *queues):
+            q.close()
     return got
 
 

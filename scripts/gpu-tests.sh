@@ -8,9 +8,9 @@
 # example's test on the GPU (tests/integration/test_*_example.py). After the tests it runs
 # the demo pipeline through ipcsync-run (DEMO=0 skips it) and the examples at their real
 # sizes (EXAMPLES=0 skips them: examples/weight_sync, 1 GiB of bf16 to 2 workers;
-# examples/gpu_pipeline, an encoder to 2 decoders); with
+# examples/gpu_pipeline, an encoder to 2 decoders; examples/kv_handoff, 200 requests); with
 # BENCH=1 it also prints the CUDA benchmark table (BENCH_SUITE=all adds the real uses:
-# training, inference, weightsync, gpupipe;
+# training, inference, weightsync, gpupipe, kv;
 # PLOT=path.png saves the chart); with TWO_GPU=1 (on a machine with two GPUs) the two-GPU
 # pipeline against each stage alone.
 set -uo pipefail
@@ -49,6 +49,11 @@ if [ "${EXAMPLES:-1}" = "1" ]; then
     python3 examples/gpu_pipeline/encoder.py --endpoint "$ep" --replicas 2 --timeout 300 || rc=1
     wait "$d0" || rc=1
     wait "$d1" || rc=1
+    echo "gpu-tests: examples/kv_handoff, 200 requests of up to 256 MiB of KV, every first token checked"
+    ep="kvh-gpu-$$"
+    python3 examples/kv_handoff/decode.py --endpoint "$ep" --check --timeout 300 & dk=$!
+    python3 examples/kv_handoff/prefill.py --endpoint "$ep" --requests 200 --timeout 300 || rc=1
+    wait "$dk" || rc=1
 fi
 if [ "${TWO_GPU:-0}" = "1" ]; then
     python3 scripts/bench_two_gpus.py || rc=1

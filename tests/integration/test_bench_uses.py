@@ -159,7 +159,9 @@ def test_size_options_real_quick_and_explicit() -> None:
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
-    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe"}
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv"}
+    kv = bench.kv_config(bench.parse_args(["--suite", "kv", "--quick", "--kv-layers", "3"]))
+    assert (kv["layers"], kv["heads"], kv["max_seq"], kv["requests"], kv["warmup"]) == (3, 2, 64, 24, 4)
     pipe = bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--pipe-replicas", "1,3"]))
     assert (pipe["batch"], pipe["dim"], pipe["steps"], pipe["warmup"], pipe["replicas"]) == (4096, 4096, 500, 50, [1, 3])
     with pytest.raises(SystemExit, match="--pipe-warmup"):
@@ -205,10 +207,12 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     panels = [*bench.handoff_panels(rows), *bench.train_panels(train, train_cfg, "cpu"),
               *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws),
               *bench.gpupipe_panels({"rows": [{"method": m, "replicas": 2, "rate": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
-                                              for m in ("single", "ipcsync", "mpq")]})]
+                                              for m in ("single", "ipcsync", "mpq")]}),
+              *bench.kv_panels({"methods": {m: {"gbs": 2.0, "p50_ms": 1.0, "p99_ms": 3.0} for m in ("ipcsync", "mpq")}})]
     assert [(p.unit, p.higher_is_better) for p in panels] == [
         ("handoffs/s", True), ("ms", False), ("samples/s", True), ("% of trainer wall time", False),
-        ("requests/s", True), ("ms", False), ("s per sync", False), ("steps/s", True), ("ms", False)]
+        ("requests/s", True), ("ms", False), ("s per sync", False), ("steps/s", True), ("ms", False),
+        ("GB/s of KV", True), ("ms", False)]
     assert [g.title for g in panels[6].groups] == ["1G, 1 worker", "1G, 4 workers"]
     assert [b.label for b in panels[6].groups[1].bars][0] == "ipcsync broadcast, 1 message"
     handoff, latency = panels[:2]
@@ -217,7 +221,7 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     assert panels[3].groups[0].bars[0].value == 25.0  # CPU: the trainer's waiting share, in percent
     assert panels[5].groups[0].bars[1] == benchchart.Bar("torch.multiprocessing.Queue x2", 3.0, 9.0)
     assert bench.handoff_panels(None) == bench.train_panels({}, None, "cpu") == bench.infer_panels(None, None) == []
-    assert bench.weightsync_panels(None) == bench.gpupipe_panels(None) == []
+    assert bench.weightsync_panels(None) == bench.gpupipe_panels(None) == bench.kv_panels(None) == []
     assert [b.label for b in panels[8].groups[0].bars] == [
         "one process (both stages)", "ipcsync, encoder -> 2 decoders", "torch.mp.Queue, encoder -> 2 decoders"]
     if not HAVE_MATPLOTLIB:
@@ -225,7 +229,7 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     png = tmp_path / "synthetic.png"
     bench.save_plot(str(png), "cpu", "python3 scripts/bench.py --plot x.png", panels)
     width, height = png_size(png.read_bytes())
-    assert width > 500 and height > 600  # nine panels
+    assert width > 500 and height > 600  # eleven panels
 
 
 def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
@@ -341,3 +345,15 @@ def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
         assert m, f"no gpupipe row for {label}\n{dump}"
         rate, *_, p50, p99, busy = (num(g) for g in m.groups())
         assert rate > 0 and 0 < p50 <= p99 and busy > 0, dump
+
+
+@pytest.mark.timeout(300)  # 2 x (a prefill + a decode), spawned
+def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
+    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "10", "--kv-warmup", "2"], "kv", 4)
+    assert re.search(r"^ipcsync bench: kv: device=cpu ", out, re.M), dump
+    assert "first tokens equal both ways" in out, dump
+    for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue"):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$", out, re.M)
+        assert m, f"no kv row for {label}\n{dump}"
+        rps, gbs, p50, p99, ratio = (num(g) for g in m.groups())
+        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0, dump
