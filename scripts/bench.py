@@ -580,8 +580,12 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     B, S, total, warm = cfg["batch"], cfg["image"], cfg["batches"], cfg["warmup"]
 
+    aug = _example("dataloader/loader").gpu_augment if cfg["aug"] == "gpu" else None
+
     def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = batch["image"].float().div_(255)  # a new tensor: the slot itself is only read
+        x = batch["image"]
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255)  # a new tensor: the slot itself is only read
         loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -608,6 +612,8 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
                 meter.waited += time.perf_counter() - t
             if to_cuda:
                 batch = {key: v.cuda(dev, non_blocking=True) for key, v in batch.items()}
+            if aug is not None and batch["image"].dtype == torch.uint8:  # the DataLoader's raw images
+                batch["image"] = aug(batch["image"], k, S)
             if k >= warm:
                 meter.begin()
             loss = step(batch)
@@ -629,7 +635,7 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
     else:
         from torch.utils.data import DataLoader
 
-        dataset = _example("dataloader/loader").SyntheticImages(total * B, S)
+        dataset = _example("dataloader/loader").SyntheticImages(total * B, S, augment=aug is None)
         # Workers are forked, as a training script run directly gets them on Linux (Python
         # < 3.14's default start method); this trainer is itself a spawned process, whose
         # default would be spawn.
@@ -653,12 +659,31 @@ def _train_loader(endpoint: str, replica: int, cfg: dict[str, Any], device: str,
     import ipcsync
     from ipcsync.data import serve
 
-    dataset = _example("dataloader/loader").SyntheticImages(cfg["batches"] * cfg["batch"], cfg["image"])
+    ld = _example("dataloader/loader")
+    B, S, gpu_aug = cfg["batch"], cfg["image"], cfg["aug"] == "gpu"
+    dataset = ld.SyntheticImages(cfg["batches"] * B, S, augment=not gpu_aug)
     with ipcsync.Producer(endpoint, slots=slots, slot_bytes=slot_bytes, device=str(dev), timeout=timeout) as out:
         out.wait_for_consumers(1, timeout=timeout)  # start making batches with the trainer
         t0 = time.perf_counter()
-        n = serve(dataset, out, shard=(replica, cfg["loaders"]),
-                  loader_kwargs={"batch_size": cfg["batch"], "num_workers": 0})
+        if gpu_aug:
+            # This loader's shard of the batches (as serve(shard=...) takes them), each
+            # moved to the device and augmented there, on this process's stream.
+            from torch.utils.data import DataLoader
+
+            mine = range(replica, cfg["batches"], cfg["loaders"])
+            loader = DataLoader(dataset, batch_sampler=[range(i * B, (i + 1) * B) for i in mine], num_workers=0,
+                                pin_memory=dev.type == "cuda")
+
+            def augmented() -> Iterator[dict[str, torch.Tensor]]:
+                for i, batch in zip(mine, loader):
+                    batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+                    batch["image"] = ld.gpu_augment(batch["image"], i, S)
+                    yield batch
+
+            n = serve(augmented(), out)
+        else:
+            n = serve(dataset, out, shard=(replica, cfg["loaders"]),
+                      loader_kwargs={"batch_size": B, "num_workers": 0})
         seconds = time.perf_counter() - t0
     return {"sent": n, "seconds": seconds}
 
@@ -669,7 +694,8 @@ def run_train(method: str, cfg: dict[str, Any], device: str, slots: int, timeout
     with _Procs(what, timeout) as procs:
         endpoints: list[str] = []
         if method in IPCSYNC_TRAIN:
-            sb = _slot_bytes([B * 3 * S * S, B * 8, B * 8])  # image, label, index
+            pixel = 4 if cfg["aug"] == "gpu" else 1  # normalized float32, or uint8
+            sb = _slot_bytes([B * 3 * S * S * pixel, B * 8, B * 8])  # image, label, index
             endpoints = [f"bench-train-{os.getpid()}-{i}" for i in range(N)]
             for i, ep in enumerate(endpoints):
                 procs.start(f"loader/{i}", _train_loader, endpoint=ep, replica=i, cfg=cfg, device=device,
@@ -977,7 +1003,7 @@ def _sizes(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, An
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _sizes(args, "train", TRAIN_SIZES)
-    cfg["model"] = args.train_model
+    cfg["model"], cfg["aug"] = args.train_model, args.train_aug
     if cfg["warmup"] is None:
         cfg["warmup"] = max(2, cfg["batches"] // 10)
     for key in ("loaders", "batch", "image", "batches"):
@@ -1036,7 +1062,7 @@ def train_label(method: str, cfg: dict[str, Any], device: str) -> str:
     if method == "ipcsync-views":
         return f"ipcsync batches(copy=False), {cfg['loaders']} loaders"
     pin = ", pin_memory" if device.startswith("cuda") else ""
-    return f"DataLoader(num_workers={cfg['loaders']}{pin})"
+    return f"DataLoader(num_workers={cfg['loaders']}{pin}){' + aug' if cfg.get('aug') == 'gpu' else ''}"
 
 
 def print_train(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str, slots: int, command: str) -> None:
@@ -1044,8 +1070,11 @@ def print_train(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str
     _header("train", device, command)
     model = ("examples/dataloader conv net" if cfg["model"] == "example" else "resnet18-shaped net")
     params = next(iter(res.values()))["params"]
+    where = ("augmented in them" if cfg["aug"] == "cpu" else
+             f"augmented on {device} (crop, flip, normalize): in the ipcsync loaders; in the trainer after "
+             "the DataLoader (its GPU idle column counts that as idle)")
     print(f"setup: {model} ({params:,} params), {cfg['loaders']} loader processes, batches of {cfg['batch']} "
-          f"x 3x{cfg['image']}x{cfg['image']} uint8 images made and augmented in them, {cfg['batches']} batches "
+          f"x 3x{cfg['image']}x{cfg['image']} uint8 images made and {where}, {cfg['batches']} batches "
           f"per method, the first {cfg['warmup']} not timed; ipcsync slots={slots} per loader")
     if cuda:
         print("GPU idle: share of trainer wall time its stream was not running a training step (CUDA events "
@@ -1338,6 +1367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--train-model", choices=("example", "resnet18"), default="example",
                    help="example: examples/dataloader's small conv net (default); resnet18: a "
                         "ResNet-18-shaped net built in code, a GPU-heavy step")
+    t.add_argument("--train-aug", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: the dataset augments each image on the CPU (default); gpu: crop, flip and "
+                        "normalize a whole batch on the device, in the ipcsync loaders / in the DataLoader's trainer")
     i = ap.add_argument_group("infer suite (defaults: real size / with --quick)")
     i.add_argument("--infer-requests", type=int, help="timed requests (16384 / 128)")
     i.add_argument("--infer-batch", type=int, help="requests per batch, at most (32 / 8)")

@@ -151,6 +151,7 @@ def test_a_failing_process_is_reported_with_its_traceback_and_reaped() -> None:
 
 
 def test_size_options_real_quick_and_explicit() -> None:
+    assert bench.train_config(bench.parse_args(["--suite", "train", "--train-aug", "gpu"]))["aug"] == "gpu"
     real = bench.train_config(bench.parse_args(["--suite", "train"]))
     assert (real["loaders"], real["batch"], real["image"], real["batches"], real["warmup"]) == (4, 256, 224, 200, 20)
     quick = bench.train_config(bench.parse_args(["--suite", "train", "--quick", "--train-batch", "3"]))
@@ -313,7 +314,7 @@ def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
     rc, out, err = run_bench(args, env, timeout=240)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
-    pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z ]+\d* \(pid (\d+)\)$", err, re.M)]
+    pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z/ ]+\d* \(pid (\d+)\)$", err, re.M)]
     assert len(pids) == processes, dump
     assert not [p for p in pids if pid_running(p)], dump
     assert not segments_of(pids, timeout=10.0), dump
@@ -357,3 +358,16 @@ def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
         assert m, f"no kv row for {label}\n{dump}"
         rps, gbs, p50, p99, ratio = (num(g) for g in m.groups())
         assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0, dump
+
+
+@pytest.mark.timeout(300)  # 3 train runs: 2 x (2 loaders + a trainer), a trainer with 2 DataLoader workers
+def test_train_suite_with_augmentation_on_the_device() -> None:
+    out, dump = run_suite(["--suite", "train", "--quick", "--train-aug", "gpu", *TINY[:8]], "train", 7)
+    assert "uint8 images made and augmented on cpu (crop, flip, normalize): in the ipcsync loaders; " \
+           "in the trainer after the DataLoader" in out, dump
+    for label in ("ipcsync serve/batches, 2 loaders", "ipcsync batches(copy=False), 2 loaders",
+                  "DataLoader(num_workers=2) + aug"):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}x\s+{NUM}%\s+{NUM}$", out, re.M)
+        assert m, f"no train row for {label}\n{dump}"
+        rate, ratio, waiting, loss = (num(g) for g in m.groups())
+        assert rate > 0 and ratio > 0 and 0 <= waiting <= 100 and loss > 0, dump
