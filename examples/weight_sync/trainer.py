@@ -50,6 +50,9 @@ def main() -> None:
             out.send(params, meta={"version": version, "fingerprint": fp})
             print(f"trainer: sync {version} sent ({(time.perf_counter() - t0) * 1e3:.1f} ms to hand over)",
                   flush=True)
+        # The last sync goes to the workers attached by now: a worker restarting after it
+        # was sent gets it on attaching (it waits queued), so wait for them before closing.
+        out.wait_for_consumers(args.workers)
         out.close(timeout=args.timeout)  # waits until every worker released the last sync
     print(f"trainer: done, {args.syncs} syncs", flush=True)
 

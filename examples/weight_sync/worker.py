@@ -64,7 +64,8 @@ def main() -> None:
                 print(f"{name}: sync {v} applied in {ms:.1f} ms, fingerprint ok{exact}", flush=True)
     except ipcsync.PeerLostError as exc:
         # The trainer is gone: what this worker holds is the last sync applied, whole.
-        whole = fingerprint(params) == last_fp and not (args.exact and version and not matches(model, version, args.seed))
+        exact = not args.exact or version == 0 or matches(model, version, args.seed)
+        whole = fingerprint(params) == last_fp and exact
         if not whole:
             raise SystemExit(f"{name}: trainer lost, and the weights of sync {version} are not whole")
         print(f"{name}: trainer lost ({type(exc).__name__}); keeping sync {version}, whole, "

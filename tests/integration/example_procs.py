@@ -50,6 +50,9 @@ class ExampleProcs:
         return [p.pid for _, p in self.procs]
 
     def dump(self) -> str:
+        """Every process's exit code and output, for a failed assertion: the processes still
+        running are killed first (their output so far is shown)."""
+        self.close()
         return "\n".join(f"--- {label} (rc {p.returncode})\n{self.outputs.get(label, '')}" for label, p in self.procs)
 
     @staticmethod

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from pngfile import png_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,7 +165,8 @@ def test_size_options_real_quick_and_explicit() -> None:
     kv = bench.kv_config(bench.parse_args(["--suite", "kv", "--quick", "--kv-layers", "3"]))
     assert (kv["layers"], kv["heads"], kv["max_seq"], kv["requests"], kv["warmup"]) == (3, 2, 64, 24, 4)
     pipe = bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--pipe-replicas", "1,3"]))
-    assert (pipe["batch"], pipe["dim"], pipe["steps"], pipe["warmup"], pipe["replicas"]) == (4096, 4096, 500, 50, [1, 3])
+    assert ((pipe["batch"], pipe["dim"], pipe["steps"], pipe["warmup"], pipe["replicas"])
+            == (4096, 4096, 500, 50, [1, 3]))
     with pytest.raises(SystemExit, match="--pipe-warmup"):
         bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--quick", "--pipe-warmup", "30"]))
     ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--device", "cuda"]))
@@ -209,7 +211,8 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
               *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws),
               *bench.gpupipe_panels({"rows": [{"method": m, "replicas": 2, "rate": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
                                               for m in ("single", "ipcsync", "mpq")]}),
-              *bench.kv_panels({"methods": {m: {"gbs": 2.0, "p50_ms": 1.0, "p99_ms": 3.0} for m in ("ipcsync", "mpq")}})]
+              *bench.kv_panels({"methods": {m: {"gbs": 2.0, "p50_ms": 1.0, "p99_ms": 3.0}
+                                            for m in ("ipcsync", "mpq")}})]
     assert [(p.unit, p.higher_is_better) for p in panels] == [
         ("handoffs/s", True), ("ms", False), ("samples/s", True), ("% of trainer wall time", False),
         ("requests/s", True), ("ms", False), ("s per sync", False), ("steps/s", True), ("ms", False),
@@ -371,3 +374,21 @@ def test_train_suite_with_augmentation_on_the_device() -> None:
         assert m, f"no train row for {label}\n{dump}"
         rate, ratio, waiting, loss = (num(g) for g in m.groups())
         assert rate > 0 and ratio > 0 and 0 <= waiting <= 100 and loss > 0, dump
+
+
+def test_gpu_augment_is_the_datasets_crop_and_flip_for_a_whole_batch() -> None:
+    """examples/dataloader's gpu_augment, on the CPU here: each image is a size x size crop
+    of the unaugmented image at the seeded offsets, flipped where the seed says, normalized."""
+    ld = bench._example("dataloader/loader")
+    ds = ld.SyntheticImages(8, 16, augment=False)
+    images = torch.stack([ds[i]["image"] for i in range(6)])
+    assert images.shape == (6, 3, 16 + 2 * ld.PAD, 16 + 2 * ld.PAD)
+    out = ld.gpu_augment(images, 7, 16)
+    g = torch.Generator().manual_seed(7)
+    top, left = torch.randint(0, 2 * ld.PAD + 1, (6,), generator=g), torch.randint(0, 2 * ld.PAD + 1, (6,), generator=g)
+    flip = torch.rand(6, generator=g) < 0.5
+    for b in range(6):
+        ref = images[b, :, top[b]:top[b] + 16, left[b]:left[b] + 16]
+        ref = ref.flip(-1) if flip[b] else ref
+        assert torch.equal(out[b], (ref.float() / 255 - ld.MEAN) / ld.STD)
+    assert out.dtype == torch.float32 and out.is_contiguous()
