@@ -55,12 +55,24 @@ def main() -> None:
                 item.release()
                 wait = 0.0
 
-        for req in range(args.requests):
+        def send(req: int) -> bool:
+            """Hand request ``req``'s KV over; False (not sent) once the decode worker is
+            gone. A free slot is waited for a second at a time, between looks at the
+            first-token edge: the slots of a dead decode worker may be full of queued
+            requests that nobody will take."""
             fields = {str(i): (s, dtype) for i, s in enumerate(shapes(req, args))}
-            with out.slot(fields, meta={"req": req, "made": time.monotonic()}) as s:
-                fill_kv(req, [s[str(i)] for i in range(len(fields))])
-            outstanding[req] = time.monotonic()
-            if not collect(0):
+            while True:
+                try:
+                    with out.slot(fields, meta={"req": req, "made": time.monotonic()}, timeout=1.0) as s:
+                        fill_kv(req, [s[str(i)] for i in range(len(fields))])
+                    outstanding[req] = time.monotonic()
+                    return True
+                except ipcsync.IpcTimeoutError:
+                    if not collect(0):
+                        return False
+
+        for req in range(args.requests):
+            if not send(req) or not collect(0):
                 lost = True
                 break
         deadline = time.monotonic() + args.timeout
