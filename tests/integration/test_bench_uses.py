@@ -392,3 +392,27 @@ def test_gpu_augment_is_the_datasets_crop_and_flip_for_a_whole_batch() -> None:
         ref = ref.flip(-1) if flip[b] else ref
         assert torch.equal(out[b], (ref.float() / 255 - ld.MEAN) / ld.STD)
     assert out.dtype == torch.float32 and out.is_contiguous()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("suite, args, processes, rows", [
+    ("weightsync", ["--ws-workers", "2", "--ws-syncs", "2"], 9,
+     [rf"^256K\s+2\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}/{NUM}\s+{NUM}/{NUM}\s+yes, 4 loads$"
+      for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
+                    "torch.multiprocessing.Queue")]),
+    ("gpupipe", ["--pipe-steps", "12", "--pipe-warmup", "2"], 7,
+     [rf"^{re.escape(label)}\s+{NUM}\s+(?:-|{NUM}x)\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$"
+      for label in ("one process (both stages)", "ipcsync, encoder -> 2 decoders",
+                    "torch.mp.Queue, encoder -> 2 decoders")]),
+    ("kv", ["--kv-requests", "10", "--kv-warmup", "2"], 4,
+     [rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$"
+      for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue")]),
+])
+def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int, rows: list[str]) -> None:
+    """The CUDA paths of the weightsync, gpupipe and kv suites at --quick sizes (CUDA IPC
+    through reduce_tensor and torch.multiprocessing, CUDA events, memory stats)."""
+    out, dump = run_suite(["--device", "cuda", "--suite", suite, "--quick", *args], suite, processes)
+    assert re.search(rf"^ipcsync bench: {suite}: device=cuda ", out, re.M), dump
+    for row in rows:
+        assert re.search(row, out, re.M), f"no row {row}\n{dump}"
