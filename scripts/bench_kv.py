@@ -71,24 +71,28 @@ def _decode(results: Any, method: str, cfg: dict[str, Any], device: str, link: A
         dev = child_device(device)
         done = []
 
-        def step(req: int, made: float, kv: list[torch.Tensor], release: Callable[[], None]) -> None:
-            tok = KV.first_token(kv)
-            nbytes = sum(t.numel() * t.element_size() for t in kv)
-            release()
-            done.append((req, made, int(tok), time.monotonic(), nbytes))
+        def first(kv: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+            return KV.first_token(kv), sum(t.numel() * t.element_size() for t in kv)
+
+        def record(req: int, made: float, tok: torch.Tensor, nbytes: int) -> None:
+            done.append((req, made, int(tok), time.monotonic(), nbytes))  # int(): waits for the step
 
         with torch.no_grad():
             if method == "ipcsync":
                 with ipcsync.Consumer(link, device=dev, timeout=cfg["timeout"]) as inp:
                     for item in inp:
                         kv = [item[str(i)] for i in range(len(item.tensors))]
-                        step(item.meta["req"], item.meta["made"], kv, item.release)
-                        del kv
+                        tok, nbytes = first(kv)
+                        del kv  # no view of the slot kept past its release
+                        item.release()  # after the step's kernels, on this stream
+                        record(item.meta["req"], item.meta["made"], tok, nbytes)
             else:
                 steps, through = link
                 while (got := steps.get(timeout=cfg["timeout"])) is not None:
-                    step(got[0], got[1], got[2], lambda: None)
-                    del got
+                    req, made, kv = got
+                    tok, nbytes = first(kv)
+                    del got, kv
+                    record(req, made, tok, nbytes)
                 through.put(True)
         return {"done": done}
 
