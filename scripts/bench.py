@@ -78,6 +78,25 @@ infer     The inference setup of examples/inference (its TinyLM transformer, ran
           arrival), latency = arrival to answer. The first --infer-warmup batches (one at
           a time) are not counted.
 
+weightsync
+          A trainer process hands a bf16 model's weights (many tensors) to 1..N colocated
+          worker processes that load them in place: ipcsync broadcast (examples/weight_sync)
+          against today's colocated-RLHF pattern (reduce_tensor + ZeroMQ send_pyobj,
+          synchronize and an ack per bucket) and a torch.multiprocessing.Queue; seconds per
+          sync, GPU memory on each side, every load checked bit for bit. Sizes: --ws-*.
+          See scripts/bench_weightsync.py.
+
+gpupipe   examples/gpu_pipeline's encoder and decoder stages: one process, against an
+          encoder process handing activations every step to 1..R decoder replica
+          processes through ipcsync, and through a torch.multiprocessing.Queue; steps/s,
+          p50/p99 latency, GPU busy fraction (CUDA events). Sizes: --pipe-*.
+          See scripts/bench_gpupipe.py.
+
+kv        KV-cache handoff, a prefill process -> a decode process (examples/kv_handoff:
+          per-layer K and V, prompt lengths varying per request), ipcsync slot() against
+          a torch.multiprocessing.Queue: requests/s, time to first token p50/p99, KV GB/s.
+          Sizes: --kv-*. See scripts/bench_kv.py.
+
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
 by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1. Processes are
 spawned by the bench rather than by ``ipcsync-run`` so that both methods of a comparison
@@ -128,6 +147,7 @@ if str(ROOT) not in sys.path:
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 import benchchart  # noqa: E402  (imports matplotlib only to draw, for --plot)
+from benchprocs import ProcsError  # noqa: E402
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
 COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}  # CPU backend: host memcpy speeds
@@ -563,8 +583,12 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     B, S, total, warm = cfg["batch"], cfg["image"], cfg["batches"], cfg["warmup"]
 
+    aug = _example("dataloader/loader").gpu_augment if cfg["aug"] == "gpu" else None
+
     def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = batch["image"].float().div_(255)  # a new tensor: the slot itself is only read
+        x = batch["image"]
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255)  # a new tensor: the slot itself is only read
         loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -591,6 +615,8 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
                 meter.waited += time.perf_counter() - t
             if to_cuda:
                 batch = {key: v.cuda(dev, non_blocking=True) for key, v in batch.items()}
+            if aug is not None and batch["image"].dtype == torch.uint8:  # the DataLoader's raw images
+                batch["image"] = aug(batch["image"], k, S)
             if k >= warm:
                 meter.begin()
             loss = step(batch)
@@ -612,7 +638,7 @@ def _train_trainer(method: str, cfg: dict[str, Any], device: str, endpoints: lis
     else:
         from torch.utils.data import DataLoader
 
-        dataset = _example("dataloader/loader").SyntheticImages(total * B, S)
+        dataset = _example("dataloader/loader").SyntheticImages(total * B, S, augment=aug is None)
         # Workers are forked, as a training script run directly gets them on Linux (Python
         # < 3.14's default start method); this trainer is itself a spawned process, whose
         # default would be spawn.
@@ -636,12 +662,31 @@ def _train_loader(endpoint: str, replica: int, cfg: dict[str, Any], device: str,
     import ipcsync
     from ipcsync.data import serve
 
-    dataset = _example("dataloader/loader").SyntheticImages(cfg["batches"] * cfg["batch"], cfg["image"])
+    ld = _example("dataloader/loader")
+    B, S, gpu_aug = cfg["batch"], cfg["image"], cfg["aug"] == "gpu"
+    dataset = ld.SyntheticImages(cfg["batches"] * B, S, augment=not gpu_aug)
     with ipcsync.Producer(endpoint, slots=slots, slot_bytes=slot_bytes, device=str(dev), timeout=timeout) as out:
         out.wait_for_consumers(1, timeout=timeout)  # start making batches with the trainer
         t0 = time.perf_counter()
-        n = serve(dataset, out, shard=(replica, cfg["loaders"]),
-                  loader_kwargs={"batch_size": cfg["batch"], "num_workers": 0})
+        if gpu_aug:
+            # This loader's shard of the batches (as serve(shard=...) takes them), each
+            # moved to the device and augmented there, on this process's stream.
+            from torch.utils.data import DataLoader
+
+            mine = range(replica, cfg["batches"], cfg["loaders"])
+            loader = DataLoader(dataset, batch_sampler=[range(i * B, (i + 1) * B) for i in mine], num_workers=0,
+                                pin_memory=dev.type == "cuda")
+
+            def augmented() -> Iterator[dict[str, torch.Tensor]]:
+                for i, batch in zip(mine, loader):
+                    batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+                    batch["image"] = ld.gpu_augment(batch["image"], i, S)
+                    yield batch
+
+            n = serve(augmented(), out)
+        else:
+            n = serve(dataset, out, shard=(replica, cfg["loaders"]),
+                      loader_kwargs={"batch_size": B, "num_workers": 0})
         seconds = time.perf_counter() - t0
     return {"sent": n, "seconds": seconds}
 
@@ -652,7 +697,8 @@ def run_train(method: str, cfg: dict[str, Any], device: str, slots: int, timeout
     with _Procs(what, timeout) as procs:
         endpoints: list[str] = []
         if method in IPCSYNC_TRAIN:
-            sb = _slot_bytes([B * 3 * S * S, B * 8, B * 8])  # image, label, index
+            pixel = 4 if cfg["aug"] == "gpu" else 1  # normalized float32, or uint8
+            sb = _slot_bytes([B * 3 * S * S * pixel, B * 8, B * 8])  # image, label, index
             endpoints = [f"bench-train-{os.getpid()}-{i}" for i in range(N)]
             for i, ep in enumerate(endpoints):
                 procs.start(f"loader/{i}", _train_loader, endpoint=ep, replica=i, cfg=cfg, device=device,
@@ -939,6 +985,17 @@ INFER_SIZES = {
 }
 
 
+PIPE_SIZES = {  # option: (real size, --quick); real sizes make a step of a few ms on a GPU
+    "batch": (4096, 16), "dim": (4096, 32), "layers": (4, 2), "vocab": (4096, 50), "steps": (500, 30),
+    "warmup": (50, 5), "replicas": ("1,2", "2"),
+}
+
+KV_SIZES = {  # option: (real size, --quick); real: up to 256 MiB of bf16 KV per request
+    "layers": (32, 4), "heads": (8, 2), "head_dim": (128, 16), "max_seq": (2048, 64), "requests": (200, 24),
+    "warmup": (20, 4),
+}
+
+
 def _sizes(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
     cfg = {}
     for key, (real, quick) in table.items():
@@ -949,7 +1006,7 @@ def _sizes(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, An
 
 def train_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _sizes(args, "train", TRAIN_SIZES)
-    cfg["model"] = args.train_model
+    cfg["model"], cfg["aug"] = args.train_model, args.train_aug
     if cfg["warmup"] is None:
         cfg["warmup"] = max(2, cfg["batches"] // 10)
     for key in ("loaders", "batch", "image", "batches"):
@@ -1008,7 +1065,7 @@ def train_label(method: str, cfg: dict[str, Any], device: str) -> str:
     if method == "ipcsync-views":
         return f"ipcsync batches(copy=False), {cfg['loaders']} loaders"
     pin = ", pin_memory" if device.startswith("cuda") else ""
-    return f"DataLoader(num_workers={cfg['loaders']}{pin})"
+    return f"DataLoader(num_workers={cfg['loaders']}{pin}){' + aug' if cfg.get('aug') == 'gpu' else ''}"
 
 
 def print_train(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str, slots: int, command: str) -> None:
@@ -1016,8 +1073,11 @@ def print_train(res: dict[str, dict[str, Any]], cfg: dict[str, Any], device: str
     _header("train", device, command)
     model = ("examples/dataloader conv net" if cfg["model"] == "example" else "resnet18-shaped net")
     params = next(iter(res.values()))["params"]
+    where = ("augmented in them" if cfg["aug"] == "cpu" else
+             f"augmented on {device} (crop, flip, normalize): in the ipcsync loaders; in the trainer after "
+             "the DataLoader (its GPU idle column counts that as idle)")
     print(f"setup: {model} ({params:,} params), {cfg['loaders']} loader processes, batches of {cfg['batch']} "
-          f"x 3x{cfg['image']}x{cfg['image']} uint8 images made and augmented in them, {cfg['batches']} batches "
+          f"x 3x{cfg['image']}x{cfg['image']} uint8 images made and {where}, {cfg['batches']} batches "
           f"per method, the first {cfg['warmup']} not timed; ipcsync slots={slots} per loader")
     if cuda:
         print("GPU idle: share of trainer wall time its stream was not running a training step (CUDA events "
@@ -1132,6 +1192,96 @@ def remote_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
                              list(groups.values()), group_axis="message size")]
 
 
+def weightsync_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The weightsync suite (scripts/bench_weightsync.py): seconds per sync per method,
+    grouped by model size and worker count."""
+    if not res:
+        return []
+    import bench_weightsync as bw
+
+    groups: dict[str, benchchart.Group] = {}
+    for r in res["rows"]:
+        name = f"{r['size']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}"
+        groups.setdefault(name, benchchart.Group(name)).bars.append(benchchart.Bar(bw.LABELS[r["method"]], r["sync_s"]))
+    return [benchchart.Panel("weight sync: trainer -> workers, loaded in place", "s per sync", False,
+                             list(groups.values()), group_axis="model, workers")]
+
+
+def weightsync_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The weightsync suite's sizes: --ws-* options, else per device and --quick."""
+    import bench_weightsync as bw
+
+    cuda = args.device.startswith("cuda")
+    sizes = args.ws_sizes or ("256K" if args.quick else "128M,1G,4G" if cuda else "16M,64M")
+    workers = args.ws_workers or ("1,2" if args.quick or not cuda else "1,4")
+    bucket = args.ws_bucket or ("64K" if args.quick else "512M" if cuda else "8M")
+    try:
+        cfg = {"sizes": [x.strip() for x in sizes.split(",") if x.strip()],
+               "workers": [int(x) for x in workers.split(",") if x.strip()],
+               "syncs": args.ws_syncs or (3 if args.quick else 6), "bucket": bw.parse_size(bucket)}
+        for x in cfg["sizes"]:
+            bw.parse_size(x)
+    except ValueError as exc:
+        raise SystemExit(f"bench.py: error: --ws-*: {exc}") from None
+    if not cfg["sizes"] or not cfg["workers"] or min(cfg["workers"]) < 1 or cfg["syncs"] < 2:
+        raise SystemExit("bench.py: error: --ws-sizes and --ws-workers need one entry or more (workers >= 1), "
+                         "--ws-syncs at least 2")
+    return cfg
+
+
+def _use_config(args: argparse.Namespace, prefix: str, table: dict[str, tuple[Any, Any]], count: str) -> dict[str, Any]:
+    """The sizes of a suite of ``table`` whose first ``warmup`` of ``count`` are not timed,
+    with --slots and --timeout."""
+    cfg = _sizes(args, prefix, table)
+    if not 1 <= cfg["warmup"] < cfg[count]:
+        raise SystemExit(f"bench.py: --{prefix}-warmup must be at least 1 and below --{prefix}-{count}")
+    cfg["slots"], cfg["timeout"] = args.slots, args.timeout
+    return cfg
+
+
+def gpupipe_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _use_config(args, "pipe", PIPE_SIZES, "steps")
+    try:
+        cfg["replicas"] = [int(x) for x in str(cfg["replicas"]).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit("bench.py: --pipe-replicas: a comma-separated list of counts, e.g. 1,2") from None
+    if min([*cfg["replicas"], cfg["batch"], cfg["dim"], cfg["layers"], cfg["vocab"], 1]) < 1 or not cfg["replicas"]:
+        raise SystemExit("bench.py: --pipe-* sizes and replica counts must be at least 1")
+    return cfg
+
+
+def gpupipe_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The gpupipe suite (scripts/bench_gpupipe.py): steps/s, and latency p50/p99."""
+    if not res:
+        return []
+    import bench_gpupipe as bg
+
+    rate = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["rate"]) for r in res["rows"]]
+    lat = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["p50_ms"], r["p99_ms"]) for r in res["rows"]]
+    return [benchchart.Panel("GPU pipeline: encoder -> decoder stages", "steps/s", True, [benchchart.Group("", rate)]),
+            benchchart.Panel("GPU pipeline: step latency", "ms", False, [benchchart.Group("", lat)])]
+
+
+def kv_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _use_config(args, "kv", KV_SIZES, "requests")
+    if min(cfg["layers"], cfg["heads"], cfg["head_dim"], cfg["max_seq"]) < 1:
+        raise SystemExit("bench.py: --kv-* sizes must be at least 1")
+    return cfg
+
+
+def kv_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
+    """The kv suite (scripts/bench_kv.py): KV GB/s, and time to first token p50/p99."""
+    if not res:
+        return []
+    import bench_kv as bk
+
+    m = res["methods"]
+    gbs = [benchchart.Bar(bk.LABELS[k], r["gbs"]) for k, r in m.items()]
+    ttft = [benchchart.Bar(bk.LABELS[k], r["p50_ms"], r["p99_ms"]) for k, r in m.items()]
+    return [benchchart.Panel("KV handoff, prefill -> decode", "GB/s of KV", True, [benchchart.Group("", gbs)]),
+            benchchart.Panel("KV handoff: time to first token", "ms", False, [benchchart.Group("", ttft)])]
+
+
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1157,7 +1307,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "remote", "train", "infer")
+SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1197,7 +1347,8 @@ def print_handoff(rows: list[tuple[Any, ...]], device: str, slots: int, command:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
-                    help="comma-separated: handoff, latency, remote, train, infer, or all (default: handoff)")
+                    help="comma-separated: handoff, latency, remote, train, infer, weightsync, gpupipe, kv, or all "
+                         "(default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: fewer handoff messages, tiny train/infer sizes")
@@ -1208,7 +1359,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also save a PNG chart of the comparisons run (needs matplotlib: "
                          f"{benchchart.INSTALL_HINT})")
     ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds for one method of the train/infer suites (default 600)")
+                    help="seconds for one method of the train/infer/weightsync/gpupipe/kv suites (default 600)")
     h = ap.add_argument_group("handoff suite")
     h.add_argument("--sizes", default="4K,1M,64M")
     h.add_argument("--modes", default="send,slot")
@@ -1225,6 +1376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--train-model", choices=("example", "resnet18"), default="example",
                    help="example: examples/dataloader's small conv net (default); resnet18: a "
                         "ResNet-18-shaped net built in code, a GPU-heavy step")
+    t.add_argument("--train-aug", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: the dataset augments each image on the CPU (default); gpu: crop, flip and "
+                        "normalize a whole batch on the device, in the ipcsync loaders / in the DataLoader's trainer")
     i = ap.add_argument_group("infer suite (defaults: real size / with --quick)")
     i.add_argument("--infer-requests", type=int, help="timed requests (16384 / 128)")
     i.add_argument("--infer-batch", type=int, help="requests per batch, at most (32 / 8)")
@@ -1241,6 +1395,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests/s of Poisson arrivals with dynamic batching (default 0: closed loop)")
     i.add_argument("--infer-max-wait-ms", type=float, default=5.0,
                    help="with --infer-rate: how long a batch waits to fill after its first request")
+    w = ap.add_argument_group("weightsync suite (defaults: CUDA / CPU / with --quick)")
+    w.add_argument("--ws-sizes", help="model sizes in bf16 bytes (128M,1G,4G / 16M,64M / 256K)")
+    w.add_argument("--ws-workers", help="worker counts (1,4 / 1,2 / 1,2)")
+    w.add_argument("--ws-syncs", type=int, help="syncs per method, the first apart (6 / 6 / 3)")
+    w.add_argument("--ws-bucket", help="the baseline's bucket size (512M / 8M / 64K)")
+    g = ap.add_argument_group("gpupipe suite (defaults: real size / with --quick)")
+    g.add_argument("--pipe-batch", type=int, help="rows per step (4096 / 16)")
+    g.add_argument("--pipe-dim", type=int, help="model dimension (4096 / 32)")
+    g.add_argument("--pipe-layers", type=int, help="Linear+GELU blocks per stage (4 / 2)")
+    g.add_argument("--pipe-vocab", type=int, help="the decoder head's outputs (4096 / 50)")
+    g.add_argument("--pipe-steps", type=int, help="steps per method (500 / 30)")
+    g.add_argument("--pipe-warmup", type=int, help="first steps not timed (50 / 5)")
+    g.add_argument("--pipe-replicas", help="decoder replica counts (1,2 / 2)")
+    k = ap.add_argument_group("kv suite (defaults: real size / with --quick)")
+    k.add_argument("--kv-layers", type=int, help="layers, a K and a V tensor each (32 / 4)")
+    k.add_argument("--kv-heads", type=int, help="KV heads (8 / 2)")
+    k.add_argument("--kv-head-dim", type=int, help="head dimension (128 / 16)")
+    k.add_argument("--kv-max-seq", type=int, help="the longest prompt; prompts vary from a quarter of it (2048 / 64)")
+    k.add_argument("--kv-requests", type=int, help="requests per method (200 / 24)")
+    k.add_argument("--kv-warmup", type=int, help="first requests not timed (20 / 4)")
     args = ap.parse_args(argv)
     suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(",") if s.strip())
     bad = [s for s in suites if s not in SUITES]
@@ -1268,6 +1442,12 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     train_cfg = train_config(args) if "train" in args.suites else None
     infer_cfg = infer_config(args) if "infer" in args.suites else None
+    ws_cfg = weightsync_config(args) if "weightsync" in args.suites else None
+    ws_res: dict[str, Any] | None = None
+    pipe_cfg = gpupipe_config(args) if "gpupipe" in args.suites else None
+    pipe_res: dict[str, Any] | None = None
+    kv_cfg = kv_config(args) if "kv" in args.suites else None
+    kv_res: dict[str, Any] | None = None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
     remote_res: dict[str, Any] | None = None
@@ -1305,14 +1485,33 @@ def main(argv: list[str] | None = None) -> int:
                 _progress(f"infer {method}: {infer_cfg['requests']} requests in batches of {infer_cfg['batch']}")
                 infer_res[method] = run_infer(method, infer_cfg, device, args.slots, args.timeout)
             print_infer(infer_res, infer_cfg, device, args.slots, command)
+        if ws_cfg is not None:
+            import bench_weightsync as bw
+
+            ws_res = bw.run_weightsync(device, ws_cfg["sizes"], ws_cfg["workers"], ws_cfg["syncs"],
+                                       ws_cfg["bucket"], args.timeout, _progress)
+            bw.print_weightsync(ws_res, lambda: _header("weightsync", device, command))
+        if pipe_cfg is not None:
+            import bench_gpupipe as bg
+
+            pipe_res = bg.run_gpupipe(device, pipe_cfg, _progress)
+            bg.print_gpupipe(pipe_res, device, lambda: _header("gpupipe", device, command))
+        if kv_cfg is not None:
+            import bench_kv as bk
+
+            kv_res = bk.run_kv(device, kv_cfg, _progress)
+            bk.print_kv(kv_res, lambda: _header("kv", device, command))
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
                                                    *latency_panels(latency_res),
                                                    *remote_panels(remote_res),
                                                    *train_panels(train_res, train_cfg, device),
-                                                   *infer_panels(infer_res, infer_cfg)])
-    except BenchError as exc:
+                                                   *infer_panels(infer_res, infer_cfg),
+                                                   *weightsync_panels(ws_res),
+                                                   *gpupipe_panels(pipe_res),
+                                                   *kv_panels(kv_res)])
+    except (BenchError, ProcsError) as exc:  # ProcsError: the weightsync, gpupipe and kv suites'
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -48,7 +48,8 @@ def _entry(results: Any, role: str, fn: Callable[..., Any], kwargs: dict[str, An
     results.put(("ok", role, value))
 
 
-def _device(device: str) -> torch.device:
+def child_device(device: str) -> torch.device:
+    """This process's device, made current on CUDA (an explicit index)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", dev.index or 0)
@@ -69,7 +70,7 @@ def _receive(y: torch.Tensor, read: bool) -> None:
 def _ipc_requester(base: str, nbytes: int, n: int, warm: int, device: str) -> dict[str, list[float]]:
     import ipcsync
 
-    dev = _device(device)
+    dev = child_device(device)
     x = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
     out: dict[str, list[float]] = {}
     with ipcsync.Producer(f"{base}-req", slots=4, slot_bytes=max(nbytes, 4096), device=dev) as req, \
@@ -93,7 +94,7 @@ def _ipc_requester(base: str, nbytes: int, n: int, warm: int, device: str) -> di
 def _ipc_responder(base: str, nbytes: int, n: int, warm: int, device: str) -> None:
     import ipcsync
 
-    dev = _device(device)
+    dev = child_device(device)
     with ipcsync.Producer(f"{base}-rep", slots=4, slot_bytes=max(nbytes, 4096), device=dev) as rep, \
             ipcsync.Consumer(f"{base}-req", device=dev, timeout=120) as req:
         rep.wait_for_consumers(1, timeout=120)
@@ -107,7 +108,7 @@ def _ipc_responder(base: str, nbytes: int, n: int, warm: int, device: str) -> No
 
 # ------------------------------------------------------------------ torch.multiprocessing
 def _mpq_requester(qreq: Any, qrep: Any, nbytes: int, n: int, warm: int, device: str) -> dict[str, list[float]]:
-    dev = _device(device)
+    dev = child_device(device)
     x = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
     out: dict[str, list[float]] = {}
     for read in READS:
@@ -126,7 +127,7 @@ def _mpq_requester(qreq: Any, qrep: Any, nbytes: int, n: int, warm: int, device:
 
 
 def _mpq_responder(qreq: Any, qrep: Any, device: str) -> None:
-    _device(device)
+    child_device(device)
     while True:
         x = qreq.get()
         if x is None:
@@ -187,7 +188,7 @@ def _zmq_responder(url: str) -> None:
 def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
-    dev = _device(device)
+    dev = child_device(device)
     with ipcsync.Producer(f"{base}-idle", slots=4, slot_bytes=4096, device=dev) as out:
         out.wait_for_consumers(1, timeout=120)
         for i in range(IDLE_WARM):  # active first: a spin that follows activity must stop when it ends
@@ -204,7 +205,7 @@ def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
 def _idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
-    dev = _device(device)
+    dev = child_device(device)
     with ipcsync.Consumer(f"{base}-idle", device=dev, timeout=120) as inp:
         for _ in range(IDLE_WARM):
             inp.get().release()

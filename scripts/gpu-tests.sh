@@ -4,9 +4,13 @@
 #
 # Needs torch with CUDA, msgpack and pyzmq. Where pyzmq is missing and there is no network,
 # put a pyzmq wheel for the machine's Python in .whl/ of the checkout (docs/testing.md); it
-# is installed from there with `pip install --no-index`. After the tests it runs the demo
-# pipeline through ipcsync-run (DEMO=0 skips it); with BENCH=1 it also prints the CUDA
-# benchmark table (BENCH_SUITE=all adds the training and inference comparisons,
+# is installed from there with `pip install --no-index`. The `cuda` tests include each
+# example's test on the GPU (tests/integration/test_*_example.py). After the tests it runs
+# the demo pipeline through ipcsync-run (DEMO=0 skips it) and the examples at their real
+# sizes (EXAMPLES=0 skips them: examples/weight_sync, 1 GiB of bf16 to 2 workers;
+# examples/gpu_pipeline, an encoder to 2 decoders; examples/kv_handoff, 200 requests); with
+# BENCH=1 it also prints the CUDA benchmark table (BENCH_SUITE=all adds the real uses:
+# training, inference, weightsync, gpupipe, kv;
 # PLOT=path.png saves the chart); with TWO_GPU=1 (on a machine with two GPUs) the two-GPU
 # pipeline against each stage alone.
 set -uo pipefail
@@ -29,6 +33,27 @@ rc=$?
 if [ "${DEMO:-1}" = "1" ]; then
     echo "gpu-tests: demo pipeline (python3 -m ipcsync.launch examples/pipeline.toml)"
     OMP_NUM_THREADS=1 python3 -m ipcsync.launch examples/pipeline.toml || rc=1
+fi
+if [ "${EXAMPLES:-1}" = "1" ]; then
+    echo "gpu-tests: examples/weight_sync, 1 GiB of bf16 weights to 2 workers, 3 syncs"
+    ep="wsync-gpu-$$"
+    python3 examples/weight_sync/worker.py --endpoint "$ep" --rank 0 --exact --timeout 300 & w0=$!
+    python3 examples/weight_sync/worker.py --endpoint "$ep" --rank 1 --exact --timeout 300 & w1=$!
+    python3 examples/weight_sync/trainer.py --endpoint "$ep" --workers 2 --syncs 3 --timeout 300 || rc=1
+    wait "$w0" || rc=1
+    wait "$w1" || rc=1
+    echo "gpu-tests: examples/gpu_pipeline, an encoder to 2 decoder replicas, 500 steps of 4096 x 4096 bf16"
+    ep="gpipe-gpu-$$"
+    python3 examples/gpu_pipeline/decoder.py --endpoint "$ep" --rank 0 --timeout 300 & d0=$!
+    python3 examples/gpu_pipeline/decoder.py --endpoint "$ep" --rank 1 --timeout 300 & d1=$!
+    python3 examples/gpu_pipeline/encoder.py --endpoint "$ep" --replicas 2 --timeout 300 || rc=1
+    wait "$d0" || rc=1
+    wait "$d1" || rc=1
+    echo "gpu-tests: examples/kv_handoff, 200 requests of up to 256 MiB of KV, every first token checked"
+    ep="kvh-gpu-$$"
+    python3 examples/kv_handoff/decode.py --endpoint "$ep" --check --timeout 300 & dk=$!
+    python3 examples/kv_handoff/prefill.py --endpoint "$ep" --requests 200 --timeout 300 || rc=1
+    wait "$dk" || rc=1
 fi
 if [ "${TWO_GPU:-0}" = "1" ]; then
     python3 scripts/bench_two_gpus.py || rc=1

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from pngfile import png_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,7 @@ def test_a_failing_process_is_reported_with_its_traceback_and_reaped() -> None:
 
 
 def test_size_options_real_quick_and_explicit() -> None:
+    assert bench.train_config(bench.parse_args(["--suite", "train", "--train-aug", "gpu"]))["aug"] == "gpu"
     real = bench.train_config(bench.parse_args(["--suite", "train"]))
     assert (real["loaders"], real["batch"], real["image"], real["batches"], real["warmup"]) == (4, 256, 224, 200, 20)
     quick = bench.train_config(bench.parse_args(["--suite", "train", "--quick", "--train-batch", "3"]))
@@ -159,7 +161,20 @@ def test_size_options_real_quick_and_explicit() -> None:
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
-    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer"}
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv"}
+    kv = bench.kv_config(bench.parse_args(["--suite", "kv", "--quick", "--kv-layers", "3"]))
+    assert (kv["layers"], kv["heads"], kv["max_seq"], kv["requests"], kv["warmup"]) == (3, 2, 64, 24, 4)
+    pipe = bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--pipe-replicas", "1,3"]))
+    assert ((pipe["batch"], pipe["dim"], pipe["steps"], pipe["warmup"], pipe["replicas"])
+            == (4096, 4096, 500, 50, [1, 3]))
+    with pytest.raises(SystemExit, match="--pipe-warmup"):
+        bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--quick", "--pipe-warmup", "30"]))
+    ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--device", "cuda"]))
+    assert ws == {"sizes": ["128M", "1G", "4G"], "workers": [1, 4], "syncs": 6, "bucket": 512 << 20}
+    ws = bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--quick", "--ws-workers", "3"]))
+    assert ws == {"sizes": ["256K"], "workers": [3], "syncs": 3, "bucket": 64 << 10}
+    with pytest.raises(SystemExit, match="a size like 256K"):
+        bench.weightsync_config(bench.parse_args(["--suite", "weightsync", "--ws-sizes", "1T"]))
     with pytest.raises(SystemExit):
         bench.parse_args(["--suite", "train,bogus"])
     with pytest.raises(SystemExit):
@@ -190,23 +205,35 @@ def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     infer_cfg = {"batch": 8, "seq": 12}
     infer = {"ipcsync": {"rps": 900.0, "p50_ms": 1.0, "p99_ms": 2.0},
              "mpq": {"rps": 300.0, "p50_ms": 3.0, "p99_ms": 9.0}}
+    ws = {"rows": [{"size": "1G", "workers": w, "method": m, "sync_s": s} for w in (1, 4)
+                   for m, s in (("ipcsync", 0.05), ("zmq", 0.5), ("mpq", 0.3))]}
     panels = [*bench.handoff_panels(rows), *bench.train_panels(train, train_cfg, "cpu"),
-              *bench.infer_panels(infer, infer_cfg)]
+              *bench.infer_panels(infer, infer_cfg), *bench.weightsync_panels(ws),
+              *bench.gpupipe_panels({"rows": [{"method": m, "replicas": 2, "rate": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
+                                              for m in ("single", "ipcsync", "mpq")]}),
+              *bench.kv_panels({"methods": {m: {"gbs": 2.0, "p50_ms": 1.0, "p99_ms": 3.0}
+                                            for m in ("ipcsync", "mpq")}})]
     assert [(p.unit, p.higher_is_better) for p in panels] == [
         ("handoffs/s", True), ("ms", False), ("samples/s", True), ("% of trainer wall time", False),
-        ("requests/s", True), ("ms", False)]
+        ("requests/s", True), ("ms", False), ("s per sync", False), ("steps/s", True), ("ms", False),
+        ("GB/s of KV", True), ("ms", False)]
+    assert [g.title for g in panels[6].groups] == ["1G, 1 worker", "1G, 4 workers"]
+    assert [b.label for b in panels[6].groups[1].bars][0] == "ipcsync broadcast, 1 message"
     handoff, latency = panels[:2]
     assert [g.title for g in handoff.groups] == ["4K", "64M"] and handoff.uses_log()  # 100 .. 20,000/s
     assert latency.groups[0].bars[0] == benchchart.Bar("ipcsync send", 0.1, 0.3)  # seconds -> ms
     assert panels[3].groups[0].bars[0].value == 25.0  # CPU: the trainer's waiting share, in percent
     assert panels[5].groups[0].bars[1] == benchchart.Bar("torch.multiprocessing.Queue x2", 3.0, 9.0)
     assert bench.handoff_panels(None) == bench.train_panels({}, None, "cpu") == bench.infer_panels(None, None) == []
+    assert bench.weightsync_panels(None) == bench.gpupipe_panels(None) == bench.kv_panels(None) == []
+    assert [b.label for b in panels[8].groups[0].bars] == [
+        "one process (both stages)", "ipcsync, encoder -> 2 decoders", "torch.mp.Queue, encoder -> 2 decoders"]
     if not HAVE_MATPLOTLIB:
         pytest.skip("matplotlib is not installed: pip install 'ipcsync[bench]'")
     png = tmp_path / "synthetic.png"
     bench.save_plot(str(png), "cpu", "python3 scripts/bench.py --plot x.png", panels)
     width, height = png_size(png.read_bytes())
-    assert width > 500 and height > 600  # six panels
+    assert width > 500 and height > 600  # eleven panels
 
 
 def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
@@ -280,3 +307,112 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert [g.title for g in panel.groups] == ["no tensor", "4K", "4K, host read"]
     assert [[b.label for b in g.bars] for g in panel.groups][1] == ["ipcsync", "torch.multiprocessing queues"]
     assert not panel.higher_is_better and bench.latency_panels(None) == []
+
+
+def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
+    """``scripts/bench.py args``, which must succeed and start ``processes`` processes
+    (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
+    shared memory; its stdout and the dump to show when an assertion fails."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    rc, out, err = run_bench(args, env, timeout=240)
+    dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    assert rc == 0, dump
+    pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z/ ]+\d* \(pid (\d+)\)$", err, re.M)]
+    assert len(pids) == processes, dump
+    assert not [p for p in pids if pid_running(p)], dump
+    assert not segments_of(pids, timeout=10.0), dump
+    return out, dump
+
+
+@pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
+def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
+    out, dump = run_suite(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
+                          "weightsync", 9)
+    assert re.search(r"^ipcsync bench: weightsync: device=cpu ", out, re.M), dump
+    for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
+                  "torch.multiprocessing.Queue"):
+        m = re.search(rf"^256K\s+2\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}x\s+-/-\s+-/-\s+yes, 4 loads$",
+                      out, re.M)
+        assert m, f"no weightsync row for {label}\n{dump}"
+        assert all(num(g) > 0 for g in m.groups()), dump
+
+
+@pytest.mark.timeout(300)  # one process, then 2 x (an encoder + 2 decoders), spawned
+def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
+    out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "12", "--pipe-warmup", "2"],
+                          "gpupipe", 7)
+    assert re.search(r"^ipcsync bench: gpupipe: device=cpu ", out, re.M), dump
+    assert "every method's checksum equal" in out, dump
+    for label, vs_mpq in (("one process (both stages)", r"-"), ("ipcsync, encoder -> 2 decoders", rf"{NUM}x"),
+                          ("torch.mp.Queue, encoder -> 2 decoders", r"1\.00x")):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{vs_mpq}\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$", out, re.M)
+        assert m, f"no gpupipe row for {label}\n{dump}"
+        rate, *_, p50, p99, busy = (num(g) for g in m.groups())
+        assert rate > 0 and 0 < p50 <= p99 and busy > 0, dump
+
+
+@pytest.mark.timeout(300)  # 2 x (a prefill + a decode), spawned
+def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
+    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "10", "--kv-warmup", "2"], "kv", 4)
+    assert re.search(r"^ipcsync bench: kv: device=cpu ", out, re.M), dump
+    assert "first tokens equal both ways" in out, dump
+    for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue"):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$", out, re.M)
+        assert m, f"no kv row for {label}\n{dump}"
+        rps, gbs, p50, p99, ratio = (num(g) for g in m.groups())
+        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0, dump
+
+
+@pytest.mark.timeout(300)  # 3 train runs: 2 x (2 loaders + a trainer), a trainer with 2 DataLoader workers
+def test_train_suite_with_augmentation_on_the_device() -> None:
+    out, dump = run_suite(["--suite", "train", "--quick", "--train-aug", "gpu", *TINY[:8]], "train", 7)
+    assert "uint8 images made and augmented on cpu (crop, flip, normalize): in the ipcsync loaders; " \
+           "in the trainer after the DataLoader" in out, dump
+    for label in ("ipcsync serve/batches, 2 loaders", "ipcsync batches(copy=False), 2 loaders",
+                  "DataLoader(num_workers=2) + aug"):
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}x\s+{NUM}%\s+{NUM}$", out, re.M)
+        assert m, f"no train row for {label}\n{dump}"
+        rate, ratio, waiting, loss = (num(g) for g in m.groups())
+        assert rate > 0 and ratio > 0 and 0 <= waiting <= 100 and loss > 0, dump
+
+
+def test_gpu_augment_is_the_datasets_crop_and_flip_for_a_whole_batch() -> None:
+    """examples/dataloader's gpu_augment, on the CPU here: each image is a size x size crop
+    of the unaugmented image at the seeded offsets, flipped where the seed says, normalized."""
+    ld = bench._example("dataloader/loader")
+    ds = ld.SyntheticImages(8, 16, augment=False)
+    images = torch.stack([ds[i]["image"] for i in range(6)])
+    assert images.shape == (6, 3, 16 + 2 * ld.PAD, 16 + 2 * ld.PAD)
+    out = ld.gpu_augment(images, 7, 16)
+    g = torch.Generator().manual_seed(7)
+    top, left = torch.randint(0, 2 * ld.PAD + 1, (6,), generator=g), torch.randint(0, 2 * ld.PAD + 1, (6,), generator=g)
+    flip = torch.rand(6, generator=g) < 0.5
+    for b in range(6):
+        ref = images[b, :, top[b]:top[b] + 16, left[b]:left[b] + 16]
+        ref = ref.flip(-1) if flip[b] else ref
+        assert torch.equal(out[b], (ref.float() / 255 - ld.MEAN) / ld.STD)
+    assert out.dtype == torch.float32 and out.is_contiguous()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("suite, args, processes, rows", [
+    ("weightsync", ["--ws-workers", "2", "--ws-syncs", "2"], 9,
+     [rf"^256K\s+2\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}/{NUM}\s+{NUM}/{NUM}\s+yes, 4 loads$"
+      for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
+                    "torch.multiprocessing.Queue")]),
+    ("gpupipe", ["--pipe-steps", "12", "--pipe-warmup", "2"], 7,
+     [rf"^{re.escape(label)}\s+{NUM}\s+(?:-|{NUM}x)\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$"
+      for label in ("one process (both stages)", "ipcsync, encoder -> 2 decoders",
+                    "torch.mp.Queue, encoder -> 2 decoders")]),
+    ("kv", ["--kv-requests", "10", "--kv-warmup", "2"], 4,
+     [rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$"
+      for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue")]),
+])
+def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int, rows: list[str]) -> None:
+    """The CUDA paths of the weightsync, gpupipe and kv suites at --quick sizes (CUDA IPC
+    through reduce_tensor and torch.multiprocessing, CUDA events, memory stats)."""
+    out, dump = run_suite(["--device", "cuda", "--suite", suite, "--quick", *args], suite, processes)
+    assert re.search(rf"^ipcsync bench: {suite}: device=cuda ", out, re.M), dump
+    for row in rows:
+        assert re.search(row, out, re.M), f"no row {row}\n{dump}"
