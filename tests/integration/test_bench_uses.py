@@ -40,6 +40,12 @@ TINY = ["--train-batches", "6", "--train-warmup", "1", "--train-batch", "4", "--
 NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 
 
+
+def with_root(*first: str) -> str:
+    """PYTHONPATH for a bench child: ``first``, this checkout, then what the caller had (a
+    machine may bring its packages that way)."""
+    return os.pathsep.join([*first, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
 def num(s: str) -> float:
     return float(s.replace(",", ""))
 
@@ -81,7 +87,7 @@ def pid_running(pid: int) -> bool:
 @pytest.mark.timeout(360)  # 3 train runs and 2 infer runs, each spawning fresh processes
 def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "uses.png"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
     plot = ["--plot", str(png)] if HAVE_MATPLOTLIB else []
     cmd = [sys.executable, str(BENCH), "--suite", "train,infer", "--quick", *plot, *TINY]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -258,7 +264,7 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     # A matplotlib package that fails to import, first on the path: as if none were installed.
     (tmp_path / "matplotlib").mkdir()
     (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib in this test')\n")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root(str(tmp_path)))
     png = tmp_path / "x.png"
     small = ["--suite", "handoff", "--quick", "--sizes", "4K", "--modes", "slot"]
 
@@ -281,7 +287,7 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
 
 @pytest.mark.timeout(300)  # 2 request/reply pairs of 550 round trips, a raw zmq pair, 5 s of idle
 def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_cost() -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
     rc, out, err = run_bench(["--suite", "latency", "--quick", "--sizes", "4K"], env, timeout=240)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
@@ -313,7 +319,7 @@ def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
     """``scripts/bench.py args``, which must succeed and start ``processes`` processes
     (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
     shared memory; its stdout and the dump to show when an assertion fails."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
     rc, out, err = run_bench(args, env, timeout=240)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
