@@ -40,11 +40,11 @@ TINY = ["--train-batches", "6", "--train-warmup", "1", "--train-batch", "4", "--
 NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 
 
-
 def with_root(*first: str) -> str:
     """PYTHONPATH for a bench child: ``first``, this checkout, then what the caller had (a
     machine may bring its packages that way)."""
     return os.pathsep.join([*first, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
 
 def num(s: str) -> float:
     return float(s.replace(",", ""))
