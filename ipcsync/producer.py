@@ -246,8 +246,8 @@ class Producer(EndpointBase):
 
     async def aclose(self, timeout: float | None = None) -> None:
         """``close()`` for asyncio: refuses new sends at once, awaits (without blocking the
-        event loop) until every item sent was delivered and released, or its holders are
-        gone, then runs ``close()`` with what is left of ``timeout`` (default: the
+        event loop) until every item sent was delivered, says goodbye, awaits until every
+        item was released, or its holders are gone, then runs ``close()`` with what is left of ``timeout`` (default: the
         producer's), whose remaining goodbye exchange is a round trip. Lets consumers on
         the same event loop finish their items. With nobody left, queued items are
         dropped as ``close()`` drops them."""
@@ -263,10 +263,17 @@ class Producer(EndpointBase):
                 if self._closed:
                     return True, None
                 self._pump()
-                ring = self._ring
-                # (Nobody left to take queued items: close() drops them, with its warning.)
-                return ((ring.queued == 0 and not ring.busy())
-                        or (ring.queued > 0 and self._handoffs.alone_too_long(self.port.attached_total))), None
+                ring, port = self._ring, self.port
+                if ring.queued > 0:
+                    # (Nobody left to take queued items: close() drops them, with its warning.)
+                    return self._handoffs.alone_too_long(port.attached_total), None
+                # Every item sent was delivered: say goodbye now, as close() does before it
+                # waits. A consumer gives back at our BYE the slots its program's tensors
+                # still view (the reference rule keeps them until then), so waiting for
+                # every release before the BYE would wait for ever on a kept view.
+                for peer in port.peers:
+                    port.say_bye(peer, "producer closed")
+                return not ring.busy(), None
 
         def fill(poller: Any) -> None:
             with self._lock:
