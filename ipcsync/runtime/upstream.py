@@ -247,7 +247,13 @@ class ProducerLink:
         self.queue_releases(self.kept.take_all())
 
     def say_bye(self) -> None:
-        """Nothing is held (every caller releases first)."""
+        """Nothing is held (every caller releases first). Kept slots go back before the
+        BYE, whatever still views them: the producer said BYE (it writes nothing more) or
+        close() gave them up; a BYE that overtook them left the last items unreleased."""
+        if self.kept:
+            self.queue_releases(self.kept.take_all())
+        if self.session.pending:
+            self.flush_releases()
         frame = self.session.bye()
         if frame is not None:
             self.let_go_of_memory()

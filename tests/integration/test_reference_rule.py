@@ -69,6 +69,49 @@ def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, ca
     assert [t[0].item() for t in kept] == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.parametrize("closing", ["close", "aclose"])
+def test_views_kept_when_the_stream_ends_are_released_not_reclaimed(endpoints: Any, device: str,
+                                                                   closing: str) -> None:
+    """A loop that keeps the last item's views in locals past its end: the producer's
+    goodbye gives those slots back as releases (every item's RELEASE reaches the producer,
+    none is reclaimed silently), and neither close() nor aclose() waits for the locals to
+    go. Before: the consumer's BYE overtook the kept releases (the producer counted n - 1
+    releases), and aclose() waited for every release before its BYE, for ever."""
+    import asyncio
+    import threading
+
+    n = 6
+    out = endpoints.producer(f"keep-end-{closing}", slots=4, slot_bytes=4096, heartbeat=None, timeout=10,
+                             device=device)
+    inp = endpoints.consumer(f"keep-end-{closing}", heartbeat=None, timeout=10, device=device)
+    out.wait_for_consumers(1, timeout=10)
+    errors: list[BaseException] = []
+
+    def close_producer() -> None:
+        try:
+            for i in range(n):
+                out.send({"x": value(i, device)}, timeout=10)
+            if closing == "close":
+                out.close(timeout=20)
+            else:
+                asyncio.run(out.aclose(timeout=20))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    closer = threading.Thread(target=close_producer, daemon=True)
+    closer.start()
+    got = []
+    for item in inp:
+        x = item["x"]  # a local that outlives the loop
+        got.append(float(x[0]))
+    closer.join(30)
+    assert not closer.is_alive(), "the producer's close waited for a view the consumer keeps"
+    assert not errors, errors
+    assert got == [float(i) for i in range(n)]
+    assert out.stats()["latency_s"]["samples"] == n  # one per RELEASE: none reclaimed
+    del x
+
+
 def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any) -> None:
     """A torch without ``_storage_Use_Count`` (older CPU builds): each item (and slot()
     block) gets a storage of its own, watched through a weak reference."""
