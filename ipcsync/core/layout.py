@@ -529,7 +529,6 @@ class Recipe:
             return {self._only_key: b.as_strided(shape, stride)}
         return self._assemble([b.as_strided(shape, stride) for b, shape, stride in bases])
 
-
     def build_in(self, store: Any) -> Any:
         """The message as fresh views of a region with a storage of its own
         (``backends.refs.SlotStore``: so the views' storage counts who references the

@@ -74,16 +74,15 @@ def identity_problem(endpoint: Endpoint, connection_fd: int, backend_name: str, 
 
 
 class RingMemory:
-    """The producer's ring as this consumer sees it: its arenas, a view per slot, the
-    slot's own storage (``stores``: items are built from it, and it says whether a tensor
-    of the program still references the slot), its ready events, and our release events
-    (one per slot)."""
+    """The producer's ring as this consumer sees it: its arenas, each slot's own storage
+    (``stores``: items are built from it, and it says whether a tensor of the program
+    still references the slot; ``stores[i].base`` is slot i's bytes), its ready events,
+    and our release events (one per slot)."""
 
-    __slots__ = ("arenas", "slot_views", "stores", "ready_events", "release_events")
+    __slots__ = ("arenas", "stores", "ready_events", "release_events")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
-        self.slot_views: list[torch.Tensor] = []
         self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
         self.release_events: list[Event] = []
@@ -100,14 +99,12 @@ class RingMemory:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
-        """The slots' views (uint8, one per slot) and a storage of its own for each."""
-        self.slot_views = views
+        """A storage of its own for each slot (``views``: uint8, one per slot)."""
         self.stores = [SlotStore(v) for v in views]
 
     def let_go(self) -> None:
         """Drop the slot views and close the arena imports (tensors the user still holds
         keep their memory mapped until they go)."""
-        self.slot_views = []
         self.stores = []
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
