@@ -299,8 +299,8 @@ def _check_shard(shard: Any) -> tuple[int, int]:
     return shard[0], shard[1]
 
 
-def _loader_for(dataset: Dataset, kw: dict[str, Any], index: int, count: int,
-                out_device: torch.device) -> tuple[DataLoader, bool]:
+def _loader_for(dataset: Dataset[Any], kw: dict[str, Any], index: int, count: int,
+                out_device: torch.device) -> tuple[DataLoader[Any], bool]:
     """A DataLoader over ``dataset``; True when it already yields only the shard's batches."""
     if out_device.type == "cuda":
         kw.setdefault("pin_memory", True)
@@ -329,7 +329,7 @@ def _loader_for(dataset: Dataset, kw: dict[str, Any], index: int, count: int,
     return _dataloader(dataset, dict(kw, batch_sampler=_ShardedBatches(inner, index, count))), True
 
 
-def _dataloader(dataset: Dataset, kw: dict[str, Any]) -> DataLoader:
+def _dataloader(dataset: Dataset[Any], kw: dict[str, Any]) -> DataLoader[Any]:
     try:
         return DataLoader(dataset, **kw)
     except (TypeError, ValueError) as exc:
