@@ -320,9 +320,9 @@ def _loader_for(dataset: Dataset[Any], kw: dict[str, Any], index: int, count: in
                     "shuffle=True with shard needs loader_kwargs['generator']: a torch.Generator "
                     "seeded the same in every replica, so they draw the same order"
                 )
-            sampler = RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]
+            sampler = RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]  # (sized)
         else:
-            sampler = SequentialSampler(dataset)  # type: ignore[arg-type]
+            sampler = SequentialSampler(dataset)  # type: ignore[arg-type]  # (sized, above)
     elif shuffle:
         raise ConfigError("loader_kwargs: sampler and shuffle are mutually exclusive")
     inner = BatchSampler(sampler, batch_size, drop_last)

@@ -92,7 +92,7 @@ def info() -> StageInfo:
 
 def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
     """This stage's edge from (``"inputs"``) or to (``"outputs"``) stage ``name``."""
-    edge = w[direction].get(name)
+    edge: dict[str, Any] | None = w[direction].get(name)
     if edge is None:
         stage = w["stage"]
         src, dst, word = (name, stage, "input from") if direction == "inputs" else (stage, name, "output to")
@@ -100,7 +100,7 @@ def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
             f"stage {stage!r} has no {word} {name!r}; its {direction}: "
             f"{sorted(w[direction]) or 'none'} (add an edge from = {src!r}, to = {dst!r})"
         )
-    return edge  # type: ignore[no-any-return]
+    return edge
 
 
 def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the natural name
