@@ -299,8 +299,8 @@ def _check_shard(shard: Any) -> tuple[int, int]:
     return shard[0], shard[1]
 
 
-def _loader_for(dataset: Dataset, kw: dict[str, Any], index: int, count: int,
-                out_device: torch.device) -> tuple[DataLoader, bool]:
+def _loader_for(dataset: Dataset[Any], kw: dict[str, Any], index: int, count: int,
+                out_device: torch.device) -> tuple[DataLoader[Any], bool]:
     """A DataLoader over ``dataset``; True when it already yields only the shard's batches."""
     if out_device.type == "cuda":
         kw.setdefault("pin_memory", True)
@@ -320,16 +320,16 @@ def _loader_for(dataset: Dataset, kw: dict[str, Any], index: int, count: int,
                     "shuffle=True with shard needs loader_kwargs['generator']: a torch.Generator "
                     "seeded the same in every replica, so they draw the same order"
                 )
-            sampler = RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]
+            sampler = RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]  # (sized)
         else:
-            sampler = SequentialSampler(dataset)  # type: ignore[arg-type]
+            sampler = SequentialSampler(dataset)  # type: ignore[arg-type]  # (sized, above)
     elif shuffle:
         raise ConfigError("loader_kwargs: sampler and shuffle are mutually exclusive")
     inner = BatchSampler(sampler, batch_size, drop_last)
     return _dataloader(dataset, dict(kw, batch_sampler=_ShardedBatches(inner, index, count))), True
 
 
-def _dataloader(dataset: Dataset, kw: dict[str, Any]) -> DataLoader:
+def _dataloader(dataset: Dataset[Any], kw: dict[str, Any]) -> DataLoader[Any]:
     try:
         return DataLoader(dataset, **kw)
     except (TypeError, ValueError) as exc:

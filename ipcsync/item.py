@@ -3,7 +3,7 @@ block fills in place) and ``Item`` (one received message)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, KeysView
 
 import torch
 
@@ -31,7 +31,7 @@ class SlotWriter:
             raise ClosedError("this slot was sent (or given back) when its with-block exited")
         return self.tensors[name]
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self.tensors.keys() if self.tensors is not None else {}.keys()
 
 
@@ -59,12 +59,11 @@ class SlotEntry:
         self.writer = SlotWriter(views, self.meta)
         return self.writer
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         writer = self.writer
         assert writer is not None
         writer.tensors = None
         self.port.close_slot(self.ticket, writer.meta, exc_type is None)
-        return False
 
 
 class AsyncSlotEntry:
@@ -83,8 +82,8 @@ class AsyncSlotEntry:
     async def __aenter__(self) -> SlotWriter:
         return await self.enter()
 
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        return self.entry.__exit__(exc_type, exc, tb)
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.entry.__exit__(exc_type, exc, tb)
 
 
 # ---------------------------------------------------------------------------------------

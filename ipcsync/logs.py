@@ -47,7 +47,7 @@ def parse_level(text: str, source: str = LOG_LEVEL_ENV) -> int:
     return int(getattr(logging, name.upper()))
 
 
-class _EnvHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _EnvHandler(logging.StreamHandler):  # type: ignore[type-arg]  # (subscriptable only on 3.11+)
     """The handler ``apply_env_level`` installs: stands aside once the root logger has a
     handler (the program configured logging after all: its handlers get the records)."""
 

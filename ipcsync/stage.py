@@ -92,7 +92,7 @@ def info() -> StageInfo:
 
 def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
     """This stage's edge from (``"inputs"``) or to (``"outputs"``) stage ``name``."""
-    edge = w[direction].get(name)
+    edge: dict[str, Any] | None = w[direction].get(name)
     if edge is None:
         stage = w["stage"]
         src, dst, word = (name, stage, "input from") if direction == "inputs" else (stage, name, "output to")
@@ -100,7 +100,7 @@ def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
             f"stage {stage!r} has no {word} {name!r}; its {direction}: "
             f"{sorted(w[direction]) or 'none'} (add an edge from = {src!r}, to = {dst!r})"
         )
-    return edge  # type: ignore[no-any-return]
+    return edge
 
 
 def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the natural name
@@ -198,7 +198,7 @@ def _wiring(what: str) -> dict[str, Any]:
         if len(raw) > _MAX_WIRING:
             raise ConfigError(f"${ENV_WIRING} is {len(raw)} bytes, over {_MAX_WIRING}")
         try:
-            w = json.loads(raw)
+            w: dict[str, Any] = json.loads(raw)  # (what it is, _check_wiring checks first)
         except (ValueError, RecursionError) as exc:
             raise ConfigError(f"${ENV_WIRING} is not valid wiring JSON: {str(exc)[:200]}") from None
         _check_wiring(w)
@@ -232,9 +232,9 @@ def _check_wiring(w: Any) -> None:
         for name, edge in w[direction].items():
             if type(edge) is not dict:
                 raise bad(f"{direction}[{name!r}] is not an object")
-            for key, kind in fields:
+            for key, expected in fields:
                 value = edge.get(key)
-                if not isinstance(value, kind) or type(value) is bool:
+                if not isinstance(value, expected) or type(value) is bool:
                     raise bad(f"{direction}[{name!r}].{key} missing or of the wrong type")
     for name, edge in w["inputs"].items():
         eps, srcs = edge["endpoints"], edge["sources"]

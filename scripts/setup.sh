@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this checkout: a Python environment with torch, ipcsync (editable, with the
 # `ipcsync-run` command) and its runtime dependencies; `--test` adds the test dependencies
-# (pytest, pytest-xdist, hypothesis) and the bench extra (matplotlib, for
+# (pytest, pytest-xdist, hypothesis, mypy: tests/unit/test_types.py type-checks the package)
+# and the bench extra (matplotlib, for
 # `scripts/bench.py --plot` and its tests). Safe to run again: it installs only what is missing,
 # and when nothing is (torch is there, every requirement of ipcsync's installed metadata is
 # installed at a version it accepts, that metadata is not older than pyproject.toml, ipcsync

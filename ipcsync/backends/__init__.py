@@ -25,9 +25,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
-        if dev.index is None:
+        index: int | None = dev.index  # None for a bare "cuda" (torch's stubs say int)
+        if index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        if dev.index >= torch.cuda.device_count():
+        elif index >= torch.cuda.device_count():
             raise ConfigError(
                 f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible"
             )

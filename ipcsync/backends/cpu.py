@@ -288,7 +288,7 @@ class CpuBackend(Backend):
         return CpuArena(name, nbytes, owner=True)
 
     def open_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> CpuArena:
-        if segment_owner(handle) is None:  # type: ignore[arg-type]
+        if type(handle) is not str or segment_owner(handle) is None:
             raise BackendError(f"not an ipcsync shared-memory name: {handle!r:.60}")
         return CpuArena(handle, nbytes, owner=False)
 

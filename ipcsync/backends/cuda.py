@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgpack
 import torch
@@ -54,6 +54,8 @@ _EVENT_RECORD = getattr(_EVENT_BASE, "record", None)
 _EVENT_WAIT = getattr(_EVENT_BASE, "wait", None)
 _EVENT_QUERY = getattr(_EVENT_BASE, "query", None)
 _STREAM = torch.cuda.Stream
+# What the low-level API takes for a GPU: a torch device, "cuda:N", N, or None (current).
+DeviceLike: TypeAlias = "torch.device | str | int | None"
 
 
 def current_stream(device_index: int) -> torch.cuda.Stream:
@@ -62,10 +64,10 @@ def current_stream(device_index: int) -> torch.cuda.Stream:
     if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch
         return torch.cuda.current_stream(device_index)
     key = tuple(_GET_CURRENT_STREAM(device_index))
-    s = _STREAMS.get(key)  # type: ignore[arg-type]
+    s = _STREAMS.get(key)
     if s is None:
         s = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        _STREAMS[key] = s  # type: ignore[index]
+        _STREAMS[key] = s
     return s
 
 
@@ -78,7 +80,7 @@ def device_uuid(index: int) -> str:
     return str(uuid)
 
 
-def _device_index(device: Any) -> int:
+def _device_index(device: DeviceLike) -> int:
     if device is None:
         return torch.cuda.current_device()
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -100,7 +102,7 @@ class IpcEvent(Event):
 
     __slots__ = ("event", "device_index", "_handle")
 
-    def __init__(self, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+    def __init__(self, device: DeviceLike = None, *, enable_timing: bool = False, blocking: bool = False,
                  _event: torch.cuda.Event | None = None) -> None:
         if enable_timing:
             raise ConfigError(
@@ -117,13 +119,15 @@ class IpcEvent(Event):
     def record(self, stream: Any = None) -> None:
         s = current_stream(self.device_index) if stream is None else stream
         if _EVENT_RECORD is not None and type(s) is _STREAM:
-            return _EVENT_RECORD(self.event, s)  # the binding, without torch's Python wrapper
+            _EVENT_RECORD(self.event, s)  # the binding, without torch's Python wrapper
+            return
         self.event.record(s)
 
     def wait(self, stream: Any = None) -> None:
         s = current_stream(self.device_index) if stream is None else stream
         if _EVENT_WAIT is not None and type(s) is _STREAM:
-            return _EVENT_WAIT(self.event, s)
+            _EVENT_WAIT(self.event, s)
+            return
         self.event.wait(s)
 
     def query(self) -> bool:
@@ -151,7 +155,7 @@ class IpcEvent(Event):
         return self._handle
 
     @classmethod
-    def from_handle(cls, handle: bytes, device: Any = None) -> "IpcEvent":
+    def from_handle(cls, handle: bytes, device: DeviceLike = None) -> "IpcEvent":
         if type(handle) is not bytes or len(handle) > 256:
             raise BackendError(f"not a CUDA IPC event handle: {handle!r:.60}")
         index = _device_index(device)
@@ -168,7 +172,7 @@ class IpcEvent(Event):
 class CudaArena(Arena):
     """Device memory shared over CUDA IPC. The owner exports it once per connection."""
 
-    def __init__(self, tensor: torch.Tensor, owner: bool, handle: bytes | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, owner: bool, handle: bytes | str | None = None) -> None:
         self.tensor = tensor
         self.nbytes = tensor.numel()
         self.owner = owner
@@ -182,11 +186,12 @@ class CudaArena(Arena):
             dev, mem, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
         self._key = (bytes(mem), int(offset))
         _LOCAL_ARENAS[self._key] = self
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             [_ARENA_MAGIC, os.getpid(), bytes(mem), int(size), int(offset), bytes(ref),
              int(ref_off), bytes(ev) if ev else b"", bool(sync)],
             use_bin_type=True,
         )
+        return packed
 
     def close(self) -> None:
         if self._key is not None:
@@ -211,7 +216,7 @@ class CudaBackend(Backend):
     def current_stream(self) -> torch.cuda.Stream:
         if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch
             return current_stream(self.index)
-        s = _STREAMS.get(tuple(_GET_CURRENT_STREAM(self.index)))  # type: ignore[arg-type]
+        s = _STREAMS.get(tuple(_GET_CURRENT_STREAM(self.index)))
         return s if s is not None else current_stream(self.index)
 
     def create_arena(self, nbytes: int) -> CudaArena:
@@ -270,7 +275,7 @@ class CudaBackend(Backend):
             local = _LOCAL_ARENAS.get((mem, offset))
             if local is None:
                 raise BackendError("arena handle names this process but no such arena is alive")
-            return CudaArena(local.tensor[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+            return CudaArena(local.tensor[:nbytes], owner=False, handle=handle)
         index = self.index if where is None else where  # the memory lives on the producer's GPU
         if borrowed:
             # (The event handle stays: torch wants bytes there even when it does not sync.)
@@ -289,7 +294,7 @@ class CudaBackend(Backend):
             ) from None
         if t.numel() < nbytes:
             raise BackendError(f"CUDA arena has {t.numel()} bytes, the producer announced {nbytes}")
-        return CudaArena(t[:nbytes], owner=False, handle=handle)  # type: ignore[arg-type]
+        return CudaArena(t[:nbytes], owner=False, handle=handle)
 
     def open_borrowed_arena(self, handle: bytes | str, nbytes: int, where: Any = None) -> CudaArena:
         return self.open_arena(handle, nbytes, where, borrowed=True)
@@ -316,7 +321,7 @@ class CudaBackend(Backend):
         # opened on cuda:1 segfaults in cudaStreamWaitEvent, while the same event opened on
         # cuda:0 orders that stream after the peer's work on cuda:1 correctly. Our streams
         # are the only ones that wait on peer events.
-        return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]
+        return IpcEvent.from_handle(handle, self.index)  # type: ignore[arg-type]  # (it checks the type)
 
     def collect(self) -> None:
         try:
@@ -341,15 +346,16 @@ def export_tensor(t: torch.Tensor) -> bytes:
     storage = t.untyped_storage()
     with torch.cuda.device(t.device):
         dev, mem, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         [_TENSOR_MAGIC, os.getpid(), device_uuid(t.device.index), bytes(mem), int(size), int(offset),
          bytes(ref), int(ref_off), bytes(ev) if ev else b"", bool(sync), dtype_name(t.dtype),
          list(t.shape), list(t.stride()), int(t.storage_offset())],
         use_bin_type=True,
     )
+    return packed
 
 
-def import_tensor(ref: bytes, device: Any = None) -> torch.Tensor:
+def import_tensor(ref: bytes, device: DeviceLike = None) -> torch.Tensor:
     """Open a tensor exported by ``export_tensor`` (another process). Each storage is
     imported once per process and cached while any tensor uses it."""
     from ..core.layout import dtype_from_name, span_elements

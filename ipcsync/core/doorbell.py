@@ -127,13 +127,13 @@ class RingWriter:
         if len(own) < segment_bytes(geom):
             raise ValueError(f"our doorbell segment is {len(own)} bytes, {segment_bytes(geom)} needed")
         self.buf, self.peer, self.geom, self.who = own, peer, geom, who
-        self.head = _U64.unpack_from(own, _HEAD)[0]  # ours: trusted
+        self.head: int = _U64.unpack_from(own, _HEAD)[0]  # ours: trusted
         self.peer_read = 0  # the peer's last validated read counter
 
     def space(self) -> int:
         """Entries we may publish now without overwriting one the peer has not consumed.
         ProtocolError if the peer's read counter went backwards or past our head."""
-        read = _U64.unpack_from(self.peer, _READ)[0]
+        read: int = _U64.unpack_from(self.peer, _READ)[0]
         if read != self.peer_read:
             if read < self.peer_read or read > self.head:
                 raise _broke(self.who, f"its read counter says {read}, after {self.peer_read}, "
@@ -186,7 +186,7 @@ class RingReader:
         self.sequential, self.next_seq = sequential, first
 
     def _head(self) -> int:
-        head = _U64.unpack_from(self.peer, _HEAD)[0]
+        head: int = _U64.unpack_from(self.peer, _HEAD)[0]
         if head < self.read or head - self.read > self.geom.capacity:
             raise _broke(self.who, f"its ring's head says {head} with {self.read} consumed "
                                    f"and {self.geom.capacity} entries")
@@ -198,7 +198,8 @@ class RingReader:
 
     def peer_parked(self) -> bool:
         """The peer says it sleeps: ring its eventfd after publishing. (Any nonzero word.)"""
-        return _U32.unpack_from(self.peer, _PARKED)[0] != 0
+        parked: int = _U32.unpack_from(self.peer, _PARKED)[0]
+        return parked != 0
 
     def take(self, limit: int | None = None) -> list[tuple[int, ...]]:
         """The entries published since the last call (at most ``limit``), in order, each

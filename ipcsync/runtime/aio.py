@@ -38,6 +38,7 @@ from .waiting import Poller, SourcePort
 
 if TYPE_CHECKING:
     from ..item import Item
+    from .handover import Pumpable
 
 __all__ = ["readable", "wait_for_attempt", "fill_from_ports", "CallerItems", "AsyncItems"]
 
@@ -119,7 +120,7 @@ def fill_from_ports(poller: Poller, ports: Iterable[SourcePort], closed: Callabl
     """``fill`` for readers of Consumers (one, or a FanIn's): each port's fds and pending
     input under its lock, then the endpoints its items were lent to. A closed port raises
     ``closed()``."""
-    lent = []
+    lent: list[Pumpable] = []
     for port in ports:
         with port.lock:
             if port.is_closed():

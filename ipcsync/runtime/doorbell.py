@@ -40,7 +40,7 @@ import stat
 from typing import Sequence
 
 from ..core import doorbell as D
-from ..errors import ConfigError, ProtocolError
+from ..errors import ClosedError, ConfigError, ProtocolError
 from . import host
 from .shm import NAME_RE, SHM_DIR, SHM_PREFIX, launcher_run_id
 
@@ -83,8 +83,9 @@ class OwnSegment:
             self.unlink()
             raise
         os.close(fd)
-        self.buf = memoryview(self.map)
-        D.format_segment(self.buf, geom)
+        buf = memoryview(self.map)
+        D.format_segment(buf, geom)
+        self.buf: memoryview | None = buf  # None once closed
 
     def unlink(self) -> None:
         """Remove the name (the peer mapped it already, or never will); the mapping stays."""
@@ -121,7 +122,7 @@ class PeerSegment:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        self.buf = memoryview(self.map)
+        self.buf: memoryview | None = memoryview(self.map)  # None once closed
         try:
             D.check_peer_segment(self.buf, geom, who)
         except BaseException:
@@ -143,8 +144,11 @@ class Bell:
         self.fd: int | None = fd
 
     def ring(self) -> None:
+        fd = self.fd
+        if fd is None:
+            return  # closed: as a closed descriptor below
         try:
-            os.eventfd_write(self.fd, 1)  # type: ignore[arg-type]
+            os.eventfd_write(fd, 1)
         except BlockingIOError:
             pass  # its counter is full: it has been rung already
         except OSError as exc:
@@ -152,8 +156,11 @@ class Bell:
                 log.debug("ipcsync doorbell: ringing the peer failed: %s", exc)
 
     def drain(self) -> None:
+        fd = self.fd
+        if fd is None:
+            return
         try:
-            os.eventfd_read(self.fd)  # type: ignore[arg-type]
+            os.eventfd_read(fd)
         except (BlockingIOError, OSError):
             pass
 
@@ -165,7 +172,9 @@ class Bell:
 
 def send_bell(sock: socket.socket, bell: Bell) -> None:
     """Pass our eventfd to the peer over a connected AF_UNIX socket (one packet)."""
-    socket.send_fds(sock, [b"B"], [bell.fd])  # type: ignore[list-item]
+    if bell.fd is None:
+        raise ClosedError("cannot pass a closed doorbell's eventfd; open a new Bell")
+    socket.send_fds(sock, [b"B"], [bell.fd])
 
 
 def receive_bell(sock: socket.socket, who: str) -> Bell:
@@ -187,6 +196,8 @@ class Doorbell:
                  who: str, bounds: Sequence[int], sequential: int | None = None, first: int = 0) -> None:
         if own.geom != peer.geom:
             raise ConfigError(f"both sides of a doorbell use one geometry, not {own.geom} and {peer.geom}")
+        if own.buf is None or peer.buf is None:
+            raise ClosedError("a doorbell needs both segments open; one was closed already")
         self.own, self.peer, self.bell, self.peer_bell = own, peer, own_bell, peer_bell
         self.writer = D.RingWriter(own.buf, peer.buf, own.geom, who)
         self.reader = D.RingReader(peer.buf, own.geom, who, bounds, sequential, first)

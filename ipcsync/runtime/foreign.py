@@ -209,7 +209,7 @@ class Lender:
             s, mem = self.link.session, self.link.memory
             if s.error is not None:
                 raise CannotForward(f"its producer is gone or broke the protocol ({s.error})")
-            if item.released or self.held.get(item.seq) is not item:
+            if item.released or item.seq not in self.held or self.held[item.seq] is not item:
                 raise CannotForward(f"item {item.seq} is not held by its consumer")
             setup = s.setup
             uses = self.link.downstream.uses

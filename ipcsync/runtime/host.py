@@ -110,7 +110,7 @@ class ProcessWatch:
         if self._gone or pid <= 0:
             return
         try:
-            fd = os.pidfd_open(pid)  # type: ignore[attr-defined]
+            fd = os.pidfd_open(pid)
         except ProcessLookupError:
             self._gone = True
             return

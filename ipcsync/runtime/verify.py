@@ -77,7 +77,8 @@ class Verifier:
         self.weights: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _region(self, item: Any, extent: int) -> torch.Tensor:
-        return item.store.base[: min(extent, item.store.nbytes)]
+        region: torch.Tensor = item.store.base[: min(extent, item.store.nbytes)]
+        return region
 
     def received(self, item: Any, extent: int, stream: Any) -> None:
         region = self._region(item, extent)

@@ -69,7 +69,7 @@ def _start() -> None:
     if t is not None and t.is_alive():
         t.join()  # it is ending (within _POLL_MS): its endpoint must be free
     _stop.clear()
-    sock = zmq.Context.instance().socket(zmq.REP)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(ZAP_ENDPOINT)
     _thread = threading.Thread(target=_serve, args=(sock,), name="ipcsync-zap", daemon=True)
@@ -89,7 +89,7 @@ def _decide(request: list[bytes]) -> tuple[bytes, bytes]:
     return b"200", b"OK"
 
 
-def _serve(sock: zmq.Socket) -> None:
+def _serve(sock: zmq.Socket[bytes]) -> None:
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     try:
@@ -98,7 +98,7 @@ def _serve(sock: zmq.Socket) -> None:
         sock.close()
 
 
-def _answer(sock: zmq.Socket, poller: zmq.Poller) -> None:
+def _answer(sock: zmq.Socket[bytes], poller: zmq.Poller) -> None:
     while not _stop.is_set():
         try:
             if not poller.poll(_POLL_MS):

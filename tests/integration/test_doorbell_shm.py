@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from ipcsync.core import doorbell as D
-from ipcsync.errors import ProtocolError
+from ipcsync.errors import ClosedError, ProtocolError
 from ipcsync.runtime import doorbell as R
 from ipcsync.runtime.shm import SHM_DIR
 
@@ -135,6 +135,26 @@ def test_a_descriptor_packet_that_is_not_one_bell_is_refused() -> None:
             os.close(fd)
         s1.close()
         s2.close()
+
+
+def test_closed_parts_say_so_and_a_closed_bell_rings_nothing() -> None:
+    bell = R.Bell()
+    bell.close()
+    bell.ring()  # as ringing a peer whose descriptor is gone: nothing, no error
+    bell.drain()
+    s1, s2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with s1, s2, pytest.raises(ClosedError, match="closed doorbell"):
+        R.send_bell(s1, bell)
+    a, b = R.OwnSegment(GEOM), R.OwnSegment(GEOM)
+    pb = R.PeerSegment(b.name, GEOM, "consumer 2")
+    bells = [R.Bell(), R.Bell()]
+    try:
+        pb.close()
+        with pytest.raises(ClosedError, match="both segments open"):
+            R.Doorbell(a, pb, bells[0], bells[1], "consumer 2", bounds=[0, NSLOTS, 0])
+    finally:
+        for part in (a, b, pb, *bells):
+            part.close()
 
 
 # ------------------------------------------------------------------ a rogue peer process

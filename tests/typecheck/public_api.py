@@ -1,0 +1,72 @@
+"""The public API as a user's type checker sees it: checked by mypy (with the package,
+``tests/unit/test_types.py``), never run. Each ``assert_type`` fails the check when the
+type there is not exactly the one written, ``Any`` included: where the API knows a
+precise type, a user gets it, not ``Any``. (Tensors and ``meta`` of a message are
+``Any``: a nested structure of the user's own shape.)"""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager, KeysView
+
+import torch
+from typing_extensions import assert_type
+
+import ipcsync
+
+
+def producer_side(out: ipcsync.Producer, x: torch.Tensor) -> None:
+    assert_type(out.send({"x": x}, meta={"step": 1}, timeout=1.0), int)
+    assert_type(out.consumers, int)
+    assert_type(out.stats(), dict[str, Any])
+    assert_type(out.slot(x=((4,), torch.uint8)), ContextManager[ipcsync.SlotWriter])
+    with out.slot(x=((4,), torch.uint8)) as s:
+        assert_type(s, ipcsync.SlotWriter)
+        assert_type(s["x"], torch.Tensor)
+        assert_type(s.keys(), KeysView[str])
+    assert_type(ipcsync.forward(ipcsync.Item.__new__(ipcsync.Item), out), int)
+    with ipcsync.Producer("frames", slots=4) as p:
+        assert_type(p, ipcsync.Producer)
+
+
+async def producer_async(out: ipcsync.Producer, x: torch.Tensor) -> None:
+    assert_type(await out.asend({"x": x}), int)
+    async with out.aslot(x=((4,), torch.uint8)) as s:
+        assert_type(s, ipcsync.SlotWriter)
+
+
+def consumer_side(inp: ipcsync.Consumer, fan: ipcsync.FanIn) -> None:
+    assert_type(inp.get(timeout=1.0), ipcsync.Item | None)
+    assert_type(fan.get(), ipcsync.Item | None)
+    assert_type(inp.stats(), dict[str, Any])
+    assert_type(inp.producer_pid, int | None)
+    assert_type(fan.consumers, list[ipcsync.Consumer])
+    for item in inp:
+        assert_type(item, ipcsync.Item)
+        assert_type(item.seq, int)
+        assert_type(item.slot, int)
+        assert_type(item.source, str)
+        assert_type(item.released, bool)
+        item.release()
+    for item in fan:
+        assert_type(item, ipcsync.Item)
+    with ipcsync.Consumer("frames") as c, ipcsync.FanIn(["a", "b"]) as f:
+        assert_type(c, ipcsync.Consumer)
+        assert_type(f, ipcsync.FanIn)
+
+
+async def consumer_async(inp: ipcsync.Consumer, fan: ipcsync.FanIn) -> None:
+    assert_type(await inp.aget(), ipcsync.Item | None)
+    assert_type(await fan.aget(), ipcsync.Item | None)
+    async for item in inp:
+        assert_type(item, ipcsync.Item)
+
+
+def low_level(t: torch.Tensor) -> None:
+    ev = ipcsync.IpcEvent("cuda:0")
+    assert_type(ev.query(), bool)
+    assert_type(ev.handle(), bytes)
+    assert_type(ipcsync.IpcEvent.from_handle(ev.handle(), 0), ipcsync.IpcEvent)
+    assert_type(ipcsync.export_tensor(t), bytes)
+    assert_type(ipcsync.import_tensor(ipcsync.export_tensor(t), torch.device("cuda", 0)), torch.Tensor)
+    assert_type(ipcsync.Limits().max_frame, int)
+    assert_type(ipcsync.CurveKeys(b"p" * 40, b"s" * 40).server, bytes | None)
