@@ -20,7 +20,6 @@ from ..backends import Arena, Backend
 from ..core import protocol as P
 from ..core.producer_session import Kind, ProducerSession
 from ..core.remote_session import READY_PLACEHOLDER
-from ..core.ring import Acquired
 from ..core.ratelog import best_effort
 from ..errors import ProtocolError, SlotKeptError
 from . import host
@@ -28,7 +27,7 @@ from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import ProducerChannel
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
-from .slots import Handoffs
+from .slots import Handoffs, SlotRecord
 
 __all__ = ["ProducerPort", "SlotTicket"]
 
@@ -36,12 +35,14 @@ log = logging.getLogger(__name__)
 
 
 class SlotTicket:
-    """What ``open_slot`` reserved for one ``Producer.slot()`` block."""
+    """What ``open_slot`` reserved for one ``Producer.slot()`` block: the slot's record,
+    the plan, the stream the caller chose (None: the current one at the block's end)
+    and the slot's store, whose use count tells whether a view outlived the block."""
 
-    __slots__ = ("acq", "plan", "stream", "store")
+    __slots__ = ("rec", "plan", "stream", "store")
 
-    def __init__(self, acq: Acquired, plan: Any, stream: Any, store: Any) -> None:
-        self.acq, self.plan, self.stream, self.store = acq, plan, stream, store
+    def __init__(self, rec: SlotRecord, plan: Any, stream: Any, store: Any) -> None:
+        self.rec, self.plan, self.stream, self.store = rec, plan, stream, store
 
 
 class ProducerPort:
@@ -272,6 +273,9 @@ class ProducerPort:
                 self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
                                             self.name)
                 self.remote_hub.on_sent = self.confirm_from_thread
+                # A remote consumer's release events are its sends, complete only later, on
+                # any backend: step 2 orders after them from now on.
+                h.order_events = True
             edge = self.remote_hub.new_edge(session.label, session.hello.backend)
         except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
             text = f"this producer cannot open a remote edge: {exc}"
@@ -373,30 +377,28 @@ class ProducerPort:
         return self.forwarder.forward(item, message, meta, timeout, stream, self, item.origin)
 
     def open_slot(self, spec: dict[str, Any], timeout: float | None, stream: Any) -> tuple[SlotTicket, Any]:
-        """Steps 1-2 for a ``Producer.slot()`` block: reserve a slot, order it after its
-        previous readers; returns the ticket and the slot's views. Takes the lock."""
+        """Steps 1-2 for a ``Producer.slot()`` block (``Handoffs.begin``); returns the
+        ticket and the slot's views, for the block to write (step 3). Takes the lock."""
         h = self.handoffs
         with self.lock:
             self.gate()
             plan, recipe = h.empty_plan_for(spec)
-            acq = h.ring.acquire() or h.reserve(timeout)
+            s = stream if stream is not None else self.default_stream
+            rec = h.begin(timeout, s)
             try:
-                s = stream if stream is not None else self.default_stream
-                if acq.last_holders:
-                    h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
-                store = h.slot_store(acq.slot).for_item()
+                store = h.slot_store(rec.slot).for_item()
                 views = recipe.build_in(store)
                 store.seal()
             except BaseException:
-                h.ring.abort(acq.slot)
+                h.ring.abort(rec.slot)
                 raise
-        return SlotTicket(acq, plan, stream, store), views
+        return SlotTicket(rec, plan, s, store), views
 
     def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
-        """Steps 3-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
-        else the slot is given back). Takes the lock."""
+        """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
+        else the slot is given back): ``Handoffs.finish``. Takes the lock."""
         h = self.handoffs
-        slot = ticket.acq.slot
+        slot = ticket.rec.slot
         with self.lock:
             if ticket.store.in_use():
                 # A tensor of the block outlived it: a write through it would change the
@@ -415,8 +417,8 @@ class ProducerPort:
             if self.closed:
                 self.check_open()
             try:
-                h.ready_events[slot].record(ticket.stream if ticket.stream is not None else self.default_stream)
-                h.publish(ticket.acq, ticket.plan, meta)
+                # The block wrote on its own stream, or the current one at its end.
+                h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
             except BaseException:
                 h.ring.abandon(slot)
                 raise
