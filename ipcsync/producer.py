@@ -138,7 +138,7 @@ class Producer(EndpointBase):
         self.port = ProducerPort(
             owner=self, lock=self._lock, chan=chan, peers=peers, handoffs=h, forwarder=fwd, backend=backend,
             arena=arena, stride=stride, heartbeat=self._heartbeat, tick=self._tick, gate=self._enter_send,
-            check_open=self._check_open, touch=self._touch, default_stream=stream, name=name,
+            check_open=self._check_open, default_stream=stream, name=name,
             ipc=self.endpoint.path is not None)
         self._pump = self.port.pump  # (an attribute: EndpointBase's waits pump through it)
         self._fds = chan.fds()

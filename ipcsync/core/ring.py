@@ -3,7 +3,11 @@
 A producer owns ``nslots`` slots. Each slot moves through::
 
     FREE --acquire--> WRITING --commit--> QUEUED --dispatch--> IN_FLIGHT --release(all)--> FREE
-                         \\--abort--> FREE
+                         |  \\--abort--> FREE                      ^
+                         \\--publish (a lone consumer, nothing queued)--/
+
+(``publish`` is ``commit`` then what ``dispatch`` would do for that one item, in one call:
+a send's common case. ``release_all`` is ``release`` for each entry of one RELEASE.)
 
 Invariants (checked by the tests):
 

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import zmq
 
@@ -34,26 +34,29 @@ __all__ = ["ProducerPort", "SlotTicket"]
 log = logging.getLogger(__name__)
 
 
-class SlotTicket:
+class SlotTicket(NamedTuple):
     """What ``open_slot`` reserved for one ``Producer.slot()`` block: the slot's record,
     the plan, the stream the caller chose (None: the current one at the block's end)
     and the slot's store, whose use count tells whether a view outlived the block."""
 
-    __slots__ = ("rec", "plan", "stream", "store")
+    rec: SlotRecord
+    plan: Any
+    stream: Any
+    store: Any
 
-    def __init__(self, rec: SlotRecord, plan: Any, stream: Any, store: Any) -> None:
-        self.rec, self.plan, self.stream, self.store = rec, plan, stream, store
+
+_new_tuple = tuple.__new__  # SlotTicket(*fields) without a namedtuple's Python-level __new__
 
 
 class ProducerPort:
     """See the module docstring. ``gate``: refuses a send on a closed or closing producer
     (and notes that the user's thread is here); ``check_open``: refuses any call on a
-    closed one; ``touch``: notes that the user's thread was here."""
+    closed one."""
 
     def __init__(self, *, owner: Any, lock: threading.Lock, chan: ProducerChannel, peers: PeerTable,
                  handoffs: Handoffs, forwarder: Forwarder, backend: Backend, arena: Arena, stride: int,
                  heartbeat: float, tick: float, gate: Callable[[], None], check_open: Callable[[], None],
-                 touch: Callable[[], None], default_stream: Any, name: str, ipc: bool) -> None:
+                 default_stream: Any, name: str, ipc: bool) -> None:
         self.owner = owner  # the Producer (its public ``closed`` only)
         self.lock = lock
         self.chan = chan
@@ -68,7 +71,6 @@ class ProducerPort:
         self.next_tick = 0.0
         self.gate = gate
         self.check_open = check_open
-        self.touch = touch
         self.default_stream = default_stream
         self.name = name
         self.ipc = ipc  # the kernel can name the peer of a connection (SO_PEERCRED)
@@ -206,7 +208,7 @@ class ProducerPort:
             return
         if what == "lane":
             # Token and credentials checked: our SWITCH goes out after everything queued
-            # for it on ZeroMQ, then its frames go on the lane (PeerTable.try_send).
+            # for it on ZeroMQ, then its frames go on the lane (PeerTable.send).
             if peer.disconnected or peer.session.state == "closed" or peer.session.switch_sent:
                 return
             peer.lane_ready = data
@@ -392,7 +394,7 @@ class ProducerPort:
             except BaseException:
                 h.ring.abort(rec.slot)
                 raise
-        return SlotTicket(rec, plan, s, store), views
+        return _new_tuple(SlotTicket, (rec, plan, s, store)), views
 
     def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
         """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
@@ -414,13 +416,10 @@ class ProducerPort:
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return
-            if self.closed:
-                self.check_open()
+            self.check_open()  # (and notes that the user's thread was here)
             try:
                 # The block wrote on its own stream, or the current one at its end.
                 h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
             except BaseException:
                 h.ring.abandon(slot)
                 raise
-            finally:
-                self.touch()
