@@ -363,7 +363,7 @@ class ProducerPort:
         # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
         # export is settled here, not left for the interpreter's exit, where torch would
         # warn "Producer process has been terminated before all shared CUDA tensors released".
-        self.handoffs.plans.clear()
+        self.handoffs.forget_plans()
         self.handoffs.free_kept_slots(all_of_them=True)
         self.handoffs.stores = []
         self.handoffs.slot_views.clear()

@@ -192,6 +192,11 @@ class Handoffs:
         self.plans.put(key, plan)
         return plan
 
+    def forget_plans(self) -> None:
+        """Teardown: drop every plan (and with them their destination views of the slots)."""
+        self.plans.clear()
+        self.mru_plan = None
+
     def use_plan(self, plan: Plan) -> None:
         """``plan`` is about to be published and is not ``mru_plan``: most recently used
         in both LRUs now, with its layout id reassigned if the id went to another layout."""

@@ -179,3 +179,21 @@ def test_close_while_items_are_in_flight(endpoints: Any, device: str, how: str) 
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert got == list(range(n))
+
+
+def test_close_lets_go_of_every_plan(endpoints: Any) -> None:
+    """The plan last published (kept for the fast path's LRU shortcut) goes at close with
+    the others: its destination views hold the arena, which close frees."""
+    import sys  # noqa: PLC0415
+
+    out = endpoints.producer("fp-plans", slots=2, slot_bytes=4096, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("fp-plans", heartbeat=None, timeout=10)
+    out.wait_for_consumers(1, timeout=10)
+    out.send({"x": torch.zeros(4)})
+    item = inp.get(timeout=10)
+    assert item is not None
+    item.release()
+    del item
+    (plan,) = out._handoffs.plans.plans.values()
+    out.close()
+    assert sys.getrefcount(plan) == 2  # ours, and getrefcount's argument: nobody else's
