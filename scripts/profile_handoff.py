@@ -207,6 +207,277 @@ def calls(n: int, batch: int, slots: int, device: str, mode: str) -> None:
         print("(slot: one whole `with out.slot(...)` block, the context manager's enter and exit included)")
 
 
+def _db_wait(bell, spin_s: float) -> None:
+    """Wait until the peer's ring has an entry: spin, then park on our eventfd."""
+    import select
+
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if bell.pending():
+            return
+        os.sched_yield()
+    while not bell.pending():
+        if bell.park():
+            select.select([bell.fd], [], [], 0.05)  # a missed ring costs this at most
+            bell.unpark()
+
+
+def _db_side(role: int, names, sock, n: int, spin_s: float, out) -> None:
+    from ipcsync.core.doorbell import Geometry
+    from ipcsync.runtime import doorbell as R
+
+    geom = Geometry(64, 2)
+    own, bell = R.OwnSegment(geom), R.Bell()
+    names[role] = own.name
+    R.send_bell(sock, bell)
+    peer_bell = R.receive_bell(sock, "peer")
+    while names[1 - role] == "":
+        time.sleep(0.001)
+    db = R.Doorbell(own, R.PeerSegment(names[1 - role], geom, "peer"), bell, peer_bell, "peer", [0, 0], 0)
+    sock.send(b"up")
+    sock.recv(8)
+    own.unlink()
+    rt = []
+    for k in range(n + 200):
+        if role == 0:
+            t0 = time.perf_counter_ns()
+            db.post([(k, 0)])
+            _db_wait(db, spin_s)
+            db.take()
+            rt.append(time.perf_counter_ns() - t0)
+        else:
+            _db_wait(db, spin_s)
+            db.take()
+            db.post([(k, 0)])
+    if role == 0:
+        rt = sorted(rt[200:])
+        out.put(rt[len(rt) // 2] / 1e3)
+    sock.recv(8) if role == 1 else sock.send(b"end")
+    db.close()
+
+
+def _seq_side(role: int, sock, n: int, out) -> None:
+    rt = []
+    for k in range(n + 200):
+        if role == 0:
+            t0 = time.perf_counter_ns()
+            sock.send(b"x" * 16)
+            sock.recv(64)
+            rt.append(time.perf_counter_ns() - t0)
+        else:
+            sock.send(sock.recv(64))
+    if role == 0:
+        rt = sorted(rt[200:])
+        out.put(rt[len(rt) // 2] / 1e3)
+
+
+def doorbell(n: int) -> None:
+    import socket
+
+    ctx = mp.get_context("fork")  # (the socket pair is inherited; nothing else is open yet)
+    spin_s = int(os.environ.get("IPCSYNC_SPIN_US", "0")) / 1e6
+    out = ctx.Queue()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ps = [ctx.Process(target=_seq_side, args=(r, s, n, out)) for r, s in ((0, a), (1, b))]
+    for p in ps:
+        p.start()
+    seq = out.get(timeout=_HANG_S)
+    for p in ps:
+        p.join(60)
+    names = ctx.Manager().list(["", ""])
+    ps = [ctx.Process(target=_db_side, args=(r, names, s, n, spin_s, out)) for r, s in ((0, a), (1, b))]
+    for p in ps:
+        p.start()
+    db = out.get(timeout=_HANG_S)
+    for p in ps:
+        p.join(60)
+    print(f"round trip, one entry each way, {n} after 200 warm-up: AF_UNIX SOCK_SEQPACKET p50 {seq:.1f} us; "
+          f"doorbell (spin {spin_s * 1e6:.0f} us, then eventfd) p50 {db:.1f} us")
+
+
+_HANG_S = float(os.environ.get("PROFILE_HANG_S", "120"))  # a round-trip role this long: dump stacks, exit
+
+
+def _pin(role: int) -> None:
+    """PROFILE_PIN=a,b: the requester runs on CPU a only, the responder on CPU b only."""
+    cpus = os.environ.get("PROFILE_PIN")
+    if cpus:
+        os.sched_setaffinity(0, {int(cpus.split(",")[role])})
+
+
+def _rt_requester(n, device, read, q, profile=False):
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)  # a hang prints where it is
+    _pin(0)
+    import ipcsync
+
+    prof = cProfile.Profile()
+    x = torch.zeros(4096, dtype=torch.uint8, device=device)
+    steps = {"send": 0, "get (wait for the answer)": 0, "touch/read": 0, "release": 0}
+    rt = []
+    with ipcsync.Producer("rt-req", slots=4, slot_bytes=8192, device=device) as req, \
+            ipcsync.Consumer("rt-rep", device=device, timeout=60) as rep:
+        req.wait_for_consumers(1, timeout=60)
+        for k in range(n + 200):
+            if profile and k == 200:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            req.send({"x": x})
+            t1 = time.perf_counter_ns()
+            item = rep.get()
+            t2 = time.perf_counter_ns()
+            (lambda y: int(y[0]) if read else _touch(y))(item["y"])
+            t3 = time.perf_counter_ns()
+            item.release()
+            t4 = time.perf_counter_ns()
+            if k >= 200:
+                for name, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    steps[name] += dt
+                rt.append(t4 - t0)
+            if k == n + 199:
+                print(f"  (requester: its producer's consumers on a lane: {req.stats().get('lanes')}, its consumer "
+                      f"on a lane: {rep.stats().get('lane')})")
+    prof.disable()
+    q.put(("requester", steps, sorted(rt), _top(prof) if profile else ""))
+
+
+def _top(prof: cProfile.Profile) -> str:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue()
+
+
+def _rt_responder(n, device, q, profile=False):
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
+    _pin(1)
+    import ipcsync
+
+    prof = cProfile.Profile()
+    steps = {"get (wait for a request)": 0, "slot + add + publish": 0, "release": 0}
+    with ipcsync.Producer("rt-rep", slots=4, slot_bytes=8192, device=device) as rep, \
+            ipcsync.Consumer("rt-req", device=device, timeout=60) as req:
+        rep.wait_for_consumers(1, timeout=60)
+        for k in range(n + 200):
+            if profile and k == 200:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            item = req.get()
+            t1 = time.perf_counter_ns()
+            with rep.slot(y=((4096,), torch.uint8)) as s:
+                torch.add(item["x"], 1, out=s["y"])
+            t2 = time.perf_counter_ns()
+            item.release()
+            t3 = time.perf_counter_ns()
+            if k >= 200:
+                for name, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2)):
+                    steps[name] += dt
+    prof.disable()
+    q.put(("responder", steps, None, _top(prof) if profile else ""))
+
+
+def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
+    """Request/reply with one request in flight (as bench.py --suite latency): the host time
+    of each step on each side, per round trip. What neither side spends in its own steps
+    (the round trip minus the requester's send/read/release and the responder's work) is
+    transport and wake-ups."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rt_responder, args=(n, device, q, profile)),
+          ctx.Process(target=_rt_requester, args=(n, device, read, q, profile))]
+    for p in ps:
+        p.start()
+    got = dict((role, (steps, rt, top)) for role, steps, rt, top in (q.get(timeout=_HANG_S + 30) for _ in ps))
+    for p in ps:
+        p.join(60)
+    rt = got["requester"][1]
+    print(f"round trip ({device}, 4 KiB, {n} after 200 warm-up, host read: {read}): "
+          f"p50 {rt[len(rt) // 2] / 1e3:.1f} us, mean {sum(rt) / len(rt) / 1e3:.1f} us")
+    own = 0.0
+    for role in ("requester", "responder"):
+        for name, total in got[role][0].items():
+            us = total / n / 1e3
+            print(f"  {role:9s} {name:28s} {us:8.1f} us")
+            if not name.startswith("get"):
+                own += us
+    mean = sum(rt) / len(rt) / 1e3
+    print(f"  {'':9s} {'transport + wake-ups':28s} {mean - own:8.1f} us (the rest of the mean)")
+    for role in ("requester", "responder") if profile else ():
+        print(f"== {role} under cProfile (the times above were taken without it only if --profile is off)")
+        print(got[role][2])
+
+
+def ops(n: int, device: str) -> None:
+    import threading
+
+    import msgpack
+    import zmq
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    x = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
+    src = torch.zeros(4096, dtype=torch.uint8, device=dev)
+    dst = torch.empty(4096, dtype=torch.uint8, device=dev)
+    sink = torch.empty(1, dtype=torch.uint8, device=dev)
+    lock = threading.Lock()
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    for sock in (a, b):
+        sock.sndhwm = sock.rcvhwm = 0  # unbounded: every timed send is taken
+    path = tempfile.mktemp(prefix="ipcs-ops-", dir="/tmp")
+    a.bind("ipc://" + path)
+    b.connect("ipc://" + path)
+    frame = msgpack.packb([2, 1, 5, 3, 123456789, 1, None], use_bin_type=True)
+
+    def f() -> None:
+        pass
+
+    cases = {
+        "python call": f,
+        "lock acquire+release": lambda: (lock.acquire(), lock.release()),
+        "time.monotonic_ns": time.monotonic_ns,
+        "msgpack.packb (READY-sized)": lambda: msgpack.packb([2, 1, 5, 3, 123456789, 1, None], use_bin_type=True),
+        "zmq send 1 frame (NOBLOCK)": lambda: a.send(frame, zmq.NOBLOCK, copy=True),
+        "x[:1] (slice)": lambda: x[:1],
+        "as_strided": lambda: x.as_strided((4096,), (1,), 0),
+        "fill_ x[:1]": lambda: x[:1].fill_(7),
+        "copy_ 4 KiB": lambda: dst.copy_(src, non_blocking=True),
+        "copy_ 1 byte": lambda: sink.copy_(x[:1]),
+    }
+    if cuda:
+        from ipcsync.backends.cuda import IpcEvent, current_stream
+
+        ev, plain = IpcEvent(dev), torch.cuda.Event()
+        st = current_stream(dev.index or 0)
+        getcur = torch._C._cuda_getCurrentStream
+        cases.update({
+            "torch.cuda.current_stream()": torch.cuda.current_stream,
+            "_cuda_getCurrentStream": lambda: getcur(0),
+            "ipcsync current_stream": lambda: current_stream(0),
+            "IpcEvent.record(stream)": lambda: ev.record(st),
+            "torch.cuda.Event.record (not IPC)": lambda: plain.record(st),
+            "IpcEvent.wait(stream)": lambda: ev.wait(st),
+            "IpcEvent.query()": ev.query,
+        })
+    for name, fn in cases.items():
+        for _ in range(200):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        while b.poll(0):
+            b.recv()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        while b.poll(0):
+            b.recv()
+        print(f"op {name:36s} {dt / n * 1e6:7.2f} us")
+    a.close(0)
+    b.close(0)
+    ctx.term()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
