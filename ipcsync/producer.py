@@ -130,7 +130,7 @@ class Producer(EndpointBase):
         self._handoffs = h = Handoffs(
             ring=ring, slot_views=self._slot_views, ready_events=self._ready_events, slot_bytes=self.slot_bytes,
             peers=peers, ledger=ForwardLedger(self.slots), stats=self._stats, limits=limits,
-            wait_mode=self.wait_mode, timeout=self._timeout, name=name, ratelog=self._ratelog,
+            wait_mode=self.wait_mode, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
             waits=Waits(lambda: self.port.pump(), self._wait_until, self._timeout_error, self._resolve_timeout))
         self._plan_get: Callable[[Any], Any] = h.plans.get  # the cache dict's own get (hot path)
         fwd = Forwarder(handoffs=h, peers=peers, backend=backend, device=self.device, lock=self._lock,
@@ -138,7 +138,7 @@ class Producer(EndpointBase):
         self.port = ProducerPort(
             owner=self, lock=self._lock, chan=chan, peers=peers, handoffs=h, forwarder=fwd, backend=backend,
             arena=arena, stride=stride, heartbeat=self._heartbeat, tick=self._tick, gate=self._enter_send,
-            check_open=self._check_open, touch=self._touch, default_stream=stream, name=name,
+            check_open=self._check_open, default_stream=stream, name=name,
             ipc=self.endpoint.path is not None)
         self._pump = self.port.pump  # (an attribute: EndpointBase's waits pump through it)
         self._fds = chan.fds()
@@ -154,9 +154,9 @@ class Producer(EndpointBase):
         sync. Raises ConfigError for a message that does not fit a slot or a bad meta,
         IpcTimeoutError when no slot frees in time, ClosedError after close().
         """
-        # The hot path: the handoff steps of runtime.slots, with their common case inlined
-        # (an explicit lock rather than _call(), ring.acquire() before reserve(), the
-        # record of step 3 written here): every Python call saved counts per send.
+        # The handoff steps of runtime.slots: begin (1 reserve, 2 order after the previous
+        # readers), 3 write, finish (3b record ready, 4 publish). On a steady edge each is
+        # its fast branch (see runtime.slots).
         with self._lock:
             if self._closed or self._closing:
                 self._refuse_send()
@@ -165,31 +165,16 @@ class Producer(EndpointBase):
             h = self._handoffs
             if plan is None:
                 plan = h.new_plan(key, plan_message(message, self.slot_bytes, h.check_layout))
-            acq = self._ring.acquire() or h.reserve(timeout)  # 1. reserve
-            slot = acq.slot
             s = stream if stream is not None else self._stream
+            rec = h.begin(timeout, s)
             try:
-                if s is None:
-                    # Resolved once: the waits, the copy and the record all go on the
-                    # current stream.
-                    cur = self._backend.current_stream()
-                    if acq.last_holders:
-                        h.order_after_readers(acq, cur)  # 2. after the previous readers
-                    plan.write(slot, self._slot_views[slot], tensors)  # 3. write, record ready
-                    self._ready_events[slot].record(cur)
+                if s is None:  # 3. write, on the stream begin resolved (the current one)
+                    plan.write(rec.slot, self._slot_views[rec.slot], tensors)
                 else:
-                    with self._on_stream(s):
-                        h.order_after_readers(acq, s)
-                        plan.write(slot, self._slot_views[slot], tensors)
-                        # The copy runs on `s`: keep the caching allocator from reusing a
-                        # source's memory before it has run.
-                        for t in tensors:
-                            if t.is_cuda:
-                                t.record_stream(s)
-                        self._ready_events[slot].record(s)
-                return h.publish(acq, plan, meta)  # 4. publish
+                    self._write_on(s, plan, rec.slot, tensors)
+                return h.finish(rec, plan, meta, rec.stream)
             except BaseException:
-                self._ring.abandon(slot)
+                self._ring.abandon(rec.slot)
                 raise
             finally:
                 self._last_call = time.monotonic()
@@ -448,6 +433,15 @@ class Producer(EndpointBase):
         if stream is None or self.device.type != "cuda":
             return nullcontext()
         return torch.cuda.stream(stream)
+
+    def _write_on(self, stream: Any, plan: Any, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Step 3 on a stream the caller chose: the copy runs on ``stream``, so the caching
+        allocator must not reuse a source's memory before it has run."""
+        with self._on_stream(stream):
+            plan.write(slot, self._slot_views[slot], tensors)
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(stream)
 
     def _io_fds(self) -> list[int]:
         return self._fds

@@ -177,25 +177,34 @@ class _CallCounter:
 
 
 def calls(n: int, batch: int, slots: int, device: str, mode: str) -> None:
-    """Python and C calls per send/next/release on the steady path (the --per-call rounds)."""
-    counts = {op: [0, 0] for op in (mode, "next", "release")}
+    """Python and C calls per send (or slot() block)/next/release on the steady path (the
+    --per-call rounds): the mean over every call, which includes the per-wake-up work some
+    calls do for all (a send that finds no slot free handles the releases that arrived),
+    and the median, the one call alone."""
+    counts: dict[str, list[tuple[int, int]]] = {op: [] for op in (mode, "next", "release")}
 
     def phase(op: str, fns: list, counted: bool) -> None:
         for fn in fns:
             with _CallCounter() as k:
                 fn()
             if counted:
-                counts[op][0] += k.py
-                counts[op][1] += k.c
+                counts[op].append((k.py, k.c))
 
     _steady_rounds(n, batch, slots, device, mode, phase)
     print(f"calls per operation on the steady path ({device}, {n} handoffs in rounds of {batch}, {slots} slots)")
-    print(f"{'operation':10s} {'Python calls':>13s} {'C calls':>9s}")
+    print(f"{'operation':10s} {'Python calls':>13s} {'C calls':>9s} {'median Py':>10s} {'median C':>9s}")
     # What the rounds' wrappers call themselves, not the library: produce() (one Python
-    # call); the next lambda (one Python call) with next() and list.append (two C calls).
-    harness = {mode: (1, 0), "next": (1, 2), "release": (0, 0)}
-    for op, (py, c) in counts.items():
-        print(f"{op:10s} {py / n - harness[op][0]:13.1f} {c / n - harness[op][1]:9.1f}")
+    # call); the next lambda (one Python call) with next() and list.append (two C calls);
+    # and the counter's own __exit__ (one Python call, on every operation).
+    harness = {mode: (2, 0), "next": (2, 2), "release": (1, 0)}
+    for op, got in counts.items():
+        hp, hc = harness[op]
+        py = sorted(p for p, _ in got)
+        c = sorted(c for _, c in got)
+        print(f"{op:10s} {sum(py) / len(got) - hp:13.1f} {sum(c) / len(got) - hc:9.1f} "
+              f"{py[len(py) // 2] - hp:10d} {c[len(c) // 2] - hc:9d}")
+    if mode == "slot":
+        print("(slot: one whole `with out.slot(...)` block, the context manager's enter and exit included)")
 
 
 def _db_wait(bell, spin_s: float) -> None:

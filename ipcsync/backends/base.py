@@ -66,6 +66,10 @@ class Backend(abc.ABC):
     """Memory and events for one device."""
 
     name: ClassVar[str]
+    # Host-synchronous: every event is complete once recorded and ignores streams (record,
+    # wait: no-ops; query: True; current_stream: None). The handoff steps skip what then
+    # has nothing to do (runtime.slots), decided once, not per item.
+    host_sync: ClassVar[bool] = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

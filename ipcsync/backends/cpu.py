@@ -266,6 +266,7 @@ class CpuBackend(Backend):
     """Shared-memory arenas and trivially complete events."""
 
     name = "cpu"
+    host_sync = True
 
     def __init__(self, device: torch.device | None = None, run_id: str | None = None) -> None:
         """``run_id``: tag the names of the segments this backend creates with the id of an

@@ -429,7 +429,7 @@ class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
     __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
-                 "layout_size", "data_bytes", "recipe", "_direct", "_dst")
+                 "layout_size", "room", "data_bytes", "recipe", "_direct", "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
@@ -442,6 +442,10 @@ class Plan:
         self.layout_key: Any = None
         self.cache_key: Any = None
         self.layout_size = 0
+        # The bytes a READY naming this layout by id may take, so that a consumer that gets
+        # it with the layout inline still accepts it (the frame limit less the layout's
+        # size): checked per layout, so a steady send compares one length.
+        self.room = 0
         self.data_bytes = (sum(t.numel() * t.element_size() for t in placement.tensors)
                            if placement.tensors else sum(math.prod(sp[1]) * dtype_from_name(sp[0]).itemsize
                                                          for sp in self.layout[1]))

@@ -65,6 +65,7 @@ from ..errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "READY_TYPE",
     "MsgType",
     "ErrorCode",
     "State",
@@ -159,6 +160,7 @@ class MsgType(IntEnum):
 
 # Plain ints for the hot paths (packing an IntEnum member takes msgpack's slower path).
 _READY: Final = int(MsgType.READY)
+READY_TYPE: Final = _READY  # the first field of a READY frame (Encoder.plain's callers)
 _RELEASE: Final = int(MsgType.RELEASE)
 _FORWARD_READY: Final = int(MsgType.FORWARD_READY)
 
@@ -634,10 +636,15 @@ class Encoder:
     bytes, without building a Packer (and its buffer) per frame. Not thread-safe: one per
     endpoint, used under that endpoint's lock."""
 
-    __slots__ = ("_pack",)
+    __slots__ = ("_pack", "plain")
 
     def __init__(self) -> None:
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        # A packer's own ``pack`` (a C call, no Python frame) for the steady READY: a list
+        # of ints (each below 2**64) and None, which cannot fail to pack, so this packer is
+        # never left holding a failed frame's bytes. The result is ``encode_ready``'s:
+        # ``plain([READY_TYPE, seq, slot, gen, sent_ns, layout_id, None, None])``.
+        self.plain = msgpack.Packer(use_bin_type=True).pack
 
     def ready(
         self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any

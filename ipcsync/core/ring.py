@@ -3,7 +3,11 @@
 A producer owns ``nslots`` slots. Each slot moves through::
 
     FREE --acquire--> WRITING --commit--> QUEUED --dispatch--> IN_FLIGHT --release(all)--> FREE
-                         \\--abort--> FREE
+                         |  \\--abort--> FREE                      ^
+                         \\--publish (a lone consumer, nothing queued)--/
+
+(``publish`` is ``commit`` then what ``dispatch`` would do for that one item, in one call:
+a send's common case. ``release_all`` is ``release`` for each entry of one RELEASE.)
 
 Invariants (checked by the tests):
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable, NamedTuple
+from typing import Hashable, Iterable, NamedTuple
 
 from ..errors import ProtocolError
 
@@ -141,16 +145,33 @@ class Ring:
         return slots
 
     def commit(self, slot: int) -> int:
-        """A written slot is ready to go out; returns its sequence number."""
+        """A written slot is ready to go out; returns its sequence number. It stays
+        QUEUED until ``dispatch``."""
+        return self.publish(slot, False)[0]
+
+    def publish(self, slot: int, dispatch: bool = True) -> tuple[int, Hashable | None]:
+        """``commit(slot)``; then, with ``dispatch`` and when ``dispatch()`` would hand out
+        exactly this item to one consumer (nothing queued ahead of it, one consumer
+        attached, a free credit: its common case, either policy), hand it out now, in the
+        same call: ``(seq, that consumer)``. Else ``(seq, None)``: the item is QUEUED for
+        ``dispatch()``. Both ways keep every invariant of the module docstring."""
         if not 0 <= slot < self.nslots or self.state[slot] is not _WRITING:
             self._expect(slot, _WRITING)
         seq = self.next_seq
         self.next_seq = seq + 1
         self._last_holders[slot] = _NOBODY
-        self.state[slot] = _QUEUED
         self.seq[slot] = seq
+        if dispatch and not self._queue and len(self._consumers) == 1:
+            ((cid, c),) = self._consumers.items()
+            held = c.held
+            if c.credits > len(held):  # (a suspended consumer has no credits)
+                self.state[slot] = _IN_FLIGHT
+                self.holders[slot].add(cid)
+                held.add(slot)
+                return seq, cid
+        self.state[slot] = _QUEUED
         self._queue.append(slot)
-        return seq
+        return seq, None
 
     def dispatch(self) -> list[Dispatch]:
         """Assign queued items to consumers with free credits, in seq order."""
@@ -251,24 +272,43 @@ class Ring:
         Returns True when this freed the slot (every holder has released it). Raises
         ProtocolError for a stale or foreign release; the ring is then unchanged.
         """
-        if not 0 <= slot < self.nslots:
-            raise ProtocolError(f"release names slot {slot}, the ring has {self.nslots}")
-        if gen != self.gen[slot] or seq != self.seq[slot]:
-            raise ProtocolError(
-                f"stale release of slot {slot}: (seq {seq}, gen {gen}) but the slot holds "
-                f"(seq {self.seq[slot]}, gen {self.gen[slot]})"
-            )
-        holders = self.holders[slot]
-        if self.state[slot] is not _IN_FLIGHT or cid not in holders:
-            raise ProtocolError(f"release of slot {slot} by a consumer that does not hold it")
-        holders.discard(cid)
-        self._consumers[cid].held.discard(slot)
-        last = self._last_holders[slot]
-        self._last_holders[slot] = last | {cid} if last else frozenset((cid,))
-        if holders:
-            return False
-        self._free_slot(slot)
-        return True
+        freed, bad = self.release_all(cid, ((seq, slot, gen),))
+        if bad:
+            raise bad[0]
+        return bool(freed)
+
+    def release_all(self, cid: Hashable, entries: Iterable[tuple[int, int, int]]
+                    ) -> tuple[list[tuple[int, int]], list[ProtocolError]]:
+        """``release`` of each ``(seq, slot, gen)`` of one RELEASE, in order, in one call:
+        ``(freed, errors)``, the ``(seq, slot)`` of each entry that freed its slot, and a
+        ProtocolError per stale or foreign entry (which changed nothing)."""
+        freed: list[tuple[int, int]] = []
+        bad: list[ProtocolError] = []
+        nslots, gens, seqs, state = self.nslots, self.gen, self.seq, self.state
+        consumer = self._consumers.get(cid)
+        for seq, slot, gen in entries:
+            if not 0 <= slot < nslots:
+                bad.append(ProtocolError(f"release names slot {slot}, the ring has {nslots}"))
+                continue
+            if gen != gens[slot] or seq != seqs[slot]:
+                bad.append(ProtocolError(
+                    f"stale release of slot {slot}: (seq {seq}, gen {gen}) but the slot holds "
+                    f"(seq {seqs[slot]}, gen {gens[slot]})"))
+                continue
+            holders = self.holders[slot]
+            if state[slot] is not _IN_FLIGHT or cid not in holders or consumer is None:
+                bad.append(ProtocolError(f"release of slot {slot} by a consumer that does not hold it"))
+                continue
+            holders.discard(cid)
+            consumer.held.discard(slot)
+            last = self._last_holders[slot]
+            self._last_holders[slot] = last | {cid} if last else frozenset((cid,))
+            if not holders:  # (_free_slot, in the loop: once per item released)
+                state[slot] = _FREE
+                seqs[slot] = -1
+                self._free.append(slot)
+                freed.append((seq, slot))
+        return freed, bad
 
     def _free_slot(self, slot: int) -> None:
         self.state[slot] = _FREE

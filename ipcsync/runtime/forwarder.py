@@ -86,28 +86,25 @@ class Forwarder:
                     if foreign is None:
                         raise CannotForward(
                             f"items of {self.registry.max_foreign} other arenas are in flight already")
-                    acq = h.ring.acquire() or h.reserve(timeout)  # step 1
-                    slot = acq.slot
+                    # Steps 1-2. Nothing is written to our slot, but its previous holders'
+                    # release events are waited on as for a send: they re-record them for
+                    # this item, perhaps on another stream, and a later send to the slot
+                    # waits only on their latest record.
+                    rec = h.begin(timeout, stream if stream is not None else self.default_stream)
+                    slot = rec.slot
                     try:
-                        s = stream if stream is not None else self.default_stream
-                        if s is None:
+                        s = rec.stream
+                        if s is None:  # (a host-synchronous backend: its events ignore streams)
                             s = self.backend.current_stream()
-                        # Step 2. Nothing is written to our slot, but its previous holders'
-                        # release events are waited on as for a send: they re-record them for
-                        # this item, perhaps on another stream, and a later send to the slot
-                        # waits only on their latest record.
-                        if acq.last_holders:
-                            h.order_after_readers(acq, s)
-                        elif self.ledger.pending and slot in self.ledger.pending:
-                            self.complete(slot)
+                        if self.ledger.pending and slot in self.ledger.pending:
+                            self.complete(slot)  # (begin did, where it had readers to order after)
                         # (The waits above pump: a remote consumer may have come meanwhile.)
                         self.check_queued()
                         # Step 3 (forwarding invariant 2): the downstream ready wait covers
                         # the upstream write through ours.
                         info.ready_event.wait(s)
-                        h.ready_events[slot].record(s)
                         self.ledger.hold(slot, Forwarded(item, origin, s, foreign))
-                        seq = h.publish(acq, plan, meta, (foreign, info.offset, info.nbytes))  # step 4
+                        seq = h.finish(rec, plan, meta, s, (foreign, info.offset, info.nbytes))  # 3b-4
                     except BaseException:
                         if h.ring.abandon(slot):
                             self.ledger.unhold(slot)

@@ -103,15 +103,18 @@ class PeerTable:
         return sum(p.clock.stalled for p in self.by_id.values())
 
     # ------------------------------------------------------------------ sending
-    def send(self, peer: Peer, frame: bytes) -> None:
-        """Send ``frame`` to ``peer`` in order after what it has queued (queued if the
-        socket would block)."""
-        if peer.outbox or not self.try_send(peer, frame):
+    def send(self, peer: Peer, frame: bytes, queue: bool = True) -> bool:
+        """Send ``frame`` to ``peer``: on its lane once it has one, else on ZeroMQ. True if
+        it went out (or nothing reaches the peer any more: its holds wait for its exit).
+        ``queue`` (the default): in order after what the peer has queued, and queued if
+        the socket would block. Without it (``flush``, the tick): only an attempt, False
+        if the socket would block. One method for both, with no call in between: every
+        READY goes through here."""
+        if queue and peer.outbox:
             peer.outbox.append(frame)
-
-    def try_send(self, peer: Peer, frame: bytes) -> bool:
+            return False
         if peer.disconnected:
-            return True  # nothing reaches it any more; its holds wait for its exit
+            return True
         lane = peer.lane
         if lane is not None:
             try:
@@ -130,6 +133,8 @@ class PeerTable:
                 peer.lane, peer.lane_ready = peer.lane_ready, None
         if ok:
             peer.clock.last_send = time.monotonic()
+        elif queue:
+            peer.outbox.append(frame)
         return ok
 
     def send_raw(self, identity: bytes, frame: bytes) -> None:
@@ -150,7 +155,7 @@ class PeerTable:
     def flush(self) -> None:
         for peer in list(self.by_id.values()):
             while peer.outbox and peer.identity in self.by_id:
-                if not self.try_send(peer, peer.outbox[0]):
+                if not self.send(peer, peer.outbox[0], queue=False):
                     break
                 if peer.outbox:
                     peer.outbox.popleft()
@@ -282,7 +287,7 @@ class PeerTable:
             if not peer.outbox:
                 frame = peer.session.heartbeat(now)
                 if frame is not None:
-                    self.try_send(peer, frame)
+                    self.send(peer, frame, queue=False)
 
     def close(self) -> None:
         """Teardown: forget every peer without a word."""

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import zmq
 
@@ -20,7 +20,6 @@ from ..backends import Arena, Backend
 from ..core import protocol as P
 from ..core.producer_session import Kind, ProducerSession
 from ..core.remote_session import READY_PLACEHOLDER
-from ..core.ring import Acquired
 from ..core.ratelog import best_effort
 from ..errors import ProtocolError, SlotKeptError
 from . import host
@@ -28,31 +27,36 @@ from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import ProducerChannel
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
-from .slots import Handoffs
+from .slots import Handoffs, SlotRecord
 
 __all__ = ["ProducerPort", "SlotTicket"]
 
 log = logging.getLogger(__name__)
 
 
-class SlotTicket:
-    """What ``open_slot`` reserved for one ``Producer.slot()`` block."""
+class SlotTicket(NamedTuple):
+    """What ``open_slot`` reserved for one ``Producer.slot()`` block: the slot's record,
+    the plan, the stream the caller chose (None: the current one at the block's end)
+    and the slot's store, whose use count tells whether a view outlived the block."""
 
-    __slots__ = ("acq", "plan", "stream", "store")
+    rec: SlotRecord
+    plan: Any
+    stream: Any
+    store: Any
 
-    def __init__(self, acq: Acquired, plan: Any, stream: Any, store: Any) -> None:
-        self.acq, self.plan, self.stream, self.store = acq, plan, stream, store
+
+_new_tuple = tuple.__new__  # SlotTicket(*fields) without a namedtuple's Python-level __new__
 
 
 class ProducerPort:
     """See the module docstring. ``gate``: refuses a send on a closed or closing producer
     (and notes that the user's thread is here); ``check_open``: refuses any call on a
-    closed one; ``touch``: notes that the user's thread was here."""
+    closed one."""
 
     def __init__(self, *, owner: Any, lock: threading.Lock, chan: ProducerChannel, peers: PeerTable,
                  handoffs: Handoffs, forwarder: Forwarder, backend: Backend, arena: Arena, stride: int,
                  heartbeat: float, tick: float, gate: Callable[[], None], check_open: Callable[[], None],
-                 touch: Callable[[], None], default_stream: Any, name: str, ipc: bool) -> None:
+                 default_stream: Any, name: str, ipc: bool) -> None:
         self.owner = owner  # the Producer (its public ``closed`` only)
         self.lock = lock
         self.chan = chan
@@ -67,7 +71,6 @@ class ProducerPort:
         self.next_tick = 0.0
         self.gate = gate
         self.check_open = check_open
-        self.touch = touch
         self.default_stream = default_stream
         self.name = name
         self.ipc = ipc  # the kernel can name the peer of a connection (SO_PEERCRED)
@@ -205,7 +208,7 @@ class ProducerPort:
             return
         if what == "lane":
             # Token and credentials checked: our SWITCH goes out after everything queued
-            # for it on ZeroMQ, then its frames go on the lane (PeerTable.try_send).
+            # for it on ZeroMQ, then its frames go on the lane (PeerTable.send).
             if peer.disconnected or peer.session.state == "closed" or peer.session.switch_sent:
                 return
             peer.lane_ready = data
@@ -272,6 +275,9 @@ class ProducerPort:
                 self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
                                             self.name)
                 self.remote_hub.on_sent = self.confirm_from_thread
+                # A remote consumer's release events are its sends, complete only later, on
+                # any backend: step 2 orders after them from now on.
+                h.order_events = True
             edge = self.remote_hub.new_edge(session.label, session.hello.backend)
         except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
             text = f"this producer cannot open a remote edge: {exc}"
@@ -357,7 +363,7 @@ class ProducerPort:
         # too), so closing it frees its memory now: on CUDA torch's IPC bookkeeping of the
         # export is settled here, not left for the interpreter's exit, where torch would
         # warn "Producer process has been terminated before all shared CUDA tensors released".
-        self.handoffs.plans.clear()
+        self.handoffs.forget_plans()
         self.handoffs.free_kept_slots(all_of_them=True)
         self.handoffs.stores = []
         self.handoffs.slot_views.clear()
@@ -373,30 +379,28 @@ class ProducerPort:
         return self.forwarder.forward(item, message, meta, timeout, stream, self, item.origin)
 
     def open_slot(self, spec: dict[str, Any], timeout: float | None, stream: Any) -> tuple[SlotTicket, Any]:
-        """Steps 1-2 for a ``Producer.slot()`` block: reserve a slot, order it after its
-        previous readers; returns the ticket and the slot's views. Takes the lock."""
+        """Steps 1-2 for a ``Producer.slot()`` block (``Handoffs.begin``); returns the
+        ticket and the slot's views, for the block to write (step 3). Takes the lock."""
         h = self.handoffs
         with self.lock:
             self.gate()
             plan, recipe = h.empty_plan_for(spec)
-            acq = h.ring.acquire() or h.reserve(timeout)
+            s = stream if stream is not None else self.default_stream
+            rec = h.begin(timeout, s)
             try:
-                s = stream if stream is not None else self.default_stream
-                if acq.last_holders:
-                    h.order_after_readers(acq, s if s is not None else self.backend.current_stream())
-                store = h.slot_store(acq.slot).for_item()
+                store = h.slot_store(rec.slot).for_item()
                 views = recipe.build_in(store)
                 store.seal()
             except BaseException:
-                h.ring.abort(acq.slot)
+                h.ring.abort(rec.slot)
                 raise
-        return SlotTicket(acq, plan, stream, store), views
+        return _new_tuple(SlotTicket, (rec, plan, s, store)), views
 
     def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
-        """Steps 3-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
-        else the slot is given back). Takes the lock."""
+        """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
+        else the slot is given back): ``Handoffs.finish``. Takes the lock."""
         h = self.handoffs
-        slot = ticket.acq.slot
+        slot = ticket.rec.slot
         with self.lock:
             if ticket.store.in_use():
                 # A tensor of the block outlived it: a write through it would change the
@@ -412,13 +416,10 @@ class ProducerPort:
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return
-            if self.closed:
-                self.check_open()
+            self.check_open()  # (and notes that the user's thread was here)
             try:
-                h.ready_events[slot].record(ticket.stream if ticket.stream is not None else self.default_stream)
-                h.publish(ticket.acq, ticket.plan, meta)
+                # The block wrote on its own stream, or the current one at its end.
+                h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
             except BaseException:
                 h.ring.abandon(slot)
                 raise
-            finally:
-                self.touch()

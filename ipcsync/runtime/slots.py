@@ -1,19 +1,33 @@
-"""The steps of a handoff, each defined once (send(), slot() and zero-copy forwarding all
-go through them), with the ordering rule each keeps:
+"""The steps of a handoff, each written once, with the ordering rule each keeps. ``send()``,
+``slot()`` blocks, zero-copy forwarding and the asyncio calls all compose them the same
+way: ``begin`` (steps 1-2), their own write (step 3), ``finish`` (steps 3b-4).
 
-1. ``reserve``: a FREE slot. Rule: a slot is reused only after every consumer it went to
-   has released it or is gone (the ring's invariant); backpressure blocks, never drops.
-2. ``order_after_readers``: the overwrite is ordered after the previous holders' reads.
-   Rule: the writing stream waits on each previous holder's release event (``wait="host"``:
-   only once it is complete; a lost holder's event is never waited on).
-3. write, then ``ready_events[slot].record(stream)``. Rule: the ready event is recorded on
-   the stream that wrote the slot, after the write (inlined by the callers: one line).
-4. ``publish``: the slot gets its seq and queued items go out, in seq order, to consumers
-   with free credits. Rule: READY goes out after the ready event was recorded, so a
-   consumer that waits on the event sees the finished write.
-5. ``released``: a consumer's RELEASE. Rule: a stale release never frees a newer item
-   (slot and generation must match); a forwarded slot's upstream release follows the
+1. reserve (``begin``): a FREE slot. Rule: a slot is reused only after every consumer it
+   went to has released it or is gone (the ring's invariant); backpressure blocks, never
+   drops.
+2. order after the previous readers (``begin``, ``order_after_readers``). Rule: the writing
+   stream waits on each previous holder's release event (``wait="host"``: only once it is
+   complete; a lost holder's event is never waited on).
+3. write: the caller's (a copy, the user's block, or for a forward the downstream wait on
+   the upstream ready event). Rule: on the stream ``begin`` resolved (or the caller's).
+3b. record ready (``finish``): ``ready_events[slot].record(stream)``. Rule: recorded on the
+   stream that wrote the slot, after the write.
+4. publish (``finish``, ``deliver``): the slot gets its seq and goes out, in seq order, to
+   consumers with free credits. Rule: READY goes out after the ready event was recorded, so
+   a consumer that waits on the event sees the finished write.
+5. release (``released``): a consumer's RELEASE. Rule: a stale release never frees a newer
+   item (slot and generation must match); a forwarded slot's upstream release follows the
    forwarding rules (``core.forwarding``).
+
+Two speeds, one set of steps: on a steady edge (the message's plan cached, a slot free,
+one consumer that knows the layout, a scalar or no meta) each step is a few attribute
+updates and the calls that do the work; per-layout work (plan, destination views, layout
+checks and frame room) was done when the plan was made, and the LRU touches happen only
+when the plan in use changes. Anything else (no free slot, a new or reassigned layout,
+several consumers or items queued, a forward, a meta to check) takes the general branch of
+the same step. A host-synchronous backend (CPU: events complete once recorded) skips the
+record and the order-after-readers waits, which have nothing to do there, unless a remote
+consumer's release events (sends still running) are in play.
 
 Used under the producer's lock.
 """
@@ -26,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import msgpack
 
-from ..backends import Event
+from ..backends import Backend, Event
 from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
@@ -38,7 +52,7 @@ from ..errors import ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
-__all__ = ["Waits", "Handoffs", "NAG_S", "CLOSE_LINGER_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
+__all__ = ["Waits", "Handoffs", "SlotRecord", "NAG_S", "CLOSE_LINGER_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +82,47 @@ class ForwardHooks(Protocol):
     def complete(self, slot: int) -> None: ...
 
 
+_READY = P.READY_TYPE
+
+
+class SlotRecord:
+    """One slot's handoff, from its reserve (``begin``) to its release: one record per
+    slot, reused for each item the slot holds (nothing is built per item). ``live``: an
+    item was published from it and is not yet released (or dropped)."""
+
+    __slots__ = ("slot", "gen", "last_holders", "stream", "live", "seq", "sent_ns", "layout_id",
+                 "layout_version", "layout", "meta", "short", "full", "fwd")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.gen = 0
+        self.last_holders: frozenset[Any] = frozenset()  # from the ring's acquire
+        self.stream: Any = None  # the stream steps 2-3b use (resolved by begin)
+        self.live = False
+        self.seq = -1
+        self.sent_ns = 0
+        self.layout_id = 0
+        self.layout_version = 0
+        self.layout: Any = None
+        self.meta: Any = None
+        self.short: bytes | None = None  # READY naming the layout by id (layout_id != 0)
+        self.full: bytes | None = None  # READY with the layout inline, once needed
+        # (foreign arena, region offset, region bytes) of a zero-copy forward, else None
+        self.fwd: tuple[ForeignArena, int, int] | None = None
+
+    def vacate(self) -> None:
+        """The item is released (or dropped): forget it, and what it referenced."""
+        self.live = False
+        self.meta = self.fwd = self.short = self.full = self.layout = None
+
+
 class Handoffs:
     """The ring of slots, what each slot holds, and the handoff steps over them."""
 
     def __init__(self, *, ring: Ring, slot_views: list[Any], ready_events: list[Event], slot_bytes: int,
                  peers: PeerTable, ledger: ForwardLedger[Any], stats: Stats, limits: P.Limits,
-                 wait_mode: str, timeout: float | None, waits: Waits, name: str, ratelog: RateLog) -> None:
+                 wait_mode: str, timeout: float | None, waits: Waits, name: str, ratelog: RateLog,
+                 backend: Backend) -> None:
         self.ring = ring
         self.slots = ring.nslots
         self.slot_views = slot_views
@@ -93,10 +142,16 @@ class Handoffs:
         self.layouts_inline = 0  # READY/FREADY frames that carried their layout
         self.enc = P.Encoder()
         self.forwards: ForwardHooks | None = None  # set by the forwarding port
-        # Per slot, the item it holds: [layout_id, meta, seq, gen, sent_ns, full READY frame
-        # or None until first needed, short READY frame (without the layout), forwarding
-        # (foreign arena, region offset, region bytes) or None, layout version, layout].
-        self.items: list[list[Any] | None] = [None] * self.slots
+        self.records = [SlotRecord(i) for i in range(self.slots)]
+        # Host-synchronous backend: no ready event to record, no stream to resolve.
+        self.host_sync = backend.host_sync
+        self.current_stream = backend.current_stream
+        # Step 2 has work to do: events that complete on the GPU, or (set by the port) a
+        # remote consumer's release events, sends that complete later, on any backend.
+        self.order_events = not backend.host_sync
+        # The plan last published: most recently used in both LRUs (plans, layout ids) and
+        # its layout id still its own. Reset by whatever else reorders them.
+        self.mru_plan: Plan | None = None
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
         self._alone_since: float | None = None  # since when close() has no consumer to wait for
         # slot() blocks build their views from the slot's own storage (made at its first
@@ -131,10 +186,24 @@ class Handoffs:
         if lkey not in self.layout_ids:  # (every layout that has an id was checked)
             self.check_layout(plan.layout)
         plan.layout_size = len(encoded)
+        plan.room = self.limits.max_frame - plan.layout_size
         plan.layout_key = lkey
         self.assign_layout(plan)
         self.plans.put(key, plan)
         return plan
+
+    def forget_plans(self) -> None:
+        """Teardown: drop every plan (and with them their destination views of the slots)."""
+        self.plans.clear()
+        self.mru_plan = None
+
+    def use_plan(self, plan: Plan) -> None:
+        """``plan`` is about to be published and is not ``mru_plan``: most recently used
+        in both LRUs now, with its layout id reassigned if the id went to another layout."""
+        if plan.layout_id and not self.layout_ids.current(plan.layout_key, plan.layout_id, plan.layout_version):
+            self.assign_layout(plan)  # its id went to another layout meanwhile
+        self.plans.touch(plan)
+        self.mru_plan = plan
 
     def check_layout(self, layout: list[Any]) -> None:
         """ConfigError for a layout the consumers' decoder would refuse: the hard limits of
@@ -154,8 +223,9 @@ class Handoffs:
     def assign_layout(self, plan: Plan) -> None:
         """Give ``plan`` its layout's id (see core.layout.LayoutIds): ids of items still in
         a slot are never reassigned."""
+        self.mru_plan = None
         plan.layout_id, plan.layout_version = self.layout_ids.assign(
-            plan.layout_key, lambda: [item[0] for item in self.items if item is not None])
+            plan.layout_key, lambda: [r.layout_id for r in self.records if r.live])
 
     def empty_plan_for(self, spec: dict[str, Any]) -> tuple[Plan, Recipe]:
         """The plan (and in-place views' recipe) of a ``slot()`` spec."""
@@ -210,7 +280,7 @@ class Handoffs:
         if ring.queued and not ring.consumers():
             dropped = ring.drop_queued()
             for slot in dropped:
-                self.items[slot] = None
+                self.records[slot].vacate()
             ever = attached_ever()
             why = (f"every consumer that attached ({ever}) had left and none attached within "
                    f"{CLOSE_LINGER_S:g} s" if ever else "no consumer attached before close()'s timeout")
@@ -240,12 +310,32 @@ class Handoffs:
                 + (" (stalled)" if p.stalled else "") for p in self.peers]
         return "; ".join(held) or f"slot states {self.ring.occupancy()}"
 
-    # ------------------------------------------------------------------ 1. reserve
-    def reserve(self, timeout: float | None) -> Acquired:
-        """Step 1: a FREE slot, waiting up to ``timeout`` while consumers hold every slot.
-        (Callers try ``ring.acquire()`` inline first: that is the common case.)"""
-        acq = self.ring.acquire()
-        return acq if acq is not None else self._wait_for_slot(timeout)
+    # ------------------------------------------------------------------ 1-2. begin
+    def begin(self, timeout: float | None, stream: Any) -> SlotRecord:
+        """Steps 1 and 2: reserve a FREE slot (waiting up to ``timeout`` while consumers
+        hold every slot), resolve the stream (``stream``, else the current one), and order
+        the slot's overwrite after its previous readers on it. The slot is given back if
+        step 2 fails. Returns the slot's record: the caller writes (step 3), then calls
+        ``finish`` (or ``ring.abandon(rec.slot)`` if it fails)."""
+        # 1. reserve. Rule: only a FREE slot, one every earlier holder released or left.
+        acq = self.ring.acquire() or self._wait_for_slot(timeout)
+        rec = self.records[acq.slot]
+        rec.gen = acq.gen
+        rec.last_holders = acq.last_holders
+        if stream is None and not self.host_sync:
+            stream = self.current_stream()  # resolved once: steps 2, 3 and 3b use it
+        rec.stream = stream
+        # 2. order after the previous readers. Rule: the overwrite waits for their release
+        # events (a lost reader's never); a forward of this slot still waiting downstream is
+        # finished first. Nothing to do with no previous reader still attached, or with
+        # events complete once recorded and no forward pending.
+        if acq.last_holders and (self.order_events or self.ledger.pending):
+            try:
+                self.order_after_readers(rec)
+            except BaseException:
+                self.ring.abort(rec.slot)
+                raise
+        return rec
 
     def _wait_for_slot(self, timeout: float | None) -> Acquired:
         w = self.waits
@@ -290,23 +380,25 @@ class Handoffs:
         )
 
     # ------------------------------------------------------------------ 2. order after readers
-    def order_after_readers(self, acq: Acquired, stream: Any) -> None:
-        """Step 2: order the overwrite after the previous holders' reads (their release events).
+    def order_after_readers(self, rec: SlotRecord) -> None:
+        """Step 2: order the overwrite after the previous holders' reads (their release
+        events), on ``rec.stream``.
 
         ``wait="gpu"``: the stream waits on each event at once. ``"host"``: poll ``query()``
         (pumping, so deaths are noticed) and enqueue only completed events. A holder lost
         meanwhile is skipped: no wait is ever enqueued on an event a lost peer recorded.
         A forwarded item of this slot still waiting for downstream events is finished first.
         """
-        if self.ledger.pending and acq.slot in self.ledger.pending:
+        slot, stream = rec.slot, rec.stream
+        if self.ledger.pending and slot in self.ledger.pending:
             assert self.forwards is not None
-            self.forwards.complete(acq.slot)
+            self.forwards.complete(slot)
         peers = self.peers
-        for cid in acq.last_holders:
+        for cid in rec.last_holders:
             peer = peers.get(cid)  # type: ignore[arg-type]
             if peer is None or not peer.release_events:
                 continue
-            ev = peer.release_events[acq.slot]
+            ev = peer.release_events[slot]
             # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
             # which costs far more host time than the query when the event is another
             # process's. The peer re-records this event only after we hand it the slot again,
@@ -318,51 +410,80 @@ class Handoffs:
                 if not self.waits.wait_until(lambda: peers.get(cid) is not peer or ev.query(),  # type: ignore[arg-type]
                                              t, "release_event", self.stats.waited, poll_event=True):
                     raise self.waits.timeout_error(
-                        f"{peer.label} did not finish with slot {acq.slot}", t,
+                        f"{peer.label} did not finish with slot {slot}", t,
                         "its GPU work on the slot is still running (or wedged)",
                     )
                 continue  # complete, or its recorder is lost: no wait either way
             ev.wait(stream)
 
-    # ------------------------------------------------------------------ 4. publish
-    def publish(self, acq: Acquired, plan: Plan, meta: Any,
-                fwd: tuple[ForeignArena, int, int] | None = None) -> int:
-        """Step 4: commit the slot written (and its ready event recorded) and send what is
-        queued. ``fwd``: (foreign arena, region offset, region bytes) of a zero-copy forward.
-        Returns the item's seq; ConfigError (nothing committed) for a meta the consumers
-        would refuse."""
+    # ------------------------------------------------------------------ 3b-4. finish
+    def finish(self, rec: SlotRecord, plan: Plan, meta: Any, stream: Any,
+               fwd: tuple[ForeignArena, int, int] | None = None) -> int:
+        """Steps 3b and 4 for slot ``rec`` (written): record its ready event on ``stream``,
+        commit it and send what can go out. ``fwd``: (foreign arena, region offset, region
+        bytes) of a zero-copy forward. Returns the item's seq; ConfigError (nothing
+        committed) for a meta the consumers would refuse."""
+        slot = rec.slot
+        # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
+        if not self.host_sync:
+            self.ready_events[slot].record(stream)
+        if plan is not self.mru_plan:
+            self.use_plan(plan)
         ring = self.ring
         seq = ring.next_seq
-        slot, gen = acq.slot, acq.gen
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
+        if lid and meta is None and fwd is None:
+            # The steady READY: its consumers' limits were checked for the layout (room).
+            frame = self.enc.plain([_READY, seq, slot, rec.gen, sent_ns, lid, None, None])
+            if len(frame) > plan.room:
+                self.check_frame(frame, meta, plan)
+        else:
+            frame = self.encode(rec, seq, sent_ns, plan, meta, fwd)
+        # 4. publish. Rule: after the record (3b), in seq order; what the ring hands out
+        # now goes out now, the rest when a consumer has a credit (dispatch).
+        seq, cid = ring.publish(slot)
+        rec.seq, rec.sent_ns, rec.meta, rec.fwd = seq, sent_ns, meta, fwd
+        rec.layout_id, rec.layout_version, rec.layout = lid, plan.layout_version, plan.layout
         if lid:
-            # Inlined LayoutIds.current(): this runs once per send.
-            ids = self.layout_ids
-            if ids.versions[lid] != plan.layout_version:  # its id went to another layout
-                self.assign_layout(plan)
-                lid = plan.layout_id
-            else:
-                ids.ids.move_to_end(plan.layout_key)
-        ck = plan.cache_key
-        if ck is not None:  # inlined PlanCache.touch()
-            plans = self.plans.plans
-            if plans.get(ck) is plan:
-                plans.move_to_end(ck)
+            rec.short, rec.full = frame, None
+        else:
+            rec.short, rec.full = None, frame
+        rec.live = True
+        stats = self.stats  # (two adds: Stats.count, without its call)
+        stats.handoffs += 1
+        stats.bytes += plan.data_bytes
+        if self.trace is not None:
+            self.trace.sent(seq, slot, sent_ns, plan.data_bytes)
+        if cid is not None:
+            self.deliver(cid, rec)
+        elif ring.queued:
+            self.dispatch()
+        return seq
+
+    def encode(self, rec: SlotRecord, seq: int, sent_ns: int, plan: Plan, meta: Any,
+               fwd: tuple[ForeignArena, int, int] | None) -> bytes:
+        """The READY (or FREADY) of an item that is not the steady case, checked as its
+        consumers' decoder will check it: ConfigError if they would refuse it."""
+        lid = plan.layout_id
         try:
-            # Cached layouts: encode the short frame now (what consumers that know the
-            # layout get); the full one only if a consumer needs it (see dispatch).
+            # Cached layouts: the short frame now (what consumers that know the layout get);
+            # the full one only if a consumer needs it (see deliver).
             if fwd is None:
-                frame = self.enc.ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout, meta)
+                frame = self.enc.ready(seq, rec.slot, rec.gen, sent_ns, lid, None if lid else plan.layout, meta)
             else:
-                frame = self.enc.forward_ready(seq, slot, gen, sent_ns, lid, None if lid else plan.layout,
+                frame = self.enc.forward_ready(seq, rec.slot, rec.gen, sent_ns, lid, None if lid else plan.layout,
                                                meta, fwd[0].fid, fwd[1], fwd[2])
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"meta is not msgpack-able: {exc}") from None
+        self.check_frame(frame, meta, plan)
+        return frame
+
+    def check_frame(self, frame: bytes, meta: Any, plan: Plan) -> None:
+        """ConfigError unless the consumers' decoder, under the same limits, accepts
+        ``frame`` (the layout was checked when its plan was made)."""
         try:
-            # What the consumers' decoder accepts, under the same limits (the layout was
-            # checked when its plan was made).
-            P.check_outgoing(frame, meta, plan.layout_size if lid else 0, self.limits)
+            P.check_outgoing(frame, meta, plan.layout_size if plan.layout_id else 0, self.limits)
         except ProtocolError as exc:
             lim = self.limits
             raise ConfigError(
@@ -371,87 +492,79 @@ class Handoffs:
                 f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
                 "bytes (ipcsync.Limits): send less meta or fewer tensors"
             ) from None
-        committed = ring.commit(slot)
-        assert committed == seq
-        self.items[slot] = [lid, meta, seq, gen, sent_ns, None if lid else frame, frame if lid else None, fwd,
-                            plan.layout_version, plan.layout]
-        self.stats.count(plan.data_bytes)
-        if self.trace is not None:
-            self.trace.sent(seq, slot, sent_ns, plan.data_bytes)
-        self.dispatch()  # (it returns at once when nothing is queued)
-        return seq
 
     def dispatch(self) -> None:
-        """Queued items to consumers with free credits, in seq order (a forwarded item's
-        FOREIGN first, to a consumer that does not know that arena's current version)."""
-        ring = self.ring
-        if not ring.queued:
+        """Queued items to consumers with free credits, in seq order."""
+        if not self.ring.queued:
             return
+        records = self.records
+        for cid, _seq, slot, _gen in self.ring.dispatch():
+            self.deliver(cid, records[slot])
+
+    def deliver(self, cid: Any, rec: SlotRecord) -> None:
+        """Send the item of ``rec``, which the ring handed to consumer ``cid``: the short
+        READY to a consumer that has its layout's id at its version, else the full one
+        (recorded as sent); a forwarded item's FOREIGN first, to a consumer that does not
+        know that arena's current version; a remote consumer's bytes after its READY."""
         peers = self.peers
-        trace = self.trace
-        for cid, _seq, slot, _gen in ring.dispatch():
-            peer = peers.get(cid)  # type: ignore[arg-type]
-            if peer is None:  # lost by an earlier send of this loop; the ring freed its slots
-                continue
-            item = self.items[slot]
-            assert item is not None
-            lid = item[0]
-            fwd = item[7]
-            session = peer.session
-            if fwd is not None:  # forwarded zero-copy: the consumer must know the arena first
-                foreign = fwd[0]
-                if session.needs_foreign(foreign.fid, foreign.version):
-                    peers.send(peer, foreign.frame)
-            if lid and session.layouts.get(lid) == item[8]:  # it has this layout under lid (inlined)
-                frame = item[6]
-            else:
-                frame = item[5]
-                if frame is None:
-                    layout = item[9]
-                    if fwd is None:
-                        frame = self.enc.ready(item[2], slot, item[3], item[4], lid, layout, item[1])
-                    else:
-                        frame = self.enc.forward_ready(item[2], slot, item[3], item[4], lid, layout, item[1],
-                                                       fwd[0].fid, fwd[1], fwd[2])
-                    item[5] = frame
-                session.needs_layout(lid, item[8])  # records it
-                self.layouts_inline += 1
-            if trace is not None:  # (before the send: the consumer may stamp its receipt at once)
-                trace.ready(_seq, peer.label)
-            peers.send(peer, frame)
-            if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
-                peer.remote.send(slot, item[9], item[2])
+        peer = peers.get(cid)
+        if peer is None:  # lost by an earlier send of a dispatch loop; the ring freed its slots
+            return
+        session = peer.session
+        fwd = rec.fwd
+        if fwd is not None:  # forwarded zero-copy: the consumer must know the arena first
+            foreign = fwd[0]
+            if session.needs_foreign(foreign.fid, foreign.version):
+                peers.send(peer, foreign.frame)
+        lid = rec.layout_id
+        if lid and session.layouts.get(lid) == rec.layout_version:  # it has this layout under lid
+            frame = rec.short
+        else:
+            frame = rec.full
+            if frame is None:
+                if fwd is None:
+                    frame = self.enc.ready(rec.seq, rec.slot, rec.gen, rec.sent_ns, lid, rec.layout, rec.meta)
+                else:
+                    frame = self.enc.forward_ready(rec.seq, rec.slot, rec.gen, rec.sent_ns, lid, rec.layout,
+                                                   rec.meta, fwd[0].fid, fwd[1], fwd[2])
+                rec.full = frame
+            session.needs_layout(lid, rec.layout_version)  # records it
+            self.layouts_inline += 1
+        if self.trace is not None:  # (before the send: the consumer may stamp its receipt at once)
+            self.trace.ready(rec.seq, peer.label)
+        peers.send(peer, frame)  # type: ignore[arg-type]
+        if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
+            peer.remote.send(rec.slot, rec.layout, rec.seq)
 
     # ------------------------------------------------------------------ 5. release
     def released(self, peer: Peer, entries: list[tuple[int, int, int]]) -> None:
-        """Step 5: a consumer's RELEASE entries (seq, slot, gen)."""
-        now_ns = time.monotonic_ns()
-        latency = self.stats.latency
-        bad: ProtocolError | None = None
-        nbad = 0
-        trace = self.trace
-        for seq, slot, gen in entries:
-            try:
-                freed = self.ring.release(peer.identity, seq, slot, gen)
-            except ProtocolError as exc:
-                # Rejected, not fatal: a stale release can never free a newer item.
-                nbad += 1
-                bad = bad or exc
-                continue
-            if freed:
-                item = self.items[slot]
-                self.items[slot] = None
-                if item is not None:
-                    latency((now_ns - item[4]) / 1e9)  # item[4]: sent_ns
-                    if trace is not None:
-                        trace.freed(seq, now_ns)
-                    if item[7] is not None:
-                        assert self.forwards is not None
-                        self.forwards.freed(slot)
-        if nbad:  # one (rate-limited) line per RELEASE, however many entries it got wrong
-            self.peers.bad_frames += nbad
+        """Step 5: a consumer's RELEASE entries (seq, slot, gen), batched: one ring call
+        for the whole RELEASE. Rule: a stale or foreign entry is rejected and frees
+        nothing (it can never free a newer item); the others stand."""
+        freed, bad = self.ring.release_all(peer.identity, entries)
+        if freed:
+            now_ns = time.monotonic_ns()
+            latency = self.stats.latencies.append  # (Stats.latency, without its call)
+            trace = self.trace
+            records = self.records
+            for seq, slot in freed:
+                rec = records[slot]
+                if not rec.live:
+                    continue
+                latency((now_ns - rec.sent_ns) / 1e9)
+                if trace is not None:
+                    trace.freed(seq, now_ns)
+                if rec.fwd is not None:
+                    rec.vacate()
+                    assert self.forwards is not None
+                    self.forwards.freed(slot)
+                else:  # vacate's work, without its call: its frames and layout are rewritten
+                    rec.live = False  # at the next finish; the meta is the user's, dropped now
+                    rec.meta = None
+        if bad:  # one (rate-limited) line per RELEASE, however many entries it got wrong
+            self.peers.bad_frames += len(bad)
             self.ratelog.warning("release", "ipcsync producer %r ignored %d of %d release entries from %s: %s",
-                                 self.name, nbad, len(entries), peer.label, bad)
+                                 self.name, len(bad), len(entries), peer.label, bad[0])
 
     def reclaim(self, peer: Peer) -> None:
         """``peer`` left: the slots only it held are free (a forwarded one's upstream release
@@ -460,7 +573,7 @@ class Handoffs:
         ERROR ``dropped`` first and is never confirmed such a send (core.remote_session 7),
         so it never serves what they carry."""
         for slot in self.ring.remove_consumer(peer.identity):
-            self.items[slot] = None
+            self.records[slot].vacate()
             if self.ledger.held[slot] is not None:
                 assert self.forwards is not None
                 self.forwards.freed(slot)

@@ -163,16 +163,17 @@ def test_a_forward_interrupted_after_its_commit_stays_forwarded(device: str) -> 
             ipcsync.Consumer("fwi-down", device=device, timeout=10) as sink:
         up.send({"x": torch.arange(8, device=device)}, meta=0)
         a = mid.get()
+        down.wait_for_consumers(1)  # (else the item waits queued, and the pump hands it out)
         h = down._handoffs
-        dispatch, calls = h.dispatch, []
+        deliver, calls = h.deliver, []
 
-        def interrupted() -> None:
+        def interrupted(*args: Any) -> None:  # the step after the commit, then a Ctrl-C
+            deliver(*args)
             calls.append(1)
             if len(calls) == 1:
                 raise KeyboardInterrupt
-            dispatch()
 
-        h.dispatch = interrupted
+        h.deliver = interrupted
         with pytest.raises(KeyboardInterrupt):
             ipcsync.forward(a, down, copy=False)
         assert a.released and down.stats()["forwarded"] == 1

@@ -72,18 +72,19 @@ def test_slot_refused_after_close(endpoints: Any) -> None:
 
 # --------------------------------------------------------------------------- interrupted after the commit
 class _InterruptOnce:
-    """Stands in for ``Handoffs.dispatch``: the first call raises KeyboardInterrupt (a
-    Ctrl-C landing while a send hands its committed item out, as during a remote edge's
-    post), later ones dispatch."""
+    """Stands in for ``Handoffs.deliver``, the step after the commit: its first call hands
+    the item out, then raises KeyboardInterrupt (a Ctrl-C landing while a send hands its
+    committed item out, as during a remote edge's post, which follows the READY); later
+    ones deliver."""
 
-    def __init__(self, dispatch: Any) -> None:
-        self.dispatch, self.raised = dispatch, False
+    def __init__(self, deliver: Any) -> None:
+        self.deliver, self.raised = deliver, False
 
-    def __call__(self) -> None:
+    def __call__(self, *args: Any) -> None:
+        self.deliver(*args)
         if not self.raised:
             self.raised = True
             raise KeyboardInterrupt
-        self.dispatch()
 
 
 @pytest.mark.parametrize("how", ["send", "slot"])
@@ -93,14 +94,14 @@ def test_an_interrupt_after_the_commit_is_raised_as_itself_and_the_item_still_go
     # the producer failed with that ValueError.
     out, inp = pair
     h = out._handoffs
-    h.dispatch = _InterruptOnce(h.dispatch)
+    h.deliver = _InterruptOnce(h.deliver)
     with pytest.raises(KeyboardInterrupt):
         if how == "send":
             out.send({"x": torch.full((4,), 7, dtype=torch.uint8)}, meta="first", timeout=1)
         else:
             with out.slot(x=((4,), torch.uint8), meta="first", timeout=1) as s:
                 s["x"].fill_(7)
-    assert h.dispatch.raised
+    assert h.deliver.raised
     out.send({"x": torch.full((4,), 8, dtype=torch.uint8)}, meta="second", timeout=1)
     got = []
     for _ in range(2):

@@ -797,21 +797,44 @@ class RingMachine(RuleBasedStateMachine):
         self.writing.add(acq.slot)
 
     @precondition(lambda self: self.writing)
-    @rule(data=st.data(), commit=st.booleans())
-    def finish(self, data: st.DataObject, commit: bool) -> None:
+    @rule(data=st.data(), how=st.sampled_from(["commit", "publish", "abort"]))
+    def finish(self, data: st.DataObject, how: str) -> None:
         slot = data.draw(st.sampled_from(sorted(self.writing)))
         self.writing.discard(slot)
-        if commit:
-            seq = self.r.commit(slot)
-            self.released_by[slot] = set()
-            assert seq not in self.committed
-            self.committed.add(seq)
-        else:
+        if how == "abort":
             self.r.abort(slot)
+            return
+        if how == "commit":
+            seq = self.r.commit(slot)
+            cid = None
+        else:
+            # publish hands the item out at once exactly when dispatch() would hand out
+            # this item alone: nothing queued ahead, one consumer, a free credit.
+            lone = [c.free_credits for c in self.r._consumers.values()]
+            expect = self.r.queued == 0 and len(lone) == 1 and lone[0] > 0
+            seq, cid = self.r.publish(slot)
+            assert (cid is not None) == expect
+        self.released_by[slot] = set()
+        assert seq not in self.committed
+        self.committed.add(seq)
+        if cid is None:
+            assert self.r.state[slot] is SlotState.QUEUED
+        else:
+            self.handed([Dispatch(cid, seq, slot, self.r.gen[slot])])
 
     @rule()
     def dispatch(self) -> None:
-        out = self.r.dispatch()
+        self.handed(self.r.dispatch())
+        # dispatch() stops only when nothing is queued or nobody can take more.
+        if self.r.queued and self.credits:
+            frees = [c.free_credits for c in self.r._consumers.values()]
+            if self.r.policy == "shard":
+                assert max(frees) == 0
+            else:
+                assert min(frees) == 0
+
+    def handed(self, out: list[Dispatch]) -> None:
+        """Items the ring handed out (by dispatch or publish): checked against the model."""
         by_seq: dict[int, list[Hashable]] = defaultdict(list)
         for d in out:
             assert d.seq in self.committed
@@ -829,13 +852,6 @@ class RingMachine(RuleBasedStateMachine):
                 assert len(self.dispatched[seq]) == 1
             else:
                 assert sorted(cids) == sorted(self.credits)
-        # dispatch() stops only when nothing is queued or nobody can take more.
-        if self.r.queued and self.credits:
-            frees = [c.free_credits for c in self.r._consumers.values()]
-            if self.r.policy == "shard":
-                assert max(frees) == 0
-            else:
-                assert min(frees) == 0
 
     @precondition(lambda self: self.outstanding)
     @rule(data=st.data())
@@ -846,6 +862,25 @@ class RingMachine(RuleBasedStateMachine):
         self.released_by[d.slot].add(d.consumer)
         assert freed == (self.r.state[d.slot] is SlotState.FREE)
         assert freed == (not any(o.slot == d.slot for o in self.outstanding))
+
+    @precondition(lambda self: self.outstanding)
+    @rule(data=st.data(), stale=st.booleans())
+    def release_all(self, data: st.DataObject, stale: bool) -> None:
+        """One RELEASE of several entries from one consumer, perhaps with a stale one."""
+        cid = data.draw(st.sampled_from(sorted({d.consumer for d in self.outstanding})))
+        mine = [d for d in self.outstanding if d.consumer == cid]
+        picked = data.draw(st.lists(st.sampled_from(mine), min_size=1, max_size=3, unique=True))
+        entries = [(d.seq, d.slot, d.gen) for d in picked]
+        if stale:  # an older generation of the first: rejected, changes nothing
+            entries.insert(data.draw(st.integers(0, len(entries))), (picked[0].seq, picked[0].slot, picked[0].gen - 1))
+        freed, bad = self.r.release_all(cid, entries)
+        assert len(bad) == int(stale) and all(isinstance(e, ProtocolError) for e in bad)
+        for d in picked:
+            self.outstanding.remove(d)
+            self.released_by[d.slot].add(cid)
+        for d in picked:
+            gone = not any(o.slot == d.slot for o in self.outstanding)
+            assert ((d.seq, d.slot) in freed) == gone == (self.r.state[d.slot] is SlotState.FREE)
 
     @rule(data=st.data(), kind=st.sampled_from(["gen", "seq", "slot", "holder", "again"]))
     def bad_release(self, data: st.DataObject, kind: str) -> None:

@@ -1,0 +1,199 @@
+"""The producer's fast path hands over to the general path, and back, at every edge,
+without losing or reordering an item (runtime.slots: a steady send takes each step's fast
+branch; anything else takes the general one):
+
+- the layout changes mid-stream (a new plan, its id reassigned, no id free: inline);
+- a consumer joins mid-stream (two consumers: the ring's general dispatch);
+- a consumer is lost mid-stream (SIGKILL): the survivor goes on, alone again;
+- the ring is full (backpressure: the send waits, pumping releases);
+- close() while items are in flight (they are all delivered, then a clean end).
+
+Every consumer checks each item's contents and that its items come in order (a
+broadcast consumer: each seq once, none skipped).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import ipcsync
+from ipcsync.runtime import slots as slots_module
+
+from peers.common import check, expected
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _msg(i: int, kind: int, device: str) -> dict[str, Any]:
+    """Item ``i`` in one of three layouts (``kind``), its values naming ``i``."""
+    if kind == 0:
+        return {"x": torch.full((4,), i, dtype=torch.int64, device=device)}
+    if kind == 1:
+        return {"x": torch.full((2, 3), float(i), device=device).t(), "y": [torch.tensor(i, device=device)]}
+    return {"z": torch.arange(6, dtype=torch.int32, device=device)[::2] + i}
+
+
+def _check_msg(item: Any, i: int, kind: int) -> None:
+    exp = _msg(i, kind, "cpu")
+    got = item.tensors
+    assert sorted(got) == sorted(exp), (i, kind, got)
+    for k, v in exp.items():
+        g = got[k]
+        if isinstance(v, list):
+            assert [int(t) for t in g] == [int(t) for t in v], (i, k)
+        else:
+            assert g.dtype == v.dtype and g.shape == v.shape and torch.equal(g.cpu(), v), (i, k)
+
+
+@pytest.mark.parametrize("layout_ids", [None, 2, 0])
+def test_layout_changes_mid_stream(endpoints: Any, device: str, monkeypatch: pytest.MonkeyPatch,
+                                   layout_ids: int | None) -> None:
+    """Layouts switch every few items, metas switch between none, a scalar and a dict.
+    ``layout_ids``: 2 ids for 3 layouts (ids reassigned while the stream runs), 0 (no id
+    ever: every READY carries its layout), None: as shipped."""
+    if layout_ids is not None:
+        monkeypatch.setattr(slots_module, "MAX_LAYOUT_IDS", layout_ids)
+    out = endpoints.producer("fp-layout", slots=4, slot_bytes=4096, device=device, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("fp-layout", device=device, heartbeat=None, timeout=10)
+    out.wait_for_consumers(1, timeout=10)
+    plan: list[tuple[int, Any]] = []
+    for i in range(60):
+        kind = (i // 3) % 3 if i < 45 else i % 3  # runs of three, then a change at every item
+        meta = None if i % 4 else ({"i": i} if i % 8 else i)
+        plan.append((kind, meta))
+    seqs = []
+    for start in range(0, len(plan), 3):  # three sends, three receives: the ring never fills
+        for i in range(start, start + 3):
+            kind, meta = plan[i]
+            seqs.append(out.send(_msg(i, kind, device), meta=meta))
+        for i in range(start, start + 3):
+            item = inp.get(timeout=10)
+            assert item is not None, i
+            assert item.seq == seqs[i] == i and item.meta == plan[i][1]
+            _check_msg(item, i, plan[i][0])
+            item.release()
+    assert out.stats()["handoffs"] == len(plan)
+
+
+@pytest.mark.parametrize("policy", ["broadcast", "shard"])
+def test_a_consumer_joining_mid_stream(endpoints: Any, procs: Any, policy: str) -> None:
+    """The first consumer alone (the fast path), then a second one joins (two consumers:
+    the general dispatch), then the stream ends. Broadcast: the first gets every item and
+    the newcomer a run of the latest ones, in order; shard: every item exactly once."""
+    n, size = 120, 16
+    out = endpoints.producer("fp-join", slots=4, slot_bytes=1 << 14, heartbeat=0.5, timeout=30, policy=policy)
+    shard = policy == "shard"
+    first = procs.start("consume", module="peers.basic", endpoint="fp-join", size=size, sharded=shard)
+    out.wait_for_consumers(1, timeout=30)
+    for i in range(n // 2):
+        out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+    second = procs.start("consume", module="peers.basic", endpoint="fp-join", size=size, sharded=shard)
+    out.wait_for_consumers(2, timeout=30)
+    for i in range(n // 2, n):
+        out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+    out.close()
+    a, b = first.result(), second.result()
+    assert a["errors"] == [] and b["errors"] == [], (a, b)
+    assert a["end"] == b["end"] == "stop"
+    if shard:
+        assert a["received"] + b["received"] == n and a["distinct"] + b["distinct"] == n
+        assert b["received"] > 0  # the newcomer took part
+    else:
+        assert a["received"] == n and a["first"] == [0] and a["last"] == [n - 1]
+        assert b["last"] == [n - 1] and b["first"][0] <= n // 2  # every item since it joined
+
+
+def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any) -> None:
+    """Broadcast to two consumers (the general dispatch); one SIGKILLs itself mid-stream;
+    the survivor, alone again (the fast path), gets every item, in order, intact."""
+    n, size = 150, 16
+    out = endpoints.producer("fp-lost", slots=4, slot_bytes=1 << 14, heartbeat=0.2, timeout=30,
+                             policy="broadcast")
+    survivor = procs.start("consume", module="peers.basic", endpoint="fp-lost", size=size, heartbeat=0.2)
+    victim = procs.start("consume", module="peers.basic", endpoint="fp-lost", size=size, heartbeat=0.2,
+                         kill_after=20)
+    out.wait_for_consumers(2, timeout=30)
+    for i in range(n):
+        out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+    victim.read_until(lambda line: line.get("event") == "dying", timeout=30)
+    out.close()
+    res = survivor.result()
+    assert res["errors"] == [] and res["end"] == "stop", res
+    assert res["received"] == n and res["first"] == [0] and res["last"] == [n - 1]
+    assert out.stats()["consumers_lost"] == 1
+
+
+def test_a_full_ring_waits_and_loses_nothing(endpoints: Any, procs: Any) -> None:
+    """Two slots and a slow consumer: sends wait for releases (backpressure, the general
+    branch of reserve), then go on; every item arrives, in order, intact."""
+    n, size = 40, 16
+    out = endpoints.producer("fp-full", slots=2, slot_bytes=1 << 14, heartbeat=0.5, timeout=30)
+    cons = procs.start("consume", module="peers.basic", endpoint="fp-full", size=size, delay=0.01)
+    out.wait_for_consumers(1, timeout=30)
+    for i in range(n):
+        out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+    assert out.stats()["waiting_s"].get("slot", 0.0) > 0.0  # it did wait for a slot
+    out.close()
+    res = cons.result()
+    assert res["errors"] == [] and res["end"] == "stop", res
+    assert res["received"] == n and res["first"] == [0] and res["last"] == [n - 1]
+
+
+@pytest.mark.parametrize("how", ["send", "slot"])
+def test_close_while_items_are_in_flight(endpoints: Any, device: str, how: str) -> None:
+    """A burst that fills the ring (items in flight to the consumer, others queued behind
+    its credits), then close() at once: the consumer reads each item, in order, intact,
+    then its iteration ends cleanly."""
+    n, size = 4, 16
+    out = endpoints.producer("fp-close", slots=n, slot_bytes=1 << 14, device=device, heartbeat=0.5, timeout=30)
+    inp = endpoints.consumer("fp-close", device=device, heartbeat=0.5, timeout=30, credits=2)
+    out.wait_for_consumers(1, timeout=30)
+    for i in range(n):
+        if how == "send":
+            out.send(expected(i, size, device), meta={"i": i, "tag": f"item-{i}"})
+        else:
+            a = expected(i, size, device)["a"]
+            with out.slot(a=(tuple(a.shape), a.dtype), meta={"i": i, "tag": f"item-{i}"}) as s:
+                s["a"].copy_(a)
+    closer = threading.Thread(target=out.close, daemon=True)  # waits for the consumer
+    closer.start()
+    got = []
+    for item in inp:
+        i = item.seq
+        got.append(i)
+        assert item.meta == {"i": i, "tag": f"item-{i}"}
+        if how == "send":
+            assert check(item, i, size, device) is None
+        else:
+            assert torch.equal(item["a"].cpu(), expected(i, size, "cpu")["a"])
+        item.release()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert got == list(range(n))
+
+
+def test_close_lets_go_of_every_plan(endpoints: Any) -> None:
+    """The plan last published (kept for the fast path's LRU shortcut) goes at close with
+    the others: its destination views hold the arena, which close frees."""
+    import sys  # noqa: PLC0415
+
+    out = endpoints.producer("fp-plans", slots=2, slot_bytes=4096, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("fp-plans", heartbeat=None, timeout=10)
+    out.wait_for_consumers(1, timeout=10)
+    out.send({"x": torch.zeros(4)})
+    item = inp.get(timeout=10)
+    assert item is not None
+    item.release()
+    del item
+    (plan,) = out._handoffs.plans.plans.values()
+    out.close()
+    assert sys.getrefcount(plan) == 2  # ours, and getrefcount's argument: nobody else's
