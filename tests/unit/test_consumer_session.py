@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ipcsync.core import protocol as P
-from ipcsync.core.consumer_session import (SENDS, ConsumerSession, ForeignReceived, ForwardedReceived,
+from ipcsync.core.consumer_session import (ConsumerSession, ForeignReceived, ForwardedReceived,
                                            SetupReceived)
 from ipcsync.core.layout import RecipeCache, plan_message
 from ipcsync.core.liveness import Verdict
@@ -209,7 +209,7 @@ def test_setup_validation() -> None:
 
 def test_send_rules() -> None:
     s = ConsumerSession("ep", "cpu", 1.0)
-    assert MsgType.RELEASE not in SENDS[State.AWAIT_SETUP]
+    assert not s.conv.may_send(MsgType.RELEASE)
     with pytest.raises(ProtocolError, match="may not send ATTACH"):
         s.attach(setup(), [])
     s.receive(frame(P.Bye("x")))  # closed

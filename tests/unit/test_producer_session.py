@@ -45,7 +45,7 @@ def test_hello_when_active_is_a_bad_frame_answered_by_error() -> None:
     assert ev.kind is Kind.BAD_FRAME and isinstance(ev.data, ProtocolError)
     err = P.decode(ev.reply)
     assert isinstance(err, P.Error) and err.code == "protocol"
-    assert s.state is State.CLOSED
+    assert s.state is State.ERROR  # ended by the broken frame
 
 
 def test_garbage_frame_is_a_bad_frame() -> None:
@@ -84,7 +84,7 @@ def test_attach_with_wrong_number_of_events_is_refused() -> None:
     s.receive(P.Attach([b"e"]), 0.0)
     bad = s.attach_problem(1, 4)
     assert bad is not None and bad.kind is Kind.BAD_FRAME and "4 slots" in str(bad.data)
-    assert s.state is State.CLOSED
+    assert s.state is State.ERROR  # ended by the broken frame
     assert ProducerSession(b"id2", hello(), 0.0, heartbeat=1.0).attach_problem(4, 4) is None
 
 
