@@ -7,7 +7,7 @@ Rules kept here:
 - transitions, for what we receive and for what we send: ``protocol.TRANSITIONS``, the
   one table of both parties, through ``protocol.Conversation``;
 - the goodbye is the state: our BYE is said at most once (``BYE_SENT``); a BYE received is
-  always acknowledged (``ACKING``, then ``CLOSED``: the consumer closes its socket only
+  always acknowledged (``ACK_DUE``, then ``CLOSED``: the consumer closes its socket only
   after the ack, which proves its earlier frames arrived);
 - the same HELLO again while we await ATTACH is ignored (ZeroMQ kept the consumer's
   first HELLO queued across a reconnect and it sent one more on connecting);
@@ -34,9 +34,9 @@ from .protocol import ErrorCode, LanePhase, MsgType, State
 
 __all__ = ["Kind", "SessionEvent", "ProducerSession", "error_frame"]
 
-# States in which our BYE was said (or, ACKING, is being said as the ack).
-_BYE_SENT: Final = frozenset({State.BYE_SENT, State.ACKING, State.CLOSED})
-_BYE_RECEIVED: Final = frozenset({State.ACKING, State.CLOSED})
+# States in which our BYE was said (or, ACK_DUE, is being said as the ack).
+_BYE_SENT: Final = frozenset({State.BYE_SENT, State.ACK_DUE, State.CLOSED})
+_BYE_RECEIVED: Final = frozenset({State.ACK_DUE, State.CLOSED})
 # States in which the consumer may hold slots: items flow, or our BYE awaits their release.
 _MAY_HOLD: Final = frozenset({State.ACTIVE, State.BYE_SENT})
 
@@ -155,7 +155,7 @@ class ProducerSession:
             return SessionEvent(Kind.RELEASED, msg.entries)  # type: ignore[union-attr]
         if kind is P.Attach:
             return SessionEvent(Kind.ATTACHED, msg)
-        if kind is P.Bye:  # (ACKING: the ack is our next frame)
+        if kind is P.Bye:  # (ACK_DUE: the ack is our next frame)
             return SessionEvent(Kind.GOODBYE, reply=self._frame(P.Bye("ack")))
         if kind is P.Error:
             return SessionEvent(Kind.PEER_ERROR, msg)

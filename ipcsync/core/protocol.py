@@ -77,6 +77,8 @@ __all__ = [
     "LANE_TYPES",
     "INITIAL",
     "ENDED",
+    "DUE",
+    "LANE_DUE",
     "PEER_OF",
     "Event",
     "Limits",
@@ -204,14 +206,17 @@ class State(str, Enum):
     BYE first decides what may still come."""
 
     AWAIT_HELLO = "await_hello"  # producer: connected, nothing said yet
+    SETUP_DUE = "setup_due"  # producer: HELLO received; SETUP (or ERROR) is our next frame
     AWAIT_ATTACH = "await_attach"  # producer: SETUP sent, waiting for the release events
     AWAIT_SETUP = "await_setup"  # consumer: HELLO sent
+    ATTACH_DUE = "attach_due"  # consumer: SETUP received; ATTACH (or ERROR) is our next frame,
+    #                            once its memory is open
     ACTIVE = "active"  # items flow
     ENDING = "ending"  # consumer: the producer said BYE; it releases what it holds, then says BYE
     BYE_SENT = "bye_sent"  # our BYE went first: the producer awaits the consumer's releases and
     #                        BYE; the consumer awaits the producer's acknowledging BYE
     AWAIT_ACK = "await_ack"  # consumer: its BYE answered the producer's; the ack is due
-    ACKING = "acking"  # producer: the consumer said BYE; our acknowledging BYE is the next frame
+    ACK_DUE = "ack_due"  # producer: the consumer said BYE; our acknowledging BYE is the next frame
     CLOSED = "closed"  # both BYEs exchanged (or closed locally): nothing more is read
     ERROR = "error"  # ended by an ERROR (sent or received) or a frame that broke the protocol
 
@@ -883,17 +888,18 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
     st = State
     return {
         p: {
-            st.AWAIT_HELLO: {(c, m.HELLO): st.AWAIT_ATTACH, (c, m.BYE): st.ACKING,
-                             **_events(c, st.ERROR, m.ERROR), **_events(p, st.ERROR, m.ERROR)},
+            # (A refused HELLO is answered by an ERROR without a conversation.)
+            st.AWAIT_HELLO: {(c, m.HELLO): st.SETUP_DUE},
+            st.SETUP_DUE: {(p, m.SETUP): st.AWAIT_ATTACH, (p, m.ERROR): st.ERROR},
+            # (The consumer says nothing but ERROR before its ATTACH.)
             st.AWAIT_ATTACH: {
-                (c, m.ATTACH): st.ACTIVE, **_events(c, st.AWAIT_ATTACH, m.HEARTBEAT, m.SWITCH),
-                (c, m.BYE): st.ACKING, (c, m.ERROR): st.ERROR,
-                **_events(p, st.AWAIT_ATTACH, m.SETUP, m.LANE_OFFER, m.SWITCH, m.HEARTBEAT),
+                (c, m.ATTACH): st.ACTIVE, (c, m.ERROR): st.ERROR,
+                **_events(p, st.AWAIT_ATTACH, m.LANE_OFFER, m.SWITCH, m.HEARTBEAT),
                 (p, m.BYE): st.BYE_SENT, (p, m.ERROR): st.ERROR,
             },
             st.ACTIVE: {
                 **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH),
-                (c, m.BYE): st.ACKING, (c, m.ERROR): st.ERROR,
+                (c, m.BYE): st.ACK_DUE, (c, m.ERROR): st.ERROR,
                 **_events(p, st.ACTIVE, m.READY, m.FOREIGN, m.FORWARD_READY, m.SWITCH, m.HEARTBEAT, m.SENT),
                 (p, m.BYE): st.BYE_SENT, (p, m.ERROR): st.ERROR,
             },
@@ -901,24 +907,26 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
             # sends of a remote edge after it.)
             st.BYE_SENT: {
                 **_events(c, st.BYE_SENT, m.ATTACH, m.RELEASE, m.HEARTBEAT, m.SWITCH),
-                (c, m.BYE): st.ACKING, (c, m.ERROR): st.ERROR,
+                (c, m.BYE): st.ACK_DUE, (c, m.ERROR): st.ERROR,
                 **_events(p, st.BYE_SENT, m.SWITCH, m.HEARTBEAT, m.SENT), (p, m.ERROR): st.ERROR,
             },
-            st.ACKING: {(p, m.BYE): st.CLOSED},
+            st.ACK_DUE: {(p, m.BYE): st.CLOSED},
             st.CLOSED: {},
             st.ERROR: {},
         },
         c: {
-            # (A producer's BYE before SETUP ends the stream before it began.)
+            # (The producer answers a HELLO with SETUP or ERROR before anything else. HELLO
+            # again: the same one after a reconnect, or one of the older version.)
             st.AWAIT_SETUP: {
-                (p, m.SETUP): st.ACTIVE, (p, m.HEARTBEAT): st.AWAIT_SETUP, (p, m.BYE): st.CLOSED,
-                (p, m.ERROR): st.ERROR, (c, m.HELLO): st.AWAIT_SETUP, (c, m.ERROR): st.ERROR,
+                (p, m.SETUP): st.ATTACH_DUE, (p, m.ERROR): st.ERROR,
+                (c, m.HELLO): st.AWAIT_SETUP, (c, m.ERROR): st.ERROR,
             },
+            st.ATTACH_DUE: {(c, m.ATTACH): st.ACTIVE, (c, m.ERROR): st.ERROR},
             st.ACTIVE: {
                 **_events(p, st.ACTIVE, m.READY, m.FOREIGN, m.FORWARD_READY, m.HEARTBEAT, m.SENT, m.LANE_OFFER,
                           m.SWITCH),
                 (p, m.BYE): st.ENDING, (p, m.ERROR): st.ERROR,
-                **_events(c, st.ACTIVE, m.ATTACH, m.RELEASE, m.HEARTBEAT, m.SWITCH),
+                **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH),
                 (c, m.BYE): st.BYE_SENT, (c, m.ERROR): st.ERROR,
             },
             # (SENT after BYE: the producer's last items are confirmed once their sends complete.)
@@ -960,6 +968,12 @@ LANE_TRANSITIONS: Final[dict[Role, dict[LanePhase, dict[Event, LanePhase]]]] = {
 LANE_TYPES: Final = frozenset({MsgType.LANE_OFFER, MsgType.SWITCH})
 INITIAL: Final[dict[Role, State]] = {_PRODUCER: State.AWAIT_HELLO, _CONSUMER: State.AWAIT_SETUP}
 ENDED: Final = frozenset({State.CLOSED, State.ERROR})  # nothing more is read or said
+# States, and lane phases, whose next event is a frame of our own, said before anything more
+# is read: the SETUP answering a HELLO, the ATTACH answering a SETUP, the ack of a BYE, and
+# the consumer's SWITCH answering the producer's.
+DUE: Final = frozenset({State.SETUP_DUE, State.ATTACH_DUE, State.ACK_DUE})
+LANE_DUE: Final[dict[Role, frozenset[LanePhase]]] = {
+    _PRODUCER: frozenset(), _CONSUMER: frozenset({LanePhase.SWITCHING})}
 PEER_OF: Final[dict[Role, Role]] = {_PRODUCER: _CONSUMER, _CONSUMER: _PRODUCER}
 
 

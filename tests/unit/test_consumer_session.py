@@ -212,11 +212,13 @@ def test_send_rules() -> None:
     assert not s.conv.may_send(MsgType.RELEASE)
     with pytest.raises(ProtocolError, match="may not send ATTACH"):
         s.attach(setup(), [])
-    s.receive(frame(P.Bye("x")))  # closed
+    s.receive(frame(P.Bye("x")))  # a BYE before SETUP breaks the protocol: ERROR, then nothing
+    assert "BYE is not allowed while the consumer is in state 'await_setup'" in str(s.error)
+    assert [kind(f) for f in s.outbox] == [MsgType.ERROR] and s.state is State.ERROR
     with pytest.raises(ProtocolError, match="may not send HELLO"):
         s.hello(hello())
     s.fail(ProtocolError("late"), "protocol")
-    assert not s.outbox  # nothing may be sent once closed
+    assert len(s.outbox) == 1  # nothing more may be sent once ended
 
 
 def test_liveness_stall_answer_heartbeat_and_loss_with_a_fake_clock() -> None:
