@@ -49,7 +49,7 @@ from .liveness import PeerClock, Verdict
 from .protocol import ErrorCode, LanePhase, MsgType, State
 from .remote_session import is_remote_handle
 
-__all__ = ["ConsumerSession", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
+__all__ = ["ConsumerSession", "REFUSALS", "SETUP_REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
            "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry", "release_batch_for"]
 
 # ERROR from the producer -> the exception this consumer raises (any other code:
@@ -64,6 +64,13 @@ REFUSALS: dict[str, type[IpcSyncError]] = {
     # and we had not received is gone, and any recv still running may read a slot it has
     # written again since. The buffered items are never served.
     ErrorCode.DROPPED.value: PeerLostError,
+}
+
+# Why this consumer refuses a SETUP (the code its ERROR frame carries) -> the exception it
+# raises: another backend is the user's configuration; an inconsistent SETUP, the producer's bug.
+SETUP_REFUSALS: dict[ErrorCode, type[IpcSyncError]] = {
+    ErrorCode.BACKEND: ConfigError,
+    ErrorCode.SETUP: ProtocolError,
 }
 
 # A buffered item: (seq, slot, gen, sent_ns, meta, recipe). The runtime may put another
@@ -225,10 +232,10 @@ class ConsumerSession:
 
     def validate_setup(self, s: P.Setup) -> bool:
         """SETUP describes a ring this consumer can use; else ``fail`` and False."""
-        problem = None
+        code, problem = ErrorCode.SETUP, None
         if s.backend != self.backend and not (s.arenas and is_remote_handle(s.arenas[0])):
             # (a remote edge joins any two kinds of device: its transfer copies)
-            problem = f"producer uses the {s.backend} backend, this consumer {self.backend}"
+            code, problem = ErrorCode.BACKEND, f"producer uses the {s.backend} backend, this consumer {self.backend}"
         elif not s.slots or len(s.slots) != len(s.ready_events):
             problem = f"SETUP has {len(s.slots)} slots and {len(s.ready_events)} ready events"
         elif not s.arenas or len(s.arenas) != len(s.arena_bytes):
@@ -240,7 +247,7 @@ class ConsumerSession:
                     break
         if problem is None:
             return True
-        self.fail(ConfigError(problem) if "backend" in problem else ProtocolError(problem), ErrorCode.SETUP)
+        self.fail(SETUP_REFUSALS[code](problem), code)
         return False
 
     def attach(self, s: P.Setup, release_handles: list[Any]) -> bytes:

@@ -199,6 +199,10 @@ def test_setup_validation() -> None:
     s2 = ConsumerSession("ep", "cpu", 1.0)
     s2.hello(hello())
     assert not s2.validate_setup(setup(backend="cuda")) and isinstance(s2.error, ConfigError)
+    # The refusal is classified by its code, which the producer is told too.
+    (out,) = s2.outbox
+    assert msgpack.unpackb(out)[1] == P.ErrorCode.BACKEND.value
+    assert msgpack.unpackb(s.outbox[0])[1] == P.ErrorCode.SETUP.value and isinstance(s.error, ProtocolError)
     # A remote edge joins any two kinds of device (its transfer copies): a CUDA producer's
     # remote SETUP is valid for a CPU consumer.
     s3 = ConsumerSession("ep", "cpu", 1.0)
