@@ -316,13 +316,6 @@ def write_message(placement: Placement, slot: torch.Tensor) -> None:
     Plan(placement, 0).write(0, slot, placement.tensors)
 
 
-def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of a ``plan_empty`` placement in ``slot``, to be written by the caller."""
-    out = read_message(placement.layout, slot, slot.numel())
-    assert isinstance(out, dict)
-    return out
-
-
 def read_message(layout: Sequence[Any], slot: torch.Tensor, slot_bytes: int) -> Any:
     """Rebuild a message as views of ``slot`` from a layout validated by the protocol:
     ``Recipe.build`` without the caching.
@@ -340,11 +333,6 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
         return {k: _unflatten(c, tensors) for k, c in zip(node[1], node[2])}
     children = [_unflatten(c, tensors) for c in node[1]]
     return tuple(children) if tag == "t" else children
-
-
-def message_nbytes(layout: Sequence[Any]) -> int:
-    """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
-    return sum(math.prod(spec[1]) * dtype_from_name(spec[0]).itemsize for spec in layout[1])
 
 
 # --------------------------------------------------------------------------- caches
@@ -546,13 +534,6 @@ class Recipe:
         return self._assemble([typed(dt).as_strided(shape, stride, offset)
                                for dt, shape, stride, offset in self._elems])
 
-    def build_at(self, region: torch.Tensor) -> Any:
-        """The message as views of ``region`` (uint8, at least ``extent`` bytes), without
-        caching them: for memory that is not one of our own slots (forwarded items)."""
-        if region.numel() < self.extent:
-            raise ProtocolError(f"layout reaches byte {self.extent} of a {region.numel()}-byte region")
-        return self._assemble([region[o:e].view(dt).as_strided(shape, stride)
-                               for o, e, dt, shape, stride in self.specs])
 
 
 def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:

@@ -107,10 +107,6 @@ class ProducerSession:
         return self.conv.state in _MAY_HOLD
 
     @property
-    def lane_offered(self) -> bool:
-        return self.conv.lane is not LanePhase.NONE
-
-    @property
     def switch_sent(self) -> bool:
         """Our SWITCH was made (the runtime moves to the lane once it left)."""
         return self.conv.lane in (LanePhase.SWITCHING, LanePhase.SWITCHED)

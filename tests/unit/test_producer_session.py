@@ -148,3 +148,18 @@ def test_heartbeat_due_a_quarter_of_ours_after_we_spoke() -> None:
     assert isinstance(P.decode(s.heartbeat(10.3)), P.Heartbeat)
     quiet = ProducerSession(b"id", hello(), 0.0, heartbeat=0.0)
     assert quiet.heartbeat(100.0) is None
+
+
+def test_the_consumer_may_hold_slots_while_items_flow_and_after_our_bye() -> None:
+    # (The runtime keeps a disconnected consumer's slots held while its process lives
+    # exactly when it may hold some: PeerTable.on_disconnect.)
+    s = set_up()
+    assert not s.may_hold and not s.bye_sent
+    s.receive(P.Attach([b"e"]), 1.0)
+    assert s.may_hold
+    assert s.bye("closing") is not None and s.state is State.BYE_SENT
+    assert s.may_hold and s.bye_sent and not s.bye_received
+    s.receive(P.Release([(0, 0, 0)]), 2.0)  # its releases still come
+    ev = s.receive(P.Bye("done"), 3.0)
+    assert ev.kind is Kind.GOODBYE and s.state is State.CLOSED
+    assert not s.may_hold and s.bye_received
