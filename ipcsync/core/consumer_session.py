@@ -134,6 +134,9 @@ _ACTIVE = State.ACTIVE
 # Handshake done, not ended: releases, BYE and its ack may still travel.
 _EXCHANGING = frozenset({State.ACTIVE, State.ENDING, State.BYE_SENT, State.AWAIT_ACK})
 _BYE_RECEIVED = frozenset({State.ENDING, State.AWAIT_ACK, State.CLOSED})
+# The states in which the table lets us send RELEASE (read once: release_frame is per batch).
+_RELEASING = frozenset(state for state, events in P.TRANSITIONS[P.Role.CONSUMER].items()
+                       if (P.Role.CONSUMER, MsgType.RELEASE) in events)
 _BYE_SENT = frozenset({State.BYE_SENT, State.AWAIT_ACK, State.CLOSED})
 
 
@@ -263,7 +266,7 @@ class ConsumerSession:
         """The next RELEASE to send and how many entries it carries (``sent_releases``
         once it went out), or None: nothing queued, or no longer exchanging."""
         pending = self.pending
-        if not pending or self.error is not None or not self.conv.may_send(MsgType.RELEASE):
+        if not pending or self.error is not None or self.conv.state not in _RELEASING:
             return None
         n = min(len(pending), self.limits.max_release_batch)
         return self.enc.release(pending[:n]), n
