@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ipcsync.core import layout as L
 from ipcsync.core import protocol as P
 from ipcsync.errors import ConfigError, ProtocolError
-from ipcsync.core.layout import ALIGN, plan_empty, plan_message, read_message, write_message
+from ipcsync.core.layout import ALIGN, Placement, plan_empty, plan_message
 
 SLOT = 1 << 16
 
@@ -117,6 +117,17 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
             assert torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)
         else:
             assert torch.equal(got, want)
+
+
+def write_message(placement: Placement, slot: torch.Tensor) -> None:
+    """The placement's source tensors into ``slot``: ``Plan.write``, without its cache."""
+    L.Plan(placement, 0).write(0, slot, placement.tensors)
+
+
+def read_message(layout: Any, slot: torch.Tensor, slot_bytes: int) -> Any:
+    """The message as views of ``slot``: ``Recipe.build``, without its cache (ProtocolError
+    for an unknown dtype or a tensor reaching outside the slot)."""
+    return L.Recipe(layout, slot_bytes).build(0, slot)
 
 
 def round_trip(msg: Any, slot_bytes: int = SLOT) -> tuple[L.Placement, torch.Tensor, Any]:
