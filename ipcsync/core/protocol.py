@@ -999,11 +999,11 @@ class Conversation:
         nxt = TRANSITIONS[self.role][self.state].get(event)
         if nxt is None:
             return f"in state {self.state.value!r}"
-        lane = self.lane
-        if t in LANE_TYPES:
-            lane = LANE_TRANSITIONS[self.role][lane].get(event)  # type: ignore[assignment]
-            if lane is None:
-                return f"in state {self.state.value!r} with the lane {self.lane.value!r}"
+        if t not in LANE_TYPES:
+            return nxt, self.lane
+        lane = LANE_TRANSITIONS[self.role][self.lane].get(event)
+        if lane is None:
+            return f"in state {self.state.value!r} with the lane {self.lane.value!r}"
         return nxt, lane
 
     def receive(self, msg: Message | MsgType) -> State:
