@@ -891,9 +891,9 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
             # (A refused HELLO is answered by an ERROR without a conversation.)
             st.AWAIT_HELLO: {(c, m.HELLO): st.SETUP_DUE},
             st.SETUP_DUE: {(p, m.SETUP): st.AWAIT_ATTACH, (p, m.ERROR): st.ERROR},
-            # (The consumer says nothing but ERROR before its ATTACH.)
+            # (Before its ATTACH the consumer may only heartbeat, or end with ERROR.)
             st.AWAIT_ATTACH: {
-                (c, m.ATTACH): st.ACTIVE, (c, m.ERROR): st.ERROR,
+                (c, m.ATTACH): st.ACTIVE, (c, m.HEARTBEAT): st.AWAIT_ATTACH, (c, m.ERROR): st.ERROR,
                 **_events(p, st.AWAIT_ATTACH, m.LANE_OFFER, m.SWITCH, m.HEARTBEAT),
                 (p, m.BYE): st.BYE_SENT, (p, m.ERROR): st.ERROR,
             },
@@ -917,9 +917,10 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
         c: {
             # (The producer answers a HELLO with SETUP or ERROR before anything else. HELLO
             # again: the same one after a reconnect, or one of the older version.)
+            # (A consumer may heartbeat while it waits: ours starts at its ATTACH.)
             st.AWAIT_SETUP: {
                 (p, m.SETUP): st.ATTACH_DUE, (p, m.ERROR): st.ERROR,
-                (c, m.HELLO): st.AWAIT_SETUP, (c, m.ERROR): st.ERROR,
+                (c, m.HELLO): st.AWAIT_SETUP, (c, m.HEARTBEAT): st.AWAIT_SETUP, (c, m.ERROR): st.ERROR,
             },
             st.ATTACH_DUE: {(c, m.ATTACH): st.ACTIVE, (c, m.ERROR): st.ERROR},
             st.ACTIVE: {

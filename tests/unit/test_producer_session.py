@@ -163,3 +163,11 @@ def test_the_consumer_may_hold_slots_while_items_flow_and_after_our_bye() -> Non
     ev = s.receive(P.Bye("done"), 3.0)
     assert ev.kind is Kind.GOODBYE and s.state is State.CLOSED
     assert not s.may_hold and s.bye_received
+
+
+def test_a_consumer_heartbeating_before_its_attach_is_kept() -> None:
+    # (A peer may open the producer's memory slowly and heartbeat meanwhile: alive, not
+    # attached, never a bad frame: test_faults' during-setup rows.)
+    s = set_up()
+    assert s.receive_frame(P.encode(P.Heartbeat()), 1.0).kind is Kind.NOTHING
+    assert s.state is State.AWAIT_ATTACH and s.clock.last_recv == 1.0

@@ -875,8 +875,9 @@ def test_producer_happy_path() -> None:
     c = Conversation("producer")
     assert c.receive(HELLO) == "setup_due"
     assert c.send(P.MsgType.SETUP) == "await_attach"
-    with pytest.raises(ProtocolError, match="HEARTBEAT is not allowed while the producer is in state 'await_attach'"):
-        c.receive(HEARTBEAT)  # the consumer says nothing but ERROR before its ATTACH
+    assert c.receive(HEARTBEAT) == "await_attach"  # a consumer may heartbeat before its ATTACH
+    with pytest.raises(ProtocolError, match="RELEASE is not allowed while the producer is in state 'await_attach'"):
+        c.receive(RELEASE)
     assert c.receive(ATTACH) == "active"
     for msg in [RELEASE, HEARTBEAT, RELEASE, RELEASE, HEARTBEAT]:
         assert c.receive(msg) == "active"
