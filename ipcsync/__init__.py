@@ -18,8 +18,6 @@ use (PEP 562), so ``ipcsync.__version__`` and the launcher's command line load n
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -41,7 +39,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __geta
     from .consumer import Consumer
     from .item import Item, SlotWriter
     from .fanin import FanIn
-    from .forward import forward
+    from .forwarding import forward
     from .producer import Producer
     from .core.protocol import PROTOCOL_VERSION, Limits
 
@@ -67,7 +65,8 @@ _LAZY = {
     "Consumer": ".consumer",
     "Item": ".item",
     "FanIn": ".fanin",
-    "forward": ".forward",
+    "forward": ".forwarding",  # (a module of another name: a submodule ``forward``, once
+    #                             imported, would replace the function as a package attribute)
     "Producer": ".producer",
     "SlotWriter": ".item",
     "PROTOCOL_VERSION": ".core.protocol",
@@ -86,16 +85,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """``ipcsync.forward`` stays the function even after the submodule of the same name is
-    imported (the import system sets a package attribute per loaded submodule)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if _LAZY.get(name) == f".{name}" and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

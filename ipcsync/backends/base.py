@@ -95,6 +95,13 @@ class Backend(abc.ABC):
         import and the forwarded items."""
         return self.open_arena(handle, nbytes, where)
 
+    def arena_owner_problem(self, handle: bytes | str, pid: int) -> str | None:
+        """Why an arena ``handle`` that the process ``pid`` exported cannot be its own, or
+        None. A consumer asks it of every arena a SETUP names, after checking that ``pid``
+        is the process that answered. CUDA: None (a CUDA IPC handle names no process; the
+        driver opens only memory a live process exported)."""
+        return None
+
     def can_reach(self, reader: str | None, memory: str | None) -> bool:
         """Whether a process on device ``reader`` (a ``device_identity()``) can open and
         read memory on device ``memory``, as far as this process can tell (False when it

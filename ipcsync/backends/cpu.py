@@ -293,6 +293,14 @@ class CpuBackend(Backend):
             raise BackendError(f"not an ipcsync shared-memory name: {handle!r:.60}")
         return CpuArena(handle, nbytes, owner=False)
 
+    def arena_owner_problem(self, handle: bytes | str, pid: int) -> str | None:
+        """A segment's name records the pid that created it: a producer may export only its
+        own (the owner uid is checked when the segment is opened)."""
+        owner = segment_owner(handle) if type(handle) is str else None
+        if owner is not None and owner.pid != pid:
+            return f"names shared memory {handle} of pid {owner.pid}"
+        return None
+
     def create_event(self) -> CpuEvent:
         return CpuEvent()
 

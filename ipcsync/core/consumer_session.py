@@ -9,8 +9,8 @@ in ``outbox``).
 
 Rules kept here, once:
 
-- what may be received in each state is ``protocol.TRANSITIONS``; what the consumer may
-  send in each state is ``SENDS`` (a send outside it is a bug of ours: ProtocolError);
+- what may be received and sent in each state is ``protocol.TRANSITIONS``, the one table
+  of both parties (a send outside it is a bug of ours: ProtocolError);
 - READY items are buffered in ``ready`` in order; a layout travels once per id and is
   validated once (``RecipeCache``); an item arriving after our BYE is dropped (the
   producer frees its slot when it reads the BYE);
@@ -21,15 +21,17 @@ Rules kept here, once:
   ``limits.max_release_batch`` (``release_frame``); ``release_batch`` is how many the
   runtime lets gather while the user iterates (``release_batch_for``: at most half the
   ring, so the producer always has slots it can fill; every wait flushes first);
-- BYE: ``bye_received`` (the producer ends the stream), ``bye_sent`` (ours, once, when
-  nothing is held), ``bye_acked`` (its BYE after ours, or its connection closing then);
+- the goodbye is the state: ``ENDING`` (the producer ended the stream), ``BYE_SENT`` (ours
+  first, once, when nothing is held), ``AWAIT_ACK`` (ours after its), ``CLOSED`` (its BYE
+  after ours, or its connection closing then); ``bye_received``, ``bye_sent`` and
+  ``bye_acked`` read them;
 - an ERROR from the producer becomes the exception of ``REFUSALS``; the first error is
   sticky (``error``) and stops the session;
 - liveness (``tick``): the rule of ``core.liveness`` applied to the producer, from SETUP
   until its BYE; heartbeats from SETUP until our BYE;
 - lanes (see ``protocol``): LANE only after SETUP, once (``LaneOffered``); the
   producer's SWITCH only after a LANE, once (``SwitchReceived``: read the lane from now
-  on and answer with ``switch()``, our last ZeroMQ frame);
+  on and answer with ``switch()``, our last ZeroMQ frame): ``protocol.LANE_TRANSITIONS``;
 - a producer of the previous version refusing our HELLO's version: HELLO again with
   ``OLDEST_VERSION`` (no lane then), once (``HelloAgain``).
 """
@@ -44,20 +46,11 @@ from ..errors import ConfigError, IpcSyncError, PeerLostError, ProducerFailedErr
 from . import protocol as P
 from .layout import Recipe, RecipeCache
 from .liveness import PeerClock, Verdict
-from .protocol import ErrorCode, MsgType, State
+from .protocol import ErrorCode, LanePhase, MsgType, State
 from .remote_session import is_remote_handle
 
-__all__ = ["ConsumerSession", "SENDS", "REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
+__all__ = ["ConsumerSession", "REFUSALS", "SETUP_REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
            "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry", "release_batch_for"]
-
-# What the consumer may send in each state (what it may receive: protocol.TRANSITIONS).
-SENDS: dict[State, frozenset[MsgType]] = {
-    State.AWAIT_SETUP: frozenset({MsgType.HELLO, MsgType.BYE, MsgType.ERROR}),
-    State.ACTIVE: frozenset({MsgType.ATTACH, MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.SWITCH, MsgType.BYE,
-                             MsgType.ERROR}),
-    State.ENDING: frozenset({MsgType.RELEASE, MsgType.HEARTBEAT, MsgType.SWITCH, MsgType.BYE, MsgType.ERROR}),
-    State.CLOSED: frozenset(),
-}
 
 # ERROR from the producer -> the exception this consumer raises (any other code:
 # ProtocolError; "failed" once SETUP arrived: ProducerFailedError, see _on_error).
@@ -71,6 +64,13 @@ REFUSALS: dict[str, type[IpcSyncError]] = {
     # and we had not received is gone, and any recv still running may read a slot it has
     # written again since. The buffered items are never served.
     ErrorCode.DROPPED.value: PeerLostError,
+}
+
+# Why this consumer refuses a SETUP (the code its ERROR frame carries) -> the exception it
+# raises: another backend is the user's configuration; an inconsistent SETUP, the producer's bug.
+SETUP_REFUSALS: dict[ErrorCode, type[IpcSyncError]] = {
+    ErrorCode.BACKEND: ConfigError,
+    ErrorCode.SETUP: ProtocolError,
 }
 
 # A buffered item: (seq, slot, gen, sent_ns, meta, recipe). The runtime may put another
@@ -131,7 +131,18 @@ Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived, L
               HelloAgain]
 
 _ACTIVE = State.ACTIVE
-_EXCHANGING = (State.ACTIVE, State.ENDING)
+# Handshake done, not ended: releases, BYE and its ack may still travel.
+_EXCHANGING = frozenset({State.ACTIVE, State.ENDING, State.BYE_SENT, State.AWAIT_ACK})
+_BYE_RECEIVED = frozenset({State.ENDING, State.AWAIT_ACK, State.CLOSED})
+# The states in which the table lets us send RELEASE (read once: release_frame is per batch).
+_RELEASING = frozenset(state for state, events in P.TRANSITIONS[P.Role.CONSUMER].items()
+                       if (P.Role.CONSUMER, MsgType.RELEASE) in events)
+_BYE_SENT = frozenset({State.BYE_SENT, State.AWAIT_ACK, State.CLOSED})
+
+
+# What the producer sends that is dropped once we said BYE (the producer frees those slots
+# when it reads our BYE, and the arenas they name).
+_DROPPED_AFTER_BYE = (P.Ready, P.ForwardReady, P.Foreign)
 
 
 def release_batch_for(slots: int) -> int:
@@ -150,8 +161,8 @@ class ConsumerSession:
     """
 
     __slots__ = ("name", "backend", "limits", "conv", "enc", "setup", "error", "outbox", "ready", "pending",
-                 "release_batch", "bye_sent", "bye_received", "bye_acked", "recipes", "frecipes", "foreign",
-                 "slot_bytes", "clock", "lane_offer", "switched", "_hello", "_rehello")
+                 "release_batch", "recipes", "frecipes", "foreign", "slot_bytes", "clock", "lane_offer", "_hello",
+                 "_rehello")
 
     def __init__(self, name: str, backend: str, heartbeat: float, limits: P.Limits = P.DEFAULT_LIMITS,
                  now: float = 0.0) -> None:
@@ -166,16 +177,12 @@ class ConsumerSession:
         self.ready: deque[ReadyEntry] = deque()
         self.pending: list[tuple[int, int, int]] = []  # releases not yet sent: (seq, slot, gen)
         self.release_batch = 1
-        self.bye_sent = False
-        self.bye_received = False
-        self.bye_acked = False
         self.recipes = RecipeCache("READY", P.MAX_LAYOUT_IDS)
         self.frecipes = RecipeCache("FREADY", P.MAX_LAYOUT_IDS)
         self.foreign: dict[int, P.Foreign] = {}  # FOREIGN id -> its description
         self.slot_bytes: list[int] = []
         self.clock = PeerClock(heartbeat=0.0, ours=heartbeat, last_recv=now)
         self.lane_offer: P.LaneOffer | None = None  # the producer's LANE, once received
-        self.switched = False  # the producer's SWITCH was handled: its later frames come on the lane
         self._hello: P.Hello | None = None
         self._rehello = False
 
@@ -186,8 +193,28 @@ class ConsumerSession:
 
     @property
     def exchanging(self) -> bool:
-        """Handshake done and not closed: releases and BYE may go out."""
+        """Handshake done and not ended: releases, BYE and its ack may still travel."""
         return self.conv.state in _EXCHANGING
+
+    # The goodbye and the lane as flags, read from the state (for the runtime).
+    @property
+    def bye_received(self) -> bool:
+        """The producer ended the stream (or the connection closed cleanly)."""
+        return self.conv.state in _BYE_RECEIVED
+
+    @property
+    def bye_sent(self) -> bool:
+        return self.conv.state in _BYE_SENT
+
+    @property
+    def bye_acked(self) -> bool:
+        """The producer answered our BYE (or closed its connection after it)."""
+        return self.conv.state is State.CLOSED
+
+    @property
+    def switched(self) -> bool:
+        """The producer's SWITCH was handled: its later frames come on the lane."""
+        return self.conv.lane in (LanePhase.SWITCHING, LanePhase.SWITCHED)
 
     @property
     def watching(self) -> bool:
@@ -200,22 +227,18 @@ class ConsumerSession:
                 and not self.pending)
 
     # ------------------------------------------------------------------ sends
-    def _may_send(self, kind: MsgType) -> None:
-        if kind not in SENDS[self.conv.state]:
-            raise ProtocolError(f"the consumer may not send {kind.name} in state {self.conv.state.value!r}")
-
     def hello(self, msg: P.Hello) -> bytes:
         """The first frame (again after a reconnect during the handshake: ``connected``)."""
-        self._may_send(MsgType.HELLO)
+        self.conv.send(MsgType.HELLO)
         self._hello = msg
         return P.encode(msg)
 
     def validate_setup(self, s: P.Setup) -> bool:
         """SETUP describes a ring this consumer can use; else ``fail`` and False."""
-        problem = None
+        code, problem = ErrorCode.SETUP, None
         if s.backend != self.backend and not (s.arenas and is_remote_handle(s.arenas[0])):
             # (a remote edge joins any two kinds of device: its transfer copies)
-            problem = f"producer uses the {s.backend} backend, this consumer {self.backend}"
+            code, problem = ErrorCode.BACKEND, f"producer uses the {s.backend} backend, this consumer {self.backend}"
         elif not s.slots or len(s.slots) != len(s.ready_events):
             problem = f"SETUP has {len(s.slots)} slots and {len(s.ready_events)} ready events"
         elif not s.arenas or len(s.arenas) != len(s.arena_bytes):
@@ -227,12 +250,12 @@ class ConsumerSession:
                     break
         if problem is None:
             return True
-        self.fail(ConfigError(problem) if "backend" in problem else ProtocolError(problem), ErrorCode.SETUP)
+        self.fail(SETUP_REFUSALS[code](problem), code)
         return False
 
     def attach(self, s: P.Setup, release_handles: list[Any]) -> bytes:
         """SETUP accepted (its memory is open): the ATTACH frame with our release events."""
-        self._may_send(MsgType.ATTACH)
+        self.conv.send(MsgType.ATTACH)
         self.setup = s
         self.slot_bytes = [n for _a, _off, n in s.slots]
         self.clock.heartbeat = s.heartbeat_ms / 1000
@@ -243,7 +266,7 @@ class ConsumerSession:
         """The next RELEASE to send and how many entries it carries (``sent_releases``
         once it went out), or None: nothing queued, or no longer exchanging."""
         pending = self.pending
-        if not pending or self.error is not None or self.conv.state not in _EXCHANGING:
+        if not pending or self.error is not None or self.conv.state not in _RELEASING:
             return None
         n = min(len(pending), self.limits.max_release_batch)
         return self.enc.release(pending[:n]), n
@@ -256,18 +279,19 @@ class ConsumerSession:
         after it are dropped."""
         if self.bye_sent:
             return None
-        self._may_send(MsgType.BYE)
-        self.bye_sent = True
+        self.conv.send(MsgType.BYE)
         return P.encode(P.Bye("consumer closed"))
 
     def fail(self, error: IpcSyncError, code: str | None) -> None:
         """Record the first fatal error; with ``code``, an ERROR frame for the producer
-        goes to ``outbox``. Buffered items are dropped."""
+        goes to ``outbox``. Buffered items are dropped; the session is in state ERROR."""
         if self.error is not None:
             return
         self.error = error
-        if code is not None and MsgType.ERROR in SENDS[self.conv.state]:
+        if code is not None and self.conv.may_send(MsgType.ERROR):
+            self.conv.send(MsgType.ERROR)
             self.outbox.append(P.encode(P.Error(str(getattr(code, "value", code)), str(error)[:1000])))
+        self.conv.fail()
         self.ready.clear()
 
     def lost(self, why: str) -> None:
@@ -299,7 +323,7 @@ class ConsumerSession:
         """The producer's connection closed: after our BYE that acks it (a BYE then a
         close is clean); before its own BYE the producer is lost (True)."""
         if self.bye_sent:
-            self.bye_acked = True
+            self.conv.close()  # (acknowledges our BYE)
         elif not self.bye_received:
             self.lost("disconnected")
             return True
@@ -319,7 +343,7 @@ class ConsumerSession:
             if verdict is Verdict.LOST:
                 self.lost(gone_why)
                 return verdict, None
-        if not self.bye_sent and self.clock.heartbeat_due(now):
+        if self.conv.may_send(MsgType.HEARTBEAT) and self.clock.heartbeat_due(now):
             return verdict, P.encode(P.Heartbeat())
         return verdict, None
 
@@ -347,6 +371,8 @@ class ConsumerSession:
             self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: {exc}"), code)
             return None
         kind = type(msg)
+        if self.conv.state is State.BYE_SENT and kind in _DROPPED_AFTER_BYE:
+            return None  # we are leaving (see bye)
         if kind is P.Ready:
             m: P.Ready = msg  # type: ignore[assignment]
             self._on_ready(m.seq, m.slot, m.gen, m.sent_ns, m.layout_id, m.layout, m.meta)
@@ -359,10 +385,6 @@ class ConsumerSession:
         elif kind is P.Sent:
             # (After our BYE the items it confirms were dropped: nothing to record.)
             return None if self.bye_sent else SentReceived(msg.seq)  # type: ignore[attr-defined]
-        elif kind is P.Bye:
-            self.bye_received = True
-            if self.bye_sent:
-                self.bye_acked = True
         elif kind is P.Error:
             self._on_error(msg)  # type: ignore[arg-type]
         elif kind is P.LaneOffer:
@@ -372,32 +394,26 @@ class ConsumerSession:
         return None
 
     def _on_lane(self, m: P.LaneOffer) -> LaneOffered | None:
-        if self.lane_offer is not None or self.setup is None or (self._hello is not None
-                                                                  and self._hello.version < P.LANE_VERSION):
+        if self.setup is None or (self._hello is not None and self._hello.version < P.LANE_VERSION):
             self.fail(ProtocolError(f"producer on {self.name!r} offered a lane it may not offer now"),
                       ErrorCode.PROTOCOL)
             return None
         self.lane_offer = m
         return LaneOffered(m)
 
-    def _on_switch(self) -> SwitchReceived | None:
-        if self.lane_offer is None or self.switched:
-            self.fail(ProtocolError(f"producer on {self.name!r} said SWITCH "
-                                    + ("twice" if self.switched else "without offering a lane")), ErrorCode.PROTOCOL)
-            return None
-        self.switched = True
+    def _on_switch(self) -> SwitchReceived:
+        # (The table checked that a LANE came first and that this is the first SWITCH.)
         return SwitchReceived(self.switch())
 
     def switch(self) -> bytes:
         """Our SWITCH, answering the producer's: ``protocol.SWITCH_FRAME`` itself."""
-        self._may_send(MsgType.SWITCH)
+        self.conv.send(MsgType.SWITCH)
         return P.SWITCH_FRAME
 
     def _on_ready(self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int,
                   layout: Any, meta: Any) -> None:
-        """Buffer a READY: ``layout`` is None when it travelled earlier under ``layout_id``."""
-        if self.bye_sent:
-            return  # we are leaving (see bye)
+        """Buffer a READY: ``layout`` is None when it travelled earlier under ``layout_id``
+        (never called after our BYE: ``receive`` drops such items)."""
         slot_bytes = self.slot_bytes
         if slot >= len(slot_bytes):
             self.fail(ProtocolError(f"READY names slot {slot}; the ring has {len(slot_bytes)}"), ErrorCode.PROTOCOL)
@@ -422,8 +438,6 @@ class ConsumerSession:
         return ForeignReceived(m)
 
     def _on_forward_ready(self, m: P.ForwardReady) -> ForwardedReceived | None:
-        if self.bye_sent:
-            return None  # we are leaving (see bye)
         d = self.foreign.get(m.fid)
         problem = None
         if d is None:

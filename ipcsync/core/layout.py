@@ -45,8 +45,6 @@ __all__ = [
     "Placement",
     "plan_message",
     "plan_empty",
-    "write_message",
-    "read_message",
     "span_elements",
     "place_views",
     "dtype_name",
@@ -305,33 +303,6 @@ def _span_view(slot: torch.Tensor, spec: Sequence[Any], slot_bytes: int) -> torc
     return slot[offset:end].view(dtype)
 
 
-def write_message(placement: Placement, slot: torch.Tensor) -> None:
-    """Copy the placement's source tensors into ``slot`` (a uint8 tensor of the slot's bytes)
-    on the current stream of the slot's device: ``Plan.write`` without the caching.
-
-    Device-to-device copies are queued without a host sync. A host source is copied
-    synchronously (a pinned source could otherwise be changed by the caller before the copy
-    ran); a device source into a host slot likewise, so the bytes are there before READY.
-    """
-    Plan(placement, 0).write(0, slot, placement.tensors)
-
-
-def empty_views(placement: Placement, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of a ``plan_empty`` placement in ``slot``, to be written by the caller."""
-    out = read_message(placement.layout, slot, slot.numel())
-    assert isinstance(out, dict)
-    return out
-
-
-def read_message(layout: Sequence[Any], slot: torch.Tensor, slot_bytes: int) -> Any:
-    """Rebuild a message as views of ``slot`` from a layout validated by the protocol:
-    ``Recipe.build`` without the caching.
-
-    Raises ProtocolError for an unknown dtype or a tensor that would reach outside the slot.
-    """
-    return Recipe(layout, slot_bytes).build(0, slot)
-
-
 def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
     if type(node) is int:
         return tensors[node]
@@ -340,11 +311,6 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
         return {k: _unflatten(c, tensors) for k, c in zip(node[1], node[2])}
     children = [_unflatten(c, tensors) for c in node[1]]
     return tuple(children) if tag == "t" else children
-
-
-def message_nbytes(layout: Sequence[Any]) -> int:
-    """Bytes of tensor data a (validated) layout describes: sum of numel x itemsize."""
-    return sum(math.prod(spec[1]) * dtype_from_name(spec[0]).itemsize for spec in layout[1])
 
 
 # --------------------------------------------------------------------------- caches
@@ -457,8 +423,13 @@ class Plan:
         self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]]]] = {}
 
     def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` (this plan's signature) into slot ``slot_index``, as
-        ``write_message`` does."""
+        """Copy ``tensors`` (this plan's signature) into slot ``slot_index`` (``slot``: a
+        uint8 tensor of the slot's bytes) on the current stream of the slot's device.
+
+        Device-to-device copies are queued without a host sync. A host source is copied
+        synchronously (a pinned source could otherwise be changed by the caller before the
+        copy ran); a device source into a host slot likewise, so the bytes are there before
+        READY."""
         cached = self._dst.get(slot_index)
         if cached is None:
             dsts = []
@@ -550,13 +521,6 @@ class Recipe:
         return self._assemble([typed(dt).as_strided(shape, stride, offset)
                                for dt, shape, stride, offset in self._elems])
 
-    def build_at(self, region: torch.Tensor) -> Any:
-        """The message as views of ``region`` (uint8, at least ``extent`` bytes), without
-        caching them: for memory that is not one of our own slots (forwarded items)."""
-        if region.numel() < self.extent:
-            raise ProtocolError(f"layout reaches byte {self.extent} of a {region.numel()}-byte region")
-        return self._assemble([region[o:e].view(dt).as_strided(shape, stride)
-                               for o, e, dt, shape, stride in self.specs])
 
 
 def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:

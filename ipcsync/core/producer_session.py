@@ -4,10 +4,11 @@ come out of it too. No sockets, no /proc, no clock: ``now`` is passed in.
 
 Rules kept here:
 
-- transitions, for what we receive (``protocol.TRANSITIONS``) and for what we send
-  (``SENDS``): the same table-driven check for both directions;
-- a BYE is said at most once; a BYE received is always acknowledged (the consumer
-  closes its socket only after the ack, which proves its earlier frames arrived);
+- transitions, for what we receive and for what we send: ``protocol.TRANSITIONS``, the
+  one table of both parties, through ``protocol.Conversation``;
+- the goodbye is the state: our BYE is said at most once (``BYE_SENT``); a BYE received is
+  always acknowledged (``ACK_DUE``, then ``CLOSED``: the consumer closes its socket only
+  after the ack, which proves its earlier frames arrived);
 - the same HELLO again while we await ATTACH is ignored (ZeroMQ kept the consumer's
   first HELLO queued across a reconnect and it sent one more on connecting);
 - a bad frame ends the session: an ERROR frame goes back and the caller drops the peer;
@@ -15,9 +16,9 @@ Rules kept here:
   when this consumer has that id's current version; a FREADY follows the FOREIGN of
   its arena's current version;
 - liveness through ``core.liveness`` (heard / spoke / stalled / handshake overdue);
-- lanes (see ``protocol``): LANE goes only to a consumer of ``LANE_VERSION`` or later,
-  after SETUP, at most once; our SWITCH at most once, after the LANE; the consumer's
-  SWITCH is accepted only after ours (it is its answer), once.
+- lanes (see ``protocol``): LANE goes only to a consumer of ``LANE_VERSION`` or later;
+  its phases (LANE after SETUP, once; our SWITCH once, after it; the consumer's SWITCH
+  only as the answer to ours) are ``protocol.LANE_TRANSITIONS``.
 """
 
 from __future__ import annotations
@@ -29,19 +30,15 @@ from typing import Any, Final
 from ..errors import ProtocolError
 from . import protocol as P
 from .liveness import HANDSHAKE_S, PeerClock, Verdict, handshake_overdue
-from .protocol import ErrorCode, MsgType, State
+from .protocol import ErrorCode, LanePhase, MsgType, State
 
-__all__ = ["SENDS", "Kind", "SessionEvent", "ProducerSession", "error_frame"]
+__all__ = ["Kind", "SessionEvent", "ProducerSession", "error_frame"]
 
-# What the producer may send in each state of its side of a connection.
-SENDS: Final[dict[State, frozenset[MsgType]]] = {
-    State.AWAIT_HELLO: frozenset({MsgType.ERROR}),
-    State.AWAIT_ATTACH: frozenset({MsgType.SETUP, MsgType.LANE_OFFER, MsgType.SWITCH, MsgType.HEARTBEAT, MsgType.BYE,
-                                   MsgType.ERROR}),
-    State.ACTIVE: frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.LANE_OFFER, MsgType.SWITCH,
-                             MsgType.HEARTBEAT, MsgType.SENT, MsgType.BYE, MsgType.ERROR}),
-    State.CLOSED: frozenset({MsgType.BYE}),  # the ack of a BYE received
-}
+# States in which our BYE was said (or, ACK_DUE, is being said as the ack).
+_BYE_SENT: Final = frozenset({State.BYE_SENT, State.ACK_DUE, State.CLOSED})
+_BYE_RECEIVED: Final = frozenset({State.ACK_DUE, State.CLOSED})
+# States in which the consumer may hold slots: items flow, or our BYE awaits their release.
+_MAY_HOLD: Final = frozenset({State.ACTIVE, State.BYE_SENT})
 
 
 class Kind(Enum):
@@ -75,8 +72,7 @@ _NOTHING: Final = SessionEvent(Kind.NOTHING)
 class ProducerSession:
     """The producer's side of one connection, from the consumer's HELLO on."""
 
-    __slots__ = ("identity", "hello", "conv", "clock", "hello_at", "bye_sent", "bye_received",
-                 "layouts", "foreign", "limits", "lane_offered", "switch_sent", "switch_received")
+    __slots__ = ("identity", "hello", "conv", "clock", "hello_at", "layouts", "foreign", "limits")
 
     def __init__(self, identity: bytes, hello: P.Hello, now: float, heartbeat: float,
                  limits: P.Limits = P.DEFAULT_LIMITS) -> None:
@@ -88,17 +84,37 @@ class ProducerSession:
         self.conv.receive(hello)
         self.clock = PeerClock(hello.heartbeat_ms / 1000, heartbeat, last_recv=now)
         self.hello_at = now
-        self.bye_sent = False
-        self.bye_received = False
         self.layouts: dict[int, int] = {}  # layout id -> version this consumer has
         self.foreign: dict[int, int] = {}  # foreign id -> version described to it (FOREIGN)
-        self.lane_offered = False  # LANE said
-        self.switch_sent = False  # our SWITCH made (the runtime moves to the lane once it left)
-        self.switch_received = False  # the consumer's SWITCH: its later frames come on the lane
 
     @property
     def state(self) -> State:
         return self.conv.state
+
+    # The goodbye and the lane as flags, read from the state (for the runtime).
+    @property
+    def bye_sent(self) -> bool:
+        """Our BYE was said (or the consumer's BYE was acknowledged)."""
+        return self.conv.state in _BYE_SENT
+
+    @property
+    def bye_received(self) -> bool:
+        return self.conv.state in _BYE_RECEIVED
+
+    @property
+    def may_hold(self) -> bool:
+        """The consumer may hold slots: items flow, or our BYE awaits their release."""
+        return self.conv.state in _MAY_HOLD
+
+    @property
+    def switch_sent(self) -> bool:
+        """Our SWITCH was made (the runtime moves to the lane once it left)."""
+        return self.conv.lane in (LanePhase.SWITCHING, LanePhase.SWITCHED)
+
+    @property
+    def switch_received(self) -> bool:
+        """The consumer's SWITCH: its later frames come on the lane."""
+        return self.conv.lane is LanePhase.SWITCHED
 
     @property
     def label(self) -> str:
@@ -135,24 +151,17 @@ class ProducerSession:
             return SessionEvent(Kind.RELEASED, msg.entries)  # type: ignore[union-attr]
         if kind is P.Attach:
             return SessionEvent(Kind.ATTACHED, msg)
-        if kind is P.Bye:
-            self.bye_received = True
-            self.bye_sent = True
+        if kind is P.Bye:  # (ACK_DUE: the ack is our next frame)
             return SessionEvent(Kind.GOODBYE, reply=self._frame(P.Bye("ack")))
         if kind is P.Error:
             return SessionEvent(Kind.PEER_ERROR, msg)
-        if kind is P.Switch:
-            if not self.switch_sent or self.switch_received:
-                return self.bad_frame(ProtocolError(
-                    "SWITCH from a consumer " + ("that switched already" if self.switch_received
-                                                 else "to which no lane was switched")))
-            self.switch_received = True
+        if kind is P.Switch:  # (the table checked that it answers ours)
             return SessionEvent(Kind.SWITCHED)
         return _NOTHING
 
     def bad_frame(self, exc: ProtocolError) -> SessionEvent:
         """``exc``: why a frame from this consumer was refused. The session ends."""
-        self.conv.close()
+        self.conv.fail()
         return SessionEvent(Kind.BAD_FRAME, exc, error_frame(exc))
 
     def attach_problem(self, release_events: int, slots: int) -> SessionEvent | None:
@@ -164,13 +173,15 @@ class ProducerSession:
 
     # ------------------------------------------------------------------ sending
     def _frame(self, msg: P.Message) -> bytes:
-        self.check_send(MsgType(msg.TYPE))
+        """``msg`` encoded, once the table allowed us to send it now (else ProtocolError:
+        a bug of ours, never a peer's)."""
+        self.conv.send(MsgType(msg.TYPE))
         return P.encode(msg)
 
     def check_send(self, t: MsgType) -> None:
         """ProtocolError (a bug of ours, never a peer's) if we may not send ``t`` now."""
-        if t not in SENDS[self.conv.state]:
-            raise ProtocolError(f"the producer may not send {t.name} in state {self.conv.state.value!r}")
+        if not self.conv.may_send(t):
+            self.conv.send(t)  # raises, naming the state
 
     def setup(self, msg: P.Setup) -> bytes:
         """The SETUP answering the HELLO this session began with."""
@@ -183,31 +194,25 @@ class ProducerSession:
 
     def lane_offer(self, path: str, token: bytes) -> bytes:
         """LANE (after SETUP, once, to a lane-capable consumer)."""
-        if not self.lane_capable or self.lane_offered:
-            raise ProtocolError(f"a LANE may not go to {self.label} (version {self.hello.version}, "
-                                f"offered already: {self.lane_offered})")
-        self.lane_offered = True
+        if not self.lane_capable:
+            raise ProtocolError(f"a LANE may not go to {self.label} (version {self.hello.version})")
         return self._frame(P.LaneOffer(path, token))
 
     def switch(self) -> bytes:
         """Our SWITCH (once, after LANE): ``protocol.SWITCH_FRAME`` itself, which the
         runtime recognises by identity when it leaves on ZeroMQ."""
-        if not self.lane_offered or self.switch_sent:
-            raise ProtocolError(f"a SWITCH may not go to {self.label} now")
-        self.check_send(MsgType.SWITCH)
-        self.switch_sent = True
+        self.conv.send(MsgType.SWITCH)
         return P.SWITCH_FRAME
 
     def bye(self, reason: str) -> bytes | None:
         """Our BYE, once (None if one was said already, or the session has ended)."""
-        if self.bye_sent or self.conv.state is State.CLOSED:
+        if not self.conv.may_send(MsgType.BYE):
             return None
-        self.bye_sent = True
         return self._frame(P.Bye(reason))
 
     def heartbeat(self, now: float) -> bytes | None:
         """A HEARTBEAT if one is due (we said nothing for a quarter of our heartbeat)."""
-        if self.conv.state is State.CLOSED or not self.clock.heartbeat_due(now):
+        if not self.conv.may_send(MsgType.HEARTBEAT) or not self.clock.heartbeat_due(now):
             return None
         return _HEARTBEAT
 

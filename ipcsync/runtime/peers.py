@@ -240,7 +240,7 @@ class PeerTable:
         if peer.identity not in self.by_id:
             return
         # A remote consumer reads no memory of ours: its closed connection is loss at once.
-        if peer.watch is None or peer.remote is not None or peer.watch.gone() or peer.session.state != "active":
+        if peer.watch is None or peer.remote is not None or peer.watch.gone() or not peer.session.may_hold:
             self.lose(peer, why if peer.watch is None or peer.remote is not None else "process exited")
             return
         if not peer.disconnected:

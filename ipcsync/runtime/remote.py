@@ -21,6 +21,11 @@ consumer connection) has its own two-rank process group built directly on a
   edge is aborted (``ProcessGroup.abort``/``shutdown`` where this torch has them) and its
   pending work abandoned, never waited for.
 
+The events and the receive ring's memory the edges hand to the rest of ipcsync
+(``SendEvent``, ``RecvEvent``, ``ReleaseEvent``, ``ReceiveArena``) are backend objects:
+``ipcsync.backends.remote``. This module keeps the I/O: the groups, the transfers and the
+threads that post and complete them.
+
 Security: the control channel is CURVE (with the producer's client allow-list); the
 edge's rendezvous goes through the producer's store sealed with the edge's secret
 (``sealed_store``), which only the SETUP carries; torch.distributed's data connections
@@ -43,26 +48,26 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..backends import Arena, Event
+from ..backends import Event
+from ..backends.remote import ReceiveArena, RecvEvent, ReleaseEvent, SendEvent, slot_tensors, staged
 from ..core.remote_session import (
-    LOSS_HEARTBEATS, READY_PLACEHOLDER, RELEASE_PLACEHOLDER, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
+    LOSS_HEARTBEATS, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
     layout_extent, silence_is_loss,
 )
-from ..errors import BackendError, ConfigError, IpcTimeoutError, PeerLostError
+from ..errors import BackendError, ConfigError
 from .bounded import within
 from .channel import Endpoint
 from .foreign import Wake
 from .host import HOST_ID_ENV, host_identity
 from .sealed_store import SealedStore, serve_store
 
-__all__ = ["RemoteHub", "BusyError", "MAX_PENDING_JOINS", "ProducerEdge", "ConsumerEdge", "SendEvent", "RecvEvent", "RemoteWatch",
+__all__ = ["RemoteHub", "BusyError", "MAX_PENDING_JOINS", "ProducerEdge", "ConsumerEdge", "RemoteWatch",
            "open_consumer_edge", "transport_for", "TRANSPORT_ENV", "OP_TIMEOUT_ENV", "op_timeout"]
 
 log = logging.getLogger(__name__)
 
 OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
 DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
-_POLL_S = 0.0005
 _edge_ids = itertools.count()  # names the edges' threads (never the edge's secret)
 # Remote consumers joining a producer at once (SETUP sent, no ATTACH yet); more are
 # refused until one attaches or is dropped (a HELLO flood costs at most this many joins).
@@ -99,16 +104,6 @@ def transport_for(device: torch.device, consumer_backend: str) -> str:
     if device.type == "cuda" and consumer_backend == "cuda" and forced == "auto":
         return "nccl"
     return "gloo"
-
-
-def _staged(buffers: dict[int, torch.Tensor], slot: int, capacity: int, nbytes: int) -> torch.Tensor:
-    """The first ``nbytes`` of the host memory a gloo edge's CUDA end stages ``slot``'s
-    items through: ``capacity`` bytes, page-locked (so the copy to or from the GPU runs at
-    full speed), made at the slot's first use."""
-    buf = buffers.get(slot)
-    if buf is None:
-        buf = buffers[slot] = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-    return buf[:nbytes]
 
 
 def _tcp_host(endpoint: Endpoint) -> tuple[str, int]:
@@ -564,72 +559,6 @@ class RemoteWatch:
 # ---------------------------------------------------------------------------- producer
 
 
-class _TransferEvent(Event):
-    """One slot's pending transfer on a remote edge, as an ``Event``: NCCL records a CUDA
-    event on the edge's stream after the transfer; gloo counts the transfers posted into
-    (or from) the slot and those ``_Completer`` saw finish. Recorded only by the transfer."""
-
-    __slots__ = ("edge", "work", "cuda_event", "posted", "completed")
-    _what, _by = "transfer", "transfer"  # for the error of record(): which event, recorded by what
-
-    def __init__(self, edge: Any) -> None:
-        self.edge = edge
-        self.work: Any = None
-        self.cuda_event: Any = None  # NCCL: recorded on the edge's stream after the transfer
-        self.posted = 0  # gloo: transfers posted / completed (see _Completer)
-        self.completed = 0
-
-    def record(self, stream: Any = None) -> None:
-        raise BackendError(f"a remote edge's {self._what} event is recorded by its {self._by}")
-
-    def in_flight(self) -> bool:
-        """A transfer was posted and has not completed (gloo: by the completion thread's
-        count; NCCL: by the CUDA event after it)."""
-        if self.work is None:
-            return False
-        return self.completed != self.posted or (self.cuda_event is not None and not self.cuda_event.query())
-
-    def wait(self, stream: Any = None) -> None:
-        if self.cuda_event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
-            return
-        self.synchronize(self.edge.timeout)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.query():
-            if deadline is not None and time.monotonic() > deadline:
-                self._timed_out(timeout)
-            time.sleep(_POLL_S)
-
-    def _timed_out(self, timeout: float | None) -> None:
-        raise NotImplementedError
-
-
-class SendEvent(_TransferEvent):
-    """The producer's stand-in for a remote consumer's release event of one slot: the
-    last send from that slot. Complete when no send is pending (invariant 5)."""
-
-    __slots__ = ()
-    _what, _by = "send", "send"
-
-    def query(self) -> bool:
-        w = self.work
-        if w is None:
-            return True
-        # (Asked only while the consumer is in the peer table: a lost consumer's slots are
-        # written again without waiting; it is never confirmed what they carry, invariant 7.)
-        if self.cuda_event is not None:
-            return bool(self.cuda_event.query())
-        return self.completed == self.posted
-
-    def _timed_out(self, timeout: float | None) -> None:
-        raise IpcTimeoutError(f"a send to {self.edge.label} did not complete within {timeout} s")
-
-    def handle(self) -> bytes:
-        return RELEASE_PLACEHOLDER.encode()
-
-
 class RemoteHub:
     """The producer's rendezvous for its remote edges: one c10d TCPStore (made at the
     first remote HELLO, on an ephemeral port of the endpoint's address and no other) and,
@@ -786,7 +715,7 @@ class ProducerEdge:
         """Copy an item (after its ready event) into the slot's pinned host buffer, and
         wait for the copy: gloo reads the buffer from its own threads."""
         assert self.staging is not None
-        host = _staged(self.staging, slot, self.hub.slot_views[slot].numel(), view.numel())
+        host = staged(self.staging, slot, self.hub.slot_views[slot].numel(), view.numel())
         with torch.cuda.stream(self.stream):
             self.hub.ready_events[slot].wait(self.stream)
             host.copy_(view, non_blocking=True)
@@ -834,96 +763,6 @@ class ProducerEdge:
 # ---------------------------------------------------------------------------- consumer
 
 
-class RecvEvent(_TransferEvent):
-    """A remote item's ready event (invariant 4): the recv into its receive slot of item
-    ``seq``, and the producer's confirmation of its send."""
-
-    __slots__ = ("seq",)
-
-    def __init__(self, edge: Any) -> None:
-        super().__init__(edge)
-        self.seq = -1
-    _what, _by = "ready", "recv"
-
-    def query(self) -> bool:
-        """Complete when the recv completed and the producer confirmed the item's send
-        (invariant 7: a SENT covering ``seq``, which only the control channel's pump brings)."""
-        w = self.work
-        if w is None:
-            return True
-        edge = self.edge
-        if edge.broken is not None:
-            raise PeerLostError(f"remote edge from {edge.label} lost: {edge.broken}")
-        # (gloo: the completion thread's count, a staged recv's copy included; NCCL posts
-        # nothing to count: the CUDA event recorded after its recv says.)
-        if self.completed != self.posted:
-            return False
-        if self.cuda_event is not None and not self.cuda_event.query():
-            return False
-        if not edge.watermark.covers(self.seq):
-            return False
-        self.work = None
-        return True
-
-    def _timed_out(self, timeout: float | None) -> None:
-        self.edge.fail(f"no data within {timeout} s")
-        raise PeerLostError(f"remote edge from {self.edge.label} lost: {self.edge.broken}")
-
-    def handle(self) -> bytes:
-        return READY_PLACEHOLDER.encode()
-
-
-class _ReleaseEvent(Event):
-    """The consumer's release event on a remote edge: CPU reads are done when ``release()``
-    is called; CUDA records a real event, which the next recv into the slot waits on."""
-
-    __slots__ = ("cuda_event",)
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda_event = torch.cuda.Event() if device.type == "cuda" else None
-
-    def record(self, stream: Any = None) -> None:
-        if self.cuda_event is not None:
-            self.cuda_event.record(stream)
-
-    def wait(self, stream: Any = None) -> None:
-        if self.cuda_event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
-
-    def query(self) -> bool:
-        return True if self.cuda_event is None else bool(self.cuda_event.query())
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
-
-    def handle(self) -> bytes:
-        return RELEASE_PLACEHOLDER.encode()
-
-
-class _ReceiveArena(Arena):
-    """The receive ring's memory: this process's own, on its device."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.handle = "receive-ring"
-        self.nbytes = nbytes
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def close(self) -> None:
-        pass  # freed with the last view; the edge keeps it while a recv may write it
-
-
-def _slot_tensors(base: torch.Tensor, slots: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """One tensor per slot ``(arena, offset, nbytes)`` on ``base``'s memory, each with a
-    version counter of its own. A view shares its base's counter, and a write into the
-    receive ring (the copy of a staged recv) bumps it: autograd then refused a held
-    item's tensors, saved for backward, once the next item arrived in another slot
-    ("modified by an inplace operation"). A slot is written only while no item in it is
-    held, so its own counter moves only when it should."""
-    storage = base.untyped_storage()
-    return [torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, off, (n,)) for _a, off, n in slots]
-
-
 class ConsumerEdge:
     """Rank 1 of one remote edge: the receive ring and its recvs."""
 
@@ -933,10 +772,10 @@ class ConsumerEdge:
         self.label = label
         self.timeout = timeout
         self.broken: str | None = None
-        self.arena = _ReceiveArena(arena_bytes, device)
-        self.slot_views = _slot_tensors(self.arena.tensor, slots)
+        self.arena = ReceiveArena(arena_bytes, device)
+        self.slot_views = slot_tensors(self.arena.tensor, slots)
         self.ready_events = [RecvEvent(self) for _ in slots]
-        self.release_events = [_ReleaseEvent(device) for _ in slots]
+        self.release_events = [ReleaseEvent(device) for _ in slots]
         self.ledger = RecvLedger()
         self.watermark = SentWatermark()  # invariant 7: the newest seq whose send the producer confirmed
         self.device = device
@@ -995,7 +834,7 @@ class ConsumerEdge:
             ev.seq = entry[0]
             try:
                 if self.staging is not None:
-                    host = _staged(self.staging, slot, self.slot_views[slot].numel(), nbytes)
+                    host = staged(self.staging, slot, self.slot_views[slot].numel(), nbytes)
                     self.completer.post(ev, partial(self.pg.recv, [host], 0, slot),
                                         after=partial(self._unstage, slot, host, view))
                 elif self.stream is not None:

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from ..backends import Arena, Event
+from ..backends import Arena, Backend, Event
 from ..backends.refs import SlotStore
-from ..backends.cpu import reclaim_dead_segments, segment_owner
+from ..backends.cpu import reclaim_dead_segments
 from ..core import protocol as P
 from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgain, LaneOffered, SentReceived,
                                      SetupReceived, SwitchReceived)
@@ -59,17 +59,16 @@ def unanswered_error(endpoint: Endpoint, t: float | None) -> IpcSyncError:
     return IpcTimeoutError(f"{text}; is it running, with the same name?")
 
 
-def identity_problem(endpoint: Endpoint, connection_fd: int, backend_name: str, s: P.Setup) -> str | None:
+def identity_problem(endpoint: Endpoint, connection_fd: int, backend: Backend, s: P.Setup) -> str | None:
     """Who answered must be the producer the SETUP describes, of this user (see
-    ``channel.producer_identity_problem``); on the CPU backend its arenas must be named
-    after its pid (the segment's owner uid is checked when it is opened)."""
+    ``channel.producer_identity_problem``), and its arenas its own, as far as ``backend``
+    can tell (``Backend.arena_owner_problem``)."""
     problem = producer_identity_problem(endpoint, connection_fd, s.pid, s.pid_ns)
-    if problem is None and backend_name == "cpu":
+    if problem is None:
         for handle in s.arenas:
-            owner = segment_owner(handle) if type(handle) is str else None
-            if owner is not None and owner.pid != s.pid:
-                return (f"the producer on {endpoint.name!r} (pid {s.pid}) names shared memory "
-                        f"{handle} of pid {owner.pid}; refusing it")
+            why = backend.arena_owner_problem(handle, s.pid)
+            if why is not None:
+                return f"the producer on {endpoint.name!r} (pid {s.pid}) {why}; refusing it"
     return problem
 
 
@@ -369,7 +368,7 @@ class ProducerLink:
                 self.session.ready.append((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))
 
     def on_setup(self, s: P.Setup) -> None:
-        problem = identity_problem(self.endpoint, self.chan.current_connection_fd(), self.backend.name, s)
+        problem = identity_problem(self.endpoint, self.chan.current_connection_fd(), self.backend, s)
         if problem is not None:
             self.fail(ConfigError(problem), ErrorCode.IDENTITY)
             return

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ipcsync.core import protocol as P
-from ipcsync.core.consumer_session import (SENDS, ConsumerSession, ForeignReceived, ForwardedReceived,
+from ipcsync.core.consumer_session import (ConsumerSession, ForeignReceived, ForwardedReceived,
                                            SetupReceived)
 from ipcsync.core.layout import RecipeCache, plan_message
 from ipcsync.core.liveness import Verdict
@@ -199,6 +199,10 @@ def test_setup_validation() -> None:
     s2 = ConsumerSession("ep", "cpu", 1.0)
     s2.hello(hello())
     assert not s2.validate_setup(setup(backend="cuda")) and isinstance(s2.error, ConfigError)
+    # The refusal is classified by its code, which the producer is told too.
+    (out,) = s2.outbox
+    assert msgpack.unpackb(out)[1] == P.ErrorCode.BACKEND.value
+    assert msgpack.unpackb(s.outbox[0])[1] == P.ErrorCode.SETUP.value and isinstance(s.error, ProtocolError)
     # A remote edge joins any two kinds of device (its transfer copies): a CUDA producer's
     # remote SETUP is valid for a CPU consumer.
     s3 = ConsumerSession("ep", "cpu", 1.0)
@@ -209,14 +213,16 @@ def test_setup_validation() -> None:
 
 def test_send_rules() -> None:
     s = ConsumerSession("ep", "cpu", 1.0)
-    assert MsgType.RELEASE not in SENDS[State.AWAIT_SETUP]
+    assert not s.conv.may_send(MsgType.RELEASE)
     with pytest.raises(ProtocolError, match="may not send ATTACH"):
         s.attach(setup(), [])
-    s.receive(frame(P.Bye("x")))  # closed
+    s.receive(frame(P.Bye("x")))  # a BYE before SETUP breaks the protocol: ERROR, then nothing
+    assert "BYE is not allowed while the consumer is in state 'await_setup'" in str(s.error)
+    assert [kind(f) for f in s.outbox] == [MsgType.ERROR] and s.state is State.ERROR
     with pytest.raises(ProtocolError, match="may not send HELLO"):
         s.hello(hello())
     s.fail(ProtocolError("late"), "protocol")
-    assert not s.outbox  # nothing may be sent once closed
+    assert len(s.outbox) == 1  # nothing more may be sent once ended
 
 
 def test_liveness_stall_answer_heartbeat_and_loss_with_a_fake_clock() -> None:

@@ -16,8 +16,19 @@ def hello(hb_ms: int = 1000) -> P.Hello:
                    backend="cpu", device=None, credits=2, heartbeat_ms=hb_ms)
 
 
+SETUP = P.Setup(version=P.PROTOCOL_VERSION, pid=1, start_time=1, pid_ns="ns", backend="cpu", device=None,
+                arenas=[b"a"], arena_bytes=[256], slots=[(0, 0, 256)], ready_events=[b"r"], heartbeat_ms=1000)
+
+
+def set_up(identity: bytes = b"id", now: float = 0.0, hb_ms: int = 1000) -> ProducerSession:
+    """A session that answered its consumer's HELLO with SETUP."""
+    s = ProducerSession(identity, hello(hb_ms), now, heartbeat=1.0)
+    s.setup(SETUP)
+    return s
+
+
 def attached(now: float = 0.0, hb_ms: int = 1000) -> ProducerSession:
-    s = ProducerSession(b"id", hello(hb_ms), now, heartbeat=1.0)
+    s = set_up(now=now, hb_ms=hb_ms)
     ev = s.receive_frame(P.encode(P.Attach([b"e0", b"e1"])), now)
     assert ev.kind is Kind.ATTACHED and s.state is State.ACTIVE
     return s
@@ -25,16 +36,17 @@ def attached(now: float = 0.0, hb_ms: int = 1000) -> ProducerSession:
 
 def test_hello_then_setup_then_attach() -> None:
     s = ProducerSession(b"id", hello(), 0.0, heartbeat=1.0)
+    assert s.state is State.SETUP_DUE
+    with pytest.raises(ProtocolError, match="may not send READY in state 'setup_due'"):
+        s.check_send(P.MsgType.READY)
+    assert isinstance(P.decode(s.setup(SETUP)), P.Setup)
     assert s.state is State.AWAIT_ATTACH
-    setup = P.Setup(version=P.PROTOCOL_VERSION, pid=1, start_time=1, pid_ns="ns", backend="cpu", device=None,
-                    arenas=[b"a"], arena_bytes=[256], slots=[(0, 0, 256)], ready_events=[b"r"], heartbeat_ms=1000)
-    assert isinstance(P.decode(s.setup(setup)), P.Setup)
     ev = s.receive(P.Attach([b"e"]), 1.0)
     assert ev.kind is Kind.ATTACHED and s.state is State.ACTIVE
 
 
 def test_duplicate_hello_while_awaiting_attach_is_ignored() -> None:
-    s = ProducerSession(b"id", hello(), 0.0, heartbeat=1.0)
+    s = set_up()
     assert s.receive(hello(), 1.0).kind is Kind.NOTHING
     assert s.state is State.AWAIT_ATTACH
 
@@ -45,7 +57,7 @@ def test_hello_when_active_is_a_bad_frame_answered_by_error() -> None:
     assert ev.kind is Kind.BAD_FRAME and isinstance(ev.data, ProtocolError)
     err = P.decode(ev.reply)
     assert isinstance(err, P.Error) and err.code == "protocol"
-    assert s.state is State.CLOSED
+    assert s.state is State.ERROR  # ended by the broken frame
 
 
 def test_garbage_frame_is_a_bad_frame() -> None:
@@ -54,7 +66,7 @@ def test_garbage_frame_is_a_bad_frame() -> None:
 
 
 def test_release_fast_path_only_when_active() -> None:
-    s = ProducerSession(b"id", hello(), 0.0, heartbeat=1.0)
+    s = set_up()
     frame = P.encode(P.Release([(0, 0, 1)]))
     assert s.release_entries(frame, 1.0) is None  # not attached yet
     s = attached()
@@ -80,12 +92,12 @@ def test_sends_follow_the_table() -> None:
 
 
 def test_attach_with_wrong_number_of_events_is_refused() -> None:
-    s = ProducerSession(b"id", hello(), 0.0, heartbeat=1.0)
+    s = set_up()
     s.receive(P.Attach([b"e"]), 0.0)
     bad = s.attach_problem(1, 4)
     assert bad is not None and bad.kind is Kind.BAD_FRAME and "4 slots" in str(bad.data)
-    assert s.state is State.CLOSED
-    assert ProducerSession(b"id2", hello(), 0.0, heartbeat=1.0).attach_problem(4, 4) is None
+    assert s.state is State.ERROR  # ended by the broken frame
+    assert set_up(b"id2").attach_problem(4, 4) is None
 
 
 def test_layouts_and_foreign_arenas_sent_once_per_version() -> None:
@@ -119,7 +131,7 @@ def test_disconnected_peer_silence_does_not_count() -> None:
 
 
 def test_handshake_overdue_only_before_attach() -> None:
-    s = ProducerSession(b"id", hello(hb_ms=0), 10.0, heartbeat=1.0)
+    s = set_up(now=10.0, hb_ms=0)
     assert s.tick(10.0 + HANDSHAKE_S - 1, False)[0] is Verdict.ALIVE
     verdict, why = s.tick(10.0 + HANDSHAKE_S + 1, False)
     assert verdict is Verdict.LOST and "no ATTACH" in why
@@ -136,3 +148,26 @@ def test_heartbeat_due_a_quarter_of_ours_after_we_spoke() -> None:
     assert isinstance(P.decode(s.heartbeat(10.3)), P.Heartbeat)
     quiet = ProducerSession(b"id", hello(), 0.0, heartbeat=0.0)
     assert quiet.heartbeat(100.0) is None
+
+
+def test_the_consumer_may_hold_slots_while_items_flow_and_after_our_bye() -> None:
+    # (The runtime keeps a disconnected consumer's slots held while its process lives
+    # exactly when it may hold some: PeerTable.on_disconnect.)
+    s = set_up()
+    assert not s.may_hold and not s.bye_sent
+    s.receive(P.Attach([b"e"]), 1.0)
+    assert s.may_hold
+    assert s.bye("closing") is not None and s.state is State.BYE_SENT
+    assert s.may_hold and s.bye_sent and not s.bye_received
+    s.receive(P.Release([(0, 0, 0)]), 2.0)  # its releases still come
+    ev = s.receive(P.Bye("done"), 3.0)
+    assert ev.kind is Kind.GOODBYE and s.state is State.CLOSED
+    assert not s.may_hold and s.bye_received
+
+
+def test_a_consumer_heartbeating_before_its_attach_is_kept() -> None:
+    # (A peer may open the producer's memory slowly and heartbeat meanwhile: alive, not
+    # attached, never a bad frame: test_faults' during-setup rows.)
+    s = set_up()
+    assert s.receive_frame(P.encode(P.Heartbeat()), 1.0).kind is Kind.NOTHING
+    assert s.state is State.AWAIT_ATTACH and s.clock.last_recv == 1.0

@@ -1,4 +1,4 @@
-"""Forwarding: a middle stage passes all or part of a received item on.
+"""``ipcsync.forward``: a middle stage passes all or part of a received item on.
 
 Two ways, chosen per call (``copy=``):
 
