@@ -298,7 +298,7 @@ class CpuBackend(Backend):
         own (the owner uid is checked when the segment is opened)."""
         owner = segment_owner(handle) if type(handle) is str else None
         if owner is not None and owner.pid != pid:
-            return f"names shared memory {handle} of pid {owner.pid}"
+            return f"names shared memory {handle!s} of pid {owner.pid}"
         return None
 
     def create_event(self) -> CpuEvent:

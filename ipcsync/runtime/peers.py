@@ -219,7 +219,7 @@ class PeerTable:
         if peer.identity not in self.by_id:
             return
         held = len(self.ring.held_by(peer.identity))
-        if not peer.session.bye_received and peer.session.state != "closed":
+        if not peer.session.bye_received and peer.session.state not in P.ENDED:
             self.lost_total += 1
             self.ratelog.warning("lost", "ipcsync producer %r lost %s (%s); reclaimed %d slot(s)",
                                  self.name, peer.label, why, held)

@@ -209,7 +209,7 @@ class ProducerPort:
         if what == "lane":
             # Token and credentials checked: our SWITCH goes out after everything queued
             # for it on ZeroMQ, then its frames go on the lane (PeerTable.send).
-            if peer.disconnected or peer.session.state == "closed" or peer.session.switch_sent:
+            if peer.disconnected or peer.session.state in P.ENDED or peer.session.switch_sent:
                 return
             peer.lane_ready = data
             self.peers.send(peer, peer.session.switch())
