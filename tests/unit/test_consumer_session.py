@@ -116,12 +116,13 @@ def test_releases_go_out_in_batches_of_at_most_max_release_batch() -> None:
     s = active(max_release_batch=3)
     assert s.release_frame() is None
     s.pending.extend((i, 0, i) for i in range(5))
-    data, n = s.release_frame()  # type: ignore[misc]
-    assert n == 3 and msgpack.unpackb(data) == [MsgType.RELEASE, [[0, 0, 0], [1, 0, 1], [2, 0, 2]]]
-    s.sent_releases(n)
-    data, n = s.release_frame()  # type: ignore[misc]
-    assert n == 2
-    s.sent_releases(n)
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert len(entries) == 3 and msgpack.unpackb(data) == [MsgType.RELEASE, [[0, 0, 0], [1, 0, 1], [2, 0, 2]]]
+    s.unsend_releases(entries)  # it could not go out: first in line again, in order
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert entries == [(0, 0, 0), (1, 0, 1), (2, 0, 2)]
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert len(entries) == 2
     assert s.release_frame() is None and not s.pending
 
 
