@@ -9,8 +9,10 @@ Ordering rules of a handoff (receive):
    (``wait="gpu"``: enqueued at once; ``"host"``: the host polls ``query()`` first, so a
    producer that dies mid-record can never wedge the consumer's stream);
 3. ``release()`` records the slot's release event on the consumer's stream, then queues
-   RELEASE(seq, slot, gen); queued releases go out in one message when the consumer has
-   no more buffered items (or from the service thread while the user computes);
+   RELEASE(seq, slot, gen); queued releases go out in one message at the next call once
+   ``release_batch`` gathered, when the consumer has no more buffered items (before it
+   waits), at once while another thread waits in a call, or from the service thread
+   while the user computes;
 4. after the producer's BYE and the last buffered item, iteration ends; the consumer
    answers BYE once it holds nothing.
 

@@ -270,6 +270,7 @@ class EndpointBase:
 
         ``pumped``: the caller has just pumped and seen ``done()`` false: start waiting.
         """
+        self._woken = None  # (what an earlier wait's select found says nothing now)
         if not pumped:
             if done():  # e.g. an item already buffered: no socket work on this call
                 return True
