@@ -160,6 +160,7 @@ class Consumer(EndpointBase):
         # remote), no per-item storage, no verify, no trace (each of those: _make_item).
         self._flat = False
         self._lane_woken = [-1]  # (set once the handshake is done)
+        self._awaiting = 0  # asyncio calls (aget, async for) waiting for an item now
         # A remote edge over gloo: its Wake (among our fds) says when an item's data is ready.
         self._data_wakes = False
         try:
@@ -296,9 +297,13 @@ class Consumer(EndpointBase):
     async def _anext_item(self, timeout: float | None) -> Item | None:
         """The next item (None: the stream ended), awaiting without blocking the loop."""
         port = self.port
-        return await aio.wait_for_attempt(
-            self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
-            self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+        self._awaiting += 1  # (a release meanwhile goes out at once: see _release)
+        try:
+            return await aio.wait_for_attempt(
+                self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
+                self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+        finally:
+            self._awaiting -= 1
 
     def _last_attempt(self, timeout: float | None) -> Item | None:
         got, item = self._poll()
@@ -579,7 +584,9 @@ def _release(ref: "weakref.ref[Consumer]", item: Item, stream: Any) -> None:
             c._last_call = time.monotonic()
             if not item.released and not c._closed:
                 c._release_locked(item, stream)
-                if c.blocked_calls:  # a thread waits for items: the producer may wait for this slot
+                if c.blocked_calls or c._awaiting:
+                    # A call (thread or task) waits for items: the producer may be waiting
+                    # for this slot, and the batch would go out only at that call's tick.
                     c._link.flush_releases()
 
 
