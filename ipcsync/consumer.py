@@ -9,8 +9,10 @@ Ordering rules of a handoff (receive):
    (``wait="gpu"``: enqueued at once; ``"host"``: the host polls ``query()`` first, so a
    producer that dies mid-record can never wedge the consumer's stream);
 3. ``release()`` records the slot's release event on the consumer's stream, then queues
-   RELEASE(seq, slot, gen); queued releases go out in one message when the consumer has
-   no more buffered items (or from the service thread while the user computes);
+   RELEASE(seq, slot, gen); queued releases go out in one message at the next call once
+   ``release_batch`` gathered, when the consumer has no more buffered items (before it
+   waits), at once while another thread waits in a call, or from the service thread
+   while the user computes;
 4. after the producer's BYE and the last buffered item, iteration ends; the consumer
    answers BYE once it holds nothing.
 
@@ -35,6 +37,7 @@ from . import limits
 from .backends import backend_for, refs, resolve_device
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
+from .core.layout import Recipe
 from .core.stats import Stats
 from .errors import ClosedError, IpcSyncError, IpcTimeoutError
 from .item import Item
@@ -50,6 +53,7 @@ from .runtime.waiting import SourcePort, wait_ready_event
 __all__ = ["Consumer", "Item"]
 
 log = logging.getLogger(__name__)
+get_ident = threading.get_ident
 _DEFAULT_CONNECT_TIMEOUT = limits.DEFAULT_CONNECT_TIMEOUT  # (``limits`` is also a parameter name)
 
 
@@ -149,9 +153,14 @@ class Consumer(EndpointBase):
         ref = weakref.ref(self)
         self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
                                             self._held, self._current, partial(_is_closed, ref))
-        # The session's and the link's own, kept here for the per-item paths.
-        self._ready, self._pending = s.ready, s.pending
+        # The link's own, kept here for the per-item paths.
         self._memory, self._foreign_uses = link.memory, link.downstream.uses
+        self._taken = self._stats.taken.append  # a handoff's (bytes, latency ns): Stats.settle
+        # The steady path builds an item straight from its READY entry: a local edge (not
+        # remote), no per-item storage, no verify, no trace (each of those: _make_item).
+        self._flat = False
+        self._lane_woken = [-1]  # (set once the handshake is done)
+        self._awaiting = 0  # asyncio calls (aget, async for) waiting for an item now
         # A remote edge over gloo: its Wake (among our fds) says when an item's data is ready.
         self._data_wakes = False
         try:
@@ -175,6 +184,9 @@ class Consumer(EndpointBase):
             self._closed = True
             self._teardown()
             raise
+        self._flat = (link.remote is None and not self._per_item and self._verify is None and self._trace is None)
+        mux = self._chan.mux  # what a wait that woke on the lane alone found readable
+        self._lane_woken = [mux.fd] if mux is not None and not self._data_wakes else [-1]
         self._start_service()
 
     # ------------------------------------------------------------------ public API
@@ -185,36 +197,71 @@ class Consumer(EndpointBase):
         IpcTimeoutError then (an item whose data was late stays first in line),
         PeerLostError if the producer died, ClosedError after close().
         """
-        with self._call():
-            return self._next_item(self._resolve_timeout(timeout))
+        return self._get(self._resolve_timeout(timeout))
 
     def __iter__(self) -> Iterator[Item]:
-        return self
+        # Each step is one call of _get (iteration's own timeout: idle_timeout), ending at
+        # its None: the steady path costs the calls of _get only.
+        t = self._idle_timeout
+        return iter(partial(self._get, None if t is None or math.isinf(t) else t), None)
 
     def __next__(self) -> Item:
-        with self._lock:  # the hot path: an explicit lock rather than _call()
-            if self._closed:
-                self._check_open()
-            try:
-                # _release_current, inlined: one Python call less per item.
-                cur = self._current.pop(threading.get_ident(), None) if self._current else None
-                if cur is not None and self.auto_release and not cur.released:
-                    self._release_locked(cur, None)
-                ready, s = self._ready, self.session
-                pumped = not ready and not s.bye_received and s.error is None
-                if pumped:
-                    self._pump()  # (no socket work when an item is already buffered)
-                t = self._idle_timeout
-                if ready and s.error is None:
-                    item = self._make_item(ready.popleft(), t)
-                    self._current[threading.get_ident()] = item
-                    return item
-                item = self._next_item(None if t is None or math.isinf(t) else t, pumped)
-            finally:
-                self._last_call = time.monotonic()
+        t = self._idle_timeout
+        item = self._get(None if t is None or math.isinf(t) else t)
         if item is None:
             raise StopIteration
         return item
+
+    def _get(self, timeout: float | None) -> Item | None:
+        """``get`` and iteration: the next item, or None at the end of the stream.
+
+        The steady path, straight-line: release this thread's previous item
+        (``auto_release``); send the queued releases once a batch gathered; take the next
+        buffered READY entry, or pump once (the lane's frames, ``ProducerLink.pump_lane``;
+        everything at a tick) and take it then; build the item from its slot's storage
+        (``Recipe.build_in``: views made once per slot and layout); its ready event needs
+        nothing (complete on record) or is complete already. Anything else (nothing
+        arrived: wait; an error, BYE, a host-mode or remote wait, a forwarded item,
+        verify, trace, a per-item storage) takes the general path, ``_next_item`` /
+        ``_make_item``."""
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            try:
+                cur = self._current.pop(get_ident(), None) if self._current else None
+                if cur is not None and self.auto_release and not cur.released:
+                    self._release_locked(cur, None)
+                s = self.session
+                if len(s.pending) >= s.release_batch:
+                    self._link.flush_releases()
+                try:
+                    entry = s.take_ready()
+                except IndexError:
+                    if s.error is not None or s.bye_received:
+                        return self._next_item(timeout)
+                    if time.monotonic() < self._next_tick:
+                        self._link.pump_lane()
+                    else:
+                        self._pump()
+                    try:
+                        entry = s.take_ready()
+                    except IndexError:
+                        return self._next_item(timeout, pumped=True)
+                seq, slot, gen, sent_ns, meta, recipe = entry
+                mem = self._memory
+                if (self._flat and recipe.__class__ is Recipe
+                        and (mem.complete_on_record or mem.ready_events[slot].query())):
+                    store = mem.stores[slot]
+                    item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
+                                recipe.nbytes, store)
+                    self._held[seq] = item
+                    self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
+                else:
+                    item = self._make_item(entry, timeout)
+                self._current[get_ident()] = item
+                return item
+            finally:
+                self._last_call = time.monotonic()
 
     # ------------------------------------------------------------------ asyncio
     def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
@@ -250,9 +297,13 @@ class Consumer(EndpointBase):
     async def _anext_item(self, timeout: float | None) -> Item | None:
         """The next item (None: the stream ended), awaiting without blocking the loop."""
         port = self.port
-        return await aio.wait_for_attempt(
-            self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
-            self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+        self._awaiting += 1  # (a release meanwhile goes out at once: see _release)
+        try:
+            return await aio.wait_for_attempt(
+                self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
+                self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+        finally:
+            self._awaiting -= 1
 
     def _last_attempt(self, timeout: float | None) -> Item | None:
         got, item = self._poll()
@@ -273,7 +324,7 @@ class Consumer(EndpointBase):
         with self._lock:
             clock = self.session.clock
             return self._stats.snapshot(
-                role="consumer", held=len(self._held), buffered=len(self._ready), kept=len(self._link.kept),
+                role="consumer", held=len(self._held), buffered=self.session.buffered(), kept=len(self._link.kept),
                 forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
                 producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
@@ -317,9 +368,7 @@ class Consumer(EndpointBase):
                 for item in list(self._held.values()):
                     self._release_locked(item, None)
                 link.give_up_kept()
-                while s.ready:
-                    seq, slot, gen, *_ = s.ready.popleft()
-                    s.pending.append((seq, slot, gen))
+                s.give_back_buffered()
                 link.flush_releases()
                 if self._lender.forwarded:
                     t = self._resolve_timeout(timeout if forwarded_wait else 0.0)
@@ -351,8 +400,8 @@ class Consumer(EndpointBase):
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.ready.popleft(), left, timeout)
-            self._current[threading.get_ident()] = item
+            item = self._make_item(s.take_ready(), left, timeout)
+            self._current[get_ident()] = item
             return item
         if s.bye_received:
             self._pump()  # answers BYE once nothing is held
@@ -366,12 +415,12 @@ class Consumer(EndpointBase):
         with self._call():
             self._pump()
             self._raise_if_broken()
-            if self._ready:
+            if self.session.ready:
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
                 # the fds it waits on) or the SENT frame wakes it when this one is ready.
                 try:
-                    return True, self._make_item(self._ready.popleft(), 0.0 if self._data_wakes else None)
+                    return True, self._make_item(self.session.take_ready(), 0.0 if self._data_wakes else None)
                 except IpcTimeoutError:
                     return False, None  # (the entry is first in line again)
             if self.session.bye_received:
@@ -381,7 +430,7 @@ class Consumer(EndpointBase):
 
     def _release_current(self) -> None:
         """This thread's iteration moves on: release its previous item (``auto_release``)."""
-        cur = self._current.pop(threading.get_ident(), None) if self._current else None
+        cur = self._current.pop(get_ident(), None) if self._current else None
         if cur is not None and self.auto_release and not cur.released:
             self._release_locked(cur, None)
 
@@ -413,12 +462,12 @@ class Consumer(EndpointBase):
                                  lambda done: self._poll_event(done, timeout, asked))
             except IpcTimeoutError:
                 del self._held[seq]
-                self._ready.appendleft(entry)
+                self.session.requeue(entry)
                 raise
         if self._verify is not None:
             self._verify.received(item, recipe.extent, self._stream)
         now = time.monotonic_ns()
-        self._stats.handoff(recipe.nbytes, (now - sent_ns) / 1e9)
+        self._taken((recipe.nbytes, now - sent_ns))
         if self._trace is not None:
             self._trace.received(seq, now)
         return item
@@ -437,33 +486,34 @@ class Consumer(EndpointBase):
         self._raise_if_broken()  # complete now: nothing to enqueue
 
     def _release_locked(self, item: Item, stream: Any) -> None:
+        """Release ``item`` (lock held): straight-line, the reference rule first. Its
+        RELEASE is queued; queued releases go out together at the next call once
+        ``release_batch`` gathered, when the consumer is about to wait for more items
+        (``ProducerLink.pump``/``pump_lane``), or from the service thread."""
         if item.released:
             return
         item.released = True
         # The item stops viewing the slot: a leftover reference to it must not keep the
         # producer's memory mapped (see ProducerLink.let_go_of_memory).
         item.tensors = None
-        self._held.pop(item.seq, None)
+        seq, slot = item.seq, item.slot
+        self._held.pop(seq, None)
         if self._trace is not None:
-            self._trace.released(item.seq)
-        if self._check_refs and item.store.in_use():
+            self._trace.released(seq)
+        store = item.store
+        if self._check_refs and store.count() > store.own:
             # The program still views the slot: it goes back once nothing does (the
             # link polls it at every pump; a stall is reported at once).
             self._link.kept.add(item)
             return
         item.store = None  # given back: nor does a leftover item keep the slot's storage
         if self._foreign_uses:
-            self._foreign_uses.pop(item.seq, None)
+            self._foreign_uses.pop(seq, None)
         s = self.session
-        if s.error is None:
-            self._memory.release_events[item.slot].record(stream if stream is not None else self._stream)
-        pending = self._pending
-        pending.append((item.seq, item.slot, item.gen))
-        # Batched: queued releases go out together when this many are waiting, when the
-        # consumer is about to wait for more items (see ProducerLink.pump), or from the
-        # service thread.
-        if len(pending) >= s.release_batch:
-            self._link.flush_releases()
+        mem = self._memory
+        if s.error is None and not mem.complete_on_record:
+            mem.release_events[slot].record(stream if stream is not None else self._stream)
+        s.queue_release((seq, slot, item.gen))
 
     def _release_verified(self, item: Item, stream: Any) -> None:
         """``_release_locked`` with ``verify=True``: the item's checksum is taken again
@@ -484,11 +534,23 @@ class Consumer(EndpointBase):
 
     # ------------------------------------------------------------------ EndpointBase hooks
     def _pump(self) -> None:
-        self._link.pump()
+        """Everything at a tick (ZeroMQ, liveness, stats); between ticks, after a wait
+        whose select found only the lane readable (or nothing), the lane alone: ZeroMQ's
+        fds were drained (``_io_pending``: ``ZMQ_EVENTS`` read) before that select, and
+        an fd that did not signal has nothing new behind it (ZMQ_FD signals each arrival
+        of commands until they are processed). After the SWITCH the producer sends only
+        on the lane, so ZeroMQ then brings monitor events only."""
+        woken, self._woken = self._woken, None
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + self._tick
+            self._link.pump()
             self._link.tick(now)
+            self._stats.settle()
+        elif woken is not None and (not woken or woken == self._lane_woken):
+            self._link.pump_lane()
+        else:
+            self._link.pump()
 
     def _service_pump(self) -> None:
         # The user's thread is away (computing): nothing to batch with, flush now.
@@ -522,6 +584,10 @@ def _release(ref: "weakref.ref[Consumer]", item: Item, stream: Any) -> None:
             c._last_call = time.monotonic()
             if not item.released and not c._closed:
                 c._release_locked(item, stream)
+                if c.blocked_calls or c._awaiting:
+                    # A call (thread or task) waits for items: the producer may be waiting
+                    # for this slot, and the batch would go out only at that call's tick.
+                    c._link.flush_releases()
 
 
 def _is_closed(ref: "weakref.ref[Consumer]") -> bool:

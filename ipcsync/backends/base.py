@@ -17,7 +17,13 @@ __all__ = ["Arena", "Event", "Backend"]
 
 
 class Event(abc.ABC):
-    """An event one process records and another waits on (same interface as ipcsync.IpcEvent)."""
+    """An event one process records and another waits on (same interface as ipcsync.IpcEvent).
+
+    ``complete_on_record``: True where every event of the class is complete once recorded
+    and recording orders nothing (the CPU backend's): a steady path may then skip
+    ``record``, ``query`` and ``wait`` on it altogether."""
+
+    complete_on_record: ClassVar[bool] = False
 
     @abc.abstractmethod
     def record(self, stream: Any = None) -> None:

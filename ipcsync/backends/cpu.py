@@ -86,6 +86,7 @@ class CpuEvent(Event):
     it is recorded. Same interface as the CUDA event."""
 
     __slots__ = ()
+    complete_on_record = True
 
     def record(self, stream: Any = None) -> None:
         pass

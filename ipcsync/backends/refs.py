@@ -23,6 +23,7 @@ costs a storage per item instead of one per slot.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -66,6 +67,10 @@ def own_storage(region: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _no_count() -> int:
+    return 0
+
+
 class SlotStore:
     """One slot's (or forwarded region's) own storage and the library's views of it.
 
@@ -73,9 +78,13 @@ class SlotStore:
     ``dtype`` that items are built from (one per dtype, made once; ``views`` holds those
     made, for a lookup without a call); ``in_use()``: True while a tensor other than the
     library's own references the region. The use count the library itself accounts for
-    is measured as each view is made."""
+    is measured as each view is made.
 
-    __slots__ = ("base", "nbytes", "views", "_probe", "_cdata", "_own")
+    The same test for the steady path, without a Python frame: ``count() > own``
+    (``count``: the storage's use count, one C call; ``own``: the library's share of it).
+    ``in_use()`` is that comparison, where torch can count."""
+
+    __slots__ = ("base", "nbytes", "views", "count", "own", "_probe", "_cdata")
 
     def __init__(self, region: torch.Tensor) -> None:
         self.base = own_storage(region)
@@ -84,7 +93,8 @@ class SlotStore:
         # read from (making one per check would add a reference of its own).
         self._probe = self.base.untyped_storage()
         self._cdata = self._probe._cdata
-        self._own = USE_COUNT(self._cdata) if USE_COUNT is not None else 0
+        self.count: Callable[[], int] = partial(USE_COUNT, self._cdata) if USE_COUNT is not None else _no_count
+        self.own = self.count()
         self.views: dict[torch.dtype, torch.Tensor] = {}
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
@@ -96,13 +106,13 @@ class SlotStore:
             before = USE_COUNT(self._cdata) if USE_COUNT is not None else 0
             t = self.views[dtype] = self.base[: self.nbytes - self.nbytes % size].view(dtype)
             if USE_COUNT is not None:
-                self._own += USE_COUNT(self._cdata) - before
+                self.own += USE_COUNT(self._cdata) - before
         return t
 
     def in_use(self) -> bool:
         """A tensor (or array, or storage object) of the program still references this
         region. False where torch cannot tell (``checks_references()``)."""
-        return USE_COUNT is not None and USE_COUNT(self._cdata) > self._own
+        return USE_COUNT is not None and USE_COUNT(self._cdata) > self.own
 
     def for_item(self) -> "SlotStore":
         """What one item is built from: this store, or where torch cannot count
@@ -117,7 +127,8 @@ class ItemStore(SlotStore):
     """The fallback without ``USE_COUNT``: one item's own storage over its slot's bytes.
     Once the item is built, ``seal`` drops the library's strong references and keeps a
     weak one: ``in_use()`` is True while anything (the item's tensors, the program's
-    views) keeps the storage alive. ``base`` is then the slot's (another storage)."""
+    views) keeps the storage alive (``count()`` is 1 then, 0 once it expired; ``own`` is
+    0). ``base`` is then the slot's (another storage)."""
 
     __slots__ = ("slot", "_weak")
 
@@ -127,6 +138,8 @@ class ItemStore(SlotStore):
         self.nbytes = self.base.numel()
         self.views = {}
         self._weak: Any = None
+        self.count = self._alive
+        self.own = 0
 
     def seal(self) -> None:
         storage = self.base.untyped_storage()
@@ -135,6 +148,9 @@ class ItemStore(SlotStore):
 
     def in_use(self) -> bool:
         return self._weak is not None and not torch.UntypedStorage._expired(self._weak)
+
+    def _alive(self) -> int:
+        return 1 if self.in_use() else 0
 
     def __del__(self) -> None:
         weak, self._weak = getattr(self, "_weak", None), None

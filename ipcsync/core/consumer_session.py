@@ -13,7 +13,11 @@ Rules kept here, once:
   of both parties (a send outside it is a bug of ours: ProtocolError);
 - READY items are buffered in ``ready`` in order; a layout travels once per id and is
   validated once (``RecipeCache``); an item arriving after our BYE is dropped (the
-  producer frees its slot when it reads the BYE);
+  producer frees its slot when it reads the BYE); the runtime changes ``ready`` and
+  ``pending`` only through the session's methods (``take_ready``, ``requeue``,
+  ``add_forwarded``, ``queue_release``, ``release_frame``/``unsend_releases``, ...), and
+  a wake-up's frames go through ``receive_frames`` (the steady READYs, one call) before
+  ``receive`` (the rest, one by one);
 - FOREIGN describes another producer's arena before any FREADY names it (FREADY naming
   an undescribed arena, a slot outside the ring or a region outside the arena is a
   protocol error);
@@ -161,7 +165,8 @@ class ConsumerSession:
     """
 
     __slots__ = ("name", "backend", "limits", "conv", "enc", "setup", "error", "outbox", "ready", "pending",
-                 "release_batch", "recipes", "frecipes", "foreign", "slot_bytes", "clock", "lane_offer", "_hello",
+                 "release_batch", "recipes", "frecipes", "foreign", "slot_bytes", "clock", "lane_offer",
+                 "take_ready", "queue_release", "_hello",
                  "_rehello")
 
     def __init__(self, name: str, backend: str, heartbeat: float, limits: P.Limits = P.DEFAULT_LIMITS,
@@ -185,6 +190,13 @@ class ConsumerSession:
         self.lane_offer: P.LaneOffer | None = None  # the producer's LANE, once received
         self._hello: P.Hello | None = None
         self._rehello = False
+        # The steady path's two per-item steps, as the containers' own methods (one C call
+        # each, no Python frame). take_ready(): the next buffered entry, in order; raises
+        # IndexError when none is buffered (then pump, or ``requeue`` what was taken).
+        self.take_ready = self.ready.popleft
+        # queue_release((seq, slot, gen)): a RELEASE to send with the next batch
+        # (``release_frame``), once the item's release event is recorded.
+        self.queue_release = self.pending.append
 
     # ------------------------------------------------------------------ state
     @property
@@ -226,6 +238,40 @@ class ConsumerSession:
         return (self.error is None and self.bye_received and not holding and not self.ready
                 and not self.pending)
 
+    # ------------------------------------------------------------------ buffered items
+    def buffered(self) -> int:
+        """How many READY entries are buffered (not yet taken)."""
+        return len(self.ready)
+
+    def requeue(self, entry: ReadyEntry) -> None:
+        """An entry taken but not handed over (its data was not ready in time): first in
+        line again."""
+        self.ready.appendleft(entry)
+
+    def add_forwarded(self, entry: ReadyEntry) -> None:
+        """Buffer a FREADY's entry (``ForwardedReceived``: the runtime opened its region),
+        in arrival order with the READYs."""
+        self.ready.append(entry)
+
+    def give_back_buffered(self) -> None:
+        """close(): every buffered item is released unseen (queued for the last RELEASE)."""
+        ready, pending = self.ready, self.pending
+        while ready:
+            seq, slot, gen, *_ = ready.popleft()
+            pending.append((seq, slot, gen))
+
+    def drop_buffered(self) -> None:
+        """Teardown: forget the buffered items (nothing more is sent)."""
+        self.ready.clear()
+
+    def heard(self, now: float) -> None:
+        """Frames from the producer arrived at ``now`` (liveness)."""
+        self.clock.last_recv = now
+
+    def spoke(self, now: float) -> None:
+        """A frame of ours went out at ``now`` (heartbeats are due only after silence)."""
+        self.clock.last_send = now
+
     # ------------------------------------------------------------------ sends
     def hello(self, msg: P.Hello) -> bytes:
         """The first frame (again after a reconnect during the handshake: ``connected``)."""
@@ -262,17 +308,25 @@ class ConsumerSession:
         self.release_batch = release_batch_for(len(s.slots))
         return P.encode(P.Attach(release_handles))
 
-    def release_frame(self) -> tuple[bytes, int] | None:
-        """The next RELEASE to send and how many entries it carries (``sent_releases``
-        once it went out), or None: nothing queued, or no longer exchanging."""
+    def release_frame(self, now: float | None = None) -> tuple[bytes, list[tuple[int, int, int]]] | None:
+        """The next RELEASE to send and the entries it carries, taken off the queue (a
+        send that did not go out gives them back: ``unsend_releases``), or None: nothing
+        queued, or no longer exchanging. ``now``: when it goes out (the clock's last
+        send: heartbeats are due only after silence)."""
         pending = self.pending
         if not pending or self.error is not None or self.conv.state not in _RELEASING:
             return None
         n = min(len(pending), self.limits.max_release_batch)
-        return self.enc.release(pending[:n]), n
+        entries = pending[:n]
+        del pending[:n]
+        if now is not None:
+            self.clock.last_send = now
+        return self.enc.release(entries), entries
 
-    def sent_releases(self, n: int) -> None:
-        del self.pending[:n]
+    def unsend_releases(self, entries: list[tuple[int, int, int]]) -> None:
+        """The RELEASE of ``release_frame`` could not go out (the connection is full):
+        its entries are first in the queue again."""
+        self.pending[:0] = entries
 
     def bye(self) -> bytes | None:
         """Our BYE, once (nothing is held: every caller releases first). Items arriving
@@ -392,6 +446,26 @@ class ConsumerSession:
         elif kind is P.Switch:
             return self._on_switch()
         return None
+
+    def receive_frames(self, frames: list[bytes], now: float) -> int:
+        """The steady path of ``receive`` for a wake-up's frames, received at ``now``:
+        buffers their leading READYs whose layout this consumer has (``decode_readies``:
+        one call for the batch) and returns how many it took; the caller hands each of the
+        rest to ``receive``, in order (a new layout, a control frame, anything bad)."""
+        if frames:
+            self.clock.last_recv = now
+        if self.conv.state is not _ACTIVE or self.error is not None:  # (our BYE leaves ACTIVE)
+            return 0
+        got = P.decode_readies(frames, self.limits)
+        nslots, recipe_of, append = len(self.slot_bytes), self.recipes.get, self.ready.append
+        n = 0
+        for seq, slot, gen, sent_ns, layout_id, meta in got:
+            recipe = recipe_of(layout_id) if slot < nslots else None
+            if recipe is None:
+                return n  # (receive says what is wrong, or resolves it)
+            append((seq, slot, gen, sent_ns, meta, recipe))
+            n += 1
+        return n
 
     def _on_lane(self, m: P.LaneOffer) -> LaneOffered | None:
         if self.setup is None or (self._hello is not None and self._hello.version < P.LANE_VERSION):

@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Any, Callable, ClassVar, Final, Union
+from typing import Any, Callable, ClassVar, Final, Sequence, Union
 
 import msgpack
 
@@ -107,6 +107,7 @@ __all__ = [
     "decode",
     "encode_ready",
     "decode_ready",
+    "decode_readies",
     "decode_release",
     "Encoder",
     "Conversation",
@@ -771,39 +772,56 @@ def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, in
     """The steady-state fast path of ``decode``: ``(seq, slot, gen, sent_ns, layout_id,
     meta)`` when ``decode(frame, limits)`` would return a READY without a layout, else None
     (then ``decode`` accepts or rejects the frame, with its reason). Never raises."""
+    got = decode_readies((frame,), limits)
+    return got[0] if got else None
+
+
+def decode_readies(
+    frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS
+) -> list[tuple[int, int, int, int, int, Any]]:
+    """``decode_ready`` of the leading frames of ``frames`` (a consumer's wake-up reads
+    several at once): the decoded READYs without a layout, in order, up to the first
+    frame that is not one (that frame and the rest are left to ``decode``). One call per
+    batch, no Python call per frame on the steady path. Never raises."""
+    out: list[tuple[int, int, int, int, int, Any]] = []
     max_frame = limits.max_frame
-    if len(frame) > max_frame or not frame or limits.max_depth < 1:  # depth: see check_meta
-        return None
-    try:
-        obj = msgpack.unpackb(  # as _unpack
-            frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
-            max_str_len=max_frame, max_bin_len=max_frame, max_array_len=limits.max_items,
-            max_map_len=limits.max_items, max_ext_len=0,
-        )
-    except Exception:
-        return None
-    if type(obj) is not list or len(obj) != 8:
-        return None
-    kind, seq, slot, gen, sent_ns, layout_id, layout, meta = obj
-    if (
-        type(kind) is not int or kind != _READY or layout is not None
-        or type(seq) is not int or not 0 <= seq <= _MAX_INT
-        or type(slot) is not int or not 0 <= slot <= _MAX_INT
-        or type(gen) is not int or not 0 <= gen <= _MAX_INT
-        or type(sent_ns) is not int or not 0 <= sent_ns <= _MAX_INT
-        or type(layout_id) is not int or not 0 <= layout_id <= _MAX_INT
-    ):
-        return None
-    if meta is not None and type(meta) not in _SCALAR_META:
-        if type(meta) is int:
-            if not _META_INT_MIN <= meta < _META_INT_END:
-                return None
-        else:
-            try:
-                check_meta(meta, limits.max_depth)
-            except ProtocolError:
-                return None
-    return seq, slot, gen, sent_ns, layout_id, meta
+    if limits.max_depth < 1:  # depth: see check_meta
+        return out
+    unpackb, append = msgpack.unpackb, out.append
+    for frame in frames:
+        if len(frame) > max_frame or not frame:
+            return out
+        try:
+            obj = unpackb(  # as _unpack
+                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext,
+                max_str_len=max_frame, max_bin_len=max_frame, max_array_len=limits.max_items,
+                max_map_len=limits.max_items, max_ext_len=0,
+            )
+        except Exception:
+            return out
+        if type(obj) is not list or len(obj) != 8:
+            return out
+        kind, seq, slot, gen, sent_ns, layout_id, layout, meta = obj
+        if (
+            type(kind) is not int or kind != _READY or layout is not None
+            or type(seq) is not int or not 0 <= seq <= _MAX_INT
+            or type(slot) is not int or not 0 <= slot <= _MAX_INT
+            or type(gen) is not int or not 0 <= gen <= _MAX_INT
+            or type(sent_ns) is not int or not 0 <= sent_ns <= _MAX_INT
+            or type(layout_id) is not int or not 0 <= layout_id <= _MAX_INT
+        ):
+            return out
+        if meta is not None and type(meta) not in _SCALAR_META:
+            if type(meta) is int:
+                if not _META_INT_MIN <= meta < _META_INT_END:
+                    return out
+            else:
+                try:
+                    check_meta(meta, limits.max_depth)
+                except ProtocolError:
+                    return out
+        append((seq, slot, gen, sent_ns, layout_id, meta))
+    return out
 
 
 def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:

@@ -1,5 +1,6 @@
 """Counters behind ``Producer.stats()`` and ``Consumer.stats()``. Cheap to update: a few
-integer adds and one deque append per handoff."""
+integer adds and one deque append per handoff, or (``taken``, the consumer's steady path)
+one list append per handoff, folded in once per wake-up (``settle``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class Stats:
         self.bytes = 0
         self.latencies: deque[float] = deque(maxlen=window)  # seconds, newest last
         self.waiting: dict[str, float] = {}
+        # Handoffs not counted yet, as (bytes, latency in ns): ``taken.append`` is the
+        # per-item step (a C call); ``settle`` (at a pump, and before a snapshot) counts them.
+        self.taken: list[tuple[int, int]] = []
 
     def count(self, nbytes: int) -> None:
         self.handoffs += 1
@@ -30,6 +34,20 @@ class Stats:
         self.bytes += nbytes
         self.latencies.append(latency)
 
+    def settle(self) -> None:
+        """Count the handoffs ``taken`` holds."""
+        taken = self.taken
+        if not taken:
+            return
+        latencies = self.latencies
+        n = 0
+        for nbytes, ns in taken:
+            n += nbytes
+            latencies.append(ns / 1e9)
+        self.handoffs += len(taken)
+        self.bytes += n
+        taken.clear()
+
     def latency(self, seconds: float) -> None:
         self.latencies.append(seconds)
 
@@ -39,6 +57,7 @@ class Stats:
     def snapshot(self, *, now: float | None = None, **extra: Any) -> dict[str, Any]:
         """The counters as a dict (``extra`` added as is). ``now``: the monotonic time to
         compute rates at (default: the clock's)."""
+        self.settle()
         elapsed = max((time.monotonic() if now is None else now) - self.started, 1e-9)
         lat = sorted(self.latencies)
 

@@ -780,6 +780,10 @@ class ConsumerChannel(_Channel):
         self.lane_out = False
         self.lane_refused = False
         self.lane_lost = False
+        self.lane_unsendable = False  # a send on it failed: see _lane_send_failed
+        # The lane while it carries every frame both ways (switched in and out, not lost):
+        # what the consumer's steady pump reads (``read_lane``) and sends on; else None.
+        self.steady_lane: Lane | None = None
         self._switch: bytes | None = None  # our SWITCH, until ZeroMQ took it
         if endpoint.path is not None and lane_enabled():
             try:
@@ -871,13 +875,37 @@ class ConsumerChannel(_Channel):
             return False
         self._switch = None
         self.lane_out = True
+        if self.lane_in and not self.lane_lost:
+            self.steady_lane = self.lane
         return True
+
+    def _lane_send_failed(self) -> None:
+        """A send on the lane failed (the producer closed it): nothing more goes out, but
+        what it sent before closing is still read, up to the EOF that makes the lane lost
+        (a last word, an abort's ERROR, is never dropped by our failed send)."""
+        self.lane_unsendable = True
+        self.steady_lane = None
 
     def _lane_broken(self) -> None:
         self.lane_lost = True
+        self.steady_lane = None
         lane = self.lane
         if lane is not None and self.mux is not None:
             self.mux.remove(lane.fd)
+
+    def read_lane(self, out: list[bytes], most: int) -> None:
+        """The steady path's read (``steady_lane`` set): append the frames that arrived
+        on the lane, up to ``most``. A closed lane is marked lost (``lane_lost``) once the
+        frames read before its EOF are in ``out``. ZeroMQ is not looked at: after the
+        producer's SWITCH it sends nothing more there (``runtime.lane``'s order rule),
+        so only its monitor events can come, read at the next general pump."""
+        lane = self.steady_lane
+        if lane is None:  # (lost since the caller looked: a send found it closed)
+            return
+        try:
+            lane.recv_into(out, most)
+        except LaneClosed:
+            self._lane_broken()
 
     def recv(self) -> list[bytes] | None:
         if self.lane_in and not self.lane_lost and self.lane is not None:
@@ -894,12 +922,12 @@ class ConsumerChannel(_Channel):
 
     def send(self, frame: bytes) -> bool:
         if self.lane_out:
-            if self.lane_lost:
+            if self.lane_lost or self.lane_unsendable:
                 return True  # nothing reaches the producer any more; the loss is being handled
             try:
                 return self.lane.send(frame)  # type: ignore[union-attr]
             except OSError:
-                self._lane_broken()
+                self._lane_send_failed()
                 return True
         if self._switch is not None and not self._send_switch():
             return False
@@ -917,15 +945,16 @@ class ConsumerChannel(_Channel):
         if self._switch is not None:
             self._send_switch()
         lane = self.lane
-        if lane is not None and lane.tail and not self.lane_lost:
+        if lane is not None and lane.tail and not self.lane_lost and not self.lane_unsendable:
             try:
                 lane.flush()
             except OSError:
-                self._lane_broken()
+                self._lane_send_failed()
 
     def close(self) -> None:
         super().close()
         lane, self.lane = getattr(self, "lane", None), None
+        self.steady_lane = None
         if lane is not None:
             lane.close()
         mux, self.mux = self.mux, None

@@ -99,9 +99,12 @@ class EndpointBase:
         self._service: threading.Thread | None = None
         self._endpoint_name = endpoint
         self._owner_pid = os.getpid()  # a forked child is not the owner (see _forget_in_child)
-        self._waiters = 0  # calls blocked in _unlocked() right now (lock released)
+        self.blocked_calls = 0  # calls blocked in _unlocked() right now (lock released)
         self._closer: int | None = None  # thread ident running close(), once it started
         self._ratelog = RateLog(log)  # warnings a peer can trigger
+        # The fds the last wait's select found readable (``_block``), for the next
+        # ``_pump`` to read only what signalled; None: unknown (pump everything).
+        self._woken: list[int] | None = None
         try:
             # When a wait spins before it parks (core.spin: only while the peer is active).
             self._spin = AdaptiveSpin(spin_seconds())
@@ -203,13 +206,13 @@ class EndpointBase:
         """close(): mark it started, then wait (up to ``timeout``) until every call blocked
         in another thread has left; they raise ClosedError. Lock held."""
         self._closer = threading.get_ident()
-        if self._waiters:
-            self._cond.wait_for(lambda: self._waiters == 0, timeout)
+        if self.blocked_calls:
+            self._cond.wait_for(lambda: self.blocked_calls == 0, timeout)
 
     def _unlocked(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a blocking wait) with the lock released; take it back however ``fn``
         ends (a KeyboardInterrupt included) before returning or raising. Lock held."""
-        self._waiters += 1
+        self.blocked_calls += 1
         self._last_call = time.monotonic()
         self._lock.release()
         try:
@@ -222,7 +225,7 @@ class EndpointBase:
                     break
                 except BaseException as exc:  # a signal handler raised: retry, then re-raise
                     interrupted = interrupted or exc
-            self._waiters -= 1
+            self.blocked_calls -= 1
             self._last_call = time.monotonic()
             if self._closer is not None:
                 self._cond.notify_all()
@@ -236,7 +239,9 @@ class EndpointBase:
         lent = self._lent()
         if not lent:  # the common case: only our own sockets, no Poller to build
             fds, t = self._io_fds(), max(0.0, timeout)
-            self._unlocked(lambda: select.select(fds, (), (), t))
+            # (_io_pending found nothing queued, so a ZeroMQ fd not readable now has
+            # nothing new behind it: see ``_woken``.)
+            self._woken = self._unlocked(lambda: select.select(fds, (), (), t))[0]
             return
         poller = Poller()
         poller.add(self._io_fds(), False)
@@ -265,6 +270,7 @@ class EndpointBase:
 
         ``pumped``: the caller has just pumped and seen ``done()`` false: start waiting.
         """
+        self._woken = None  # (what an earlier wait's select found says nothing now)
         if not pumped:
             if done():  # e.g. an item already buffered: no socket work on this call
                 return True
@@ -343,7 +349,7 @@ def _service_loop(ref: "weakref.ref[EndpointBase]", stop: threading.Event, tick:
             return
         try:
             # A call blocked in another thread pumps for itself (at least once a tick).
-            if (ep._waiters or time.monotonic() - ep._last_call < tick
+            if (ep.blocked_calls or time.monotonic() - ep._last_call < tick
                     or not ep._lock.acquire(blocking=False)):
                 continue
             try:

@@ -273,7 +273,7 @@ class Lender:
         """Queue the RELEASEs of ``items`` and send them; an item whose slot a tensor of
         the program still views waits in the link's ``kept`` (the reference rule; its
         release event is recorded again when it goes). Lock held."""
-        uses, pending, kept = self.link.downstream.uses, self.link.session.pending, self.link.kept
+        uses, queue, kept = self.link.downstream.uses, self.link.session.queue_release, self.link.kept
         for item in items:
             item.tensors = None  # given back: the item stops viewing its slot
             if self.link.check_refs and item.store.in_use():
@@ -282,7 +282,7 @@ class Lender:
             item.store = None  # given back: a leftover item keeps no storage of the slot
             if uses:
                 uses.pop(item.seq, None)
-            pending.append((item.seq, item.slot, item.gen))
+            queue((item.seq, item.slot, item.gen))
         self.link.flush_releases()
 
     def drain(self) -> None:

@@ -160,12 +160,23 @@ class Lane:
         frame the peer sent before closing has been returned first); ProtocolError for a
         packet that breaks the framing (the lane is then unusable: the caller ends the
         session)."""
+        out: list[bytes] = []
+        self.recv_into(out, 1)
+        return out[0] if out else None
+
+    def recv_into(self, out: list[bytes], most: int) -> None:
+        """Append to ``out`` the whole frames that have arrived, up to ``most`` (one call
+        per wake-up; a plain packet, the steady case, costs one ``recv`` and no Python
+        call). Raises as ``recv`` does, after the frames read before the EOF or the bad
+        packet are in ``out``: the caller handles them first."""
         reset = False
-        while True:
+        recv, append = self.sock.recv, out.append
+        got = 0
+        while got < most:
             try:
-                data = self.sock.recv(LANE_PACKET_MAX + 1)
+                data = recv(LANE_PACKET_MAX + 1)
             except BlockingIOError:
-                return None
+                return
             except ConnectionResetError as exc:
                 # A peer that closes with frames of ours unread makes the kernel report
                 # ECONNRESET once, *before* the frames it sent us last (an abort's ERROR):
@@ -204,7 +215,8 @@ class Lane:
             else:
                 frame = data
             self.received += 1
-            return frame
+            got += 1
+            append(frame)
 
     def close(self) -> None:
         try:

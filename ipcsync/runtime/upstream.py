@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import zmq
@@ -36,6 +36,8 @@ __all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "
            "ProducerLink"]
 
 log = logging.getLogger(__name__)
+
+_FRAMES_PER_PUMP = 256  # frames the steady pump reads at most (a flood cannot starve the caller)
 
 
 def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
@@ -76,15 +78,17 @@ class RingMemory:
     """The producer's ring as this consumer sees it: its arenas, each slot's own storage
     (``stores``: items are built from it, and it says whether a tensor of the program
     still references the slot; ``stores[i].base`` is slot i's bytes), its ready events,
-    and our release events (one per slot)."""
+    and our release events (one per slot). ``complete_on_record``: every one of those
+    events is complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "release_events")
+    __slots__ = ("arenas", "stores", "ready_events", "release_events", "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
         self.release_events: list[Event] = []
+        self.complete_on_record = False
 
     def open(self, backend: Any, s: P.Setup, where: Any) -> None:
         """Open what SETUP ``s`` exports (``where``: the device its memory lies on).
@@ -94,6 +98,8 @@ class RingMemory:
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
             self.ready_events = [backend.open_event(h) for h in s.ready_events]
             self.release_events = [backend.create_event() for _ in s.slots]
+            self.complete_on_record = all(type(e).complete_on_record
+                                          for e in (*self.ready_events, *self.release_events))
         except IpcSyncError as exc:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
 
@@ -111,6 +117,7 @@ class RingMemory:
     def drop_events(self) -> None:
         self.ready_events = []
         self.release_events = []
+        self.complete_on_record = False
 
 
 def remove_stale_endpoint(endpoint: Endpoint, setup: P.Setup | None, alive: Callable[[], bool],
@@ -162,7 +169,7 @@ class ProducerLink:
     def send(self, frame: bytes) -> bool:
         ok = self.chan.send(frame)
         if ok:
-            self.session.clock.last_send = time.monotonic()  # (clock.spoke, inlined: per batch)
+            self.session.spoke(time.monotonic())
         return ok
 
     def send_errors(self) -> None:
@@ -180,13 +187,11 @@ class ProducerLink:
         self.send_errors()
 
     def flush_releases(self) -> None:
-        # Runs once per release batch: send and session.sent_releases are inlined (two
-        # Python calls here, as many as before the session took the rules over).
+        """Send the queued releases (one RELEASE; once per batch, not per item)."""
         s = self.session
-        out = s.release_frame()
-        if out is not None and self.chan.send(out[0]):
-            s.clock.last_send = time.monotonic()
-            del s.pending[: out[1]]
+        out = s.release_frame(time.monotonic())
+        if out is not None and not self.chan.send(out[0]):
+            s.unsend_releases(out[1])
 
     def release_kept(self, collect: bool = False) -> None:
         """Give back the kept items nothing references any more (``collect``: after a
@@ -212,7 +217,7 @@ class ProducerLink:
                 uses.pop(item.seq, None)
             if s.error is None:
                 self.memory.release_events[item.slot].record(self.stream)
-            s.pending.append((item.seq, item.slot, item.gen))
+            s.queue_release((item.seq, item.slot, item.gen))
 
     def check_stall(self) -> None:
         """Nothing is buffered and the slots this consumer holds (kept by the program's
@@ -268,16 +273,38 @@ class ProducerLink:
         self.downstream.close()
 
     # ------------------------------------------------------------------ receives
-    def pump(self) -> None:
-        """Handle everything that has arrived, without blocking."""
+    def pump_lane(self) -> None:
+        """The steady pump: while the lane carries every frame (``chan.steady_lane``) and
+        nothing else needs a look (no kept slots to poll, no lent items coming back, no
+        ERROR to send), read the lane's frames and hand them to the session in one call
+        (``receive_frames``: the steady READYs); anything else takes ``pump``, which
+        handles the rest of the frames in order. ZeroMQ is not polled here: after the
+        producer's SWITCH only its monitor's events come there, read by ``pump`` at the
+        next tick or wake-up (see ``runtime.channel.ConsumerChannel.read_lane``).
+        Queued releases go out when nothing was buffered (the consumer is about to wait)."""
+        chan, s = self.chan, self.session
+        if chan.steady_lane is None or self.kept.items or self.lender.wake is not None or s.outbox:
+            self.pump()
+            return
+        frames: list[bytes] = []
+        chan.read_lane(frames, _FRAMES_PER_PUMP)
+        n = s.receive_frames(frames, time.monotonic())
+        if n < len(frames) or chan.steady_lane is None:
+            self.pump(frames[n:])  # the rest in order, then everything else
+        elif s.pending and not s.ready:
+            self.flush_releases()
+
+    def pump(self, taken: Sequence[bytes] = ()) -> None:
+        """Handle everything that has arrived, without blocking (``taken``: frames read
+        off the lane already, handled first)."""
         lender, s, chan = self.lender, self.session, self.chan
-        if self.kept:
+        if self.kept.items:
             self.release_kept()
         if lender.wake is not None:
             lender.drain()
         if self.remote is not None and self.remote.wake is not None:
             self.remote.wake.clear()  # (before reading what the completion thread settled)
-        if chan.lane is not None:
+        if chan.lane is not None and (chan.steady_lane is None or chan.steady_lane.tail):
             if not chan.lane_in:
                 chan.check_lane()  # refused before the SWITCH: stay on ZeroMQ
             else:
@@ -291,7 +318,17 @@ class ProducerLink:
                 if frame is not None:
                     self.send(frame)
         recv, receive = self.chan.recv, s.receive
-        heard = False
+        if not taken and chan.steady_lane is not None:  # the lane's steady READYs: in one call
+            got: list[bytes] = []
+            chan.read_lane(got, _FRAMES_PER_PUMP)
+            taken = got[s.receive_frames(got, time.monotonic()):]
+        heard = bool(taken)
+        for frame in taken:
+            if s.error is not None:
+                break
+            event = receive([frame])
+            if event is not None:
+                self.on_event(event)
         for _ in range(10_000):
             if s.error is not None:
                 break
@@ -307,7 +344,7 @@ class ProducerLink:
             self.lane_loss_seen = True
             dropped = s.disconnected() or dropped
         if heard:
-            s.clock.heard(time.monotonic())
+            s.heard(time.monotonic())
             if self.remote is not None:  # the bytes of READYs just buffered: post their recvs
                 self.remote.post(s.ready)
         if s.outbox:
@@ -320,7 +357,9 @@ class ProducerLink:
                 if self.kept:
                     self.check_stall()
                 self.flush_releases()
-            if s.finished(bool(self.held) or bool(lender.forwarded)):
+            elif len(s.pending) >= s.release_batch:
+                self.flush_releases()
+            if s.bye_received and s.finished(bool(self.held) or bool(lender.forwarded)):
                 self.say_bye()
 
     def on_event(self, event: Any) -> None:
@@ -363,9 +402,9 @@ class ProducerLink:
             use = self.downstream.use(m, event.recipe)
             if use is None:  # its memory is gone: drop it, give the slot back at once
                 self.memory.release_events[m.slot].record(self.stream)
-                self.session.pending.append((m.seq, m.slot, m.gen))
+                self.session.queue_release((m.seq, m.slot, m.gen))
             else:
-                self.session.ready.append((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))
+                self.session.add_forwarded((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))
 
     def on_setup(self, s: P.Setup) -> None:
         problem = identity_problem(self.endpoint, self.chan.current_connection_fd(), self.backend, s)
@@ -414,7 +453,7 @@ class ProducerLink:
         self.remote = edge
         # The producer took part in the join just now (its store, its group): heard. Its
         # frames of meanwhile wait unread; this pump could not read them while it joined.
-        self.session.clock.heard(time.monotonic())
+        self.session.heard(time.monotonic())
         m = self.memory
         m.arenas = [edge.arena]
         m.set_slots(list(edge.slot_views))
@@ -474,7 +513,7 @@ class ProducerLink:
         error = self.session.error
         if isinstance(error, PeerLostError) and not isinstance(error, ProducerFailedError):
             self.remove_stale(0.5)
-        self.session.ready.clear()
+        self.session.drop_buffered()
         self.let_go_of_memory()
         if self.watch is not None:
             self.watch.close()

@@ -1,4 +1,4 @@
-"""The producer's steady path, counted in Python calls (``sys.setprofile``, as
+"""The steady path, counted in Python calls. The producer's (``sys.setprofile``, as
 ``scripts/profile_handoff.py --calls`` counts them): a count, not a time, so no load can
 make it flaky. A steady edge: the message's plan cached, its destination views built for
 every slot, a slot free, one consumer that knows the layout (CPU backend), its frames on
@@ -7,12 +7,19 @@ its lane or on ZeroMQ (the same calls).
 Bounds: ``send`` <= 10 Python calls (the issue's target); a ``slot()`` block <= 22
 (the context manager's own protocol, the in-place views and their reference check
 included).
+
+The consumer's: a ``next()`` of an item already on the lane costs at most 6 Python calls
+on average (its share of the wake-up that reads the batch included), a ``release()`` at
+most 3, counted per round of 4 handoffs as the profile script runs them (16 slots, 4 KiB,
+explicit release). A round that crossed a liveness tick (every 50 ms: ZeroMQ, the
+producer's liveness, stats) costs more; the steady figure is the count most rounds have.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+from collections import Counter
 from typing import Any, Callable
 
 import pytest
@@ -90,3 +97,58 @@ def test_a_steady_slot_block_makes_at_most_22_python_calls(steady: Any) -> None:
     counts = _rounds(out, inp, produce, 3 * SLOTS)
     worst = max(counts)
     assert worst[0] <= SLOT_MAX, f"a steady slot() block made {worst[0]} Python calls: {worst[1]}"
+
+
+# ------------------------------------------------------------------ the consumer
+BATCH = 4
+
+
+def _python_calls(fn: Callable[[], Any]) -> tuple[int, Any]:
+    calls = 0
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(hook)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return calls, out
+
+
+def test_a_steady_next_costs_at_most_6_python_calls_and_a_release_3(endpoints: Any) -> None:
+    p = endpoints.producer("calls", slots=16, slot_bytes=8192, device="cpu", heartbeat=None, timeout=10)
+    c = endpoints.consumer("calls", device="cpu", heartbeat=None, timeout=10, auto_release=False)
+    p.wait_for_consumers(1, timeout=10)
+    x = torch.zeros(4096, dtype=torch.uint8)
+    it = iter(c)
+    rounds = 0
+    while not c.stats()["lane"] or rounds < 3:  # warm up: until frames travel on the lane
+        assert rounds < 5000, "frames never moved to the lane"
+        for _ in range(BATCH):
+            p.send({"x": x}, timeout=10)
+        for item in [next(it) for _ in range(BATCH)]:
+            item.release()
+        rounds += 1
+    nexts: Counter[int] = Counter()
+    releases: Counter[int] = Counter()
+    for _ in range(40):
+        for _ in range(BATCH):
+            p.send({"x": x}, timeout=10)  # on the lane: in the consumer's socket when it returns
+        items, total = [], 0
+        for _ in range(BATCH):
+            n, item = _python_calls(it.__next__)
+            total += n
+            items.append(item)
+        nexts[total] += 1
+        for item in items:
+            n, _ = _python_calls(item.release)
+            releases[n] += 1
+    assert c.stats()["lane"]
+    steady_round, _ = nexts.most_common(1)[0]
+    steady_release, _ = releases.most_common(1)[0]
+    assert steady_round <= 6 * BATCH, f"Python calls per round of {BATCH} next(): {sorted(nexts.items())}"
+    assert steady_release <= 3, f"Python calls per release(): {sorted(releases.items())}"

@@ -116,12 +116,13 @@ def test_releases_go_out_in_batches_of_at_most_max_release_batch() -> None:
     s = active(max_release_batch=3)
     assert s.release_frame() is None
     s.pending.extend((i, 0, i) for i in range(5))
-    data, n = s.release_frame()  # type: ignore[misc]
-    assert n == 3 and msgpack.unpackb(data) == [MsgType.RELEASE, [[0, 0, 0], [1, 0, 1], [2, 0, 2]]]
-    s.sent_releases(n)
-    data, n = s.release_frame()  # type: ignore[misc]
-    assert n == 2
-    s.sent_releases(n)
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert len(entries) == 3 and msgpack.unpackb(data) == [MsgType.RELEASE, [[0, 0, 0], [1, 0, 1], [2, 0, 2]]]
+    s.unsend_releases(entries)  # it could not go out: first in line again, in order
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert entries == [(0, 0, 0), (1, 0, 1), (2, 0, 2)]
+    data, entries = s.release_frame()  # type: ignore[misc]
+    assert len(entries) == 2
     assert s.release_frame() is None and not s.pending
 
 
@@ -278,3 +279,58 @@ def test_dropped_by_a_remote_producer_is_peer_lost_with_items_still_buffered() -
     s.receive(frame(P.Error("dropped", "this consumer was dropped (silent for 1.6 s)")))
     assert type(s.error) is PeerLostError and "(dropped)" in str(s.error)
     assert not s.ready
+
+
+# --------------------------------------------------------------------------- the steady path
+def test_receive_frames_buffers_the_steady_readies_and_leaves_the_rest_in_order() -> None:
+    s = active()
+    s.receive(ready(0))  # layout 1 travels once
+    frames = [ready(1, 1, layout=None)[0], ready(2, 2, layout=None)[0],
+              ready(3, 3, layout_id=2)[0],  # a new layout: not the steady path
+              ready(4, 0, layout=None)[0]]
+    assert s.receive_frames(frames, 5.0) == 2
+    assert s.clock.last_recv == 5.0
+    assert [e[0] for e in s.ready] == [0, 1, 2]
+    for f in frames[2:]:  # the runtime hands the rest to receive, in order
+        assert s.receive([f]) is None
+    assert [s.take_ready()[0] for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(IndexError):
+        s.take_ready()
+    assert s.error is None
+
+
+def test_receive_frames_leaves_an_unknown_layout_or_a_bad_slot_to_receive() -> None:
+    s = active(slots=2)
+    assert s.receive_frames([ready(0, layout=None)[0]], 1.0) == 0  # layout 1 was never sent
+    s.receive([ready(0, layout=None)[0]])
+    assert "never sent" in str(s.error)
+    s = active(slots=2)
+    s.receive(ready(0))
+    assert s.receive_frames([ready(1, 5, layout=None)[0]], 1.0) == 0  # slot 5 of 2
+    s.receive([ready(1, 5, layout=None)[0]])
+    assert "names slot 5" in str(s.error)
+
+
+def test_receive_frames_takes_nothing_after_our_bye_or_an_error() -> None:
+    s = active()
+    s.receive(ready(0))
+    s.take_ready()
+    s.bye()
+    assert s.receive_frames([ready(1, layout=None)[0]], 1.0) == 0 and s.buffered() == 0
+    s = active()
+    s.fail(ProtocolError("x"), None)
+    assert s.receive_frames([ready(1)[0]], 1.0) == 0
+
+
+def test_taken_entries_can_be_requeued_and_buffered_items_given_back_at_close() -> None:
+    s = active()
+    for i in range(3):
+        s.receive(ready(i, i))
+    first = s.take_ready()
+    s.requeue(first)  # its data was not ready in time: first in line again
+    assert s.buffered() == 3 and s.take_ready() is first
+    s.queue_release((0, 0, 0))
+    s.give_back_buffered()  # close(): the rest are released unseen, in order
+    assert s.buffered() == 0 and s.pending == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
+    data, entries = s.release_frame(7.0)  # type: ignore[misc]
+    assert entries == [(0, 0, 0), (1, 1, 1), (2, 2, 2)] and s.clock.last_send == 7.0

@@ -2,7 +2,8 @@
 
 - ``protocol.decode_ready`` / ``decode_release``: for every frame and limits, either None
   (the caller then uses ``decode``) or exactly the fields ``decode`` would return, so the
-  wire format is validated exactly as strictly as by ``decode``;
+  wire format is validated exactly as strictly as by ``decode``; ``decode_readies`` (a
+  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None;
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
   after a frame failed to pack;
 - ``layout.signature``'s unrolled dict case: the key of the general ``_sig``;
@@ -124,6 +125,21 @@ def test_decode_ready_agrees_with_decode(obj: Any, limits: Limits) -> None:
 @given(st.one_of(_release_like, _release_like.map(lambda a: a + [0]), _data), st.sampled_from(LIMITS))
 def test_decode_release_agrees_with_decode(obj: Any, limits: Limits) -> None:
     check_release(pack(obj), limits)
+
+
+@HYP
+@given(st.lists(st.one_of(_ready_like, _ready_like.map(lambda a: a[:-1]), _data).map(pack) | st.binary(max_size=16),
+                max_size=6),
+       st.sampled_from(LIMITS))
+def test_decode_readies_is_decode_ready_of_each_frame_up_to_the_first_refused(frames: list[bytes],
+                                                                             limits: Limits) -> None:
+    expected = []
+    for frame in frames:
+        one = P.decode_ready(frame, limits)
+        if one is None:
+            break
+        expected.append(one)
+    assert same(P.decode_readies(frames, limits), expected)
 
 
 @HYP
