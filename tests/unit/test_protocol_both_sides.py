@@ -275,10 +275,9 @@ class Wire:
             assert self.setup is not None
             return [c.attach(self.setup, ["r"] * SLOTS)]
         if t is MsgType.RELEASE:
-            c.pending.append((self.seq, 0, self.seq))
+            c.queue_release((self.seq, 0, self.seq))
             out = c.release_frame()
             assert out is not None
-            c.sent_releases(out[1])
             return [out[0]]
         if t is MsgType.HEARTBEAT:
             self.now += 100.0
