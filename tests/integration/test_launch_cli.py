@@ -1110,7 +1110,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # endpoint, backend, channel, torch or zmq.
 LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
-                    "ipcsync.launch.commands", "ipcsync.launch.__main__"}
+                    "ipcsync.launch.config", "ipcsync.launch.commands", "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}
 
 
