@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 import torch
+from polling import in_call
 
 import ipcsync
 
@@ -30,13 +32,32 @@ def intact(t: torch.Tensor, i: int) -> bool:
     return bool(torch.equal(t, content(i, t.numel(), str(t.device))))
 
 
+def say_when_blocked_alone(out: ipcsync.Producer) -> None:
+    """Say ``{"event": "blocked"}`` once the main thread is in ``send()`` with no consumer
+    left and one lost: a send that can only wait (a daemon thread polls every 10 ms)."""
+    main = threading.main_thread()
+
+    def watch() -> None:
+        while True:
+            stats = out.stats()
+            if stats["consumers"] == 0 and stats["consumers_lost"] >= 1 and in_call(main, "send", "producer.py"):
+                say(event="blocked", lost=stats["consumers_lost"])
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def produce(a: dict[str, Any]) -> None:
     """Send ``n`` items with the endpoint's default timeouts (waiting on a living peer is
-    the default); optionally raise at item ``fail_at`` inside the with-block."""
+    the default); optionally raise at item ``fail_at`` inside the with-block; with
+    ``say_blocked``, say when a send blocks for want of a consumer."""
     dev, n, elems = a.get("device", "cpu"), a["n"], a.get("elems", 1024)
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 2), slot_bytes=elems * 4 + 4096,
                           device=dev, heartbeat=a.get("heartbeat", 0.2)) as out:
         say(event="bound", pid=os.getpid())
+        if a.get("say_blocked"):
+            say_when_blocked_alone(out)
         if a.get("wait_consumers"):
             out.wait_for_consumers(a["wait_consumers"], timeout=30)
         for i in range(n):

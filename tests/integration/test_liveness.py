@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import ipcsync
 from ipcsync.runtime import host as _host
 
 from conftest import ROOT
+from polling import in_call, wait_until
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -209,27 +211,27 @@ def test_abort_and_exception_close_at_once_and_propagate(endpoints: Any, device:
 
 @pytest.mark.timeout(60)
 def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any, runtime_dir: Any) -> None:
-    """Ctrl-C on a producer whose consumer left (its send blocks: no one takes items): it
-    has closed (its socket file is gone) within 2 s, and exits with the KeyboardInterrupt
-    as it was (the interpreter's own teardown of torch may take seconds more)."""
+    """Ctrl-C on a producer whose consumer left (its send blocks: no one takes items, and
+    it has no timeout): the KeyboardInterrupt is raised inside that send() (its
+    traceback says so), the producer closes (its socket file goes) and exits with it.
+    Without the interrupt the send would wait for ever."""
     prod = procs.start("produce", module="liveness_peers", endpoint="live-int", n=1000, slots=2,
-                       progress=1)
+                       progress=1, say_blocked=True)
     prod.read_until(_event("bound"))
     cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-int"], kind="consumer")
     cons.read_until(_event("connected"), timeout=30)
     prod.read_until(lambda l: l.get("event") == "sent" and l["n"] >= 2, timeout=30)
     cons.kill()
-    time.sleep(0.5)  # the producer is now blocked in send()
+    prod.read_until(_event("blocked"), timeout=30)  # in send(), its consumer lost, none left
     sock = runtime_dir / "live-int.sock"
     assert sock.exists()
-    t0 = time.monotonic()
     os.kill(prod.pid, signal.SIGINT)
-    while sock.exists() and time.monotonic() - t0 < 10:
-        time.sleep(0.01)
-    assert time.monotonic() - t0 < 2.0, "the producer did not close at once on Ctrl-C"
+    assert wait_until(lambda: not sock.exists(), timeout=30), "the producer did not close on Ctrl-C"
     rc = prod.proc.wait(timeout=30)
     assert rc != 0
-    assert "KeyboardInterrupt" in prod.stderr()
+    err = prod.stderr()
+    assert "KeyboardInterrupt" in err, err
+    assert re.search(r'producer\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
 
 
 SIGINT_RUNS = 20
@@ -273,6 +275,17 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
     return t, caught
 
 
+def _returns_while_alive(call: Any, blocked: threading.Thread) -> Any:
+    """``call()`` made in another thread while ``blocked`` waits for ever: it must return
+    (a call that took the lock ``blocked`` holds would wait as long as it). Its result."""
+    result: list[Any] = []
+    t, caught = _in_thread(lambda: result.append(call()))
+    t.join(30)
+    assert not t.is_alive(), "the call waited for the blocked one"
+    assert blocked.is_alive() and result and not caught, caught
+    return result[0]
+
+
 @pytest.mark.timeout(60)
 def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
     out = endpoints.producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
@@ -280,15 +293,14 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
     out.send({"x": torch.ones(2, device=device)}, meta=0)
     held = inp.get(timeout=10)  # holds the only slot
     t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
-    time.sleep(0.5)
-    assert t.is_alive()  # blocked: backpressure
-    t0 = time.monotonic()
-    assert out.stats()["occupancy"]["in_flight"] == 1
-    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked send()"
-    t0 = time.monotonic()
+    # In send() with no slot free: it can only wait (backpressure; no timeout).
+    assert wait_until(lambda: in_call(t, "send", "producer.py"), timeout=30), caught
+    assert out.stats()["occupancy"]["free"] == 0
+    stats = _returns_while_alive(out.stats, t)  # stats() from here does not wait for it
+    assert stats["occupancy"]["in_flight"] == 1 and t.is_alive()
     out.close(timeout=0)
-    t.join(5)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(30)  # the send would wait for ever: ending at all is close()'s doing
+    assert not t.is_alive(), "close() from another thread did not end the blocked send()"
     assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
     assert held.meta == 0
 
@@ -297,16 +309,13 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
 def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
     endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
     inp = endpoints.consumer("live-thr-c", device=device)
-    t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
-    time.sleep(0.5)
+    t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits (no timeout)
+    assert wait_until(lambda: in_call(t, "__next__", "consumer.py"), timeout=30), caught
+    _returns_while_alive(inp.stats, t)  # stats() from here does not wait for it
     assert t.is_alive()
-    t0 = time.monotonic()
-    inp.stats()
-    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked next()"
-    t0 = time.monotonic()
     inp.close()
-    t.join(5)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(30)  # the wait would last for ever: ending at all is close()'s doing
+    assert not t.is_alive(), "close() from another thread did not end the blocked iteration"
     assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
 
 
