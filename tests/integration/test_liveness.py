@@ -5,9 +5,9 @@ said goodbye, or its connection closed and it cannot be watched); silence of a l
 around it: honest endings (a producer that raises is not a clean end), waits that hold no
 lock (close()/stats() from another thread), exit and fork, two threads on one consumer.
 
-Pause tests run real producer and consumer processes, SIGSTOP one for 2 s and for 35 s
-(longer than any default timeout the endpoints ever had), and check every held and later
-item's contents.
+Pause tests run real producer and consumer processes, SIGSTOP one until its peer reports
+it stalled (1.5 heartbeats of silence) and for 35 s (longer than any default timeout the
+endpoints ever had), and check every held and later item's contents.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,24 +45,40 @@ def _event(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- pauses
+def _pause(proc: Any, peer: Any, pause: float | None, mark: Path) -> None:
+    """SIGSTOP ``proc`` until ``peer`` (started with ``stalled_after=mark``) reports it
+    stalled while stopped (``pause`` None), or for ``pause`` seconds; SIGCONT it then,
+    whatever happens."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        if pause is None:
+            mark.touch()  # the peer's stall report counts from here: proc is stopped
+            peer.read_until(_event("peer-stalled"), timeout=60)
+        else:
+            time.sleep(pause)  # issue 31: a pause longer than any default timeout
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s")]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pause", [2.0, 35.0])
-def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pause: float) -> None:
-    """A consumer holding item 0 is SIGSTOPped far past 1.5 heartbeats: the producer must
-    not reuse its slot (it waits through backpressure, with its default timeouts), and
-    after SIGCONT item 0 and every later item read exactly what was sent."""
+@pytest.mark.parametrize("pause", PAUSES)
+def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pause: float | None,
+                                                    tmp_path: Path) -> None:
+    """A consumer holding item 0 is SIGSTOPped until the producer reports it stalled (1.5
+    heartbeats of silence), and for 35 s: the producer must not reuse its slot (it waits
+    through backpressure, with its default timeouts), and after SIGCONT item 0 and every
+    later item read exactly what was sent."""
     n = 40
     prod = procs.start("produce", module="liveness_peers", endpoint="live-pc", n=n, slots=2,
-                       heartbeat=0.2, device=device)
+                       heartbeat=0.2, device=device, stalled_after=str(tmp_path / "stopped"))
     prod.read_until(_event("bound"))
     cons = procs.start("consume", module="liveness_peers", endpoint="live-pc", hold=0,
-                       hold_s=pause + 1.0, heartbeat=0.2, device=device)
+                       hold_s=(pause or 0.0) + 1.0, heartbeat=0.2, device=device)
     cons.read_until(_event("holding"), timeout=60)
-    os.kill(cons.pid, signal.SIGSTOP)
-    try:
-        time.sleep(pause)
-    finally:
-        os.kill(cons.pid, signal.SIGCONT)
+    _pause(cons, prod, pause, tmp_path / "stopped")
     held = cons.read_until(_event("held-checked"), timeout=60)
     assert held["ok"], cons.lines
     res = cons.result(timeout=60)
@@ -72,22 +89,20 @@ def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pau
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pause", [2.0, 35.0])
-def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: float) -> None:
-    """A producer SIGSTOPped mid-stream (a 'GC pause' of 2 s or 35 s): its consumer waits
-    (stalled, no PeerLostError) and receives every item intact after SIGCONT."""
+@pytest.mark.parametrize("pause", PAUSES)
+def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: float | None,
+                                                tmp_path: Path) -> None:
+    """A producer SIGSTOPped mid-stream (a 'GC pause' until its consumer reports it stalled,
+    and of 35 s): its consumer waits (stalled, no PeerLostError) and receives every item
+    intact after SIGCONT."""
     n = 30
     prod = procs.start("produce", module="liveness_peers", endpoint="live-pp", n=n, slots=2,
                        heartbeat=0.2, device=device, every=0.02)
     prod.read_until(_event("bound"))
     cons = procs.start("consume", module="liveness_peers", endpoint="live-pp", heartbeat=0.2,
-                       device=device, progress=5)
+                       device=device, progress=5, stalled_after=str(tmp_path / "stopped"))
     cons.read_until(lambda l: l.get("event") == "received" and l["n"] >= 5, timeout=60)
-    os.kill(prod.pid, signal.SIGSTOP)
-    try:
-        time.sleep(pause)
-    finally:
-        os.kill(prod.pid, signal.SIGCONT)
+    _pause(prod, cons, pause, tmp_path / "stopped")
     res = cons.result(timeout=60)
     assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
     assert res["stalled"] >= 1, res
