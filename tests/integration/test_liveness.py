@@ -375,7 +375,7 @@ def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(endpoi
     out.send({"x": torch.full((4,), 7.0, device=device)}, meta=7)
     t = threading.Thread(target=out.close, kwargs={"timeout": 30}, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: in_call(t, "close", "producer.py"), timeout=30)  # closing, item queued
     with ipcsync.Consumer("live-late", device=device) as inp:
         items = [(item.meta, float(item["x"][0])) for item in inp]
     t.join(10)
