@@ -347,7 +347,7 @@ def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
 
 @pytest.mark.timeout(300)  # one process, then 2 x (an encoder + 2 decoders), spawned
 def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
-    out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "12", "--pipe-warmup", "2"],
+    out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "4", "--pipe-warmup", "1"],
                           "gpupipe", 7)
     assert re.search(r"^ipcsync bench: gpupipe: device=cpu ", out, re.M), dump
     assert "every method's checksum equal" in out, dump
@@ -361,7 +361,7 @@ def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
 
 @pytest.mark.timeout(300)  # 2 x (a prefill + a decode), spawned
 def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
-    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "10", "--kv-warmup", "2"], "kv", 4)
+    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "4", "--kv-warmup", "1"], "kv", 4)
     assert re.search(r"^ipcsync bench: kv: device=cpu ", out, re.M), dump
     assert "first tokens equal both ways" in out, dump
     for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue"):
