@@ -13,6 +13,7 @@ endpoints ever had), and check every held and later item's contents.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ import torch
 import ipcsync
 from ipcsync.runtime import host as _host
 
-from conftest import ROOT
+from conftest import ROOT, Peer, wait_no_segments
 from polling import in_call, wait_until
 
 
@@ -251,18 +252,101 @@ def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any,
 
 SIGINT_RUNS = 20
 
+# One interpreter per test worker imports torch and ipcsync once and forks a fresh
+# producer process per run (peers.basic.produce, as procs.start runs it): the runs'
+# producers are new processes each, without an interpreter start each. A producer ends
+# as a program would: an uncaught exception (KeyboardInterrupt: exit 130) or sys.exit.
+_FORKER = r"""
+import json, os, sys, traceback
+import torch, ipcsync
+import peers.basic as roles
+for line in sys.stdin:
+    args = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(args.pop("env"))
+        try:
+            roles.produce(args)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            sys.exit(130)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class _Forker:
+    """The forking interpreter (``_FORKER``) and its output; ``produce`` forks one producer
+    and returns its pid once it is bound, ``exit_code`` waits for its end."""
+
+    def __init__(self, errors: Path) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests" / "integration"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+        self.errors = errors
+        self._err = open(errors, "wb")
+        self.peer = Peer(subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._err, env=env,
+                                          start_new_session=True), "forker")
+
+    def produce(self, **args: Any) -> int:
+        stdin = self.peer.proc.stdin
+        assert stdin is not None
+        stdin.write((json.dumps({**args, "env": {"IPCSYNC_RUNTIME_DIR": os.environ["IPCSYNC_RUNTIME_DIR"]}})
+                     + "\n").encode())
+        stdin.flush()
+        self.peer.lines.clear()  # the previous producer's lines
+        return int(self.peer.read_until(_event("bound"), timeout=60)["pid"])
+
+    def exit_code(self, pid: int, timeout: float) -> int:
+        return int(self.peer.read_until(lambda l: l.get("event") == "exit" and l["pid"] == pid, timeout)["code"])
+
+    def stderr(self) -> str:
+        return self.errors.read_text(errors="replace")
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.peer.proc.pid, signal.SIGKILL)  # and a producer a failed run left
+        except ProcessLookupError:
+            pass
+        self.peer.proc.wait(timeout=10)
+        for stream in (self.peer.proc.stdin, self.peer.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._err.close()
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Forker]:
+    f = _Forker(tmp_path_factory.mktemp("forker") / "stderr")
+    try:
+        yield f
+    finally:
+        f.close()
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run", range(SIGINT_RUNS))
-def test_sigint_on_a_streaming_producer_always_delivers_its_cause(procs: Any, endpoints: Any, device: str,
+def test_sigint_on_a_streaming_producer_always_delivers_its_cause(forker: _Forker, endpoints: Any, device: str,
                                                                  run: int) -> None:
     """Ctrl-C on a producer streaming to a consumer (on the default lane, releases in
     flight both ways): the consumer ends with ProducerFailedError naming the
-    KeyboardInterrupt, every run; never a bare 'disconnected' PeerLostError."""
+    KeyboardInterrupt, every run; never a bare 'disconnected' PeerLostError. Each run's
+    producer is a fresh process (forked, see _FORKER), gone with its shared memory after."""
     ep = f"live-sigint-{run}"
-    prod = procs.start("produce", module="peers.basic", endpoint=ep, n=1_000_000, slots=4, device=device)
-    prod.read_until(_event("bound"))
-    inp = endpoints.consumer(ep, device=device, timeout=30)
+    pid = forker.produce(endpoint=ep, n=1_000_000, slots=4, device=device)
+    try:
+        _sigint_while_streaming(endpoints.consumer(ep, device=device, timeout=30), pid)
+        assert forker.exit_code(pid, timeout=30) == 130, forker.stderr()[-3000:]
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)  # a failed run's producer; the forker reaps it
+        except ProcessLookupError:
+            pass
+    assert not wait_no_segments([pid], timeout=10.0)
+
+
+def _sigint_while_streaming(inp: Any, pid: int) -> None:
     got = 0
     with pytest.raises(ipcsync.ProducerFailedError, match="KeyboardInterrupt"):
         while True:
@@ -271,8 +355,7 @@ def test_sigint_on_a_streaming_producer_always_delivers_its_cause(procs: Any, en
             got += 1
             item.release()
             if got == 50:
-                os.kill(prod.pid, signal.SIGINT)
-    assert prod.proc.wait(timeout=30) != 0
+                os.kill(pid, signal.SIGINT)
 
 
 # --------------------------------------------------------------------------- threads
