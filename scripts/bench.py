@@ -1367,6 +1367,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     h.add_argument("--refs-check", choices=("on", "off", "both"), default="on",
                    help="the consumer's reference check (Consumer keep_refs_check=): on (the default), "
                         "off, or both (each ipcsync row twice, to compare its cost)")
+    lt = ap.add_argument_group("latency suite (defaults: real size / with --quick)")
+    lt.add_argument("--latency-trips", type=int, help="timed round trips per variant (5000 / 500)")
+    lt.add_argument("--latency-idle", type=float, default=5.0, metavar="SECONDS",
+                    help="how long an idle endpoint's CPU use is measured (default 5)")
     t = ap.add_argument_group("train suite (defaults: real size / with --quick)")
     t.add_argument("--train-loaders", type=int, help="loader processes = DataLoader workers (4 / 2)")
     t.add_argument("--train-batch", type=int, help="images per batch (256 / 16)")
@@ -1460,9 +1464,14 @@ def main(argv: list[str] | None = None) -> int:
         if "latency" in args.suites:
             import bench_latency as bl
 
+            if args.latency_trips is not None and args.latency_trips < 1:
+                raise SystemExit("bench.py: --latency-trips must be at least 1")
+            if not 0 < args.latency_idle <= 3600:
+                raise SystemExit("bench.py: --latency-idle must be from 0 to 3600 seconds (not 0)")
             lat_sizes = tuple(x for x in args.sizes.split(",") if x in bl.LAT_SIZES) or bl.LAT_SIZES
             try:
-                latency_res = bl.run_latency(device, lat_sizes, args.quick, SIZES, _progress)
+                latency_res = bl.run_latency(device, lat_sizes, args.quick, SIZES, _progress,
+                                             trips=args.latency_trips, idle_s=args.latency_idle)
             except bl.LatencyError as exc:
                 raise BenchError(str(exc)) from None
             bl.print_latency(latency_res, lambda: _header("latency", device, command))

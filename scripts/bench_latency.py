@@ -34,6 +34,7 @@ from bench import _touch  # the handoff suite's 1-byte touch: every suite reads 
 LAT_SIZES = ("4K", "1M")
 READS = (False, True)
 IDLE_WARM = 50  # items handed over before an idle endpoint is measured
+IDLE_S = 5.0  # seconds an idle endpoint is measured
 SPIN_US = 200  # the spin of the "ipcsync spin" rows and idle line (IPCSYNC_SPIN_US)
 
 
@@ -267,10 +268,15 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: dict[str, int],
-                progress: Callable[[str], None], timeout: float = 600.0) -> dict[str, Any]:
-    """Rows ``(size, method, read, p50_us, p99_us)`` and the idle shares."""
+                progress: Callable[[str], None], timeout: float = 600.0, trips: int | None = None,
+                idle_s: float = IDLE_S) -> dict[str, Any]:
+    """Rows ``(size, method, read, p50_us, p99_us)`` and the idle shares. ``trips``: timed
+    round trips per variant (default 5000, 500 with ``quick``); ``idle_s``: how long an
+    idle endpoint is measured."""
     ctx = mp.get_context("spawn")
     n, warm = (500, 50) if quick else (5000, 300)
+    if trips is not None:
+        n, warm = trips, min(warm, max(1, trips // 10))
     rows: list[tuple[str, str, bool, float, float]] = []
     tag = f"lat-{os.getpid()}"
     progress(f"latency: raw pyzmq+msgpack, {n} round trips")
@@ -311,13 +317,13 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
             rows.append((name, "torch.multiprocessing queues", read, pct(lat, .5), pct(lat, .99)))
     idle = {}
     for spin in (0, SPIN_US):
-        progress(f"latency: idle cost, spin {spin} us, 5 s")
+        progress(f"latency: idle cost, spin {spin} us, {idle_s:g} s")
         done = ctx.Event()
-        got = _pair("idle", (_idle_producer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
-                    (_idle_consumer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
-                    ctx, timeout, {"IPCSYNC_SPIN_US": str(spin)})
+        idle_kw = {"base": f"{tag}-{spin}", "seconds": idle_s, "device": device, "done": done}
+        got = _pair("idle", (_idle_producer, idle_kw), (_idle_consumer, idle_kw), ctx, timeout,
+                    {"IPCSYNC_SPIN_US": str(spin)})
         idle[spin] = {"producer": got["a"], "consumer": got["b"]}
-    return {"rows": rows, "idle": idle}
+    return {"rows": rows, "idle": idle, "idle_s": idle_s}
 
 
 def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
@@ -343,6 +349,7 @@ def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
         print(row((size, method, "yes" if read else "no", f"{p50:,.0f}", f"{p99:,.0f}", f"{p50 / raw[3]:.2f}x",
                    ratio)))
     for spin, idle in res["idle"].items():
-        print(f"idle cost (IPCSYNC_SPIN_US={spin}, {IDLE_WARM} items handed over, then nothing for 5 s): "
+        print(f"idle cost (IPCSYNC_SPIN_US={spin}, {IDLE_WARM} items handed over, then nothing for "
+              f"{res.get('idle_s', IDLE_S):g} s): "
               f"producer process {100 * idle['producer']:.2f}% of a core, "
               f"consumer process {100 * idle['consumer']:.2f}% of a core")

@@ -1,4 +1,4 @@
-"""``ipcsync-run``: the command line. ``parse_args -> config -> run``.
+"""``ipcsync-run``: the command line. ``parse_args -> config_from_args (a LaunchConfig) -> run``.
 
     ipcsync-run pipeline.toml
     ipcsync-run --stage loader="python3 loader.py" --stage train="python3 train.py" \\
@@ -25,17 +25,22 @@ import os
 import sys
 import traceback
 from dataclasses import replace
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from .. import __version__
 from ..errors import ConfigError
 from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
 from .commands import command_problem
+from .config import LaunchConfig
 from .plan import OMP_THREADS, Nodes, Plan, RemoteEndpoint, place, remote_producers, resolve
 from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
 
+if TYPE_CHECKING:  # loaded only when a pipeline runs
+    from .monitor import Observer
+    from .nodes import NodeGroup
+
 __all__ = [
-    "main", "parse_args", "config_from_args", "check_plan", "run", "visible_gpus", "needs_gpu_count",
+    "main", "parse_args", "config_from_args", "spec_from_args", "LaunchConfig", "check_plan", "run", "visible_gpus", "needs_gpu_count",
     "EXIT_LAUNCHER_ERROR",
 ]
 
@@ -126,8 +131,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def config_from_args(args: argparse.Namespace) -> PipelineSpec:
-    """The validated spec (SpecError if anything is wrong)."""
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """The validated launch: the spec with the command line's overrides, and every option
+    (SpecError or ConfigError if anything is wrong)."""
+    return LaunchConfig(
+        spec_from_args(args), dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
+        monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace,
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_timeout=args.rdzv_timeout, node_addr=args.node_addr, insecure=args.insecure,
+        rdzv_secret_file=args.rdzv_secret_file,
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
+    """The validated spec, from a spec file or ``--stage``/``--edge``, with ``--replicas``,
+    ``--device``, ``--edge-option``, ``--restart`` and ``--stop-timeout`` applied
+    (SpecError if anything is wrong)."""
     if args.spec and args.stage:
         raise SpecError("<command line>: give a spec file or --stage options, not both")
     if args.spec:
@@ -141,17 +160,14 @@ def config_from_args(args: argparse.Namespace) -> PipelineSpec:
         spec = from_cli(args.stage, args.edge, args.replicas, args.device, edge_options=args.edge_option)
     else:
         raise SpecError("<command line>: give a pipeline spec file, or at least one --stage NAME=CMD")
-    changes: dict[str, object] = {}
     if args.restart is not None:
         if not 0 <= args.restart <= MAX_RESTART:
             raise SpecError(f"<command line>: --restart must be from 0 to {MAX_RESTART}, got {args.restart}")
-        changes["restart"] = args.restart
+        spec = replace(spec, restart=args.restart)
     if args.stop_timeout is not None:
         if not 0 < args.stop_timeout < math.inf:
             raise SpecError(f"<command line>: --stop-timeout must be positive, got {args.stop_timeout}")
-        changes["stop_timeout"] = args.stop_timeout
-    if changes:
-        spec = replace(spec, **changes)  # type: ignore[arg-type]
+        spec = replace(spec, stop_timeout=args.stop_timeout)
     return spec
 
 
@@ -214,86 +230,78 @@ def placeholder_nodes(spec: PipelineSpec, nnodes: int, rank: int, insecure: bool
     return Nodes(nnodes=nnodes, rank=rank, remote=remote, insecure=insecure)
 
 
-def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, monitor: bool = False,
-        monitor_interval: float = 1.0, stats_file: str | None = None, trace: str | None = None,
-        nnodes: int = 1, node_rank: int | None = None, rdzv_endpoint: str | None = None,
-        rdzv_timeout: float = 300.0, node_addr: str | None = None, insecure: bool = False,
-        rdzv_secret_file: str | None = None) -> int:
+_ANY_RUN_ID = "xxxxxxxx"  # run ids are 8 hex digits, one per attempt: this stands for them
+
+
+def run(config: LaunchConfig) -> int:
+    """Launch ``config``'s pipeline (or, with ``dry_run``, show and check its plan) and
+    return the launcher's exit code; ConfigError for what the machine rules out."""
     from ..runtime.paths import runtime_dir
 
     base = runtime_dir()
+    spec = config.spec
     gpus = visible_gpus() if needs_gpu_count(spec) else 0
     omp_default = OMP_THREADS not in os.environ
-    many = _check_nodes(nnodes, node_rank, rdzv_endpoint, dry_run, insecure, node_addr, rdzv_secret_file)
-    rank = node_rank or 0
-    group = None
-    if dry_run and many:
-        for r in range(nnodes) if node_rank is None else [node_rank]:
-            nodes = placeholder_nodes(spec, nnodes, r, insecure)
-            p = resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"),
-                        gpus=gpus if r == rank else 0, omp_default=omp_default, nodes=nodes)
+
+    def plan_before_run(rank: int, node_gpus: int) -> Plan:
+        """The plan resolved before anything starts (a bad device or path fails here),
+        with edges between nodes as placeholders."""
+        nodes = placeholder_nodes(spec, config.nnodes, rank, config.insecure) if config.many else None
+        return resolve(spec, run_id=_ANY_RUN_ID, run_dir=os.path.join(base, f"run-{_ANY_RUN_ID}"), gpus=node_gpus,
+                       omp_default=omp_default, nodes=nodes)
+
+    if config.dry_run and config.many:
+        for r in range(config.nnodes) if config.node_rank is None else [config.node_rank]:
             print(f"node {r}:")
-            print("\n".join("  " + line for line in p.describe().splitlines()))
-        problems = check_plan(resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"),
-                                      gpus=gpus, omp_default=omp_default,
-                                      nodes=placeholder_nodes(spec, nnodes, rank, insecure)))
-        if problems:
-            raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
+            print("\n".join("  " + line for line in plan_before_run(r, gpus if r == config.rank else 0)
+                            .describe().splitlines()))
+        _dry_run_check(plan_before_run(config.rank, gpus))
         return 0
+    plan = plan_before_run(config.rank, gpus)
+    if omp_default and any(dict(s.env).get(OMP_THREADS) is None for s in spec.stages):
+        _say(
+            f"setting {OMP_THREADS}=1 for each stage (so that stages do not overload the machine with "
+            f"one thread per core each); set it yourself to change that"
+        )
+    if config.dry_run:
+        print(plan.describe())
+        _dry_run_check(plan)
+        return 0
+    return _supervise(config, base, gpus, omp_default)
+
+
+def _dry_run_check(plan: Plan) -> None:
+    problems = check_plan(plan)
+    if problems:
+        raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
+
+
+def _supervise(config: LaunchConfig, base: str, gpus: int, omp_default: bool) -> int:
+    """Run the pipeline under a Supervisor, with its node group and observer if any."""
+    from .supervisor import Supervisor
+
+    spec = config.spec
+    group: NodeGroup | None = None
+    if config.many:
+        from .nodes import NodeGroup
+
+        assert config.rdzv_endpoint is not None  # LaunchConfig: needed unless dry_run
+        group = NodeGroup(spec, nnodes=config.nnodes, rank=config.rank, rdzv=config.rdzv_endpoint,
+                          insecure=config.insecure, addr=config.node_addr, rdzv_timeout=config.rdzv_timeout,
+                          say=_say, secret_file=config.rdzv_secret_file, secret_dir=base)
 
     def make_plan(run_id: str, run_dir: str, attempt: int) -> Plan:
         nodes = group.rendezvous(attempt) if group is not None else None
         return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default,
                        nodes=nodes)
 
-    # Resolved once up front, so that a bad device or path fails before anything starts.
-    # Run ids are 8 hex digits, one per attempt; "xxxxxxxx" stands for them here.
-    if many:
-        plan = resolve(spec, run_id="xxxxxxxx", run_dir=os.path.join(base, "run-xxxxxxxx"), gpus=gpus,
-                       omp_default=omp_default, nodes=placeholder_nodes(spec, nnodes, rank, insecure))
-    else:
-        plan = make_plan("xxxxxxxx", os.path.join(base, "run-xxxxxxxx"), 0)
-    if omp_default and any(dict(s.env).get(OMP_THREADS) is None for s in spec.stages):
-        _say(
-            f"setting {OMP_THREADS}=1 for each stage (so that stages do not overload the machine with "
-            f"one thread per core each); set it yourself to change that"
-        )
-    if dry_run:
-        print(plan.describe())
-        problems = check_plan(plan)
-        if problems:
-            raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
-        return 0
-    from .supervisor import Supervisor
-
-    if many:
-        from .nodes import NodeGroup
-
-        assert rdzv_endpoint is not None
-        group = NodeGroup(spec, nnodes=nnodes, rank=rank, rdzv=rdzv_endpoint, insecure=insecure, addr=node_addr,
-                          rdzv_timeout=rdzv_timeout, say=_say, secret_file=rdzv_secret_file, secret_dir=base)
-    observer = None
-    if monitor or stats_file or trace:
-        from .monitor import Observer
-
-        if not 0.05 <= monitor_interval <= 3600:
-            raise ConfigError(f"--monitor-interval must be from 0.05 to 3600 seconds, got {monitor_interval}")
-        if trace and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
-            raise ConfigError(f"--trace {trace}: its directory does not exist; create it or give another path")
-        try:
-            observer = Observer(monitor=monitor, stats_file=stats_file, trace_file=trace, interval=monitor_interval)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ConfigError(f"--stats-file {stats_file} is a symbolic link: ipcsync-run never writes through "
-                                  "one (in a shared directory another user may have planted it); give the "
-                                  "file's own path") from None
-            raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
+    observer = _observer(config) if config.observed else None
     try:
         if group is not None:
             group.start()
         return Supervisor(
-            make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout, summary=summary,
-            contain=True, observer=observer, group=group,
+            make_plan, runtime_base=base, restart=spec.restart, stop_timeout=spec.stop_timeout,
+            summary=config.summary, contain=True, observer=observer, group=group,
         ).run()
     finally:
         if observer is not None:
@@ -302,29 +310,23 @@ def run(spec: PipelineSpec, *, dry_run: bool = False, summary: bool = True, moni
             group.close()
 
 
-def _check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, dry_run: bool,
-                 insecure: bool, node_addr: str | None, secret_file: str | None = None) -> bool:
-    """Whether this is a run over several nodes; ConfigError for options that do not fit."""
-    if nnodes < 1 or nnodes > 1024:
-        raise ConfigError(f"--nnodes must be from 1 to 1024, got {nnodes}")
-    if nnodes == 1:
-        extra = [flag for flag, v in (("--node-rank", node_rank not in (None, 0)), ("--rdzv-endpoint", rdzv_endpoint),
-                                      ("--insecure", insecure), ("--node-addr", node_addr),
-                                      ("--rdzv-secret-file", secret_file)) if v]
-        if extra:
-            raise ConfigError(f"{', '.join(extra)} only go with --nnodes N (N > 1)")
-        return False
-    if node_rank is not None and not 0 <= node_rank < nnodes:
-        raise ConfigError(f"--node-rank must be from 0 to {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
-    if not dry_run:
-        if node_rank is None:
-            raise ConfigError(f"--nnodes {nnodes} needs --node-rank R (0 on the node serving the rendezvous)")
-        if rdzv_endpoint is None:
-            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
-        from .nodes import parse_endpoint
+def _observer(config: LaunchConfig) -> Observer:
+    """The ``--monitor`` / ``--stats-file`` / ``--trace`` observer; ConfigError for a path
+    it cannot write to."""
+    from .monitor import Observer
 
-        parse_endpoint(rdzv_endpoint)
-    return True
+    trace, stats_file = config.trace, config.stats_file
+    if trace and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+        raise ConfigError(f"--trace {trace}: its directory does not exist; create it or give another path")
+    try:
+        return Observer(monitor=config.monitor, stats_file=stats_file, trace_file=trace,
+                        interval=config.monitor_interval)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"--stats-file {stats_file} is a symbolic link: ipcsync-run never writes through "
+                              "one (in a shared directory another user may have planted it); give the "
+                              "file's own path") from None
+        raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,12 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"error: {exc}")
         return EXIT_LAUNCHER_ERROR
     try:
-        spec = config_from_args(args)
-        return run(spec, dry_run=args.dry_run, summary=not args.no_summary, monitor=args.monitor,
-                   monitor_interval=args.monitor_interval, stats_file=args.stats_file, trace=args.trace,
-                   nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                   rdzv_timeout=args.rdzv_timeout, node_addr=args.node_addr, insecure=args.insecure,
-                   rdzv_secret_file=args.rdzv_secret_file)
+        return run(config_from_args(args))
     except ConfigError as exc:  # SpecError included
         _say(f"error: {exc}")
         return EXIT_LAUNCHER_ERROR

@@ -105,8 +105,8 @@ def command_problem(cmd: Sequence[str], cwd: str | None, env: Mapping[str, str])
     if prog != sys.executable:
         return None  # another interpreter: its modules are its own business
     pythonpath = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    search = [where] + [os.path.join(where, d) for d in pythonpath.split(os.pathsep) if d] + sys.path[1:]
-    missing = _missing_module(name, search)
+    sys_path = [where] + [os.path.join(where, d) for d in pythonpath.split(os.pathsep) if d] + sys.path[1:]
+    missing = _missing_module(name, sys_path)
     if missing is not None:
         return "cmd", f"{missing} (python -m {name}, from directory {where})"
     return None

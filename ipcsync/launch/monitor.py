@@ -187,7 +187,8 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
         for dst, s in (outs.items() if isinstance(outs, dict) else ()):
             if not isinstance(s, dict):
                 continue
-            b = b_outs.get(dst) if isinstance(b_outs.get(dst), dict) else {}
+            got = b_outs.get(dst)
+            b: dict[str, Any] = got if isinstance(got, dict) else {}
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(stage, str(dst))
             e.producers += 1
@@ -214,7 +215,8 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
         for src, s in (ins.items() if isinstance(ins, dict) else ()):
             if not isinstance(s, dict):
                 continue
-            b = b_ins.get(src) if isinstance(b_ins.get(src), dict) else {}
+            got = b_ins.get(src)
+            b = got if isinstance(got, dict) else {}
             span = dt if before else _num(s.get("elapsed_s"))
             e = edge(str(src), stage)
             e.consumers += 1
@@ -350,7 +352,7 @@ def read_snapshots(directory: str, skipped: list[str] | None = None) -> dict[tup
 def read_traces(directory: str, labels: dict[int, str], limit: int) -> list[ProcessTrace]:
     """The per-process trace files of ``directory`` (``<pid>.jsonl``); unreadable ones
     skipped. ``labels``: pid -> ``stage/replica`` for processes whose header lacks it."""
-    traces = []
+    traces: list[ProcessTrace] = []
     try:
         names = sorted(os.listdir(directory))
     except OSError:

@@ -58,6 +58,7 @@ from typing import Any, Callable
 from ..core import seal
 from ..errors import ConfigError
 from ..runtime.host import host_identity
+from .config import check_rdzv_timeout, parse_endpoint
 from .plan import ClientKey, Nodes, RemoteEndpoint, place, remote_producers
 from .spec import PipelineSpec
 from .store import BoundedStore, Job, StoreUnresponsive, bounded
@@ -86,15 +87,6 @@ class GroupFailure:
     cause: str
     code: int
     restart: bool  # whether the restart policy may start the group again
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ConfigError otherwise."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. node0.example:29400")
-    return host, int(port)
 
 
 def node_timeout() -> float:
@@ -244,8 +236,7 @@ class NodeGroup:
             raise ConfigError(f"--nnodes must be 1 or more, got {nnodes}")
         if not 0 <= rank < nnodes:
             raise ConfigError(f"--node-rank must be from 0 to {nnodes - 1} (--nnodes {nnodes}), got {rank}")
-        if not 0 < rdzv_timeout < 1e6:
-            raise ConfigError(f"--rdzv-timeout must be a positive number of seconds, got {rdzv_timeout}")
+        check_rdzv_timeout(rdzv_timeout)
         self.spec = spec
         self.nnodes, self.rank, self.insecure = nnodes, rank, insecure
         self.rdzv_host, self.rdzv_port = parse_endpoint(rdzv)
@@ -363,8 +354,8 @@ class NodeGroup:
         if self.secret is None:
             raise ConfigError(f"node {self.rank}: node 0's rendezvous needs the run's secret and this node has "
                               f"none; {fix}")
-        salt, tag = proof.get("salt"), proof.get("tag")
-        if not isinstance(salt, str) or not isinstance(tag, str) or seal.name(self.secret, salt) != tag:
+        their_salt, tag = proof.get("salt"), proof.get("tag")
+        if not isinstance(their_salt, str) or not isinstance(tag, str) or seal.name(self.secret, their_salt) != tag:
             raise ConfigError(f"node {self.rank}: this node's rendezvous secret is not the run's (node 0's at "
                               f"{self.rdzv_host}:{self.rdzv_port}); {fix}")
 
@@ -478,7 +469,7 @@ class NodeGroup:
             if problem:
                 self._publish(GroupFailure(problem, 125, False))
                 raise ConfigError(problem + "; start every node's ipcsync-run with the same spec and options")
-        hosts = {}
+        hosts: dict[Any, list[int]] = {}
         for r, other in sorted(infos.items()):
             hosts.setdefault(other.get("host"), []).append(r)
         for same in hosts.values():
@@ -578,7 +569,8 @@ class NodeGroup:
             return None
         self._poll_job = None
         try:
-            return job.result()  # type: ignore[no-any-return]
+            answer: GroupFailure | str | None = job.result()  # what _check returns
+            return answer
         except (RuntimeError, OSError) as exc:
             return self._store_lost(exc)
 

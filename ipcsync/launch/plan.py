@@ -201,7 +201,7 @@ class Plan:
             for i in range(src.replicas):
                 remote = n.remote.get((e.src, i, e.dst)) if n is not None else None
                 how = ""
-                if remote is not None:
+                if n is not None and remote is not None:
                     how = " (between nodes: plain tcp, --insecure)" if n.insecure else " (between nodes: tcp with CURVE)"
                 lines.append(f"    {e.src}/{i}: {self.url(e.src, i, e.dst)}{how}")
         return "\n".join(lines)

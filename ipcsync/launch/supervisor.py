@@ -1,6 +1,7 @@
 """The supervisor: starts a plan's processes, relays their output, and stops them.
 
-Lifecycle of one attempt (torchrun's elastic agent is the model):
+Lifecycle of one attempt (torchrun's elastic agent is the model; one method each:
+``_start_all``, ``_poll``, ``_close_attempt``, around ``_stop(death_sig, timeout)``):
 
 1. start: the run directory (0700) holds every endpoint socket, the stats reports and
    ``owner.json`` (the launcher's and every stage's pid, start time and process group);
@@ -125,6 +126,29 @@ class _Proc:
         return self.returncode is None
 
 
+@dataclass
+class _Attempt:
+    """What one attempt has: its run, its selector, and how it ended (``cause`` None
+    while it runs)."""
+
+    attempt: int
+    run_id: str
+    run_dir: str
+    owner: dict[str, Any]  # owner.json's content
+    sel: selectors.BaseSelector
+    signals_before: int  # the launcher's signal count when the attempt began
+    plan: Plan | None = None
+    cause: str | None = None
+    code: int = 0
+    interrupted: int | None = None  # the signal that stopped the launcher, if one did
+    final: bool = False  # no restart, whatever the policy
+    owner_said: bool = False  # a failure to update owner.json was said
+
+    def end(self, cause: str, code: int, final: bool = False) -> None:
+        """The attempt's root cause and exit code."""
+        self.cause, self.code, self.final = cause, code, final
+
+
 class Supervisor:
     """Runs a pipeline: ``Supervisor(make_plan, stop_timeout, restart).run()``.
 
@@ -209,6 +233,22 @@ class Supervisor:
 
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, attempt: int, wakeup_fd: int) -> Outcome:
+        """One attempt: ``start``, ``poll`` until it ends, ``close`` (always)."""
+        a = self._open(attempt, wakeup_fd)
+        try:
+            self._start_all(a)
+            if a.cause is None:
+                self._poll(a)
+            if a.cause is not None and a.interrupted is None:
+                self._say(f"root cause: {a.cause}; stopping the other stages")
+        finally:
+            outcome = self._close_attempt(a)
+        return outcome
+
+    def _open(self, attempt: int, wakeup_fd: int) -> _Attempt:
+        """A fresh run id, its run directory (0700) with ``owner.json``, and the selector
+        that relays output and notices signals. ConfigError if the directory cannot be
+        written."""
         run_id = secrets.token_hex(4)
         run_dir = os.path.join(self._base, f"run-{run_id}")
         os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
@@ -223,108 +263,130 @@ class Supervisor:
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
-        signals_before = self._signals
-        cause: str | None = None
-        code = 0
-        interrupted: int | None = None
-        stats: list[dict[str, Any]] = []
-        unwritten: dict[str, str] = {}
-        owner_said = False
-        plan: Plan | None = None
-        final = False
+        return _Attempt(attempt, run_id, run_dir, owner, sel, self._signals)
+
+    def _start_all(self, a: _Attempt) -> None:
+        """start: resolve the plan, start every process and record it in ``owner.json``;
+        a process that cannot start is the root cause (exit 127), and the rest stay
+        unstarted."""
+        a.plan = self._make_plan(a.run_id, a.run_dir, a.attempt)
+        if self._observer is not None:
+            self._extra_env = self._observer.env(a.run_dir)
+        for inst in a.plan.instances:
+            proc = self._spawn(inst)
+            self._procs.append(proc)
+            if proc.popen is None:  # could not even start: that is the root cause
+                a.end(f"stage {inst.label} could not start: {proc.partial.decode()}", 127)
+                proc.partial = b""
+                return
+            self._record_owner(a, proc.popen.pid, inst.label)
+            assert proc.popen.stdout is not None
+            a.sel.register(proc.popen.stdout, selectors.EVENT_READ, proc)
+        n = len(a.plan.instances)
+        self._say(
+            f"started {n} process{'es' if n != 1 else ''} of pipeline {a.plan.spec.name!r} "
+            f"(run {a.run_id}{f', restart {a.attempt}' if a.attempt else ''})"
+        )
+
+    def _record_owner(self, a: _Attempt, pid: int, label: str) -> None:
+        """Add a started stage to ``owner.json`` (what ``sweep_abandoned`` kills if this
+        launcher is killed); a full runtime directory is said once, not fatal."""
+        a.owner["stages"].append({"label": label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid})
         try:
-            plan = self._make_plan(run_id, run_dir, attempt)
+            _write_owner(a.run_dir, a.owner)
+        except OSError as exc:
+            if not a.owner_said:
+                a.owner_said = True
+                self._say(f"cannot update {_OWNER} in {a.run_dir} ({exc.strerror or exc}): if this "
+                          "launcher is killed, a later one may not find every stage to stop")
+
+    def _poll(self, a: _Attempt) -> None:
+        """poll: relay output and watch the processes, the launcher's signals and the
+        node group until the attempt ends (``a.cause`` set) or every stage is done."""
+        assert a.plan is not None
+        stages = [s.name for s in a.plan.spec.stages]
+        next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
+        while a.cause is None and (any(p.running for p in self._procs) or self._group is not None):
+            self._pump(a.sel, 0.1)
             if self._observer is not None:
-                self._extra_env = self._observer.env(run_dir)
-            for inst in plan.instances:
-                proc = self._start(inst)
-                self._procs.append(proc)
-                if proc.popen is not None:
-                    pid = proc.popen.pid
-                    owner["stages"].append(
-                        {"label": inst.label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid}
-                    )
-                    try:
-                        _write_owner(run_dir, owner)
-                    except OSError as exc:  # a full runtime directory: go on, and say what it costs
-                        if not owner_said:
-                            owner_said = True
-                            self._say(f"cannot update {_OWNER} in {run_dir} ({exc.strerror or exc}): if this "
-                                      "launcher is killed, a later one may not find every stage to stop")
-                if proc.popen is None:  # could not even start: that is the root cause
-                    cause, code = f"stage {inst.label} could not start: {proc.partial.decode()}", 127
-                    proc.partial = b""
-                    break
-                assert proc.popen.stdout is not None
-                sel.register(proc.popen.stdout, selectors.EVENT_READ, proc)
-            if cause is None:
-                n = len(plan.instances)
+                self._observer.tick(a.run_id, a.run_dir, stages)
+            if self._contain and time.monotonic() >= next_orphan_reap:
+                _reap_orphans(self._popen_pids())
+                next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
+            if self._signal is not None:
+                self._interrupted(a, self._signal)
+                return
+            self._poll_stages(a)
+            if self._poll_group(a):
+                return
+
+    def _interrupted(self, a: _Attempt, signum: int) -> None:
+        """The launcher got ``signum``: SIGTERM to every stage (``close`` escalates), and
+        the group told that it is over, with no restart."""
+        name = signal.Signals(signum).name
+        a.end(f"interrupted by {name}", 128 + signum)
+        a.interrupted = signum
+        running = sum(p.running for p in self._procs)
+        self._say(f"interrupted ({name}); stopping {running} stage{'s' if running != 1 else ''}")
+        # SIGTERM whatever the launcher got: a Python stage ends on it without a
+        # KeyboardInterrupt traceback, and a closed output pipe is not the stages' business.
+        self._signal_all(signal.SIGTERM)
+        if self._group is not None:
+            self._group.fail(f"ipcsync-run was interrupted by {name}", a.code, restart=False)
+
+    def _poll_stages(self, a: _Attempt) -> None:
+        """Reap the stages that exited; the first non-zero exit ends the attempt with its
+        root cause (the group's, over several nodes)."""
+        for p in self._procs:
+            if p.running and _reap(p) and p.returncode != 0 and a.cause is None:
+                cause, code = self._root_cause(p, a.sel)
+                if self._group is not None:
+                    failure = self._group.fail(cause, code, consequence=self._consequence)
+                    a.end(failure.cause, failure.code, final=not failure.restart)
+                else:
+                    a.end(cause, code)
+
+    def _poll_group(self, a: _Attempt) -> bool:
+        """The node group's news: True once every node's stages are done; a failure
+        elsewhere ends the attempt."""
+        if self._group is None or a.cause is not None:
+            return False
+        news = self._group.poll(local_done=not any(p.running for p in self._procs))
+        if news == "done":
+            return True
+        if news is not None:
+            a.end(news.cause, news.code, final=not news.restart)
+        return False
+
+    def _close_attempt(self, a: _Attempt) -> Outcome:
+        """close: stop every stage (``_stop``: SIGTERM unless just forwarded, up to
+        ``stop_timeout``, then SIGKILL), with ``contain`` every other descendant too; read
+        what the stages reported, let the observer finish, remove the run directory and
+        the run's shm segments. Nothing of the attempt outlives this."""
+        self._stop(a.sel, death_sig=None if a.interrupted is not None else signal.SIGTERM,
+                   timeout=self._stop_timeout)
+        if self._contain:
+            left = _kill_descendants(self._popen_pids())
+            if left:
                 self._say(
-                    f"started {n} process{'es' if n != 1 else ''} of pipeline {plan.spec.name!r} "
-                    f"(run {run_id}{f', restart {attempt}' if attempt else ''})"
+                    f"killed {len(left)} process(es) that the stages left running outside their "
+                    f"process groups: {', '.join(f'pid {pid} ({comm})' for pid, comm in left)}"
                 )
-            next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
-            group = self._group
-            while cause is None and interrupted is None and (any(p.running for p in self._procs) or group is not None):
-                self._pump(sel, 0.1)
-                if self._observer is not None:
-                    self._observer.tick(run_id, run_dir, [s.name for s in plan.spec.stages])
-                if self._contain and time.monotonic() >= next_orphan_reap:
-                    _reap_orphans(self._popen_pids())
-                    next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
-                if self._signal is not None:
-                    interrupted = self._signal
-                    name = signal.Signals(interrupted).name
-                    cause = f"interrupted by {name}"
-                    code = 128 + interrupted
-                    running = sum(p.running for p in self._procs)
-                    self._say(f"interrupted ({name}); stopping {running} stage{'s' if running != 1 else ''}")
-                    # SIGTERM whatever the launcher got (close() escalates): a Python
-                    # stage ends on it without a KeyboardInterrupt traceback, and a
-                    # closed output pipe is not the stages' business.
-                    self._signal_all(signal.SIGTERM)
-                    if group is not None:
-                        group.fail(f"ipcsync-run was interrupted by {name}", code, restart=False)
-                    break
-                for p in self._procs:
-                    if p.running and _reap(p):
-                        if p.returncode != 0 and cause is None:
-                            cause, code = self._root_cause(p, sel)
-                            if group is not None:
-                                failure = group.fail(cause, code, consequence=self._consequence)
-                                cause, code, final = failure.cause, failure.code, not failure.restart
-                if group is not None and cause is None:
-                    news = group.poll(local_done=not any(p.running for p in self._procs))
-                    if news == "done":
-                        break
-                    if news is not None:
-                        cause, code, final = news.cause, news.code, not news.restart
-            if cause is not None and interrupted is None:
-                self._say(f"root cause: {cause}; stopping the other stages")
-        finally:
-            self._close(sel, forwarded=interrupted is not None)
-            if self._contain:
-                left = _kill_descendants(self._popen_pids())
-                if left:
-                    self._say(
-                        f"killed {len(left)} process(es) that the stages left running outside their "
-                        f"process groups: {', '.join(f'pid {pid} ({comm})' for pid, comm in left)}"
-                    )
-            if interrupted is None and self._signals != signals_before:
-                # Interrupted while stopping a failed attempt: no restart; the failure
-                # stays the root cause and sets the exit code.
-                interrupted = self._signal
-            unwritten = read_incomplete(os.path.join(run_dir, "stats"))
-            if unwritten:
-                self._say(incomplete_line(unwritten))  # once: before any figure it concerns
-            if cause is None:
-                stats = _read_stats(os.path.join(run_dir, "stats"))
-            if self._observer is not None and plan is not None:
-                self._observer.finish(run_id, run_dir, [s.name for s in plan.spec.stages],
-                                      {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
-            _remove_run(run_dir, run_id)
-            sel.close()
-        return Outcome(code, cause, interrupted, final, stats, bool(unwritten))
+        if a.interrupted is None and self._signals != a.signals_before:
+            # Interrupted while stopping a failed attempt: no restart; the failure stays
+            # the root cause and sets the exit code.
+            a.interrupted = self._signal
+        stats_dir = os.path.join(a.run_dir, "stats")
+        unwritten = read_incomplete(stats_dir)
+        if unwritten:
+            self._say(incomplete_line(unwritten))  # once: before any figure it concerns
+        stats = _read_stats(stats_dir) if a.cause is None else []
+        if self._observer is not None and a.plan is not None:
+            self._observer.finish(a.run_id, a.run_dir, [s.name for s in a.plan.spec.stages],
+                                  {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
+        _remove_run(a.run_dir, a.run_id)
+        a.sel.close()
+        return Outcome(a.code, a.cause, a.interrupted, a.final, stats, bool(unwritten))
 
     def _root_cause(self, p: _Proc, sel: selectors.BaseSelector) -> tuple[str, int]:
         """The first failure of an attempt, as (one line, exit code). ``p`` exited non-zero
@@ -337,7 +399,7 @@ class Supervisor:
         self._consequence = bool(first is not None and first.get("consequence"))
         if first is not None and first.get("consequence"):
             deadline = time.monotonic() + _PEER_FAILURE_GRACE
-            found = None
+            found: tuple[_Proc, dict[str, Any] | None] | None = None
             while found is None and time.monotonic() < deadline:
                 for q in self._procs:
                     if q is p:
@@ -366,10 +428,13 @@ class Supervisor:
         line += fault_hint(chosen.inst, chosen.returncode)
         if chosen is not p:
             line += f" (stage {p.inst.label} then failed because of it)"
-        code = exit_code_of(chosen.returncode) if chosen.returncode is not None else exit_code_of(p.returncode)
-        return line, code
+        returncode = chosen.returncode if chosen.returncode is not None else p.returncode
+        assert returncode is not None  # p has exited
+        return line, exit_code_of(returncode)
 
-    def _start(self, inst: Instance) -> _Proc:
+    def _spawn(self, inst: Instance) -> _Proc:
+        """Start one process in its own session and process group (a _Proc with no popen
+        and the reason in ``partial`` if it cannot start)."""
         env = dict(os.environ)
         env.update(inst.env)
         env.update(self._extra_env)
@@ -384,7 +449,8 @@ class Supervisor:
             proc = _Proc(inst, None, time.monotonic())
             proc.partial = f"{exc} (cmd {list(inst.cmd)})".encode()
             return proc
-        os.set_blocking(popen.stdout.fileno(), False)  # type: ignore[union-attr]
+        assert popen.stdout is not None  # stdout=PIPE
+        os.set_blocking(popen.stdout.fileno(), False)
         log.debug("started stage %s: pid %d, command %s, cwd %s", inst.label, popen.pid, list(inst.cmd),
                   inst.cwd or os.getcwd())
         return _Proc(inst, popen, time.monotonic())
@@ -446,13 +512,14 @@ class Supervisor:
                           p.inst.label, p.popen.pid)
                 _killpg(p.popen.pid, signum)
 
-    def _close(self, sel: selectors.BaseSelector, forwarded: bool) -> None:
-        """Stop every process: SIGTERM (unless just sent), up to stop_timeout, then
-        SIGKILL to every group; relay their last output. One line per stage stopped."""
-        if not forwarded:
-            self._signal_all(signal.SIGTERM)
+    def _stop(self, sel: selectors.BaseSelector, death_sig: int | None, timeout: float) -> None:
+        """Stop every process: ``death_sig`` to every group (None: already sent), up to
+        ``timeout`` seconds for them to exit, then SIGKILL to every group; relay their last
+        output. One line per stage stopped."""
+        if death_sig is not None:
+            self._signal_all(death_sig)
         stopping = [p for p in self._procs if p.running]
-        deadline = time.monotonic() + self._stop_timeout
+        deadline = time.monotonic() + timeout
         signals_before = self._signals
         again = False
         while True:
@@ -471,8 +538,9 @@ class Supervisor:
                     self._say(f"stage {p.inst.label} (pid {p.popen.pid}) is still running after a second "
                               "signal; sending SIGKILL")
                 else:
+                    sent = signal.Signals(death_sig).name if death_sig is not None else "SIGTERM"
                     self._say(f"stage {p.inst.label} (pid {p.popen.pid}) did not exit within "
-                              f"{self._stop_timeout:.1f} s of SIGTERM; sending SIGKILL")
+                              f"{timeout:.1f} s of {sent}; sending SIGKILL")
                 _killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
                 deadline = time.monotonic() + 5
                 while not _reap(p) and time.monotonic() < deadline:
@@ -546,10 +614,10 @@ def _reap(p: _Proc) -> bool:
     if p.popen is None or not p.running:
         return True
     try:
-        info = os.waitid(os.P_PID, p.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        exited = os.waitid(os.P_PID, p.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:  # reaped already (by Popen)
-        info = True
-    if info is None:
+        exited = True
+    if not exited:
         return False
     _killpg(p.popen.pid, signal.SIGKILL)
     p.popen.wait()
@@ -817,7 +885,7 @@ def summarize(reports: list[dict[str, Any]], incomplete: bool = False) -> list[s
                                       "producers": set(), "received": {}})
 
     for r in reports:
-        stage = r.get("stage")
+        stage: str = r["stage"]  # clean_reports: a string
         for dst, s in (r.get("outputs") or {}).items():
             e = edge((stage, dst))
             e["producers"].add(f"{stage}/{r.get('replica')}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 import torch
+from polling import in_call
 
 import ipcsync
 
@@ -30,13 +32,46 @@ def intact(t: torch.Tensor, i: int) -> bool:
     return bool(torch.equal(t, content(i, t.numel(), str(t.device))))
 
 
+def say_once(event: str, cond: Any) -> None:
+    """Say ``{"event": event}`` once ``cond()`` is true: a daemon thread polls it every
+    10 ms (the observable state a test waits for, instead of sleeping)."""
+
+    def watch() -> None:
+        while not cond():
+            time.sleep(0.01)
+        say(event=event)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def stalled_after(mark: str, endpoint: Any, key: str) -> bool:
+    """The peer is reported stalled now (``stats()[key]``), sampled after ``mark`` exists:
+    a stall that lasts while the test has the peer stopped (it makes ``mark`` after)."""
+    return os.path.exists(mark) and bool(endpoint.stats()[key])
+
+
+def blocked_alone(out: ipcsync.Producer) -> bool:
+    """The main thread is in ``send()`` with its consumer lost and none left: a send that
+    can only wait."""
+    stats = out.stats()
+    return (stats["consumers"] == 0 and stats["consumers_lost"] >= 1
+            and in_call(threading.main_thread(), "send", "producer.py"))
+
+
 def produce(a: dict[str, Any]) -> None:
     """Send ``n`` items with the endpoint's default timeouts (waiting on a living peer is
-    the default); optionally raise at item ``fail_at`` inside the with-block."""
+    the default); optionally raise at item ``fail_at`` inside the with-block; with
+    ``say_blocked``, say when a send blocks for want of a consumer ("blocked"); with
+    ``stalled_after`` (a path), when a consumer is reported stalled once that file exists
+    ("peer-stalled": the test makes it after SIGSTOPping the consumer)."""
     dev, n, elems = a.get("device", "cpu"), a["n"], a.get("elems", 1024)
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 2), slot_bytes=elems * 4 + 4096,
                           device=dev, heartbeat=a.get("heartbeat", 0.2)) as out:
         say(event="bound", pid=os.getpid())
+        if a.get("say_blocked"):
+            say_once("blocked", lambda: blocked_alone(out))
+        if a.get("stalled_after"):
+            say_once("peer-stalled", lambda: stalled_after(a["stalled_after"], out, "consumers_stalled"))
         if a.get("wait_consumers"):
             out.wait_for_consumers(a["wait_consumers"], timeout=30)
         for i in range(n):
@@ -54,13 +89,17 @@ def produce(a: dict[str, Any]) -> None:
 
 def consume(a: dict[str, Any]) -> None:
     """Iterate with default timeouts; hold item ``hold`` for ``hold_s`` seconds (the test
-    pauses the process meanwhile), check it is still intact, then go on checking."""
+    pauses the process meanwhile), check it is still intact, then go on checking; with
+    ``stalled_after`` (a path), say when the producer is reported stalled once that file
+    exists ("peer-stalled")."""
     dev = a.get("device", "cpu")
     got, bad = 0, []
     error = None
     with ipcsync.Consumer(a["endpoint"], device=dev, heartbeat=a.get("heartbeat", 0.2),
                           wait=a.get("wait", "gpu")) as inp:
         say(event="connected", pid=os.getpid())
+        if a.get("stalled_after"):
+            say_once("peer-stalled", lambda: stalled_after(a["stalled_after"], inp, "producer_stalled"))
         try:
             for item in inp:
                 i = item.meta

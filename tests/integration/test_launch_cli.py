@@ -885,21 +885,38 @@ def test_dry_run_from_command_line(launcher: Launcher) -> None:
 
 
 # ---------------------------------------------------------------------------- stage API outside the launcher
+STAGE_CALLS = ["s.input('x')", "s.output('x')", "s.info()"]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("call", ["s.input('x')", "s.output('x')", "s.info()"])
-def test_stage_api_outside_launcher_explains(launcher: Launcher, call: str) -> None:
-    env = launcher.env()
-    proc = subprocess.run(
-        [PY, "-c", f"import ipcsync.stage as s; {call}"], stdin=subprocess.DEVNULL,
-        capture_output=True, env=env, cwd=str(ROOT), timeout=50,
+def test_stage_api_outside_launcher_explains(launcher: Launcher) -> None:
+    """Each stage call outside ipcsync-run ends the program with a ConfigError that names
+    the call, ipcsync-run, IPCSYNC_WIRING and the endpoints to use instead. One
+    interpreter makes every call (torch is imported once): each in a child process
+    forked after the import, so that each ends its program uncaught, as a stage's would."""
+    script = (
+        "import os, sys, ipcsync.stage as s\n"
+        f"for call in {STAGE_CALLS!r}:\n"
+        "    print('@@ ' + call, file=sys.stderr, flush=True)\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        exec(call)\n"
+        "        os._exit(0)\n"
+        "    print('@@ exit', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), file=sys.stderr, flush=True)\n"
     )
+    proc = subprocess.run([PY, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, env=launcher.env(),
+                          cwd=str(ROOT), timeout=50)
     err = proc.stderr.decode(errors="replace")
-    assert proc.returncode == 1, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("ipcsync.errors.ConfigError: "), err
-    assert "ipcsync-run" in last and "IPCSYNC_WIRING" in last, last
-    assert "ipcsync.Producer" in last and "ipcsync.Consumer" in last, last
-    assert call.replace("s.", "ipcsync.stage.") in last, last
+    assert proc.returncode == 0, err
+    parts = re.split(r"^@@ ", err, flags=re.M)[1:]
+    assert len(parts) == 2 * len(STAGE_CALLS), err
+    for call, ran, ended in zip(STAGE_CALLS, parts[0::2], parts[1::2]):
+        assert ran.startswith(call + "\n") and ended.strip() == "exit 1", err
+        last = ran.strip().splitlines()[-1]
+        assert last.startswith("ipcsync.errors.ConfigError: "), ran
+        assert "ipcsync-run" in last and "IPCSYNC_WIRING" in last, last
+        assert "ipcsync.Producer" in last and "ipcsync.Consumer" in last, last
+        assert call.replace("s.", "ipcsync.stage.") in last, last
 
 
 # ---------------------------------------------------------------------------- the README's example
@@ -1110,7 +1127,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # endpoint, backend, channel, torch or zmq.
 LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
-                    "ipcsync.launch.commands", "ipcsync.launch.__main__"}
+                    "ipcsync.launch.config", "ipcsync.launch.commands", "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}
 
 

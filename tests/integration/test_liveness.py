@@ -5,21 +5,24 @@ said goodbye, or its connection closed and it cannot be watched); silence of a l
 around it: honest endings (a producer that raises is not a clean end), waits that hold no
 lock (close()/stats() from another thread), exit and fork, two threads on one consumer.
 
-Pause tests run real producer and consumer processes, SIGSTOP one for 2 s and for 35 s
-(longer than any default timeout the endpoints ever had), and check every held and later
-item's contents.
+Pause tests run real producer and consumer processes, SIGSTOP one until its peer reports
+it stalled (1.5 heartbeats of silence) and for 35 s (longer than any default timeout the
+endpoints ever had), and check every held and later item's contents.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -27,7 +30,8 @@ import torch
 import ipcsync
 from ipcsync.runtime import host as _host
 
-from conftest import ROOT
+from conftest import ROOT, Peer, wait_no_segments
+from polling import in_call, wait_until
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -42,24 +46,40 @@ def _event(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- pauses
+def _pause(proc: Any, peer: Any, pause: float | None, mark: Path) -> None:
+    """SIGSTOP ``proc`` until ``peer`` (started with ``stalled_after=mark``) reports it
+    stalled while stopped (``pause`` None), or for ``pause`` seconds; SIGCONT it then,
+    whatever happens."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        if pause is None:
+            mark.touch()  # the peer's stall report counts from here: proc is stopped
+            peer.read_until(_event("peer-stalled"), timeout=60)
+        else:
+            time.sleep(pause)  # issue 31: a pause longer than any default timeout
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s")]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pause", [2.0, 35.0])
-def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pause: float) -> None:
-    """A consumer holding item 0 is SIGSTOPped far past 1.5 heartbeats: the producer must
-    not reuse its slot (it waits through backpressure, with its default timeouts), and
-    after SIGCONT item 0 and every later item read exactly what was sent."""
+@pytest.mark.parametrize("pause", PAUSES)
+def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pause: float | None,
+                                                    tmp_path: Path) -> None:
+    """A consumer holding item 0 is SIGSTOPped until the producer reports it stalled (1.5
+    heartbeats of silence), and for 35 s: the producer must not reuse its slot (it waits
+    through backpressure, with its default timeouts), and after SIGCONT item 0 and every
+    later item read exactly what was sent."""
     n = 40
     prod = procs.start("produce", module="liveness_peers", endpoint="live-pc", n=n, slots=2,
-                       heartbeat=0.2, device=device)
+                       heartbeat=0.2, device=device, stalled_after=str(tmp_path / "stopped"))
     prod.read_until(_event("bound"))
     cons = procs.start("consume", module="liveness_peers", endpoint="live-pc", hold=0,
-                       hold_s=pause + 1.0, heartbeat=0.2, device=device)
+                       hold_s=(pause or 0.0) + 1.0, heartbeat=0.2, device=device)
     cons.read_until(_event("holding"), timeout=60)
-    os.kill(cons.pid, signal.SIGSTOP)
-    try:
-        time.sleep(pause)
-    finally:
-        os.kill(cons.pid, signal.SIGCONT)
+    _pause(cons, prod, pause, tmp_path / "stopped")
     held = cons.read_until(_event("held-checked"), timeout=60)
     assert held["ok"], cons.lines
     res = cons.result(timeout=60)
@@ -70,22 +90,20 @@ def test_paused_consumer_keeps_its_held_item_intact(procs: Any, device: str, pau
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pause", [2.0, 35.0])
-def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: float) -> None:
-    """A producer SIGSTOPped mid-stream (a 'GC pause' of 2 s or 35 s): its consumer waits
-    (stalled, no PeerLostError) and receives every item intact after SIGCONT."""
+@pytest.mark.parametrize("pause", PAUSES)
+def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: float | None,
+                                                tmp_path: Path) -> None:
+    """A producer SIGSTOPped mid-stream (a 'GC pause' until its consumer reports it stalled,
+    and of 35 s): its consumer waits (stalled, no PeerLostError) and receives every item
+    intact after SIGCONT."""
     n = 30
     prod = procs.start("produce", module="liveness_peers", endpoint="live-pp", n=n, slots=2,
                        heartbeat=0.2, device=device, every=0.02)
     prod.read_until(_event("bound"))
     cons = procs.start("consume", module="liveness_peers", endpoint="live-pp", heartbeat=0.2,
-                       device=device, progress=5)
+                       device=device, progress=5, stalled_after=str(tmp_path / "stopped"))
     cons.read_until(lambda l: l.get("event") == "received" and l["n"] >= 5, timeout=60)
-    os.kill(prod.pid, signal.SIGSTOP)
-    try:
-        time.sleep(pause)
-    finally:
-        os.kill(prod.pid, signal.SIGCONT)
+    _pause(prod, cons, pause, tmp_path / "stopped")
     res = cons.result(timeout=60)
     assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
     assert res["stalled"] >= 1, res
@@ -209,43 +227,126 @@ def test_abort_and_exception_close_at_once_and_propagate(endpoints: Any, device:
 
 @pytest.mark.timeout(60)
 def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any, runtime_dir: Any) -> None:
-    """Ctrl-C on a producer whose consumer left (its send blocks: no one takes items): it
-    has closed (its socket file is gone) within 2 s, and exits with the KeyboardInterrupt
-    as it was (the interpreter's own teardown of torch may take seconds more)."""
+    """Ctrl-C on a producer whose consumer left (its send blocks: no one takes items, and
+    it has no timeout): the KeyboardInterrupt is raised inside that send() (its
+    traceback says so), the producer closes (its socket file goes) and exits with it.
+    Without the interrupt the send would wait for ever."""
     prod = procs.start("produce", module="liveness_peers", endpoint="live-int", n=1000, slots=2,
-                       progress=1)
+                       progress=1, say_blocked=True)
     prod.read_until(_event("bound"))
     cons = procs.start("consume_fanin", module="liveness_peers", endpoints=["live-int"], kind="consumer")
     cons.read_until(_event("connected"), timeout=30)
     prod.read_until(lambda l: l.get("event") == "sent" and l["n"] >= 2, timeout=30)
     cons.kill()
-    time.sleep(0.5)  # the producer is now blocked in send()
+    prod.read_until(_event("blocked"), timeout=30)  # in send(), its consumer lost, none left
     sock = runtime_dir / "live-int.sock"
     assert sock.exists()
-    t0 = time.monotonic()
     os.kill(prod.pid, signal.SIGINT)
-    while sock.exists() and time.monotonic() - t0 < 10:
-        time.sleep(0.01)
-    assert time.monotonic() - t0 < 2.0, "the producer did not close at once on Ctrl-C"
+    assert wait_until(lambda: not sock.exists(), timeout=30), "the producer did not close on Ctrl-C"
     rc = prod.proc.wait(timeout=30)
     assert rc != 0
-    assert "KeyboardInterrupt" in prod.stderr()
+    err = prod.stderr()
+    assert "KeyboardInterrupt" in err, err
+    assert re.search(r'producer\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
 
 
 SIGINT_RUNS = 20
 
+# One interpreter per test worker imports torch and ipcsync once and forks a fresh
+# producer process per run (peers.basic.produce, as procs.start runs it): the runs'
+# producers are new processes each, without an interpreter start each. A producer ends
+# as a program would: an uncaught exception (KeyboardInterrupt: exit 130) or sys.exit.
+_FORKER = r"""
+import json, os, sys, traceback
+import torch, ipcsync
+import peers.basic as roles
+for line in sys.stdin:
+    args = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(args.pop("env"))
+        try:
+            roles.produce(args)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            sys.exit(130)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class _Forker:
+    """The forking interpreter (``_FORKER``) and its output; ``produce`` forks one producer
+    and returns its pid once it is bound, ``exit_code`` waits for its end."""
+
+    def __init__(self, errors: Path) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests" / "integration"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+        self.errors = errors
+        self._err = open(errors, "wb")
+        self.peer = Peer(subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=self._err, env=env,
+                                          start_new_session=True), "forker")
+
+    def produce(self, **args: Any) -> int:
+        stdin = self.peer.proc.stdin
+        assert stdin is not None
+        stdin.write((json.dumps({**args, "env": {"IPCSYNC_RUNTIME_DIR": os.environ["IPCSYNC_RUNTIME_DIR"]}})
+                     + "\n").encode())
+        stdin.flush()
+        self.peer.lines.clear()  # the previous producer's lines
+        return int(self.peer.read_until(_event("bound"), timeout=60)["pid"])
+
+    def exit_code(self, pid: int, timeout: float) -> int:
+        return int(self.peer.read_until(lambda l: l.get("event") == "exit" and l["pid"] == pid, timeout)["code"])
+
+    def stderr(self) -> str:
+        return self.errors.read_text(errors="replace")
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.peer.proc.pid, signal.SIGKILL)  # and a producer a failed run left
+        except ProcessLookupError:
+            pass
+        self.peer.proc.wait(timeout=10)
+        for stream in (self.peer.proc.stdin, self.peer.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._err.close()
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Forker]:
+    f = _Forker(tmp_path_factory.mktemp("forker") / "stderr")
+    try:
+        yield f
+    finally:
+        f.close()
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run", range(SIGINT_RUNS))
-def test_sigint_on_a_streaming_producer_always_delivers_its_cause(procs: Any, endpoints: Any, device: str,
+def test_sigint_on_a_streaming_producer_always_delivers_its_cause(forker: _Forker, endpoints: Any, device: str,
                                                                  run: int) -> None:
     """Ctrl-C on a producer streaming to a consumer (on the default lane, releases in
     flight both ways): the consumer ends with ProducerFailedError naming the
-    KeyboardInterrupt, every run; never a bare 'disconnected' PeerLostError."""
+    KeyboardInterrupt, every run; never a bare 'disconnected' PeerLostError. Each run's
+    producer is a fresh process (forked, see _FORKER), gone with its shared memory after."""
     ep = f"live-sigint-{run}"
-    prod = procs.start("produce", module="peers.basic", endpoint=ep, n=1_000_000, slots=4, device=device)
-    prod.read_until(_event("bound"))
-    inp = endpoints.consumer(ep, device=device, timeout=30)
+    pid = forker.produce(endpoint=ep, n=1_000_000, slots=4, device=device)
+    try:
+        _sigint_while_streaming(endpoints.consumer(ep, device=device, timeout=30), pid)
+        assert forker.exit_code(pid, timeout=30) == 130, forker.stderr()[-3000:]
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)  # a failed run's producer; the forker reaps it
+        except ProcessLookupError:
+            pass
+    assert not wait_no_segments([pid], timeout=10.0)
+
+
+def _sigint_while_streaming(inp: Any, pid: int) -> None:
     got = 0
     with pytest.raises(ipcsync.ProducerFailedError, match="KeyboardInterrupt"):
         while True:
@@ -254,8 +355,7 @@ def test_sigint_on_a_streaming_producer_always_delivers_its_cause(procs: Any, en
             got += 1
             item.release()
             if got == 50:
-                os.kill(prod.pid, signal.SIGINT)
-    assert prod.proc.wait(timeout=30) != 0
+                os.kill(pid, signal.SIGINT)
 
 
 # --------------------------------------------------------------------------- threads
@@ -273,6 +373,17 @@ def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, BaseException]]:
     return t, caught
 
 
+def _returns_while_alive(call: Any, blocked: threading.Thread) -> Any:
+    """``call()`` made in another thread while ``blocked`` waits for ever: it must return
+    (a call that took the lock ``blocked`` holds would wait as long as it). Its result."""
+    result: list[Any] = []
+    t, caught = _in_thread(lambda: result.append(call()))
+    t.join(30)
+    assert not t.is_alive(), "the call waited for the blocked one"
+    assert blocked.is_alive() and result and not caught, caught
+    return result[0]
+
+
 @pytest.mark.timeout(60)
 def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
     out = endpoints.producer("live-thr-p", slots=1, slot_bytes=4096, device=device)
@@ -280,15 +391,14 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
     out.send({"x": torch.ones(2, device=device)}, meta=0)
     held = inp.get(timeout=10)  # holds the only slot
     t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
-    time.sleep(0.5)
-    assert t.is_alive()  # blocked: backpressure
-    t0 = time.monotonic()
-    assert out.stats()["occupancy"]["in_flight"] == 1
-    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked send()"
-    t0 = time.monotonic()
+    # In send() with no slot free: it can only wait (backpressure; no timeout).
+    assert wait_until(lambda: in_call(t, "send", "producer.py"), timeout=30), caught
+    assert out.stats()["occupancy"]["free"] == 0
+    stats = _returns_while_alive(out.stats, t)  # stats() from here does not wait for it
+    assert stats["occupancy"]["in_flight"] == 1 and t.is_alive()
     out.close(timeout=0)
-    t.join(5)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(30)  # the send would wait for ever: ending at all is close()'s doing
+    assert not t.is_alive(), "close() from another thread did not end the blocked send()"
     assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
     assert held.meta == 0
 
@@ -297,16 +407,13 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
 def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it(endpoints: Any, device: str) -> None:
     endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
     inp = endpoints.consumer("live-thr-c", device=device)
-    t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits
-    time.sleep(0.5)
+    t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits (no timeout)
+    assert wait_until(lambda: in_call(t, "__next__", "consumer.py"), timeout=30), caught
+    _returns_while_alive(inp.stats, t)  # stats() from here does not wait for it
     assert t.is_alive()
-    t0 = time.monotonic()
-    inp.stats()
-    assert time.monotonic() - t0 < 0.5, "stats() waited for the blocked next()"
-    t0 = time.monotonic()
     inp.close()
-    t.join(5)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    t.join(30)  # the wait would last for ever: ending at all is close()'s doing
+    assert not t.is_alive(), "close() from another thread did not end the blocked iteration"
     assert isinstance(caught.get("error"), ipcsync.ClosedError), caught
 
 
@@ -351,7 +458,7 @@ def test_close_with_queued_items_serves_a_consumer_that_arrives_meanwhile(endpoi
     out.send({"x": torch.full((4,), 7.0, device=device)}, meta=7)
     t = threading.Thread(target=out.close, kwargs={"timeout": 30}, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert wait_until(lambda: in_call(t, "close", "producer.py"), timeout=30)  # closing, item queued
     with ipcsync.Consumer("live-late", device=device) as inp:
         items = [(item.meta, float(item["x"][0])) for item in inp]
     t.join(10)

@@ -9,6 +9,7 @@ the command line (overrides, checks); limits shared with the library.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +20,9 @@ import pytest
 from specfile import toml_spec
 
 from ipcsync import limits
+from ipcsync.errors import ConfigError
 from ipcsync.launch import cli
+from ipcsync.launch.config import LaunchConfig
 from ipcsync.launch.plan import ENV_WIRING, OMP_THREADS, WIRING_VERSION, Plan, endpoint_url, resolve, resolve_command
 from ipcsync.launch.spec import PipelineSpec, SpecError, from_cli, loads
 from ipcsync.runtime.shm import ENV_RUN_ID
@@ -205,7 +208,7 @@ def spec_file(tmp_path: Path) -> Path:
 
 
 def config(*argv: str) -> PipelineSpec:
-    return cli.config_from_args(cli.parse_args(list(argv)))
+    return cli.config_from_args(cli.parse_args(list(argv))).spec
 
 
 def test_spec_file_values_overridden_from_the_command_line(tmp_path: Path) -> None:
@@ -250,6 +253,57 @@ def test_spec_file_and_stages_together_or_neither_are_refused(tmp_path: Path) ->
         config(str(spec_file(tmp_path)), "--stage", "a=true")
     with pytest.raises(SpecError, match="give a pipeline spec file, or at least one --stage"):
         config()
+
+
+def test_the_command_line_becomes_one_frozen_launch_config(tmp_path: Path) -> None:
+    launch = cli.config_from_args(cli.parse_args([
+        str(spec_file(tmp_path)), "--dry-run", "--no-summary", "--monitor", "--monitor-interval", "0.5",
+        "--stats-file", "s.jsonl", "--trace", "t.json", "--nnodes", "2", "--node-rank", "1",
+        "--rdzv-endpoint", "node0:29400", "--rdzv-timeout", "30", "--node-addr", "10.0.0.2", "--insecure",
+        "--rdzv-secret-file", "run.secret",
+    ]))
+    assert isinstance(launch, LaunchConfig) and launch.spec.stage("sink").replicas == 1
+    assert (launch.dry_run, launch.summary, launch.monitor, launch.monitor_interval) == (True, False, True, 0.5)
+    assert (launch.stats_file, launch.trace, launch.observed) == ("s.jsonl", "t.json", True)
+    assert (launch.nnodes, launch.node_rank, launch.rank, launch.many) == (2, 1, 1, True)
+    assert (launch.rdzv_endpoint, launch.rdzv_timeout, launch.node_addr) == ("node0:29400", 30.0, "10.0.0.2")
+    assert (launch.insecure, launch.rdzv_secret_file) == (True, "run.secret")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.dry_run = False  # type: ignore[misc]
+    plain = cli.config_from_args(cli.parse_args(["--stage", "a=true"]))
+    assert (plain.many, plain.rank, plain.observed, plain.summary, plain.dry_run) == (False, 0, False, True, False)
+
+
+@pytest.mark.parametrize("options,phrase", [
+    ({"nnodes": 0}, "--nnodes must be from 1 to 1024, got 0"),
+    ({"nnodes": 1025}, "--nnodes must be from 1 to 1024"),
+    ({"insecure": True, "node_addr": "h"}, "--insecure, --node-addr only go with --nnodes N (N > 1)"),
+    ({"node_rank": 1}, "--node-rank only go with --nnodes"),
+    ({"rdzv_secret_file": "f", "rdzv_endpoint": "h:1"}, "--rdzv-endpoint, --rdzv-secret-file only go with"),
+    ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "--node-rank must be from 0 to 1 (--nnodes 2), got 2"),
+    ({"nnodes": 2, "rdzv_endpoint": "h:1"}, "--nnodes 2 needs --node-rank R"),
+    ({"nnodes": 2, "node_rank": 0}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    ({"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "h"}, "--rdzv-endpoint 'h': expected HOST:PORT"),
+    ({"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "h:1", "rdzv_timeout": 0.0}, "--rdzv-timeout must be positive"),
+    ({"nnodes": 2, "dry_run": True, "rdzv_timeout": float("nan")}, "--rdzv-timeout must be positive"),
+    ({"monitor": True, "monitor_interval": 0.01}, "--monitor-interval must be from 0.05 to 3600 seconds, got 0.01"),
+    ({"stats_file": "s", "monitor_interval": float("inf")}, "--monitor-interval must be from 0.05 to 3600"),
+], ids=["nnodes-0", "nnodes-big", "node-flags", "rank-alone", "rdzv-alone", "rank-range", "no-rank", "no-endpoint",
+        "bad-endpoint", "rdzv-timeout-0", "rdzv-timeout-nan", "interval-small", "interval-inf"])
+def test_launch_config_refuses_options_that_do_not_fit(options: dict[str, Any], phrase: str) -> None:
+    spec = from_cli(["a=true"])
+    with pytest.raises(ConfigError) as info:
+        LaunchConfig(spec, **options)
+    assert phrase.replace("must be positive", "must be a positive number of seconds") in str(info.value), \
+        str(info.value)
+
+
+def test_launch_config_checks_what_a_dry_run_can_do_without() -> None:
+    spec = from_cli(["a=true"])
+    # A dry run over several nodes shows every node: no rank nor rendezvous needed.
+    assert LaunchConfig(spec, nnodes=3, dry_run=True).rank == 0
+    # Without an observer, the interval is not used: not checked (as before).
+    assert LaunchConfig(spec, monitor_interval=0.0).observed is False
 
 
 @pytest.mark.parametrize("case", ["missing-cwd", "missing-program", "missing-script-path", "not-executable"])
