@@ -185,7 +185,7 @@ def _zmq_responder(url: str) -> None:
 
 
 # ------------------------------------------------------------------ idle cost
-def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
+def idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
     dev = child_device(device)
@@ -202,7 +202,7 @@ def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     return share
 
 
-def _idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
+def idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
     dev = child_device(device)
@@ -313,8 +313,8 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
     for spin in (0, SPIN_US):
         progress(f"latency: idle cost, spin {spin} us, 5 s")
         done = ctx.Event()
-        got = _pair("idle", (_idle_producer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
-                    (_idle_consumer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
+        got = _pair("idle", (idle_producer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
+                    (idle_consumer, {"base": f"{tag}-{spin}", "seconds": 5.0, "device": device, "done": done}),
                     ctx, timeout, {"IPCSYNC_SPIN_US": str(spin)})
         idle[spin] = {"producer": got["a"], "consumer": got["b"]}
     return {"rows": rows, "idle": idle}
