@@ -316,12 +316,12 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert not panel.higher_is_better and bench.latency_panels(None) == []
 
 
-def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
+def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240) -> tuple[str, str]:
     """``scripts/bench.py args``, which must succeed and start ``processes`` processes
     (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
     shared memory; its stdout and the dump to show when an assertion fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
-    rc, out, err = run_bench(args, env, timeout=240)
+    rc, out, err = run_bench(args, env, timeout=timeout)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
     pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z/ ]+\d* \(pid (\d+)\)$", err, re.M)]
@@ -428,7 +428,7 @@ def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int
 @pytest.mark.timeout(420)  # 2 settings x 2 pairs, then 2 idle pairs: 12 processes spawned one run after another
 def test_contention_suite_prints_spin_off_and_on_and_the_idle_pair() -> None:
     out, dump = run_suite(["--suite", "contention", "--quick", "--contention-pairs", "2", "--contention-count", "50",
-                           "--contention-idle", "0.5"], "contention", 2 * 4 + 2 * 2)
+                           "--contention-idle", "0.5"], "contention", 2 * 4 + 2 * 2, timeout=360)
     assert re.search(r"^ipcsync bench: contention: device=cpu ", out, re.M), dump
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
     assert f"2 producer->consumer pairs (4 processes) at once, every thread pinned to CPUs {cores};" in out, dump
