@@ -186,7 +186,7 @@ def _zmq_responder(url: str) -> None:
 
 
 # ------------------------------------------------------------------ idle cost
-def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
+def idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
     dev = child_device(device)
@@ -203,7 +203,7 @@ def _idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     return share
 
 
-def _idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
+def idle_consumer(base: str, seconds: float, device: str, done: Any) -> float:
     import ipcsync
 
     dev = child_device(device)
@@ -320,7 +320,7 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
         progress(f"latency: idle cost, spin {spin} us, {idle_s:g} s")
         done = ctx.Event()
         idle_kw = {"base": f"{tag}-{spin}", "seconds": idle_s, "device": device, "done": done}
-        got = _pair("idle", (_idle_producer, idle_kw), (_idle_consumer, idle_kw), ctx, timeout,
+        got = _pair("idle", (idle_producer, idle_kw), (idle_consumer, idle_kw), ctx, timeout,
                     {"IPCSYNC_SPIN_US": str(spin)})
         idle[spin] = {"producer": got["a"], "consumer": got["b"]}
     return {"rows": rows, "idle": idle, "idle_s": idle_s}

@@ -167,7 +167,8 @@ def test_size_options_real_quick_and_explicit() -> None:
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
-    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv"}
+    assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv",
+                                 "contention"}
     kv = bench.kv_config(bench.parse_args(["--suite", "kv", "--quick", "--kv-layers", "3"]))
     assert (kv["layers"], kv["heads"], kv["max_seq"], kv["requests"], kv["warmup"]) == (3, 2, 64, 24, 4)
     pipe = bench.gpupipe_config(bench.parse_args(["--suite", "gpupipe", "--pipe-replicas", "1,3"]))
@@ -317,12 +318,12 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert not panel.higher_is_better and bench.latency_panels(None) == []
 
 
-def run_suite(args: list[str], suite: str, processes: int) -> tuple[str, str]:
+def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240) -> tuple[str, str]:
     """``scripts/bench.py args``, which must succeed and start ``processes`` processes
     (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
     shared memory; its stdout and the dump to show when an assertion fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
-    rc, out, err = run_bench(args, env, timeout=240)
+    rc, out, err = run_bench(args, env, timeout=timeout)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
     pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z/ ]+\d* \(pid (\d+)\)$", err, re.M)]
@@ -424,3 +425,52 @@ def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int
     assert re.search(rf"^ipcsync bench: {suite}: device=cuda ", out, re.M), dump
     for row in rows:
         assert re.search(row, out, re.M), f"no row {row}\n{dump}"
+
+
+@pytest.mark.timeout(420)  # 2 settings x 2 pairs, then 2 idle pairs: 12 processes spawned one run after another
+def test_contention_suite_prints_spin_off_and_on_and_the_idle_pair() -> None:
+    out, dump = run_suite(["--suite", "contention", "--quick", "--contention-pairs", "2", "--contention-count", "50",
+                           "--contention-idle", "0.5"], "contention", 2 * 4 + 2 * 2, timeout=360)
+    assert re.search(r"^ipcsync bench: contention: device=cpu ", out, re.M), dump
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
+    assert f"2 producer->consumer pairs (4 processes) at once, every thread pinned to CPUs {cores};" in out, dump
+    rows = {}
+    for label in ("spin off", "IPCSYNC_SPIN_US=200"):
+        m = re.search(rf"^1\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+(-|\d+%)$",
+                      out, re.M)
+        assert m, f"no contention row for {label}\n{dump}"
+        load, rate, slowest, cpu_us, busy, spins = (num(g) for g in m.groups()[:6])
+        assert load >= 0 and rate > 0 and 0 < slowest <= rate and cpu_us > 0 and busy > 0 and spins >= 0, dump
+        rows[label] = (spins, m.group(7))
+    assert rows["spin off"] == (0.0, "-"), dump  # no spin counted with IPCSYNC_SPIN_US unset
+    m = re.search(rf"^mean over 1 round\(s\), IPCSYNC_SPIN_US=200: {NUM} handoffs/s, {NUM} CPU us/handoff  "
+                  rf"{NUM}x the handoffs/s of spin off, {NUM}x its CPU per handoff$", out, re.M)
+    assert m and all(num(g) > 0 for g in m.groups()), dump
+    for label in ("IPCSYNC_SPIN_US=200", "spin off"):
+        m = re.search(rf"^idle pair, {re.escape(label)} \(load {NUM}; 50 items handed over, then nothing for 0\.5 s\): "
+                      rf"producer {NUM}% of a core, consumer {NUM}% of a core$", out, re.M)
+        assert m and all(0 <= num(g) < 100 for g in m.groups()[1:]), f"no idle row for {label}\n{dump}"
+
+
+def test_contention_options_and_panel() -> None:
+    cfg = bench.contention_config(bench.parse_args(["--suite", "contention"]))
+    first2 = sorted(os.sched_getaffinity(0))[:2]
+    assert (cfg["pairs"], cfg["rounds"], cfg["count"], cfg["idle"], cfg["cores"], cfg["settings"], cfg["spin_us"]) \
+        == (4, 2, 20_000, 5.0, first2, ["off", "on"], 200)
+    quick = bench.contention_config(bench.parse_args(["--suite", "contention", "--quick", "--contention-pairs", "3"]))
+    assert (quick["pairs"], quick["rounds"], quick["count"], quick["idle"]) == (3, 1, 500, 1.0)
+    cpu = first2[0]
+    assert bench.contention_config(bench.parse_args(["--suite", "contention", "--contention-cores", f"{cpu}-{cpu}"]))[
+        "cores"] == [cpu]
+    for bad in (["--contention-cores", "99999"], ["--contention-cores", "a,b"], ["--contention-settings", "on,fast"],
+                ["--contention-pairs", "0"]):
+        with pytest.raises(SystemExit, match="--contention-"):
+            bench.contention_config(bench.parse_args(["--suite", "contention", *bad]))
+    res = {"cfg": {**cfg, "rounds": 2},
+           "busy": [{"round": r, "setting": s, "rate": rate} for r in (1, 2)
+                    for s, rate in (("off", 1000.0), ("on", 900.0))]}
+    (panel,) = bench.contention_panels(res)
+    assert [g.title for g in panel.groups] == ["round 1", "round 2"] and panel.higher_is_better
+    assert [(b.label, b.value) for b in panel.groups[1].bars] == [("ipcsync spin off", 1000.0),
+                                                                  ("ipcsync IPCSYNC_SPIN_US=200", 900.0)]
+    assert bench.contention_panels(None) == []
