@@ -408,7 +408,8 @@ def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it
     endpoints.producer("live-thr-c", slots=1, slot_bytes=4096, device=device)
     inp = endpoints.consumer("live-thr-c", device=device)
     t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits (no timeout)
-    assert wait_until(lambda: in_call(t, "__next__", "consumer.py"), timeout=30), caught
+    # (Iteration is Consumer._get, called by the iterator: inside it, the thread waits.)
+    assert wait_until(lambda: in_call(t, "_get", "consumer.py"), timeout=30), caught
     _returns_while_alive(inp.stats, t)  # stats() from here does not wait for it
     assert t.is_alive()
     inp.close()
