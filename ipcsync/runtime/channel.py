@@ -76,7 +76,7 @@ _NO_EVENTS: tuple[tuple[int, int], ...] = ()
 _BACKEND_SOCKET = getattr(zmq.backend, "Socket", None)
 
 
-def _backend_method(sock: zmq.Socket, name: str) -> Any:
+def _backend_method(sock: zmq.Socket[bytes], name: str) -> Any:
     """``sock.<name>`` as the pyzmq backend defines it, bound to ``sock`` (the Python-level
     one where the backend has none)."""
     base = _BACKEND_SOCKET if _BACKEND_SOCKET is not None and isinstance(sock, _BACKEND_SOCKET) else None
@@ -257,7 +257,7 @@ def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool,
         )
 
 
-def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> str | None:
+def _apply_curve(sock: zmq.Socket[bytes], curve: CurveKeys | None, server: bool) -> str | None:
     """Set ``sock``'s CURVE options; for a server with an allow-list, the ZAP domain that
     enforces it (to ``zap.forbid`` when the socket closes)."""
     if curve is None:
@@ -278,11 +278,11 @@ def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> str
     return None
 
 
-def _context() -> zmq.Context:
+def _context() -> zmq.Context[zmq.Socket[bytes]]:
     return zmq.Context.instance()
 
 
-def _configure(sock: zmq.Socket, max_frame: int) -> None:
+def _configure(sock: zmq.Socket[bytes], max_frame: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 1024)
     # Bounded queues, never silent drops: ROUTER_MANDATORY makes a full queue raise
@@ -309,8 +309,8 @@ class _Channel:
     received clears it. On a lane
     edge, where frames travel elsewhere, a pump thus polls neither socket."""
 
-    sock: zmq.Socket
-    mon: zmq.Socket | None = None
+    sock: zmq.Socket[bytes]
+    mon: zmq.Socket[bytes] | None = None
     mux: LaneMux | None = None  # the lanes' wait descriptor (None: no lanes on this channel)
     _sock_quiet = False  # found empty, and only _zq polled since
     _mon_quiet = False
@@ -349,9 +349,9 @@ class _Channel:
         """The OS file descriptors (``ZMQ_FD``) that signal activity on the socket and its
         monitor: edge-triggered, safe to ``select`` on from a thread that does not own
         the socket. Check ``pending()`` before blocking on them."""
-        out = [self.sock.getsockopt(zmq.FD)]
+        out = [self.sock.fileno()]  # (its ZMQ_FD)
         if self.mon is not None:
-            out.append(self.mon.getsockopt(zmq.FD))
+            out.append(self.mon.fileno())
         if self.mux is not None:
             out.append(self.mux.fd)
         return out
@@ -371,7 +371,7 @@ class _Channel:
         mux = self.mux
         return mux is not None and mux.count > 0 and mux.pending()
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon
         if mon is None or (self._mon_quiet and not self._zq_poll(0)):
@@ -380,7 +380,7 @@ class _Channel:
             self._mon_quiet = True
             return _NO_EVENTS
         self._mon_quiet = False
-        out = []
+        out: list[tuple[int, int]] = []
         while True:
             try:
                 raw = mon.recv_multipart(_NOBLOCK)
@@ -656,7 +656,7 @@ class ProducerChannel(_Channel):
             except (OSError, ConfigError) as exc:
                 _log.info("ipcsync producer %r: no lanes (%s); every consumer stays on ZeroMQ", endpoint.name, exc)
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
         out = super().events()
         half = self.half_open
@@ -799,7 +799,7 @@ class ConsumerChannel(_Channel):
         """Frames travel on the lane in both directions now."""
         return self.lane_in and self.lane_out and not self.lane_lost
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
         held, self._held_events = self._held_events, None
         got = super().events()
@@ -929,10 +929,10 @@ class ConsumerChannel(_Channel):
             except OSError:
                 self._lane_send_failed()
                 return True
-        if self._switch is not None and not self._send_switch():
-            return False
-        if self.lane_out:
-            return self.send(frame)
+        if self._switch is not None:
+            if not self._send_switch():
+                return False
+            return self.send(frame)  # our SWITCH went out (lane_out): the rest goes on the lane
         self._sock_quiet = False  # a send processes the socket's commands (class docstring)
         try:
             self._send(frame, _NOBLOCK)
