@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from functools import partial
+from types import TracebackType
 from typing import Any, Coroutine, Iterator
 
 import torch
@@ -330,7 +331,7 @@ class Consumer(EndpointBase):
             )
 
     @property
-    def port(self) -> SourcePort:
+    def port(self) -> SourcePort[Item]:
         """What FanIn uses of this consumer (a new one each time: keep it)."""
         return SourcePort(self._lock, partial(_is_closed, weakref.ref(self)), self._io_fds, self._io_pending,
                           self._lender.lent, self._poll)
@@ -354,7 +355,8 @@ class Consumer(EndpointBase):
     def __enter__(self) -> "Consumer":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # An exception (Ctrl-C included) leaves at once: no wait for forwarded items.
         self._close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)
 
