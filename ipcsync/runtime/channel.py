@@ -169,8 +169,10 @@ class BindLock:
             return
         sockets = [self.endpoint.path, self.endpoint.lane_path] if remove_socket else []
         for p in sockets + [self.endpoint.lock_path]:
+            if p is None:  # (never: only an ipc endpoint, which has all three, holds the lock)
+                continue
             try:
-                os.unlink(p)  # type: ignore[arg-type]
+                os.unlink(p)
             except FileNotFoundError:
                 pass
         os.close(self._fd)
@@ -736,8 +738,9 @@ class ProducerChannel(_Channel):
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "zap_domain", None) is not None:
-            zap.forbid(self.zap_domain)  # type: ignore[arg-type]
+        domain: str | None = getattr(self, "zap_domain", None)  # (absent: closed mid-construction)
+        if domain is not None:
+            zap.forbid(domain)
             self.zap_domain = None
         lanes = getattr(self, "lanes", None)
         if lanes is not None:
@@ -922,10 +925,11 @@ class ConsumerChannel(_Channel):
 
     def send(self, frame: bytes) -> bool:
         if self.lane_out:
-            if self.lane_lost or self.lane_unsendable:
+            lane = self.lane  # (set while lane_out, until the channel closes)
+            if lane is None or self.lane_lost or self.lane_unsendable:
                 return True  # nothing reaches the producer any more; the loss is being handled
             try:
-                return self.lane.send(frame)  # type: ignore[union-attr]
+                return lane.send(frame)
             except OSError:
                 self._lane_send_failed()
                 return True
