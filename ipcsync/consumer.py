@@ -29,7 +29,8 @@ import threading
 import time
 import weakref
 from functools import partial
-from typing import Any, Coroutine, Iterator
+from types import TracebackType
+from typing import Any, Callable, Coroutine, Iterator
 
 import torch
 
@@ -121,8 +122,8 @@ class Consumer(EndpointBase):
         # A torch that cannot count references: a storage per item (backends.refs).
         self._per_item = self._check_refs and not refs.checks_references()
         self._verify = Verifier(endpoint) if verify else None
-        if verify:
-            self._release_locked = self._release_verified  # type: ignore[method-assign]
+        self._release_locked: Callable[[Item, Any], None] = (
+            self._release_verified if verify else self._release_plain)
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
         check_transport(self.endpoint, curve, insecure, "consumer")
@@ -330,7 +331,7 @@ class Consumer(EndpointBase):
             )
 
     @property
-    def port(self) -> SourcePort:
+    def port(self) -> SourcePort[Item]:
         """What FanIn uses of this consumer (a new one each time: keep it)."""
         return SourcePort(self._lock, partial(_is_closed, weakref.ref(self)), self._io_fds, self._io_pending,
                           self._lender.lent, self._poll)
@@ -354,7 +355,8 @@ class Consumer(EndpointBase):
     def __enter__(self) -> "Consumer":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # An exception (Ctrl-C included) leaves at once: no wait for forwarded items.
         self._close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)
 
@@ -485,8 +487,8 @@ class Consumer(EndpointBase):
                 "it stays first in line for the next call")
         self._raise_if_broken()  # complete now: nothing to enqueue
 
-    def _release_locked(self, item: Item, stream: Any) -> None:
-        """Release ``item`` (lock held): straight-line, the reference rule first. Its
+    def _release_plain(self, item: Item, stream: Any) -> None:
+        """``_release_locked`` without ``verify``. Release ``item`` (lock held): straight-line, the reference rule first. Its
         RELEASE is queued; queued releases go out together at the next call once
         ``release_batch`` gathered, when the consumer is about to wait for more items
         (``ProducerLink.pump``/``pump_lane``), or from the service thread."""
@@ -523,7 +525,7 @@ class Consumer(EndpointBase):
             return
         assert self._verify is not None
         self._verify.released(item, stream if stream is not None else self._stream)
-        Consumer._release_locked(self, item, stream)
+        self._release_plain(item, stream)
         if self._closer is None:
             self._verify.check()
         else:

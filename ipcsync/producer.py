@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from types import TracebackType
 from typing import Any, Callable, ContextManager, Mapping, Sequence, TypeVar
 
 import torch
@@ -408,7 +409,8 @@ class Producer(EndpointBase):
     def __enter__(self) -> "Producer":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
         else:

@@ -427,24 +427,25 @@ class ConsumerSession:
         kind = type(msg)
         if self.conv.state is State.BYE_SENT and kind in _DROPPED_AFTER_BYE:
             return None  # we are leaving (see bye)
-        if kind is P.Ready:
-            m: P.Ready = msg  # type: ignore[assignment]
-            self._on_ready(m.seq, m.slot, m.gen, m.sent_ns, m.layout_id, m.layout, m.meta)
-        elif kind is P.ForwardReady:
-            return self._on_forward_ready(msg)  # type: ignore[arg-type]
-        elif kind is P.Foreign:
-            return self._on_foreign(msg)  # type: ignore[arg-type]
-        elif kind is P.Setup:
-            return SetupReceived(msg)  # type: ignore[arg-type]
-        elif kind is P.Sent:
-            # (After our BYE the items it confirms were dropped: nothing to record.)
-            return None if self.bye_sent else SentReceived(msg.seq)  # type: ignore[attr-defined]
-        elif kind is P.Error:
-            self._on_error(msg)  # type: ignore[arg-type]
-        elif kind is P.LaneOffer:
-            return self._on_lane(msg)  # type: ignore[arg-type]
-        elif kind is P.Switch:
-            return self._on_switch()
+        # (A class pattern is a C-level type check: no Python call, and mypy narrows ``msg``.)
+        match msg:
+            case P.Ready():
+                self._on_ready(msg.seq, msg.slot, msg.gen, msg.sent_ns, msg.layout_id, msg.layout, msg.meta)
+            case P.ForwardReady():
+                return self._on_forward_ready(msg)
+            case P.Foreign():
+                return self._on_foreign(msg)
+            case P.Setup():
+                return SetupReceived(msg)
+            case P.Sent():
+                # (After our BYE the items it confirms were dropped: nothing to record.)
+                return None if self.bye_sent else SentReceived(msg.seq)
+            case P.Error():
+                self._on_error(msg)
+            case P.LaneOffer():
+                return self._on_lane(msg)
+            case P.Switch():
+                return self._on_switch()
         return None
 
     def receive_frames(self, frames: list[bytes], now: float) -> int:

@@ -550,6 +550,7 @@ def place_views(msg: Any, region: torch.Tensor) -> tuple[list[Any], int] | str:
             raise non_leaf_error(msg, i)
         size = t.element_size()
         span = span_elements(t.shape, t.stride()) * size
+        offset: int | torch.SymInt  # storage offsets are SymInts while tracing
         if span == 0:
             offset = 0  # no element: lies anywhere
         else:

@@ -147,8 +147,8 @@ class ProducerSession:
             self.conv.receive(msg)
         except ProtocolError as exc:
             return self.bad_frame(exc)
-        if kind is P.Release:
-            return SessionEvent(Kind.RELEASED, msg.entries)  # type: ignore[union-attr]
+        if type(msg) is P.Release:  # (not ``kind``: this narrows ``msg`` for the checker)
+            return SessionEvent(Kind.RELEASED, msg.entries)
         if kind is P.Attach:
             return SessionEvent(Kind.ATTACHED, msg)
         if kind is P.Bye:  # (ACK_DUE: the ack is our next frame)

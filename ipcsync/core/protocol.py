@@ -299,7 +299,8 @@ def _opt_text(v: Any, lim: Limits) -> str | None:
 def _handle(v: Any, lim: Limits) -> bytes | str:
     if type(v) not in (bytes, str) or len(v) > _MAX_HANDLE_BYTES:
         raise _fail(f"expected a handle (bytes or str up to {_MAX_HANDLE_BYTES}), got {_describe(v)}")
-    return v
+    handle: bytes | str = v
+    return handle
 
 
 def _list_of(item: Validator, cap: Callable[[Limits], int]) -> Validator:
@@ -617,7 +618,7 @@ Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, For
                 LaneOffer, Switch]
 
 # The schema of each message type, as data: field validators in wire order.
-SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
+SCHEMAS: Final[dict[type[Message], tuple[Validator, ...]]] = {
     Hello: (_uint, _uint, _uint, _text, _text, _text, _opt_text, _uint, _uint),
     Setup: (
         _uint,
@@ -644,8 +645,8 @@ SCHEMAS: Final[dict[type, tuple[Validator, ...]]] = {
     LaneOffer: (_lane_path, _lane_token),
     Switch: (),
 }
-_BY_TYPE: Final[dict[int, type]] = {cls.TYPE: cls for cls in SCHEMAS}
-_FIELDS: Final[dict[type, tuple[str, ...]]] = {
+_BY_TYPE: Final[dict[int, type[Message]]] = {cls.TYPE: cls for cls in SCHEMAS}
+_FIELDS: Final[dict[type[Message], tuple[str, ...]]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in SCHEMAS
 }
 for _cls, _schema in SCHEMAS.items():
@@ -659,16 +660,18 @@ def _reject_ext(code: int, data: bytes) -> Any:
 def encode(msg: Message) -> bytes:
     """Encode a message to one frame."""
     cls = type(msg)
-    return msgpack.packb(
+    frame: bytes = msgpack.packb(
         [cls.TYPE, *(getattr(msg, f) for f in _FIELDS[cls])], use_bin_type=True
     )
+    return frame
 
 
 def encode_ready(
     seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
 ) -> bytes:
     """Hot-path encoder for READY, identical in output to ``encode(Ready(...))``."""
-    return msgpack.packb([_READY, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
+    frame: bytes = msgpack.packb([_READY, seq, slot, gen, sent_ns, layout_id, layout, meta], use_bin_type=True)
+    return frame
 
 
 class Encoder:
@@ -679,12 +682,12 @@ class Encoder:
     __slots__ = ("_pack", "plain")
 
     def __init__(self) -> None:
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
         # A packer's own ``pack`` (a C call, no Python frame) for the steady READY: a list
         # of ints (each below 2**64) and None, which cannot fail to pack, so this packer is
         # never left holding a failed frame's bytes. The result is ``encode_ready``'s:
         # ``plain([READY_TYPE, seq, slot, gen, sent_ns, layout_id, None, None])``.
-        self.plain = msgpack.Packer(use_bin_type=True).pack
+        self.plain: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
     def ready(
         self, seq: int, slot: int, gen: int, sent_ns: int, layout_id: int, layout: Any, meta: Any
@@ -730,7 +733,8 @@ def sendable_layout(layout: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
     ProtocolError otherwise (too many tensors or entries in one dict/list, too deep, larger
     than a frame, ...)."""
     decode(encode_ready(0, 0, 0, 0, 1, layout, None), limits)
-    return msgpack.packb(layout, use_bin_type=True)
+    packed: bytes = msgpack.packb(layout, use_bin_type=True)
+    return packed
 
 
 def check_outgoing(frame: bytes, meta: Any, layout_bytes: int, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -1071,4 +1075,4 @@ class Conversation:
 
 # The one SWITCH frame: a sender recognises its own marker by identity (``frame is
 # SWITCH_FRAME``) when it leaves, to move the rest of that direction onto the lane.
-SWITCH_FRAME: Final = msgpack.packb([int(MsgType.SWITCH)], use_bin_type=True)
+SWITCH_FRAME: Final[bytes] = msgpack.packb([int(MsgType.SWITCH)], use_bin_type=True)

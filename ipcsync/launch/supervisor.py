@@ -543,9 +543,11 @@ class Supervisor:
                               f"{timeout:.1f} s of {sent}; sending SIGKILL")
                 _killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
                 deadline = time.monotonic() + 5
-                while not _reap(p) and time.monotonic() < deadline:
+                reaped = _reap(p)  # (True once p no longer runs)
+                while not reaped and time.monotonic() < deadline:
                     time.sleep(0.01)
-                if not p.running:
+                    reaped = _reap(p)
+                if reaped:
                     self._stopped(p)
         # Last output: pipes reach EOF once every holder is dead.
         end = time.monotonic() + 1.0
@@ -658,7 +660,8 @@ def _set_child_subreaper() -> bool:
     """Make orphaned descendants re-parent to this process instead of init (Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        status: int = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        return status == 0
     except (OSError, AttributeError):
         return False
 

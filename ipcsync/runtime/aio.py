@@ -116,7 +116,7 @@ async def wait_for_attempt(
             waited(time.monotonic() - start)
 
 
-def fill_from_ports(poller: Poller, ports: Iterable[SourcePort], closed: Callable[[], Exception]) -> None:
+def fill_from_ports(poller: Poller, ports: Iterable[SourcePort[Any]], closed: Callable[[], Exception]) -> None:
     """``fill`` for readers of Consumers (one, or a FanIn's): each port's fds and pending
     input under its lock, then the endpoints its items were lent to. A closed port raises
     ``closed()``."""

@@ -76,7 +76,7 @@ _NO_EVENTS: tuple[tuple[int, int], ...] = ()
 _BACKEND_SOCKET = getattr(zmq.backend, "Socket", None)
 
 
-def _backend_method(sock: zmq.Socket, name: str) -> Any:
+def _backend_method(sock: zmq.Socket[bytes], name: str) -> Any:
     """``sock.<name>`` as the pyzmq backend defines it, bound to ``sock`` (the Python-level
     one where the backend has none)."""
     base = _BACKEND_SOCKET if _BACKEND_SOCKET is not None and isinstance(sock, _BACKEND_SOCKET) else None
@@ -169,8 +169,10 @@ class BindLock:
             return
         sockets = [self.endpoint.path, self.endpoint.lane_path] if remove_socket else []
         for p in sockets + [self.endpoint.lock_path]:
+            if p is None:  # (never: only an ipc endpoint, which has all three, holds the lock)
+                continue
             try:
-                os.unlink(p)  # type: ignore[arg-type]
+                os.unlink(p)
             except FileNotFoundError:
                 pass
         os.close(self._fd)
@@ -257,7 +259,7 @@ def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool,
         )
 
 
-def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> str | None:
+def _apply_curve(sock: zmq.Socket[bytes], curve: CurveKeys | None, server: bool) -> str | None:
     """Set ``sock``'s CURVE options; for a server with an allow-list, the ZAP domain that
     enforces it (to ``zap.forbid`` when the socket closes)."""
     if curve is None:
@@ -278,11 +280,11 @@ def _apply_curve(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> str
     return None
 
 
-def _context() -> zmq.Context:
+def _context() -> zmq.Context[zmq.Socket[bytes]]:
     return zmq.Context.instance()
 
 
-def _configure(sock: zmq.Socket, max_frame: int) -> None:
+def _configure(sock: zmq.Socket[bytes], max_frame: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame + 1024)
     # Bounded queues, never silent drops: ROUTER_MANDATORY makes a full queue raise
@@ -309,8 +311,8 @@ class _Channel:
     received clears it. On a lane
     edge, where frames travel elsewhere, a pump thus polls neither socket."""
 
-    sock: zmq.Socket
-    mon: zmq.Socket | None = None
+    sock: zmq.Socket[bytes]
+    mon: zmq.Socket[bytes] | None = None
     mux: LaneMux | None = None  # the lanes' wait descriptor (None: no lanes on this channel)
     _sock_quiet = False  # found empty, and only _zq polled since
     _mon_quiet = False
@@ -349,9 +351,9 @@ class _Channel:
         """The OS file descriptors (``ZMQ_FD``) that signal activity on the socket and its
         monitor: edge-triggered, safe to ``select`` on from a thread that does not own
         the socket. Check ``pending()`` before blocking on them."""
-        out = [self.sock.getsockopt(zmq.FD)]
+        out = [self.sock.fileno()]  # (its ZMQ_FD)
         if self.mon is not None:
-            out.append(self.mon.getsockopt(zmq.FD))
+            out.append(self.mon.fileno())
         if self.mux is not None:
             out.append(self.mux.fd)
         return out
@@ -371,7 +373,7 @@ class _Channel:
         mux = self.mux
         return mux is not None and mux.count > 0 and mux.pending()
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """Pending monitor events as (event, fd), without blocking."""
         mon = self.mon
         if mon is None or (self._mon_quiet and not self._zq_poll(0)):
@@ -380,7 +382,7 @@ class _Channel:
             self._mon_quiet = True
             return _NO_EVENTS
         self._mon_quiet = False
-        out = []
+        out: list[tuple[int, int]] = []
         while True:
             try:
                 raw = mon.recv_multipart(_NOBLOCK)
@@ -656,7 +658,7 @@ class ProducerChannel(_Channel):
             except (OSError, ConfigError) as exc:
                 _log.info("ipcsync producer %r: no lanes (%s); every consumer stays on ZeroMQ", endpoint.name, exc)
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """As ``_Channel.events``; also tracks half-open connections and sheds the excess."""
         out = super().events()
         half = self.half_open
@@ -736,8 +738,9 @@ class ProducerChannel(_Channel):
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "zap_domain", None) is not None:
-            zap.forbid(self.zap_domain)  # type: ignore[arg-type]
+        domain: str | None = getattr(self, "zap_domain", None)  # (absent: closed mid-construction)
+        if domain is not None:
+            zap.forbid(domain)
             self.zap_domain = None
         lanes = getattr(self, "lanes", None)
         if lanes is not None:
@@ -799,7 +802,7 @@ class ConsumerChannel(_Channel):
         """Frames travel on the lane in both directions now."""
         return self.lane_in and self.lane_out and not self.lane_lost
 
-    def events(self) -> list[tuple[int, int]] | tuple[()]:
+    def events(self) -> list[tuple[int, int]] | tuple[tuple[int, int], ...]:
         """As ``_Channel.events``; also keeps ``connection_fd`` up to date."""
         held, self._held_events = self._held_events, None
         got = super().events()
@@ -922,17 +925,18 @@ class ConsumerChannel(_Channel):
 
     def send(self, frame: bytes) -> bool:
         if self.lane_out:
-            if self.lane_lost or self.lane_unsendable:
+            lane = self.lane  # (set while lane_out, until the channel closes)
+            if lane is None or self.lane_lost or self.lane_unsendable:
                 return True  # nothing reaches the producer any more; the loss is being handled
             try:
-                return self.lane.send(frame)  # type: ignore[union-attr]
+                return lane.send(frame)
             except OSError:
                 self._lane_send_failed()
                 return True
-        if self._switch is not None and not self._send_switch():
-            return False
-        if self.lane_out:
-            return self.send(frame)
+        if self._switch is not None:
+            if not self._send_switch():
+                return False
+            return self.send(frame)  # our SWITCH went out (lane_out): the rest goes on the lane
         self._sock_quiet = False  # a send processes the socket's commands (class docstring)
         try:
             self._send(frame, _NOBLOCK)

@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..core.ratelog import RateLog
@@ -112,9 +113,9 @@ class EndpointBase:
             raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------ to implement
-    def _pump(self) -> None:
-        """Handle everything that has arrived, without blocking. Lock held."""
-        raise NotImplementedError
+    # Handle everything that has arrived, without blocking. Lock held. A method, or an
+    # attribute holding the runtime's own pump (no Python frame of the facade's).
+    _pump: Callable[[], None]
 
     def _service_pump(self) -> None:
         """What the service thread does while the user's thread is away. Lock held."""
@@ -145,7 +146,8 @@ class EndpointBase:
     def close(self, timeout: float | None = None) -> None:
         raise NotImplementedError
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def __del__(self) -> None:

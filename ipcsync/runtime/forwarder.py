@@ -72,9 +72,9 @@ class Forwarder:
         published = False
         try:
             placed = place_views(message, info.region)
-            if type(placed) is str:
+            if isinstance(placed, str):
                 raise CannotForward(placed)
-            layout, data_bytes = placed  # type: ignore[misc]
+            layout, data_bytes = placed
             h = self.handoffs
             with self.lock:
                 self.enter()

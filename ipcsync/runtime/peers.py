@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import zmq
 
@@ -24,6 +24,10 @@ from ..core.ring import Ring
 from ..errors import ProtocolError
 from .channel import ProducerChannel
 from .host import ProcessWatch
+from .lane import Lane
+
+if TYPE_CHECKING:  # (runtime.remote is loaded only where a remote edge is: see endpoint)
+    from .remote import RemoteWatch
 
 __all__ = ["Peer", "PeerTable"]
 
@@ -36,7 +40,7 @@ class Peer:
     __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected",
                  "remote", "lane", "lane_ready")
 
-    def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | None) -> None:
+    def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
         self.session = session
         self.clock = session.clock
@@ -44,7 +48,8 @@ class Peer:
         # The consumer's process, as the kernel named it where it can (SO_PEERCRED), else as
         # its HELLO claims it when that process exists; None where this producer cannot see
         # it (another PID namespace over tcp). A peer whose process this watch shows alive
-        # is never declared lost; silence only makes it "stalled".
+        # is never declared lost; silence only makes it "stalled". A remote consumer's: its
+        # RemoteWatch (no process to watch on another host).
         self.watch = watch
         self.release_events: list[Event] = []  # per slot, opened from its ATTACH
         self.outbox: deque[bytes] = deque()
@@ -55,8 +60,8 @@ class Peer:
         # Its lane (runtime.lane): ``lane_ready`` once its token and credentials were checked
         # and our SWITCH is queued; ``lane`` once that SWITCH left on ZeroMQ, from when on
         # every frame to it goes on the lane (the ordering rule of runtime.lane).
-        self.lane: Any = None
-        self.lane_ready: Any = None
+        self.lane: Lane | None = None
+        self.lane_ready: Lane | None = None
 
     @property
     def label(self) -> str:
@@ -258,13 +263,15 @@ class PeerTable:
         1.5 heartbeats is stalled: logged, counted, waited for, never reclaimed. A
         heartbeat goes to each peer we have not spoken to for a while."""
         for peer in list(self.by_id.values()):
-            gone = peer.watch is not None and peer.watch.gone()
+            # (A peer is remote exactly when its watch is a RemoteWatch, not a ProcessWatch.)
+            watch = peer.watch
+            gone = watch is not None and watch.gone()
             # (A remote consumer joining its edge cannot speak: neither stalled nor lost.)
-            watching = not peer.disconnected and (peer.remote is None or peer.watch.joined)
+            watching = not peer.disconnected and (watch is None or isinstance(watch, ProcessWatch) or watch.joined)
             verdict, why = peer.session.tick(now, gone, watching, self.handshake_s)
             if verdict is Verdict.LOST:
-                if gone and peer.remote is not None:
-                    why = peer.watch.why()  # (silence or a failed edge: no process to have exited)
+                if gone and watch is not None and not isinstance(watch, ProcessWatch):
+                    why = watch.why()  # (silence or a failed edge: no process to have exited)
                 self.lose(peer, why)
                 continue
             if verdict is Verdict.STALLED:

@@ -285,9 +285,8 @@ class ProducerPort:
                                        self.name, session.label, text)
             self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
             return
-        peer = Peer(session, fd, RemoteWatch(session.clock, joined=False))  # joined at its ATTACH
+        peer = Peer(session, fd, RemoteWatch(session.clock, edge, joined=False))  # joined at its ATTACH
         peer.remote = edge
-        peer.watch.edge = edge
         self.peers.add(peer)
         setup = P.Setup(
             version=session.hello.version, pid=self.pid, start_time=host.start_time(self.pid),
@@ -312,7 +311,9 @@ class ProducerPort:
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
             peer.release_events = list(peer.remote.release_events)
-            peer.watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
+            watch = peer.watch  # (a remote peer's: its RemoteWatch)
+            if watch is not None and not isinstance(watch, host.ProcessWatch):
+                watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
         else:
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see

@@ -185,7 +185,8 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
 
     td = datetime.timedelta(seconds=timeout)
     if transport == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        # torch's stubs omit the Gloo group's (private, bound) _Options; it exists at run time.
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=data_host)]
         opts._timeout = td
         return dist.ProcessGroupGloo(store, rank, 2, opts)
@@ -204,7 +205,8 @@ def _make_group(transport: str, store: Any, rank: int, device: torch.device, dat
     with _env_during(_NCCL_ERROR_HANDLING_ENV, "2"):
         pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
     probe = torch.zeros(1, dtype=torch.uint8, device=device)
-    (pg.send([probe], 1, 0) if rank == 0 else pg.recv([probe], 0, 0)).wait()
+    # torch's stubs declare send/recv on ProcessGroup only; ProcessGroupNCCL has both at run time.
+    (pg.send([probe], 1, 0) if rank == 0 else pg.recv([probe], 0, 0)).wait()  # type: ignore[attr-defined]
     torch.cuda.synchronize(device)
     return pg
 
@@ -240,7 +242,9 @@ def _abort(pg: Any, keep: Any = None) -> None:
         return
     try:
         peer = 1 - int(pg.rank())
-        pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _POISON_TAG).wait(datetime.timedelta(milliseconds=1))
+        # (torch's stubs declare recv on ProcessGroup only; ProcessGroupGloo has it at run time.)
+        pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _POISON_TAG).wait(  # type: ignore[attr-defined]
+            datetime.timedelta(milliseconds=1))
     except Exception as exc:  # noqa: BLE001 (the timeout that closes the pairs: expected)
         log.debug("ipcsync remote edge: gloo pairs closed (%s)", exc)
     _end_group(pg)

@@ -395,7 +395,7 @@ class Handoffs:
             self.forwards.complete(slot)
         peers = self.peers
         for cid in rec.last_holders:
-            peer = peers.get(cid)  # type: ignore[arg-type]
+            peer = peers.get(cid)
             if peer is None or not peer.release_events:
                 continue
             ev = peer.release_events[slot]
@@ -407,7 +407,7 @@ class Handoffs:
                 continue
             if self.wait_mode == "host":
                 t = self.timeout
-                if not self.waits.wait_until(lambda: peers.get(cid) is not peer or ev.query(),  # type: ignore[arg-type]
+                if not self.waits.wait_until(lambda: peers.get(cid) is not peer or ev.query(),
                                              t, "release_event", self.stats.waited, poll_event=True):
                     raise self.waits.timeout_error(
                         f"{peer.label} did not finish with slot {slot}", t,
@@ -516,9 +516,10 @@ class Handoffs:
             foreign = fwd[0]
             if session.needs_foreign(foreign.fid, foreign.version):
                 peers.send(peer, foreign.frame)
-        lid = rec.layout_id
-        if lid and session.layouts.get(lid) == rec.layout_version:  # it has this layout under lid
-            frame = rec.short
+        lid, short = rec.layout_id, rec.short  # (short is None exactly when lid is 0)
+        frame: bytes | None  # (bytes by the send: encoded below when not built yet)
+        if short is not None and session.layouts.get(lid) == rec.layout_version:  # it has this layout under lid
+            frame = short
         else:
             frame = rec.full
             if frame is None:
@@ -532,7 +533,7 @@ class Handoffs:
             self.layouts_inline += 1
         if self.trace is not None:  # (before the send: the consumer may stamp its receipt at once)
             self.trace.ready(rec.seq, peer.label)
-        peers.send(peer, frame)  # type: ignore[arg-type]
+        peers.send(peer, frame)
         if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
             peer.remote.send(rec.slot, rec.layout, rec.seq)
 
@@ -581,8 +582,9 @@ class Handoffs:
     def downstream_waits(self, slot: int) -> list[tuple[Peer, Event]]:
         """The release event of each connected consumer that released ``slot``."""
         waits = []
-        for cid in self.ring.released_by(slot):
-            peer = self.peers.get(cid)  # type: ignore[arg-type]
+        released: frozenset[Any] = self.ring.released_by(slot)  # (the ring's consumer ids: identities)
+        for cid in released:
+            peer = self.peers.get(cid)
             if peer is not None and peer.release_events:
                 waits.append((peer, peer.release_events[slot]))
         return waits

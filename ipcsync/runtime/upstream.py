@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import zmq
@@ -31,6 +31,9 @@ from . import host
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
 from .foreign import Downstream
 from .keeping import Kept
+
+if TYPE_CHECKING:  # (runtime.remote is loaded only where a remote edge is)
+    from .remote import RemoteWatch
 
 __all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "remove_stale_endpoint",
            "ProducerLink"]
@@ -153,7 +156,8 @@ class ProducerLink:
         self.backend, self.stream, self.ratelog, self.held = backend, stream, ratelog, held
         self.memory = RingMemory()
         self.downstream = Downstream(backend, endpoint.name, ratelog)
-        self.watch: host.ProcessWatch | None = None  # set at SETUP (same PID namespace)
+        # Set at SETUP: a ProcessWatch (same PID namespace), a RemoteWatch (another host).
+        self.watch: host.ProcessWatch | RemoteWatch | None = None
         self.lender: Any = None  # set by the consumer
         # A producer on another host: the runtime.remote.ConsumerEdge its SETUP named, whose
         # receive ring fills ``memory``; None on every local edge.
@@ -167,7 +171,7 @@ class ProducerLink:
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
-        ok = self.chan.send(frame)
+        ok: bool = self.chan.send(frame)
         if ok:
             self.session.spoke(time.monotonic())
         return ok
@@ -458,7 +462,7 @@ class ProducerLink:
         m.arenas = [edge.arena]
         m.set_slots(list(edge.slot_views))
         m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)
-        self.watch = RemoteWatch(self.session.clock, edge)  # type: ignore[assignment]
+        self.watch = RemoteWatch(self.session.clock, edge)
         self.send(self.session.attach(s, [RELEASE_PLACEHOLDER] * len(s.slots)))
 
     # ------------------------------------------------------------------ liveness
@@ -469,9 +473,14 @@ class ProducerLink:
 
     def tick(self, now: float) -> None:
         s = self.session
+        setup = s.setup
+        if setup is None:  # (before SETUP every verdict is ALIVE, with no frame)
+            return
         gone = (not self.producer_alive()) if s.watching else None
-        remote = self.remote is not None
-        verdict, frame = s.tick(now, gone, self.watch.why() if gone and remote else "exited")  # type: ignore[union-attr]
+        w = self.watch
+        remote = self.remote is not None  # (exactly when w is a RemoteWatch)
+        verdict, frame = s.tick(now, gone, w.why() if gone and w is not None and not isinstance(w, host.ProcessWatch)
+                                else "exited")
         if verdict is Verdict.LOST:
             self.on_lost()
             return
@@ -479,7 +488,7 @@ class ProducerLink:
             self.ratelog.warning("stalled",
                                  "ipcsync consumer %r: remote producer pid %d has been silent for %.1f s "
                                  "(heartbeat %.2f s); it is lost if still silent past %d heartbeats",
-                                 self.endpoint.name, s.setup.pid, s.clock.silent_for(now), s.clock.heartbeat,
+                                 self.endpoint.name, setup.pid, s.clock.silent_for(now), s.clock.heartbeat,
                                  LOSS_HEARTBEATS)
         elif verdict is Verdict.STALLED:
             # A silent producer whose process lives is stalled (paused, a long GC,
@@ -487,9 +496,9 @@ class ProducerLink:
             self.ratelog.warning("stalled",
                                  "ipcsync consumer %r: producer pid %d has been silent for %.1f s "
                                  "(heartbeat %.2f s) but its process is alive: stalled, waiting",
-                                 self.endpoint.name, s.setup.pid, s.clock.silent_for(now), s.clock.heartbeat)
+                                 self.endpoint.name, setup.pid, s.clock.silent_for(now), s.clock.heartbeat)
         elif verdict is Verdict.ANSWERING:
-            log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, s.setup.pid)
+            log.info("ipcsync consumer %r: producer pid %d is answering again", self.endpoint.name, setup.pid)
         if frame is not None:
             self.send(frame)
 

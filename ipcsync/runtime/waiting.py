@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import select
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, TypeVar
 
 from ..limits import DEFAULT_SPIN_US, MAX_SPIN_US
 from ..limits import WAIT_MODES  # the one definition (the launcher checks specs against it)
@@ -127,7 +127,10 @@ def wait_ready_event(ev: Any, mode: str, stream: Any,
 
 
 
-class SourcePort:
+ItemT = TypeVar("ItemT")
+
+
+class SourcePort(Generic[ItemT]):
     """One endpoint as a reader of several sees it (FanIn over its Consumers): its lock,
     whether it is closed, its wait fds and pending input (lock held), the endpoints it
     lent items to, and ``poll()``, which takes the lock itself: ``(True, item)``,
@@ -137,6 +140,6 @@ class SourcePort:
 
     def __init__(self, lock: Any, is_closed: Callable[[], bool], io_fds: Callable[[], Iterable[int]],
                  io_pending: Callable[[], bool], lent: Callable[[], Iterable["Pumpable"]],
-                 poll: Callable[[], tuple[bool, Any]]) -> None:
+                 poll: Callable[[], tuple[bool, ItemT | None]]) -> None:
         self.lock, self.is_closed, self.io_fds, self.io_pending = lock, is_closed, io_fds, io_pending
         self.lent, self.poll = lent, poll

@@ -200,4 +200,4 @@ def slot_tensors(base: torch.Tensor, slots: Sequence[tuple[int, int, int]]) -> l
     ("modified by an inplace operation"). A slot is written only while no item in it is
     held, so its own counter moves only when it should."""
     storage = base.untyped_storage()
-    return [torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, off, (n,)) for _a, off, n in slots]
+    return [torch.empty(0, dtype=torch.uint8, device=base.device).set_(storage, off, (n,), (1,)) for _a, off, n in slots]
