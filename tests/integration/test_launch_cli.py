@@ -1188,7 +1188,7 @@ def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) ->
 def test_package_names_load_on_first_use() -> None:
     check = ("import sys, ipcsync; assert 'torch' not in sys.modules; "
              "assert set(ipcsync.__all__) <= set(dir(ipcsync)); "
-             "from ipcsync import Producer, forward; import ipcsync.forward; "
+             "from ipcsync import Producer, forward; import ipcsync.forwarding; "
              "assert ipcsync.forward is forward and callable(forward), ipcsync.forward; "
              "assert 'torch' in sys.modules and ipcsync.Producer is Producer; "
              "print(ipcsync.PROTOCOL_VERSION)")
