@@ -65,6 +65,7 @@ _FRAGMENT = 0xC1  # msgpack never uses this byte: it starts a split frame
 _SNDBUF = 1 << 20  # asked for; the kernel caps it (net.core.wmem_max)
 _UNAUTH_MAX = 64  # connections without their token kept at most
 _UNAUTH_S = 10.0  # seconds a connection may take to send its token
+_WITHDRAWN_KEPT = 64  # tokens of departed consumers remembered (a late lane closed quietly)
 _RETRY_ACCEPT_S = 1.0  # after EMFILE on accept: listen again this much later
 _PER_LANE = 256  # frames read from one lane per pump (a flood cannot starve the caller)
 
@@ -315,6 +316,10 @@ class LaneHub:
         self.listening = True
         self.listen_again_at = 0.0
         self.offers: dict[bytes, tuple[bytes, int | None]] = {}  # token -> (identity, pid)
+        # Tokens of consumers that left (BYE, lost) before their lane was accepted: a late
+        # connection presenting one is closed quietly, not reported as an intruder. The
+        # newest _WITHDRAWN_KEPT only (bounded).
+        self.withdrawn: dict[bytes, None] = {}
         self.unauth: dict[int, tuple[socket.socket, float]] = {}  # fd -> (socket, accepted at)
         self.bound: dict[bytes, Lane] = {}  # identity -> its lane (token checked)
         self.reading: dict[int, tuple[bytes, Lane]] = {}  # fd -> (identity, lane): SWITCH received
@@ -340,6 +345,9 @@ class LaneHub:
         for token, (who, _pid) in list(self.offers.items()):
             if who == identity:
                 del self.offers[token]
+                self.withdrawn[token] = None
+                while len(self.withdrawn) > _WITHDRAWN_KEPT:
+                    del self.withdrawn[next(iter(self.withdrawn))]
         lane = self.bound.pop(identity, None)
         if lane is not None:
             self.reading.pop(lane.fd, None)
@@ -434,6 +442,11 @@ class LaneHub:
             return
         got = self.offers.pop(first, None) if len(first) == P.LANE_TOKEN_BYTES else None
         problem = None
+        if got is None and self.withdrawn.pop(first, False) is None:
+            # Its consumer left before we accepted the lane: nothing to refuse or report.
+            log.debug("ipcsync producer %r: closed a lane whose consumer had already left", self.name)
+            self._drop_unauth(fd)
+            return
         if got is None:
             problem = "its first packet is not a token this producer offered"
         else:
@@ -463,7 +476,7 @@ class LaneHub:
             lane.close()
         for conn, _since in getattr(self, "unauth", {}).values():
             conn.close()
-        self.bound, self.reading, self.unauth, self.offers = {}, {}, {}, {}
+        self.bound, self.reading, self.unauth, self.offers, self.withdrawn = {}, {}, {}, {}, {}
         if self.listener is not None:
             self.listener.close()
             self.listener = None

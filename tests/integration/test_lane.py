@@ -279,3 +279,33 @@ def test_stopped_consumer_on_a_lane_is_stalled_not_lost(procs: Any, endpoints: A
     p.close()
     res = cons.result(timeout=30)
     assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
+
+
+def test_a_lane_arriving_after_its_consumer_left_is_closed_quietly_an_unknown_token_still_refused(
+        tmp_path: Any, caplog: Any) -> None:
+    # A consumer may connect its lane and leave (BYE) before the producer gets round to
+    # accepting it: that late connection is no intruder and must not be reported as one.
+    import logging
+
+    from ipcsync.core.ratelog import RateLog
+    from ipcsync.runtime.lane import LaneHub, connect_lane
+
+    hub = LaneHub(str(tmp_path / "lane"), 1 << 16, "late", RateLog(logging.getLogger("ipcsync.test.lane")))
+    conns = []
+    try:
+        token = hub.offer(b"consumer-1", os.getpid())
+        conns.append(connect_lane(hub.path, token, 1 << 16, None))
+        hub.withdraw(b"consumer-1")  # its BYE was read first
+        stranger = connect_lane(hub.path, os.urandom(P.LANE_TOKEN_BYTES), 1 << 16, None)
+        conns.append(stranger)
+        with caplog.at_level(logging.WARNING):
+            got: list[Any] = []
+            assert wait_until(lambda: (got.extend(hub.poll()), hub.refused >= 1 and not hub.unauth)[1], timeout=10)
+        assert got == []  # no lane bound for either
+        assert hub.refused == 1  # the stranger only
+        warnings = [r.getMessage() for r in caplog.records if "refused a lane connection" in r.getMessage()]
+        assert len(warnings) == 1 and "not a token this producer offered" in warnings[0], warnings
+    finally:
+        for c in conns:
+            c.close()
+        hub.close()
