@@ -36,8 +36,10 @@ Rules kept here, once:
 - lanes (see ``protocol``): LANE only after SETUP, once (``LaneOffered``); the
   producer's SWITCH only after a LANE, once (``SwitchReceived``: read the lane from now
   on and answer with ``switch()``, our last ZeroMQ frame): ``protocol.LANE_TRANSITIONS``;
-- a producer of the previous version refusing our HELLO's version: HELLO again with
-  ``OLDEST_VERSION`` (no lane then), once (``HelloAgain``).
+- a producer of an older version refusing our HELLO's version: HELLO again one version
+  lower (``HelloAgain``), down to ``OLDEST_VERSION`` (5 -> 4: no doorbell; 4 -> 3: no lane);
+- the doorbell (version 5, see ``protocol``): our DOORBELL only while active on the
+  switched lane (``doorbell_offer``); the producer's answer is ``DoorbellOffered``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from .protocol import ErrorCode, LanePhase, MsgType, State
 from .remote_session import is_remote_handle
 
 __all__ = ["ConsumerSession", "REFUSALS", "SETUP_REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
-           "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry", "release_batch_for"]
+           "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "DoorbellOffered", "ReadyEntry",
+           "release_batch_for"]
 
 # ERROR from the producer -> the exception this consumer raises (any other code:
 # ProtocolError; "failed" once SETUP arrived: ProducerFailedError, see _on_error).
@@ -124,15 +127,22 @@ class SwitchReceived(NamedTuple):
     frame: bytes
 
 
+class DoorbellOffered(NamedTuple):
+    """The producer's DOORBELL answered ours: map its segment, take its eventfd from the
+    lane packet that carried this frame (``runtime.bellwire``)."""
+
+    msg: P.DoorbellOffer
+
+
 class HelloAgain(NamedTuple):
-    """A producer of the previous protocol version refused our HELLO's version: send
-    ``frame``, a HELLO of ``protocol.OLDEST_VERSION`` (the edge then has no lane)."""
+    """A producer of an older protocol version refused our HELLO's version: send
+    ``frame``, a HELLO one version lower (see the module docstring)."""
 
     frame: bytes
 
 
 Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived, LaneOffered, SwitchReceived,
-              HelloAgain]
+              HelloAgain, DoorbellOffered]
 
 _ACTIVE = State.ACTIVE
 # Handshake done, not ended: releases, BYE and its ack may still travel.
@@ -417,8 +427,9 @@ class ConsumerSession:
             msg = P.decode(frames[0], self.limits)
             if (type(msg) is P.Error and msg.code == ErrorCode.VERSION.value and self.conv.state is State.AWAIT_SETUP
                     and self._hello is not None and self._hello.version > P.OLDEST_VERSION):
-                # A producer of the previous version: speak its version (no lane).
-                return HelloAgain(self.hello(dataclasses.replace(self._hello, version=P.OLDEST_VERSION)))
+                # A producer of an older version: one version lower (5 -> 4: a lane without
+                # a doorbell; 4 -> 3: no lane).
+                return HelloAgain(self.hello(dataclasses.replace(self._hello, version=self._hello.version - 1)))
             self.conv.receive(msg)
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, P.VersionMismatch) else ErrorCode.PROTOCOL
@@ -446,6 +457,8 @@ class ConsumerSession:
                 return self._on_lane(msg)
             case P.Switch():
                 return self._on_switch()
+            case P.DoorbellOffer():  # (the table checked: on the switched lane)
+                return None if self.bye_sent else DoorbellOffered(msg)
         return None
 
     def receive_frames(self, frames: list[bytes], now: float) -> int:
@@ -479,6 +492,14 @@ class ConsumerSession:
     def _on_switch(self) -> SwitchReceived:
         # (The table checked that a LANE came first and that this is the first SWITCH.)
         return SwitchReceived(self.switch())
+
+    def doorbell_offer(self, offer: P.DoorbellOffer) -> bytes | None:
+        """Our DOORBELL (on the switched lane, while items flow), or None if it may not
+        go now (then the edge stays on the lane)."""
+        if self.conv.state is not _ACTIVE or not self.conv.may_send(MsgType.DOORBELL_OFFER):
+            return None
+        self.conv.send(MsgType.DOORBELL_OFFER)
+        return P.encode(offer)
 
     def switch(self) -> bytes:
         """Our SWITCH, answering the producer's: ``protocol.SWITCH_FRAME`` itself."""

@@ -398,8 +398,8 @@ class ProducerLink:
         elif kind is SwitchReceived:
             self.chan.switch_in(event.frame)  # from the next frame on, read the lane
         elif kind is HelloAgain:
-            log.info("ipcsync consumer %r: the producer speaks protocol version %d; no lane",
-                     self.endpoint.name, P.OLDEST_VERSION)
+            log.info("ipcsync consumer %r: the producer speaks an older protocol version; saying HELLO "
+                     "again one version lower", self.endpoint.name)
             self.send(event.frame)
         else:  # ForwardedReceived
             m = event.msg
