@@ -167,7 +167,7 @@ class Consumer(EndpointBase):
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
+                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat, link.doorbell)))
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
@@ -564,7 +564,7 @@ class Consumer(EndpointBase):
         return self._fds if wake is None else [*self._fds, wake.fd]
 
     def _io_pending(self) -> bool:
-        return self._chan.pending()
+        return self._chan.pending() or (self._link.bell is not None and self._link.notices_pending())
 
     def _raise_if_broken(self) -> None:
         if (error := self.session.error) is not None:

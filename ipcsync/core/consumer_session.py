@@ -323,6 +323,12 @@ class ConsumerSession:
         send that did not go out gives them back: ``unsend_releases``), or None: nothing
         queued, or no longer exchanging. ``now``: when it goes out (the clock's last
         send: heartbeats are due only after silence)."""
+        entries = self.take_releases(now)
+        return None if entries is None else (self.enc.release(entries), entries)
+
+    def take_releases(self, now: float | None = None) -> list[tuple[int, int, int]] | None:
+        """``release_frame``'s entries, taken off the queue, without the frame (they go as
+        doorbell entries: ``runtime.bellwire``), or None."""
         pending = self.pending
         if not pending or self.error is not None or self.conv.state not in _RELEASING:
             return None
@@ -331,7 +337,7 @@ class ConsumerSession:
         del pending[:n]
         if now is not None:
             self.clock.last_send = now
-        return self.enc.release(entries), entries
+        return entries
 
     def unsend_releases(self, entries: list[tuple[int, int, int]]) -> None:
         """The RELEASE of ``release_frame`` could not go out (the connection is full):
@@ -480,6 +486,31 @@ class ConsumerSession:
             append((seq, slot, gen, sent_ns, meta, recipe))
             n += 1
         return n
+
+    def ready_entries(self, entries: list[tuple[int, ...]], now: float) -> None:
+        """Steady READYs that came as doorbell entries ``(seq, slot, gen, layout id,
+        sent_ns, _)`` (their bounds checked by ``core.doorbell``), in order, received at
+        ``now``. Each goes through a READY frame's rules: the state must allow a READY
+        (after our BYE it is dropped, as a frame is), and its slot and layout id must be
+        ones this consumer has; else the session fails (the producer broke the protocol)."""
+        if self.error is not None or not entries:
+            return
+        self.clock.last_recv = now
+        state = self.conv.state
+        if state is not _ACTIVE:
+            if state is not State.BYE_SENT:
+                self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: a READY entry in its "
+                                        f"doorbell in state {state.value!r}"), ErrorCode.PROTOCOL)
+            return
+        recipe_of, append, nslots = self.recipes.get, self.ready.append, len(self.slot_bytes)
+        for seq, slot, gen, layout_id, sent_ns, *_rest in entries:
+            recipe = recipe_of(layout_id) if slot < nslots else None
+            if recipe is None:
+                self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: a READY entry in its "
+                                        f"doorbell names slot {slot} and layout id {layout_id}, which this "
+                                        "consumer does not have"), ErrorCode.PROTOCOL)
+                return
+            append((seq, slot, gen, sent_ns, None, recipe))
 
     def _on_lane(self, m: P.LaneOffer) -> LaneOffered | None:
         if self.setup is None or (self._hello is not None and self._hello.version < P.LANE_VERSION):

@@ -903,8 +903,10 @@ class ConsumerChannel(_Channel):
         producer's SWITCH it sends nothing more there (``runtime.lane``'s order rule),
         so only its monitor events can come, read at the next general pump."""
         lane = self.steady_lane
-        if lane is None:  # (lost since the caller looked: a send found it closed)
-            return
+        if lane is None:  # (lost since the caller looked, or a send found it closed)
+            lane = self.lane if self.lane_in and not self.lane_lost else None
+            if lane is None:
+                return
         try:
             lane.recv_into(out, most)
         except LaneClosed:
@@ -921,6 +923,10 @@ class ConsumerChannel(_Channel):
                 return [frame]
         # (After the switch a producer sends nothing more on ZeroMQ; anything that still
         # comes is handled after the lane's frames.)
+        return self._recv_parts(True)
+
+    def recv_zmq(self) -> list[bytes] | None:
+        """One message from ZeroMQ alone (the lane is read by ``read_lane``)."""
         return self._recv_parts(True)
 
     def send(self, frame: bytes) -> bool:

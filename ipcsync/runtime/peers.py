@@ -24,6 +24,8 @@ from ..core.ring import Ring
 from ..errors import ProtocolError
 from .channel import ProducerChannel
 from .host import ProcessWatch
+from .bellwire import ready_entry
+from .doorbell import Doorbell
 from .lane import Lane
 
 if TYPE_CHECKING:  # (runtime.remote is loaded only where a remote edge is: see endpoint)
@@ -38,7 +40,7 @@ class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
     __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected",
-                 "remote", "lane", "lane_ready")
+                 "remote", "lane", "lane_ready", "bell")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
@@ -62,6 +64,9 @@ class Peer:
         # every frame to it goes on the lane (the ordering rule of runtime.lane).
         self.lane: Lane | None = None
         self.lane_ready: Lane | None = None
+        # Its doorbell (runtime.bellwire), once joined: steady READYs go there as entries,
+        # its RELEASEs come from there; None: every notice is a frame.
+        self.bell: Doorbell | None = None
 
     @property
     def label(self) -> str:
@@ -84,6 +89,7 @@ class PeerTable:
         self.ratelog = ratelog
         self.on_gone = on_gone
         self.by_id: dict[bytes, Peer] = {}
+        self.bells: dict[bytes, Peer] = {}  # the peers with a doorbell (runtime.bellwire)
         self.get = self.by_id.get  # (the dict's own get: no Python frame on the hot paths)
         self.fd_peer: dict[int, bytes] = {}
         self.disconnected: list[bytes] = []  # identities whose connection closed
@@ -141,6 +147,28 @@ class PeerTable:
         elif queue:
             peer.outbox.append(frame)
         return ok
+
+    def post_ready(self, peer: Peer, seq: int, slot: int, gen: int, layout_id: int, sent_ns: int) -> bool:
+        """A steady READY as an entry of ``peer``'s doorbell (it has one); False if it must
+        go as a frame: something of ours is still queued or going out for it (an entry
+        may never overtake a frame: see runtime.bellwire), or its ring is full."""
+        lane, bell = peer.lane, peer.bell
+        if peer.outbox or peer.disconnected or lane is None or lane.tail or bell is None:
+            return False
+        if not bell.post((ready_entry(seq, slot, gen, layout_id, sent_ns, lane.sent),)):
+            return False
+        peer.clock.last_send = time.monotonic()
+        return True
+
+    def end_bell(self, peer: Peer) -> None:
+        """``peer``'s doorbell is done with (it left): unmapped, its eventfds closed."""
+        bell, peer.bell = peer.bell, None
+        self.bells.pop(peer.identity, None)
+        if bell is not None:
+            lanes = self.chan.lanes
+            if lanes is not None:
+                lanes.forget_bell(bell.fd)
+            bell.close()
 
     def send_raw(self, identity: bytes, frame: bytes) -> None:
         """A last word to a connection that is (or will be) no peer of ours; never raises.
@@ -213,6 +241,7 @@ class PeerTable:
             del self.fd_peer[peer.fd]
         peer.session.close()
         self.bad_by_peer.pop(peer.identity, None)
+        self.end_bell(peer)
         self.on_gone(peer)  # never waits on the departed peer's events: it is out of the table
         peer.release_events = []
         if peer.watch is not None:
@@ -299,6 +328,7 @@ class PeerTable:
     def close(self) -> None:
         """Teardown: forget every peer without a word."""
         for peer in self.by_id.values():
+            self.end_bell(peer)
             if peer.watch is not None:
                 peer.watch.close()
         self.by_id.clear()
