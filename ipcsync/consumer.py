@@ -321,13 +321,14 @@ class Consumer(EndpointBase):
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
         waiting by cause, items held and buffered, items released but still viewed by the
         program's tensors (``kept``: their slots are not given back yet), whether frames
-        travel on a lane (``lane``)."""
+        travel on a lane (``lane``) and steady notices through the doorbell (``doorbell``)."""
         with self._lock:
             clock = self.session.clock
             return self._stats.snapshot(
                 role="consumer", held=len(self._held), buffered=self.session.buffered(), kept=len(self._link.kept),
                 forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
                 producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
+                doorbell=self._link.bell_up,
             )
 
     @property

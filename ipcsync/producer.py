@@ -331,7 +331,8 @@ class Producer(EndpointBase):
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
         by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``)."""
+        but alive), rejected frames, consumers on a lane now (``lanes``) and those of them
+        with a doorbell (``doorbells``)."""
         with self._lock:
             port, peers = self.port, self.port.peers
             return self._stats.snapshot(
@@ -340,7 +341,7 @@ class Producer(EndpointBase):
                 consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
                 bad_frames=peers.bad_frames, forwarded=port.forwarder.forwarded_total,
                 forwarded_held=port.forwarder.ledger.count(), layouts_inline=self._handoffs.layouts_inline,
-                lanes=port.lanes_used,
+                lanes=port.lanes_used, doorbells=len(peers.bells),
             )
 
     def close(self, timeout: float | None = None) -> None:

@@ -19,7 +19,8 @@
   ``<path>.lane`` (SOCK_SEQPACKET, 0600, removed with the socket and the lock, stale ones
   too), and each channel has one more wait descriptor (its ``LaneMux``) in ``fds()``, so
   every wait wakes on lane input too. The consumer's channel sends and receives through
-  its lane once switched (see the ordering rule in ``runtime.lane``).
+  its lane once switched (see the ordering rule in ``runtime.lane``). ``doorbell``:
+  ``IPCSYNC_DOORBELL`` as this channel's endpoint read it (``runtime.bellwire``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..core import protocol as P
 from ..core.ratelog import RateLog
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
+from .bellwire import doorbell_enabled
 from .lane import Lane, LaneClosed, LaneHub, LaneMux, connect_lane, lane_enabled
 from .paths import runtime_dir
 
@@ -613,6 +615,7 @@ class ProducerChannel(_Channel):
 
     def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.doorbell = doorbell_enabled()  # (first: a bad value leaves nothing behind)
         limit = raise_fd_limit()
         self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 8))
         self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
@@ -765,6 +768,7 @@ class ConsumerChannel(_Channel):
                  curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.max_frame = max_frame
+        self.doorbell = doorbell_enabled()  # (first: a bad value leaves nothing behind)
         raise_fd_limit()
         self.sock = _context().socket(zmq.DEALER)
         try:

@@ -151,12 +151,18 @@ class PeerTable:
     def post_ready(self, peer: Peer, seq: int, slot: int, gen: int, layout_id: int, sent_ns: int) -> bool:
         """A steady READY as an entry of ``peer``'s doorbell (it has one); False if it must
         go as a frame: something of ours is still queued or going out for it (an entry
-        may never overtake a frame: see runtime.bellwire), or its ring is full."""
+        may never overtake a frame: see runtime.bellwire), or its ring is full. A peer
+        whose counters are garbage is dropped (True: nothing reaches it any more)."""
         lane, bell = peer.lane, peer.bell
         if peer.outbox or peer.disconnected or lane is None or lane.tail or bell is None:
             return False
-        if not bell.post((ready_entry(seq, slot, gen, layout_id, sent_ns, lane.sent),)):
-            return False
+        try:
+            if not bell.post((ready_entry(seq, slot, gen, layout_id, sent_ns, lane.sent),)):
+                return False
+        except ProtocolError as exc:  # its read counter of our ring is garbage: drop it
+            bad = peer.session.bad_frame(exc)
+            self.bad_frame(peer.identity, peer, bad.data, bad.reply)
+            return True  # (as a send to a peer now gone: its holds were reclaimed)
         peer.clock.last_send = time.monotonic()
         return True
 

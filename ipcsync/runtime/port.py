@@ -24,7 +24,7 @@ from ..core.ratelog import best_effort
 from ..errors import ProtocolError, SlotKeptError
 from . import host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
-from .bellwire import Offer, doorbell_enabled, geometry_for, join, release_bounds
+from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import ProducerChannel
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
@@ -80,7 +80,7 @@ class ProducerPort:
         self.pid = os.getpid()
         self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
         # Per-item notices through shared memory with consumers that opt in too (a lane edge).
-        self.doorbell = ipc and chan.lanes is not None and doorbell_enabled()
+        self.doorbell = ipc and chan.lanes is not None and chan.doorbell
         forwarder.remote_capable = not ipc  # (remote consumers attach on tcp endpoints only)
 
     # ------------------------------------------------------------------ Pumpable

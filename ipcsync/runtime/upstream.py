@@ -29,7 +29,7 @@ from ..errors import (
     BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
 )
 from . import host
-from .bellwire import Offer, doorbell_enabled, geometry_for, join, ready_bounds, release_entries
+from .bellwire import Offer, geometry_for, join, ready_bounds, release_entries
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
 from .doorbell import Doorbell
 from .foreign import Downstream
@@ -175,7 +175,7 @@ class ProducerLink:
         # The doorbell (runtime.bellwire): offered once the lane carries everything, if
         # IPCSYNC_DOORBELL=1 here and the producer's SETUP says it can; ``notices``: READY
         # entries taken from its ring, each waiting for the lane frames sent before it.
-        self.doorbell = chan.mux is not None and doorbell_enabled()
+        self.doorbell = chan.mux is not None and chan.doorbell
         self.bell_offer: Offer | None = None
         self.bell: Doorbell | None = None
         self.notices: deque[tuple[int, ...]] = deque()
