@@ -213,7 +213,7 @@ class ProducerLink:
                     n = bell.post(release_entries(entries))
                 except ProtocolError as exc:  # its read counter of our ring is garbage
                     s.unsend_releases(entries)
-                    self.fail(ProtocolError(f"producer on {self.endpoint.name!r}: {exc}"), ErrorCode.PROTOCOL)
+                    self.fail(exc, ErrorCode.PROTOCOL)
                     return
                 if n == len(entries):
                     return
@@ -325,7 +325,9 @@ class ProducerLink:
             bell.bell.drain()
             self.take_notices()
             self.deliver_notices()
-            if s.pending and not s.ready:
+            if s.outbox:  # (an entry broke the protocol: the producer is told)
+                self.send_errors()
+            elif s.pending and not s.ready:
                 self.flush_releases()
             return
         n = s.receive_frames(frames, time.monotonic())
@@ -456,8 +458,8 @@ class ProducerLink:
                 if len(self.notices) > bell.writer.geom.capacity:
                     raise ProtocolError(f"its doorbell holds {len(self.notices)} READY entries waiting for lane "
                                         "frames, more than its ring")
-        except ProtocolError as exc:
-            self.fail(ProtocolError(f"producer on {self.endpoint.name!r}: {exc}"), ErrorCode.PROTOCOL)
+        except ProtocolError as exc:  # (its message names the producer and what it broke)
+            self.fail(exc, ErrorCode.PROTOCOL)
 
     def deliver_notices(self, upto: int | None = None) -> bool:
         """Hand the session the kept entries that follow at most ``upto`` lane frames (None:

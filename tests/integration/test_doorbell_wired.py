@@ -216,3 +216,46 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
             item = rogue.get(timeout=10)
             assert item is not None
             item.release()
+
+
+@pytest.mark.parametrize("garbage", ["slot", "layout", "head"])
+def test_a_rogue_producer_writing_garbage_into_its_segment_fails_that_edge_only(
+        monkeypatch: Any, endpoints: Any, garbage: str) -> None:
+    """The producer's segment for one consumer holds garbage (an entry naming a slot
+    outside the ring or a layout the consumer never got, a head past the ring): that
+    consumer gets a ProtocolError; a second consumer of the same producer goes on."""
+    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
+    p = endpoints.producer("db-rogue-p", slots=4, slot_bytes=4096, device="cpu")
+    victim = endpoints.consumer("db-rogue-p", device="cpu", timeout=10, credits=2)
+    p.wait_for_consumers(1, timeout=10)
+    _warm(p, victim)
+    other = endpoints.consumer("db-rogue-p", device="cpu", timeout=10, credits=2)
+    p.wait_for_consumers(2, timeout=10)
+    mine = bytes(victim._link.bell.own.buf[:D.HEADER_BYTES])  # the victim's edge: the one reading this
+    bell = next(x.bell for x in p.port.peers.by_id.values()
+                if x.bell is not None and bytes(x.bell.peer.buf[:D.HEADER_BYTES]) == mine)
+    # (the test plays a rogue producer, writing its own segment)
+    if garbage == "head":
+        D._U64.pack_into(bell.own.buf, D._HEAD, bell.writer.head + bell.own.geom.capacity + 1)
+    else:
+        entry = (10**6, 99, 0, 1, 0, 0) if garbage == "slot" else (10**6, 0, 0, 4000, 0, 0)
+        _own_writer(bell).publish([entry])
+        bell.peer_bell.ring()
+    with pytest.raises(ipcsync.ProtocolError, match="doorbell"):
+        for _ in range(10):
+            item = victim.get(timeout=10)
+            assert item is not None
+            item.release()
+    assert wait_until(lambda: p.stats()["consumers"] == 1, 20)  # the victim's ERROR reached it
+    got: list[int] = []
+    for i in range(30):  # the other consumer is served as before
+        while True:
+            try:
+                p.send({"x": torch.full((4,), float(i))}, timeout=0.2)
+                break
+            except ipcsync.IpcTimeoutError:
+                pass
+        item = other.get(timeout=10)
+        got.append(int(item["x"][0]))
+        item.release()
+    assert got == list(range(30))
