@@ -259,3 +259,38 @@ def test_a_rogue_producer_writing_garbage_into_its_segment_fails_that_edge_only(
         got.append(int(item["x"][0]))
         item.release()
     assert got == list(range(30))
+
+
+# --------------------------------------------------------------------------- pauses
+def _said(name: str) -> Any:
+    return lambda line: line.get("event") == name
+
+
+@pytest.mark.timeout(120)
+def test_a_consumer_paused_while_holding_items_reads_them_intact(monkeypatch: Any, procs: Any,
+                                                                  tmp_path: Path) -> None:
+    """Plain items (doorbell entries) to a consumer SIGSTOPped while it holds item 0, until
+    the producer reports it stalled: no slot it holds is reused, and after SIGCONT item 0
+    and every later item read exactly what was sent, through the doorbell."""
+    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
+    n = 40
+    mark = tmp_path / "stopped"
+    prod = procs.start("produce", module="liveness_peers", endpoint="db-pause", n=n, slots=2, plain=True,
+                       heartbeat=0.2, stalled_after=str(mark))
+    prod.read_until(_said("bound"))
+    cons = procs.start("consume", module="liveness_peers", endpoint="db-pause", hold=0, hold_s=1.0,
+                       heartbeat=0.2)
+    cons.read_until(_said("holding"), timeout=60)
+    os.kill(cons.pid, signal.SIGSTOP)
+    try:
+        mark.touch()  # the producer's stall report counts from here: the consumer is stopped
+        prod.read_until(_said("peer-stalled"), timeout=60)
+    finally:
+        os.kill(cons.pid, signal.SIGCONT)
+    held = cons.read_until(_said("held-checked"), timeout=60)
+    assert held["ok"], cons.lines
+    res = cons.result(timeout=60)
+    assert res["error"] is None and res["bad"] == [] and res["received"] == n, res
+    assert res["doorbell"] is True, res
+    pres = prod.result(timeout=30)
+    assert pres["lost"] == 0 and pres["stalled"] >= 1, pres
