@@ -47,7 +47,7 @@ from .doorbell import Bell, Doorbell, OwnSegment, PeerSegment
 from .shm import SHM_DIR
 
 __all__ = ["doorbell_enabled", "WORDS", "geometry_for", "ready_bounds", "release_bounds", "Offer", "join",
-           "ready_entry", "release_entries"]
+           "release_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ def ready_bounds(slots: int) -> tuple[int, ...]:
 
 def release_bounds(slots: int) -> tuple[int, ...]:
     return (0, slots, 0, 1, 1, 1)
-
-
-def ready_entry(seq: int, slot: int, gen: int, layout_id: int, sent_ns: int, before: int) -> tuple[int, ...]:
-    return (seq, slot, gen, layout_id, sent_ns, before)
 
 
 def release_entries(entries: Sequence[tuple[int, int, int]]) -> list[tuple[int, ...]]:

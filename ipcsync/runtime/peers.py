@@ -24,7 +24,6 @@ from ..core.ring import Ring
 from ..errors import ProtocolError
 from .channel import ProducerChannel
 from .host import ProcessWatch
-from .bellwire import ready_entry
 from .doorbell import Doorbell
 from .lane import Lane
 
@@ -157,8 +156,11 @@ class PeerTable:
         if peer.outbox or peer.disconnected or lane is None or lane.tail or bell is None:
             return False
         try:
-            if not bell.post((ready_entry(seq, slot, gen, layout_id, sent_ns, lane.sent),)):
+            # (Doorbell.post's two steps, without its call: the entry is bellwire's READY.)
+            if not bell.writer.publish(((seq, slot, gen, layout_id, sent_ns, lane.sent),)):
                 return False
+            if bell.reader.peer_parked():
+                bell.peer_bell.ring()
         except ProtocolError as exc:  # its read counter of our ring is garbage: drop it
             bad = peer.session.bad_frame(exc)
             self.bad_frame(peer.identity, peer, bad.data, bad.reply)
