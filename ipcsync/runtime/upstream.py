@@ -51,7 +51,8 @@ def make_hello(backend: Any, credits: int, heartbeat: float, doorbell: bool = Fa
     doorbell's version only if this consumer offers one (``runtime.bellwire``)."""
     pid = os.getpid()
     return P.Hello(
-        version=P.DOORBELL_VERSION if doorbell else P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.host_identity(),
+        version=P.DOORBELL_VERSION if doorbell else P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid),
+        boot_id=host.host_identity(),
         pid_ns=host.pid_namespace(), backend=backend.name, device=backend.device_identity(),
         credits=credits, heartbeat_ms=int(heartbeat * 1000),
     )
