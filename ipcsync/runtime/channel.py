@@ -901,8 +901,9 @@ class ConsumerChannel(_Channel):
             self.mux.remove(lane.fd)
 
     def read_lane(self, out: list[bytes], most: int) -> None:
-        """The steady path's read (``steady_lane`` set): append the frames that arrived
-        on the lane, up to ``most``. A closed lane is marked lost (``lane_lost``) once the
+        """The steady path's read (``steady_lane`` set; also the doorbell's, which reads
+        a lane it can no longer send on): append the frames that arrived on the lane, up
+        to ``most``. A closed lane is marked lost (``lane_lost``) once the
         frames read before its EOF are in ``out``. ZeroMQ is not looked at: after the
         producer's SWITCH it sends nothing more there (``runtime.lane``'s order rule),
         so only its monitor events can come, read at the next general pump."""

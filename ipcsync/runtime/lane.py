@@ -32,6 +32,11 @@ Rules:
   it reads (and, on the producer, the listener and unauthenticated connections); it is
   one of the channel's ``fds()``, so every wait on the channel (select, FanIn, asyncio's
   ``add_reader`` on a duplicate, lent producers) wakes on lane input too.
+- **Descriptors.** A packet may carry one descriptor (a doorbell's eventfd,
+  ``runtime.bellwire``): ``send_fd``; the receiver keeps it only while it expects one
+  (``want_fds``, until ``take_fd``), else the kernel drops it with the packet's plain
+  ``recv``. ``sent``/``received`` count frames alike on both ends (a doorbell entry says
+  how many lane frames went before it).
 - **Fork.** Sockets are close-on-exec; a forked child's endpoints are the parent's and
   are never used (``runtime.endpoint``), so no child reads or writes a parent's lane.
 
