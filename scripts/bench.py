@@ -1283,7 +1283,7 @@ def kv_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
         return []
     import bench_kv as bk
 
-    m = res["methods"]
+    m = {k: r for k, r in res["methods"].items() if k != "alone"}  # the handoffs (alone: no KV moved)
     gbs = [benchchart.Bar(bk.LABELS[k], r["gbs"]) for k, r in m.items()]
     ttft = [benchchart.Bar(bk.LABELS[k], r["p50_ms"], r["p99_ms"]) for k, r in m.items()]
     return [benchchart.Panel("KV handoff, prefill -> decode", "GB/s of KV", True, [benchchart.Group("", gbs)]),
