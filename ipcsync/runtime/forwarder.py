@@ -167,7 +167,7 @@ class Forwarder:
         release the upstream item now (wait="host": once their release events are
         complete). Lock held."""
         done = self.ledger.freed(slot, self.handoffs.downstream_waits(slot), _complete,
-                                 host=self.handoffs.wait_mode == "host")
+                                 host=self.handoffs.wait.polls)
         if done is not None:
             self._finish(*done)
 
@@ -207,7 +207,7 @@ class Forwarder:
         h = self.handoffs
         held = 0
         for slot in self.ledger.outstanding_slots():
-            waits = [w for w in h.downstream_waits(slot) if h.wait_mode == "gpu" or w[1].query()]
+            waits = [w for w in h.downstream_waits(slot) if h.wait.may_enqueue(w[1])]
             if h.ring.holders[slot] or slot in self.ledger.pending:
                 held += 1
             done = self.ledger.finish(slot, waits)
