@@ -146,20 +146,19 @@ class Forwarder:
                 raise CannotForward(f"{peer.label} is on another host: its items travel by copy")
         if info.backend != backend.name:
             raise CannotForward(f"the item is in {info.backend} memory and this producer is on {self.device}")
-        if backend.name == "cuda":
-            if origin.device != self.device:
+        if origin.device != self.device:
+            raise CannotForward(
+                f"the item was received on {origin.device} and this producer is on {self.device}; "
+                "forward on the device the item was received on")
+        for peer in self.peers:  # (whether a reader reaches the memory is the backend's rule)
+            key = (peer.session.hello.device, info.device)
+            ok = self.reach.get(key)
+            if ok is None:
+                ok = self.reach[key] = backend.can_reach(peer.session.hello.device, info.device)
+            if not ok:
                 raise CannotForward(
-                    f"the item was received on {origin.device} and this producer is on {self.device}; "
-                    "forward on the device the item was received on")
-            for peer in self.peers:
-                key = (peer.session.hello.device, info.device)
-                ok = self.reach.get(key)
-                if ok is None:
-                    ok = self.reach[key] = backend.can_reach(peer.session.hello.device, info.device)
-                if not ok:
-                    raise CannotForward(
-                        f"{peer.label} runs on GPU {peer.session.hello.device}, which cannot read (or "
-                        f"this process cannot tell whether it can read) the item's GPU {info.device}")
+                    f"{peer.label} runs on device {peer.session.hello.device}, which cannot read (or "
+                    f"this process cannot tell whether it can read) the item's device {info.device}")
 
     # ------------------------------------------------------------------ upstream release
     def freed(self, slot: int) -> None:
