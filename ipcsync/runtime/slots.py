@@ -442,6 +442,8 @@ class Handoffs:
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring
+        # The seq ``publish`` gives this item, read once before it: the frame naming it is
+        # built and checked before the commit (a refused meta commits nothing).
         seq = ring.next_seq
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
@@ -454,7 +456,7 @@ class Handoffs:
             frame = self.encode(rec, seq, sent_ns, plan, meta, fwd)
         # 4. publish. Rule: after the record (3b), in seq order; what the ring hands out
         # now goes out now, the rest when a consumer has a credit (dispatch).
-        seq, cid = ring.publish(slot)
+        cid = ring.publish(slot)[1]
         rec.seq, rec.sent_ns, rec.meta, rec.fwd = seq, sent_ns, meta, fwd
         rec.layout_id, rec.layout_version, rec.layout = lid, plan.layout_version, plan.layout
         if lid:
