@@ -24,6 +24,7 @@ Adding a mode: one ``WaitStrategy`` subclass and one line in ``STRATEGIES``.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, ClassVar, Protocol
 
 from ..errors import ConfigError
@@ -42,21 +43,21 @@ class PeerEvent(Protocol):
     def wait(self, stream: Any = None) -> None: ...
 
 
-class WaitStrategy:
+class WaitStrategy(abc.ABC):
     """How a stream is ordered after a peer's event. Stateless: one instance per mode."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # what the mode does, for the message naming the choices
     polls: ClassVar[bool]  # the host polls an event until complete; no wait on an incomplete one
 
+    @abc.abstractmethod
     def order(self, ev: PeerEvent, stream: Any, poll: Poll) -> None:
         """Order ``stream`` after ``ev`` (invariant 1); ``poll(done)``: the caller's host
         wait, raising on its timeout."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def may_enqueue(self, ev: PeerEvent) -> bool:
         """Whether a wait on ``ev`` may be enqueued now, with no host wait first."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<wait={self.name!r}>"
@@ -104,7 +105,7 @@ def wait_problem(mode: object) -> str | None:
     if isinstance(mode, str) and mode in STRATEGIES:
         return None
     choices = "; ".join(f"{s.name!r}: {s.summary}" for s in STRATEGIES.values())
-    return f"wait must be one of {', '.join(map(repr, WAIT_MODES))}, got {mode!r} ({choices})"
+    return f"wait must be one of {', '.join(map(repr, STRATEGIES))}, got {mode!r} ({choices})"
 
 
 def wait_strategy(mode: object) -> WaitStrategy:

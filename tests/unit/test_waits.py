@@ -132,6 +132,7 @@ class ProbeWait(GpuWait):
 def test_a_mode_added_to_the_registry_is_accepted_everywhere(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(STRATEGIES, "probe", ProbeWait())
     assert from_mapping(_edge("probe")).edges[0].wait == "probe"
+    assert "one of 'gpu', 'host', 'probe'" in str(wait_problem("spin"))
     out = endpoints.producer("probed", wait="probe", timeout=10)
     inp = endpoints.consumer("probed", wait="probe", timeout=10)
     assert out.wait_mode == inp.wait_mode == "probe"
