@@ -40,16 +40,17 @@ from .core import protocol as P
 from .core.consumer_session import ConsumerSession
 from .core.layout import Recipe
 from .core.stats import Stats
+from .core.waits import HOST_WAIT, wait_strategy
 from .errors import ClosedError, IpcSyncError, IpcTimeoutError
 from .item import Item
 from .runtime.channel import ConsumerChannel, CurveKeys, check_transport, resolve_endpoint
-from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout, check_wait
+from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout
 from .runtime import aio
 from .runtime.foreign import ForeignUse, Lender
 from .runtime.telemetry import tracer_for
 from .runtime.upstream import ProducerLink, make_hello, unanswered_error
 from .runtime.verify import Verifier
-from .runtime.waiting import SourcePort, wait_ready_event
+from .runtime.waiting import SourcePort
 
 __all__ = ["Consumer", "Item"]
 
@@ -111,7 +112,7 @@ class Consumer(EndpointBase):
         keep_refs_check: bool = True, verify: bool = False,
     ) -> None:
         super().__init__(endpoint, timeout, heartbeat)
-        self.wait_mode = check_wait(wait)
+        self._wait = wait_strategy(wait)  # how an item's ready event is waited on
         self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
         if isinstance(connect_timeout, Unset):
             connect_timeout = _DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
@@ -177,7 +178,7 @@ class Consumer(EndpointBase):
                     # A producer on another host: its items' recvs are polled with the control
                     # channel pumped, so its death ends a wait at once (runtime.remote); a gloo
                     # edge's completion thread wakes that wait (its Wake among our fds).
-                    self.wait_mode = "host"
+                    self._wait = HOST_WAIT
                     if link.remote.wake is not None:
                         self._fds = [*self._fds, link.remote.wake.fd]
                         self._data_wakes = True
@@ -337,6 +338,12 @@ class Consumer(EndpointBase):
                           self._lender.lent, self._poll)
 
     @property
+    def wait_mode(self) -> str:
+        """How items' ready events are waited on: ``"gpu"`` or ``"host"`` (always ``"host"``
+        from a producer on another host: its items' transfers are polled)."""
+        return self._wait.name
+
+    @property
     def slots(self) -> int:
         """Number of slots in the producer's ring."""
         return len(self.session.setup.slots) if self.session.setup else 0
@@ -457,11 +464,10 @@ class Consumer(EndpointBase):
         self._held[seq] = item
         ev = self._memory.ready_events[slot]
         # Complete already (the producer re-records it only after we release the slot):
-        # nothing to wait for. Tested here, not in wait_ready_event: a call less per item.
+        # nothing to wait for. Tested here, not in the strategy: a call less per item.
         if not ev.query():
             try:
-                wait_ready_event(ev, self.wait_mode, self._stream,
-                                 lambda done: self._poll_event(done, timeout, asked))
+                self._wait.order(ev, self._stream, lambda done: self._poll_event(done, timeout, asked))
             except IpcTimeoutError:
                 del self._held[seq]
                 self.session.requeue(entry)

@@ -28,11 +28,12 @@ from .core.forwarding import ForwardLedger
 from .core.layout import ALIGN, plan_message, signature
 from .core.ring import POLICIES, Ring
 from .core.stats import Stats
+from .core.waits import wait_strategy
 from .errors import ConfigError, IpcTimeoutError
 from .item import AsyncSlotEntry, SlotWriter, SlotEntry
 from .runtime import aio
 from .runtime.channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
-from .runtime.endpoint import EndpointBase, check_positive_int, check_wait
+from .runtime.endpoint import EndpointBase, check_positive_int
 from .runtime.forwarder import Forwarder
 from .runtime.peers import PeerTable
 from .runtime.port import ProducerPort
@@ -102,7 +103,8 @@ class Producer(EndpointBase):
         if policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.wait_mode = check_wait(wait)
+        waiting = wait_strategy(wait)  # how a slot's overwrite is ordered after its readers
+        self.wait_mode = waiting.name
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
         check_transport(self.endpoint, curve, insecure, "producer")
@@ -131,7 +133,7 @@ class Producer(EndpointBase):
         self._handoffs = h = Handoffs(
             ring=ring, slot_views=self._slot_views, ready_events=self._ready_events, slot_bytes=self.slot_bytes,
             peers=peers, ledger=ForwardLedger(self.slots), stats=self._stats, limits=limits,
-            wait_mode=self.wait_mode, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
+            wait=waiting, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
             waits=Waits(lambda: self.port.pump(), self._wait_until, self._timeout_error, self._resolve_timeout))
         self._plan_get: Callable[[Any], Any] = h.plans.get  # the cache dict's own get (hot path)
         fwd = Forwarder(handoffs=h, peers=peers, backend=backend, device=self.device, lock=self._lock,

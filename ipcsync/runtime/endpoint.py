@@ -45,7 +45,7 @@ from ..core.ratelog import RateLog
 from ..core.spin import AdaptiveSpin
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
 from ..logs import apply_env_level
-from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller, spin_seconds
+from .waiting import EVENT_SPIN_S, Poller, spin_seconds
 
 if TYPE_CHECKING:
     from .handover import Pumpable
@@ -65,12 +65,6 @@ def check_timeout(name: str, value: float | None) -> float | None:
 def check_positive_int(name: str, value: int, limit: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
         raise ConfigError(f"{name} must be an integer from 1 to {limit}, got {value!r}")
-    return value
-
-
-def check_wait(value: str) -> str:
-    if value not in WAIT_MODES:
-        raise ConfigError(f"wait must be one of {WAIT_MODES}, got {value!r}")
     return value
 
 

@@ -230,7 +230,7 @@ class ProducerPort:
         self.peers.monitor(self.chan.events())
         self.chan.greeted(fd)  # no longer half-open (see ProducerChannel)
         cred = host.peer_credentials(fd) if self.ipc else None
-        problem = (hello_problem(hello, self.backend.name, self.owner.device, remote_ok=not self.ipc)
+        problem = (hello_problem(hello, self.backend, self.owner.device, remote_ok=not self.ipc)
                    or credentials_problem(hello, cred))
         if problem is not None:
             code, text = problem
