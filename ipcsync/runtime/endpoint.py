@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -72,6 +73,18 @@ def check_wait(value: str) -> str:
     if value not in WAIT_MODES:
         raise ConfigError(f"wait must be one of {WAIT_MODES}, got {value!r}")
     return value
+
+
+def bind_hot(facade: Any, name: str, bound: Callable[..., Any]) -> None:
+    """Bind ``facade.<name>`` (a public method of the facade's class) to ``bound``, the
+    runtime endpoint's method of the same signature, for this instance: a call then runs
+    no Python frame of the facade's (the hot path's call budget,
+    tests/unit/test_call_counts.py). The binding carries the class method's docstring, so
+    ``help()`` and ``inspect.signature`` of the instance's method say what the class's
+    do; ``functools.partial`` is called in C."""
+    hot = partial(bound)
+    hot.__doc__ = getattr(type(facade), name).__doc__
+    facade.__dict__[name] = hot
 
 
 # Every endpoint open in this process, for the one atexit hook and for fork.
