@@ -192,7 +192,7 @@ class Producer:
     @property
     def consumers(self) -> int:
         """Number of consumers attached now."""
-        return len(self.port.ring.consumers())
+        return self.port.consumers
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting

@@ -1,5 +1,7 @@
-"""What Producer and Consumer share: the endpoint lock, the service thread, option checks,
-timeouts, and the endpoints' life across exit and fork.
+"""What the runtime endpoints of Producer and Consumer (``runtime.port.ProducerPort``,
+``runtime.consumer_endpoint.ConsumerEndpoint``; the public classes are facades over them)
+share: the endpoint lock, the service thread, option checks, timeouts, and the endpoints'
+life across exit and fork.
 
 Threading model. All protocol work happens in ``_pump`` under ``_lock``; the sockets are
 only ever used by the thread holding the lock (ZeroMQ sockets may move between threads
@@ -92,7 +94,7 @@ _open_endpoints: "weakref.WeakSet[EndpointBase]" = weakref.WeakSet()
 
 
 class EndpointBase:
-    """Base of Producer and Consumer: lock, service thread, closed state."""
+    """Base of the runtime endpoints: lock, service thread, closed state."""
 
     _role = "endpoint"
 

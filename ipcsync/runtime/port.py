@@ -614,12 +614,17 @@ class ProducerPort(EndpointBase):
                 raise self._timeout_error(f"fewer than {n} consumers attached", t,
                                           f"is a consumer running on endpoint {self.name!r}?")
 
+    @property
+    def consumers(self) -> int:
+        """Consumers attached now."""
+        return len(self.ring.consumers())
+
     def stats(self) -> dict[str, Any]:
         """``Producer.stats``."""
         with self._lock:
             peers, fwd = self.peers, self.forwarder
             return self._stats.snapshot(
-                role="producer", occupancy=self.ring.occupancy(), consumers=len(self.ring.consumers()),
+                role="producer", occupancy=self.ring.occupancy(), consumers=self.consumers,
                 consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
                 consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
                 bad_frames=peers.bad_frames, forwarded=fwd.forwarded_total, forwarded_held=fwd.ledger.count(),
