@@ -1,64 +1,30 @@
-"""The public Consumer: a facade over its session (``core.consumer_session``: the protocol
-rules), its link to the producer (``runtime.upstream``), the wait strategy
-(``runtime.waiting``) and zero-copy forwarding (``runtime.foreign``).
-
-Ordering rules of a handoff (receive):
-
-1. READY for (seq, slot, gen) arrives after the producer recorded the slot's ready event;
-2. before the item's tensors are used, the consumer's stream waits on that event
-   (``wait="gpu"``: enqueued at once; ``"host"``: the host polls ``query()`` first, so a
-   producer that dies mid-record can never wedge the consumer's stream);
-3. ``release()`` records the slot's release event on the consumer's stream, then queues
-   RELEASE(seq, slot, gen); queued releases go out in one message at the next call once
-   ``release_batch`` gathered, when the consumer has no more buffered items (before it
-   waits), at once while another thread waits in a call, or from the service thread
-   while the user computes;
-4. after the producer's BYE and the last buffered item, iteration ends; the consumer
-   answers BYE once it holds nothing.
-
-After the producer is declared lost, no wait is ever enqueued on its events.
+"""The public Consumer: a facade. Every call is its runtime endpoint's
+(``runtime.consumer_endpoint.ConsumerEndpoint``), which owns the consumer's state and
+states the ordering rules of a receive.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import logging
-import math
-import os
-import threading
-import time
-import weakref
 from functools import partial
 from types import TracebackType
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any, Coroutine, Iterator
 
 import torch
 
 from . import limits
-from .backends import backend_for, refs, resolve_device
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
-from .core.layout import Recipe
-from .core.stats import Stats
-from .errors import ClosedError, IpcSyncError, IpcTimeoutError
 from .item import Item
-from .runtime.channel import ConsumerChannel, CurveKeys, check_transport, resolve_endpoint
-from .runtime.endpoint import UNSET, EndpointBase, Unset, check_positive_int, check_timeout, check_wait
 from .runtime import aio
-from .runtime.foreign import ForeignUse, Lender
-from .runtime.telemetry import tracer_for
-from .runtime.upstream import ProducerLink, make_hello, unanswered_error
-from .runtime.verify import Verifier
-from .runtime.waiting import SourcePort, wait_ready_event
+from .runtime.channel import CurveKeys, Endpoint
+from .runtime.consumer_endpoint import ConsumerEndpoint
+from .runtime.endpoint import UNSET, Unset
+from .runtime.waiting import SourcePort
 
 __all__ = ["Consumer", "Item"]
 
-log = logging.getLogger(__name__)
-get_ident = threading.get_ident
-_DEFAULT_CONNECT_TIMEOUT = limits.DEFAULT_CONNECT_TIMEOUT  # (``limits`` is also a parameter name)
 
-
-class Consumer(EndpointBase):
+class Consumer:
     """Connects to a producer's ``endpoint`` and receives its items, in order.
 
     Args:
@@ -97,10 +63,9 @@ class Consumer(EndpointBase):
         insecure: accept a plain tcp:// control channel.
 
     ``session`` (read-only) is the protocol state (``ConsumerSession``); ``port`` is what
-    FanIn uses of it (``SourcePort``).
+    FanIn uses of it (``SourcePort``). Every call is the consumer's runtime endpoint's
+    (``runtime.consumer_endpoint.ConsumerEndpoint``), which owns its state.
     """
-
-    _role = "consumer"
 
     def __init__(
         self, endpoint: str, *, device: str | torch.device | None = None, wait: str = "gpu",
@@ -110,85 +75,55 @@ class Consumer(EndpointBase):
         curve: CurveKeys | None = None, insecure: bool = False, limits: P.Limits = P.DEFAULT_LIMITS,
         keep_refs_check: bool = True, verify: bool = False,
     ) -> None:
-        super().__init__(endpoint, timeout, heartbeat)
-        self.wait_mode = check_wait(wait)
-        self._idle_timeout = check_timeout("idle_timeout", idle_timeout)
-        if isinstance(connect_timeout, Unset):
-            connect_timeout = _DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
-        connect = check_timeout("connect_timeout", connect_timeout)
-        credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
-        self.auto_release = bool(auto_release)
-        self._check_refs = bool(keep_refs_check)
-        # A torch that cannot count references: a storage per item (backends.refs).
-        self._per_item = self._check_refs and not refs.checks_references()
-        self._verify = Verifier(endpoint) if verify else None
-        self._release_locked: Callable[[Item, Any], None] = (
-            self._release_verified if verify else self._release_plain)
-        self.device = resolve_device(device)
-        self.endpoint = resolve_endpoint(endpoint)
-        check_transport(self.endpoint, curve, insecure, "consumer")
-        self.source = endpoint  # what Item.source says; FanIn relabels it
-        self._stream = stream
-        self._backend = backend_for(self.device)
-        if self.device.type == "cpu" and not faulthandler.is_enabled():
-            # Received items are mapped read-only (backends.cpu): an in-place op on one
-            # is a SIGSEGV, and this shows the line that did it.
-            try:
-                faulthandler.enable()
-            except (RuntimeError, ValueError, OSError):  # no usable stderr (a daemon)
-                pass
-        self._stats = Stats()
-        self._trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
-        self.session = s = ConsumerSession(self.endpoint.name, self._backend.name, self._heartbeat, limits,
-                                           time.monotonic())
-        self._held: dict[int, Item] = {}
-        # Per iterating thread, its current item (auto-released at that thread's next
-        # next()): one thread never releases another's item.
-        self._current: dict[int, Item] = {}
-        self._caller_items = aio.CallerItems()  # the same, per task calling aget
-        self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
-        self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog,
-                                         self._held)
-        link.credits, link.check_refs = credits, self._check_refs
-        # Weakly: items never keep the Consumer alive (unreferenced, it is torn down at once).
-        ref = weakref.ref(self)
-        self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
-                                            self._held, self._current, partial(_is_closed, ref))
-        # The link's own, kept here for the per-item paths.
-        self._memory, self._foreign_uses = link.memory, link.downstream.uses
-        self._taken = self._stats.taken.append  # a handoff's (bytes, latency ns): Stats.settle
-        # The steady path builds an item straight from its READY entry: a local edge (not
-        # remote), no per-item storage, no verify, no trace (each of those: _make_item).
-        self._flat = False
-        self._lane_woken = [-1]  # (set once the handshake is done)
-        self._awaiting = 0  # asyncio calls (aget, async for) waiting for an item now
-        # A remote edge over gloo: its Wake (among our fds) says when an item's data is ready.
-        self._data_wakes = False
-        try:
-            self._fds = self._chan.fds()
-            with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat, link.doorbell)))
-                t = None if connect is None or math.isinf(connect) else connect
-                if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
-                    raise unanswered_error(self.endpoint, t)
-                if s.setup is None:  # refused in the handshake; an error after it is the first call's
-                    self._raise_if_broken()
-                if link.remote is not None:
-                    # A producer on another host: its items' recvs are polled with the control
-                    # channel pumped, so its death ends a wait at once (runtime.remote); a gloo
-                    # edge's completion thread wakes that wait (its Wake among our fds).
-                    self.wait_mode = "host"
-                    if link.remote.wake is not None:
-                        self._fds = [*self._fds, link.remote.wake.fd]
-                        self._data_wakes = True
-        except BaseException:
-            self._closed = True
-            self._teardown()
-            raise
-        self._flat = (link.remote is None and not self._per_item and self._verify is None and self._trace is None)
-        mux = self._chan.mux  # what a wait that woke on the lane alone found readable
-        self._lane_woken = [mux.fd] if mux is not None and not self._data_wakes else [-1]
-        self._start_service()
+        self._endpoint = ConsumerEndpoint(
+            endpoint, device=device, wait=wait, timeout=timeout, connect_timeout=connect_timeout,
+            idle_timeout=idle_timeout, heartbeat=heartbeat, credits=credits, auto_release=auto_release,
+            stream=stream, curve=curve, insecure=insecure, limits=limits, keep_refs_check=keep_refs_check,
+            verify=verify)
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def endpoint(self) -> Endpoint:
+        """The producer's endpoint (``endpoint.name``, ``endpoint.url``)."""
+        return self._endpoint.endpoint
+
+    @property
+    def device(self) -> torch.device:
+        return self._endpoint.device
+
+    @property
+    def wait_mode(self) -> str:
+        """``"gpu"`` or ``"host"`` (a remote edge's items are always waited for on the host)."""
+        return self._endpoint.wait_mode
+
+    @property
+    def auto_release(self) -> bool:
+        """Release the previous item at the next iteration (settable)."""
+        return self._endpoint.auto_release
+
+    @auto_release.setter
+    def auto_release(self, value: bool) -> None:
+        self._endpoint.auto_release = bool(value)
+
+    @property
+    def source(self) -> str:
+        """What ``Item.source`` says of this consumer's items (the endpoint as given;
+        FanIn and stages relabel it)."""
+        return self._endpoint.source
+
+    @source.setter
+    def source(self, value: str) -> None:
+        self._endpoint.source = value
+
+    @property
+    def session(self) -> ConsumerSession:
+        """The protocol state (read-only)."""
+        return self._endpoint.session
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has been called."""
+        return self._endpoint.closed
 
     # ------------------------------------------------------------------ public API
     def get(self, timeout: float | None = None) -> Item | None:
@@ -198,71 +133,20 @@ class Consumer(EndpointBase):
         IpcTimeoutError then (an item whose data was late stays first in line),
         PeerLostError if the producer died, ClosedError after close().
         """
-        return self._get(self._resolve_timeout(timeout))
+        return self._endpoint.get(timeout)
 
     def __iter__(self) -> Iterator[Item]:
-        # Each step is one call of _get (iteration's own timeout: idle_timeout), ending at
-        # its None: the steady path costs the calls of _get only.
-        t = self._idle_timeout
-        return iter(partial(self._get, None if t is None or math.isinf(t) else t), None)
+        # Each step is one call of the endpoint's next_item (iteration's own timeout:
+        # idle_timeout), ending at its None: the steady path costs its calls only.
+        ep = self._endpoint
+        return iter(partial(ep.next_item, ep.iteration_timeout()), None)
 
     def __next__(self) -> Item:
-        t = self._idle_timeout
-        item = self._get(None if t is None or math.isinf(t) else t)
+        ep = self._endpoint
+        item = ep.next_item(ep.iteration_timeout())
         if item is None:
             raise StopIteration
         return item
-
-    def _get(self, timeout: float | None) -> Item | None:
-        """``get`` and iteration: the next item, or None at the end of the stream.
-
-        The steady path, straight-line: release this thread's previous item
-        (``auto_release``); send the queued releases once a batch gathered; take the next
-        buffered READY entry, or pump once (the lane's frames, ``ProducerLink.pump_lane``;
-        everything at a tick) and take it then; build the item from its slot's storage
-        (``Recipe.build_in``: views made once per slot and layout); its ready event needs
-        nothing (complete on record) or is complete already. Anything else (nothing
-        arrived: wait; an error, BYE, a host-mode or remote wait, a forwarded item,
-        verify, trace, a per-item storage) takes the general path, ``_next_item`` /
-        ``_make_item``."""
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            try:
-                cur = self._current.pop(get_ident(), None) if self._current else None
-                if cur is not None and self.auto_release and not cur.released:
-                    self._release_locked(cur, None)
-                s = self.session
-                if len(s.pending) >= s.release_batch:
-                    self._link.flush_releases()
-                try:
-                    entry = s.take_ready()
-                except IndexError:
-                    if s.error is not None or s.bye_received:
-                        return self._next_item(timeout)
-                    if time.monotonic() < self._next_tick:
-                        self._link.pump_lane()
-                    else:
-                        self._pump()
-                    try:
-                        entry = s.take_ready()
-                    except IndexError:
-                        return self._next_item(timeout, pumped=True)
-                seq, slot, gen, sent_ns, meta, recipe = entry
-                mem = self._memory
-                if (self._flat and recipe.__class__ is Recipe
-                        and (mem.complete_on_record or mem.ready_events[slot].query())):
-                    store = mem.stores[slot]
-                    item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
-                                recipe.nbytes, store)
-                    self._held[seq] = item
-                    self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
-                else:
-                    item = self._make_item(entry, timeout)
-                self._current[get_ident()] = item
-                return item
-            finally:
-                self._last_call = time.monotonic()
 
     # ------------------------------------------------------------------ asyncio
     def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
@@ -278,80 +162,43 @@ class Consumer(EndpointBase):
         of tasks may wait on one consumer at once; none releases another's items. On CUDA
         with ``wait="host"`` the item's ready event is polled inline (bounded by the
         producer's copy); ``"gpu"``, the default, never waits on the host."""
-        caller = self._caller_items.caller()
-        if self.auto_release:
-            self._caller_items.release_previous(caller)
-        return self._aget(caller, timeout)
-
-    async def _aget(self, caller: Any, timeout: float | None) -> Item | None:
-        item = await self._anext_item(self._resolve_timeout(timeout))
-        self._caller_items.remember(caller, item)
-        return item
+        return self._endpoint.aget(timeout)
 
     def __aiter__(self) -> aio.AsyncItems:
         """``async for item in consumer``: like ``for``, on the event loop (each ``async
         for`` has its own current item, released at its next step with ``auto_release``;
         ``idle_timeout`` applies)."""
-        t = self._idle_timeout
-        return aio.AsyncItems(self._anext_item, None if t is None or math.isinf(t) else t, self.auto_release)
-
-    async def _anext_item(self, timeout: float | None) -> Item | None:
-        """The next item (None: the stream ended), awaiting without blocking the loop."""
-        port = self.port
-        self._awaiting += 1  # (a release meanwhile goes out at once: see _release)
-        try:
-            return await aio.wait_for_attempt(
-                self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
-                self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
-        finally:
-            self._awaiting -= 1
-
-    def _last_attempt(self, timeout: float | None) -> Item | None:
-        got, item = self._poll()
-        if got:
-            return item
-        raise IpcTimeoutError(
-            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
-
-    def _closed_error(self) -> Exception:
-        return ClosedError(f"this {self._role} was closed while this call waited")
+        return self._endpoint.aiter()
 
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
         waiting by cause, items held and buffered, items released but still viewed by the
         program's tensors (``kept``: their slots are not given back yet), whether frames
         travel on a lane (``lane``) and steady notices through the doorbell (``doorbell``)."""
-        with self._lock:
-            clock = self.session.clock
-            return self._stats.snapshot(
-                role="consumer", held=len(self._held), buffered=self.session.buffered(), kept=len(self._link.kept),
-                forwarded_out=len(self._lender.forwarded), forwarded_lost=self._link.downstream.lost,
-                producer_stalled=clock.stalled, producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
-                doorbell=self._link.bell_up,
-            )
+        return self._endpoint.stats()
 
     @property
     def port(self) -> SourcePort[Item]:
         """What FanIn uses of this consumer (a new one each time: keep it)."""
-        return SourcePort(self._lock, partial(_is_closed, weakref.ref(self)), self._io_fds, self._io_pending,
-                          self._lender.lent, self._poll)
+        return self._endpoint.source_port()
 
     @property
     def slots(self) -> int:
         """Number of slots in the producer's ring."""
-        return len(self.session.setup.slots) if self.session.setup else 0
+        setup = self._endpoint.setup
+        return len(setup.slots) if setup else 0
 
     @property
     def producer_pid(self) -> int | None:
-        return self.session.setup.pid if self.session.setup else None
+        setup = self._endpoint.setup
+        return setup.pid if setup else None
 
     def close(self, timeout: float | None = None) -> None:
         """Release everything held, say goodbye and disconnect. Idempotent. The goodbye
         waits at most ``min(timeout, 1 s)``; items this consumer forwarded zero-copy are
         waited for up to ``timeout`` (default: the consumer's; None: while their holders
         live). A call blocked in another thread raises ClosedError."""
-        self._close(timeout, forwarded_wait=True)
+        self._endpoint.close(timeout, forwarded_wait=True)
 
     def __enter__(self) -> "Consumer":
         return self
@@ -359,240 +206,4 @@ class Consumer(EndpointBase):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         # An exception (Ctrl-C included) leaves at once: no wait for forwarded items.
-        self._close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)
-
-    def _close(self, timeout: float | None, forwarded_wait: bool) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._begin_close(timeout=1.0)
-            s, link = self.session, self._link
-            try:
-                for item in list(self._held.values()):
-                    self._release_locked(item, None)
-                link.give_up_kept()
-                s.give_back_buffered()
-                link.flush_releases()
-                if self._lender.forwarded:
-                    t = self._resolve_timeout(timeout if forwarded_wait else 0.0)
-                    self._lender.close(lambda done: self._wait_until(done, t), self.endpoint.name)
-                if s.exchanging and s.error is None and not s.bye_acked:
-                    link.say_bye()
-                    t = self._resolve_timeout(timeout)
-                    t = max(1.0 if t is None else min(t, 1.0), 0.2)  # the ack is a round trip away
-                    # Our RELEASE and BYE frames are delivered once the producer acks the
-                    # BYE; only then may the socket close (linger 0 drops unsent frames).
-                    self._wait_until(lambda: s.bye_acked or s.error is not None or not link.producer_alive(), t)
-                    if not s.bye_acked and not link.producer_alive():
-                        link.remove_stale(0.0)  # it died after its BYE
-            except IpcSyncError as exc:
-                log.debug("ipcsync consumer close: %s", exc)
-            self._closed = True
-            self._teardown()
-        self._stop_service()
-
-    # ------------------------------------------------------------------ items
-    def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:
-        """``pumped``: the caller has just pumped (nothing is buffered)."""
-        self._release_current()
-        s = self.session
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not s.ready and not s.bye_received and s.error is None:
-            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None,
-                             timeout, "producer", self._stats.waited, pumped=pumped)
-        self._raise_if_broken()
-        if s.ready:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.take_ready(), left, timeout)
-            self._current[get_ident()] = item
-            return item
-        if s.bye_received:
-            self._pump()  # answers BYE once nothing is held
-            return None
-        raise IpcTimeoutError(
-            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
-
-    def _poll(self) -> tuple[bool, Item | None]:
-        """``port.poll``: see SourcePort."""
-        with self._call():
-            self._pump()
-            self._raise_if_broken()
-            if self.session.ready:
-                # A gloo remote item whose transfer is still running is not waited for here:
-                # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
-                # the fds it waits on) or the SENT frame wakes it when this one is ready.
-                try:
-                    return True, self._make_item(self.session.take_ready(), 0.0 if self._data_wakes else None)
-                except IpcTimeoutError:
-                    return False, None  # (the entry is first in line again)
-            if self.session.bye_received:
-                self._pump()  # answers BYE once nothing is held
-                return True, None
-            return False, None
-
-    def _release_current(self) -> None:
-        """This thread's iteration moves on: release its previous item (``auto_release``)."""
-        cur = self._current.pop(get_ident(), None) if self._current else None
-        if cur is not None and self.auto_release and not cur.released:
-            self._release_locked(cur, None)
-
-    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None,
-                   asked: float | None = None) -> Item:
-        """The item of a READY entry, once its data may be read (its ready event). The
-        wait for that event (``wait="host"``, and every remote item: its transfer) is
-        bounded by ``timeout``: past it the entry goes back, first in line, for the next
-        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
-        when given); nothing is lost or released."""
-        seq, slot, gen, sent_ns, meta, recipe = entry
-        # Built from the slot's own storage (a forwarded item: its region's), whose use
-        # count tells at release whether the program still views it (the reference rule).
-        store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
-        if self._per_item:
-            store = store.for_item()
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store)
-        if self._per_item:
-            store.seal()
-        # Held before any wait below: a host-mode wait pumps, and a pump that saw the
-        # producer's BYE with nothing held would say BYE under this item.
-        self._held[seq] = item
-        ev = self._memory.ready_events[slot]
-        # Complete already (the producer re-records it only after we release the slot):
-        # nothing to wait for. Tested here, not in wait_ready_event: a call less per item.
-        if not ev.query():
-            try:
-                wait_ready_event(ev, self.wait_mode, self._stream,
-                                 lambda done: self._poll_event(done, timeout, asked))
-            except IpcTimeoutError:
-                del self._held[seq]
-                self.session.requeue(entry)
-                raise
-        if self._verify is not None:
-            self._verify.received(item, recipe.extent, self._stream)
-        now = time.monotonic_ns()
-        self._taken((recipe.nbytes, now - sent_ns))
-        if self._trace is not None:
-            self._trace.received(seq, now)
-        return item
-
-    def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
-        s = self.session  # (wait="host": the ready event is polled with the socket pumped)
-        # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
-        if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
-                                poll_event=not self._data_wakes):
-            self._raise_if_broken()
-            raise IpcTimeoutError(
-                f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "
-                f"within {timeout if asked is None else asked} s (a remote transfer still running, or the "
-                "producer's stream behind); "
-                "it stays first in line for the next call")
-        self._raise_if_broken()  # complete now: nothing to enqueue
-
-    def _release_plain(self, item: Item, stream: Any) -> None:
-        """``_release_locked`` without ``verify``. Release ``item`` (lock held): straight-line, the reference rule first. Its
-        RELEASE is queued; queued releases go out together at the next call once
-        ``release_batch`` gathered, when the consumer is about to wait for more items
-        (``ProducerLink.pump``/``pump_lane``), or from the service thread."""
-        if item.released:
-            return
-        item.released = True
-        # The item stops viewing the slot: a leftover reference to it must not keep the
-        # producer's memory mapped (see ProducerLink.let_go_of_memory).
-        item.tensors = None
-        seq, slot = item.seq, item.slot
-        self._held.pop(seq, None)
-        if self._trace is not None:
-            self._trace.released(seq)
-        store = item.store
-        if self._check_refs and store.count() > store.own:
-            # The program still views the slot: it goes back once nothing does (the
-            # link polls it at every pump; a stall is reported at once).
-            self._link.kept.add(item)
-            return
-        item.store = None  # given back: nor does a leftover item keep the slot's storage
-        if self._foreign_uses:
-            self._foreign_uses.pop(seq, None)
-        s = self.session
-        mem = self._memory
-        if s.error is None and not mem.complete_on_record:
-            mem.release_events[slot].record(stream if stream is not None else self._stream)
-        s.queue_release((seq, slot, item.gen))
-
-    def _release_verified(self, item: Item, stream: Any) -> None:
-        """``_release_locked`` with ``verify=True``: the item's checksum is taken again
-        before its release event, and a finished comparison that found a change raises
-        (not while closing: close() logs it)."""
-        if item.released:
-            return
-        assert self._verify is not None
-        self._verify.released(item, stream if stream is not None else self._stream)
-        self._release_plain(item, stream)
-        if self._closer is None:
-            self._verify.check()
-        else:
-            try:
-                self._verify.check()
-            except IpcSyncError as exc:
-                log.warning("ipcsync consumer %r closing: %s", self.endpoint.name, exc)
-
-    # ------------------------------------------------------------------ EndpointBase hooks
-    def _pump(self) -> None:
-        """Everything at a tick (ZeroMQ, liveness, stats); between ticks, after a wait
-        whose select found only the lane readable (or nothing), the lane alone: ZeroMQ's
-        fds were drained (``_io_pending``: ``ZMQ_EVENTS`` read) before that select, and
-        an fd that did not signal has nothing new behind it (ZMQ_FD signals each arrival
-        of commands until they are processed). After the SWITCH the producer sends only
-        on the lane, so ZeroMQ then brings monitor events only."""
-        woken, self._woken = self._woken, None
-        now = time.monotonic()
-        if now >= self._next_tick:
-            self._next_tick = now + self._tick
-            self._link.pump()
-            self._link.tick(now)
-            self._stats.settle()
-        elif woken is not None and (not woken or woken == self._lane_woken):
-            self._link.pump_lane()
-        else:
-            self._link.pump()
-
-    def _service_pump(self) -> None:
-        # The user's thread is away (computing): nothing to batch with, flush now.
-        self._link.flush_releases()
-        self._pump()
-
-    def _io_fds(self) -> list[int]:
-        wake = self._lender.wake
-        return self._fds if wake is None else [*self._fds, wake.fd]
-
-    def _io_pending(self) -> bool:
-        return self._chan.pending() or (self._link.bell is not None and self._link.notices_pending())
-
-    def _raise_if_broken(self) -> None:
-        if (error := self.session.error) is not None:
-            raise error
-
-    def _lent(self) -> list[Any]:
-        return self._lender.lent()
-
-    def _teardown(self) -> None:
-        self._lender.wake = None  # (closed when collected; see foreign.Wake)
-        self._link.teardown()
-
-
-def _release(ref: "weakref.ref[Consumer]", item: Item, stream: Any) -> None:
-    """``Item.release`` (``item.origin.release``)."""
-    c = ref()
-    if c is not None:
-        with c._lock:
-            c._last_call = time.monotonic()
-            if not item.released and not c._closed:
-                c._release_locked(item, stream)
-                if c.blocked_calls or c._awaiting:
-                    # A call (thread or task) waits for items: the producer may be waiting
-                    # for this slot, and the batch would go out only at that call's tick.
-                    c._link.flush_releases()
-
-
-def _is_closed(ref: "weakref.ref[Consumer]") -> bool:
-    c = ref()
-    return c is None or c._closed
+        self._endpoint.close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)

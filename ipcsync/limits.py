@@ -22,7 +22,6 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_HEARTBEAT",
     "IPC_PATH_MAX",
-    "WAIT_MODES",
     "POLICIES",
     "DEFAULT_SPIN_US",
     "MAX_SPIN_US",
@@ -37,7 +36,6 @@ DEFAULT_TIMEOUT: float | None = None  # data calls: wait as long as the peer liv
 DEFAULT_CONNECT_TIMEOUT = 30.0  # the handshake: how long to wait for a peer to appear
 DEFAULT_HEARTBEAT = 1.0  # seconds between liveness messages of an idle endpoint
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
-WAIT_MODES = ("gpu", "host")  # how a consumer waits on a producer's events
 POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers
 # How long a blocking call polls its sockets before it sleeps in select (microseconds).
 # A peer that answers within this window is seen without a sleep and a wake-up. Off by

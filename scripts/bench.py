@@ -1265,7 +1265,8 @@ def gpupipe_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
     import bench_gpupipe as bg
 
     rate = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["rate"]) for r in res["rows"]]
-    lat = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["p50_ms"], r["p99_ms"]) for r in res["rows"]]
+    lat = [benchchart.Bar(bg.label(r["method"], r["replicas"]), r["p50_ms"], r["p99_ms"])
+           for r in res["rows"] if r["method"] != "alone"]  # (alone: the decoder's step only)
     return [benchchart.Panel("GPU pipeline: encoder -> decoder stages", "steps/s", True, [benchchart.Group("", rate)]),
             benchchart.Panel("GPU pipeline: step latency", "ms", False, [benchchart.Group("", lat)])]
 
@@ -1283,7 +1284,7 @@ def kv_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
         return []
     import bench_kv as bk
 
-    m = res["methods"]
+    m = {k: r for k, r in res["methods"].items() if k != "alone"}  # the handoffs (alone: no KV moved)
     gbs = [benchchart.Bar(bk.LABELS[k], r["gbs"]) for k, r in m.items()]
     ttft = [benchchart.Bar(bk.LABELS[k], r["p50_ms"], r["p99_ms"]) for k, r in m.items()]
     return [benchchart.Panel("KV handoff, prefill -> decode", "GB/s of KV", True, [benchchart.Group("", gbs)]),

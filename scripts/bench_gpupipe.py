@@ -3,6 +3,9 @@
 run three ways on one device, the same steps, the same inputs:
 
 - one process: each step's input made, encoded and decoded in one process, one stream;
+- the decoder alone: one process makes each step's activations itself (not timed) and
+  times only the decoder's step (its forward and ``int()``): the pace no pipeline feeding
+  this decoder can pass, so a pipeline's ratio to it is the share the handoff leaves;
 - ipcsync: an encoder process ``send()``s each step's activations ``{"h": h}`` to R
   decoder replica processes (``policy="shard"``, ``--slots`` slots); a decoder runs on the
   slot's views and releases them. No host sync on the handoff path;
@@ -34,7 +37,7 @@ import torch
 from bench_latency import child_device
 from benchprocs import ProcsError, load_example, report, run_procs, spawn
 
-METHODS = ("single", "ipcsync", "mpq")
+METHODS = ("single", "alone", "ipcsync", "mpq")
 
 
 class GpuPipeError(ProcsError):
@@ -47,6 +50,8 @@ ST = load_example("gpu_pipeline/stages")
 def label(method: str, replicas: int) -> str:
     if method == "single":
         return "one process (both stages)"
+    if method == "alone":
+        return "decoder alone (input made in place)"
     dec = f"{replicas} decoder{'s' if replicas > 1 else ''}"
     return f"ipcsync, encoder -> {dec}" if method == "ipcsync" else f"torch.mp.Queue, encoder -> {dec}"
 
@@ -105,6 +110,28 @@ def _single(results: Any, cfg: dict[str, Any], device: str) -> None:
         return {"done": done, "checksum": total, "compute": clock.seconds()}
 
     report(results, "one process", run)
+
+
+def _alone(results: Any, cfg: dict[str, Any], device: str) -> None:
+    def run() -> dict[str, Any]:
+        dev = child_device(device)
+        enc, dec = _models(cfg, dev, ("encoder", "decoder"))
+        done, total, busy = [], 0, 0.0
+        with torch.no_grad():
+            for step in range(cfg["steps"]):
+                h = enc(ST.make_input(step, cfg["batch"], cfg["dim"], dev))
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # the input is made before the step is timed
+                t0 = time.monotonic()
+                total += int(ST.checksum(dec(h)))
+                took = time.monotonic() - t0
+                if step >= cfg["warmup"]:
+                    busy += took
+                # "made" and "done" on a clock that counts the decoder's timed steps only
+                done.append((step, busy - took, busy))
+        return {"done": done, "checksum": total}
+
+    report(results, "decoder alone", run)
 
 
 def _encoder(results: Any, method: str, cfg: dict[str, Any], device: str, link: Any) -> None:
@@ -179,6 +206,8 @@ def run_one(method: str, cfg: dict[str, Any], device: str, progress: Callable[[s
     link: Any = None
     if method == "single":
         targets = {"one process": (_single, (results, cfg, device))}
+    elif method == "alone":
+        targets = {"decoder alone": (_alone, (results, cfg, device))}
     else:
         if method == "ipcsync":
             link = f"gpipe-{os.getpid()}-{cfg['replicas']}"
@@ -215,6 +244,7 @@ def run_gpupipe(device: str, cfg: dict[str, Any], progress: Callable[[str], None
     progress(f"gpupipe: {cfg['steps']} steps of {cfg['batch']} x {cfg['dim']}, {cfg['layers']} blocks per stage")
     single = run_one("single", {**cfg, "replicas": 1}, device, progress)
     rows.append({"method": "single", "replicas": 1, **single})
+    rows.append({"method": "alone", "replicas": 1, **run_one("alone", {**cfg, "replicas": 1}, device, progress)})
     for r in cfg["replicas"]:
         for method in ("ipcsync", "mpq"):
             rows.append({"method": method, "replicas": r, **run_one(method, {**cfg, "replicas": r}, device, progress)})
@@ -242,9 +272,12 @@ def print_gpupipe(res: dict[str, Any], device: str, header: Callable[[], None]) 
     for r in res["rows"]:
         mpq = rates.get(("mpq", r["replicas"]))
         cells = (label(r["method"], r["replicas"]), f"{r['rate']:,.1f}",
-                 "-" if r["method"] == "single" or not mpq else f"{r['rate'] / mpq:.2f}x",
+                 "-" if r["method"] in ("single", "alone") or not mpq else f"{r['rate'] / mpq:.2f}x",
                  f"{r['rate'] / single:.2f}x", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['busy'] * 100:.1f}%")
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    alone = rates[("alone", 1)]
+    print("of the decoder alone's pace: " + ", ".join(
+        f"{label(m, r)} {rate / alone:.2f}x" for (m, r), rate in rates.items() if m in ("ipcsync", "mpq")))
     print(f"{busy}: steps/s x the stages' compute per step, measured alone in the one-process run "
           f"({'CUDA events' if device.startswith('cuda') else 'host time'}: "
           f"{res['rows'][0]['step_compute'] * 1e3:.3f} ms)")

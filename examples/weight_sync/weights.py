@@ -118,5 +118,11 @@ def load_(model: torch.nn.Module, received: Sequence[torch.Tensor]) -> None:
         if r.shape != p.shape or r.dtype != p.dtype:
             raise ValueError(f"a received tensor {tuple(r.shape)} {r.dtype} for a parameter "
                              f"{tuple(p.shape)} {p.dtype}: start both sides with the same sizes")
-    for p, r in zip(params, received):
-        p.copy_(r)
+    # One batched copy for all parameters (a copy_ each costs ~7 us of host dispatch: ~1 ms
+    # for a model of 128 tensors); torch before 2.1 has no _foreach_copy_.
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(params, list(received))
+    else:
+        for p, r in zip(params, received):
+            p.copy_(r)

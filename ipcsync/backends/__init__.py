@@ -9,7 +9,9 @@ from ..runtime.shm import launcher_run_id
 from .base import Arena, Backend, Event
 from .cpu import CpuBackend
 
-__all__ = ["Arena", "Backend", "Event", "CpuBackend", "backend_for", "resolve_device"]
+__all__ = ["Arena", "Backend", "Event", "CpuBackend", "BACKEND_NAMES", "backend_for", "resolve_device"]
+
+BACKEND_NAMES = ("cpu", "cuda")  # the ``Backend.name`` of each backend ``backend_for`` makes
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -76,6 +76,9 @@ class Backend(abc.ABC):
     # wait: no-ops; query: True; current_stream: None). The handoff steps skip what then
     # has nothing to do (runtime.slots), decided once, not per item.
     host_sync: ClassVar[bool] = False
+    # Why a consumer on this host in another PID namespace cannot share this backend's
+    # memory (the refusal's text), or None where it can (admission asks it of every HELLO).
+    pid_namespace_rule: ClassVar[str | None] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

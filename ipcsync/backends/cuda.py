@@ -204,6 +204,7 @@ class CudaBackend(Backend):
     """CUDA IPC memory and interprocess events on one GPU."""
 
     name = "cuda"
+    pid_namespace_rule = "CUDA IPC needs both processes in one PID namespace"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

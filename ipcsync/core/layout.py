@@ -59,6 +59,15 @@ ALIGN = 256  # byte alignment of every tensor in a slot (CUDA-friendly, >= any i
 MAX_DEPTH = 32  # nesting of dicts/lists/tuples in one message
 
 _DTYPES: dict[str, torch.dtype] = {}
+
+
+def _copy_each(dsts: list[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+# One dispatch for a list of copies (torch >= 2.1; older: tensor by tensor).
+_FOREACH_COPY: Callable[..., None] = getattr(torch, "_foreach_copy_", _copy_each)
 for _name in dir(torch):
     _obj = getattr(torch, _name)
     if isinstance(_obj, torch.dtype):
@@ -395,7 +404,7 @@ class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
     __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
-                 "layout_size", "room", "data_bytes", "recipe", "_direct", "_dst")
+                 "layout_size", "room", "data_bytes", "recipe", "_direct", "_batched", "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
@@ -419,8 +428,14 @@ class Plan:
         # A dense, non-overlapping tensor is copied into a destination view of its own shape
         # and strides (copy_ resolves conj/neg bits itself); others as their element span.
         self._direct = [_dense(t.shape, t.stride()) for t in placement.tensors]
-        # slot -> (slot device, whether it is not the host, [(destination view, direct)])
-        self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]]]] = {}
+        # Several tensors, all direct: one batched copy (``torch._foreach_copy_``, one
+        # dispatch for the list: 64 tensors cost ~21 us instead of ~420 us on an H200 host)
+        # whenever every source is on the slot's device and needs no detach.
+        self._batched = len(self._direct) > 1 and all(self._direct)
+        # slot -> (slot device, whether it is not the host, [(destination view, direct)],
+        #          the destination views alone, for the batched copy)
+        self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]],
+                                   list[torch.Tensor]]] = {}
 
     def write(self, slot_index: int, slot: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` (this plan's signature) into slot ``slot_index`` (``slot``: a
@@ -436,8 +451,16 @@ class Plan:
             for spec, direct in zip(self.layout[1], self._direct):
                 span = _span_view(slot, spec, slot.numel())
                 dsts.append((span.as_strided(spec[1], spec[2]) if direct else span, direct))
-            cached = self._dst[slot_index] = (slot.device, slot.device.type != "cpu", dsts)
-        device, on_device, dsts = cached
+            cached = self._dst[slot_index] = (slot.device, slot.device.type != "cpu", dsts,
+                                              [dst for dst, _ in dsts])
+        device, on_device, dsts, views = cached
+        if self._batched:
+            for src in tensors:
+                if src.requires_grad or src.device != device or src.is_conj() or src.is_neg():
+                    break
+            else:  # same result as the loop below, in one call
+                _FOREACH_COPY(views, tensors, non_blocking=on_device)
+                return
         for (dst, direct), src in zip(dsts, tensors):
             if src.requires_grad:
                 src = src.detach()

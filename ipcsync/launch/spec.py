@@ -61,15 +61,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..core.waits import wait_problem  # pure, as are the limits: a spec loads no endpoint, torch or zmq
 from ..errors import ConfigError
-from ..limits import (  # pure constants: parsing a spec loads no endpoint, torch or zmq
+from ..limits import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_SLOT_BYTES,
     DEFAULT_SLOTS,
     MAX_SLOT_BYTES,
     MAX_SLOTS,
     POLICIES,
-    WAIT_MODES,
 )
 
 if sys.version_info >= (3, 11):
@@ -94,7 +94,6 @@ __all__ = [
 
 MAX_REPLICAS = 256
 MAX_RESTART = 1000
-WAITS = WAIT_MODES
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]{1,3})?)$")
 _VISIBLE_RE = re.compile(r"^[A-Za-z0-9,:-]*$")
@@ -429,8 +428,8 @@ def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
     if policy not in POLICIES:
         raise where.error(f"{key}.policy", f"{policy!r}; use one of {', '.join(POLICIES)}")
     wait = body.get("wait", "gpu")
-    if wait not in WAITS:
-        raise where.error(f"{key}.wait", f"{wait!r}; use one of {', '.join(WAITS)}")
+    if (problem := wait_problem(wait)) is not None:
+        raise where.error(f"{key}.wait", problem)
     return EdgeSpec(
         src=ends[0],
         dst=ends[1],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..backends import BACKEND_NAMES, Backend
 from ..core import protocol as P
 from ..core.protocol import ErrorCode
 from . import host
@@ -17,9 +18,10 @@ def is_remote(hello: P.Hello) -> bool:
     return hello.boot_id != host.host_identity()
 
 
-def hello_problem(hello: P.Hello, backend: str, device: object, remote_ok: bool = False) -> tuple[str, str] | None:
+def hello_problem(hello: P.Hello, backend: Backend, device: object, remote_ok: bool = False) -> tuple[str, str] | None:
     """(error code, text) if a producer on ``backend``/``device`` must refuse ``hello``.
-    ``remote_ok``: a consumer on another host is welcome (tcp endpoints: a remote edge)."""
+    ``remote_ok``: a consumer on another host is welcome (tcp endpoints: a remote edge).
+    What depends on the backend is the backend's to say (``Backend.pid_namespace_rule``)."""
     remote = is_remote(hello)
     if remote and not remote_ok:
         return ErrorCode.HOST.value, (
@@ -32,20 +34,21 @@ def hello_problem(hello: P.Hello, backend: str, device: object, remote_ok: bool 
             f"served only once their sends are confirmed), the consumer speaks {hello.version}: run the "
             "same ipcsync version on every host"
         )
-    if remote and hello.backend not in ("cpu", "cuda"):
-        return ErrorCode.BACKEND.value, f"a remote consumer's device must be cpu or cuda, not {hello.backend[:16]!r}"
-    if hello.backend != backend and not remote:
+    if remote and hello.backend not in BACKEND_NAMES:
+        return ErrorCode.BACKEND.value, (f"a remote consumer's device must be one of {', '.join(BACKEND_NAMES)}, "
+                                         f"not {hello.backend[:16]!r}")
+    if hello.backend != backend.name and not remote:
         # (A remote edge joins any two kinds of device: the transfer copies, see
         # runtime.remote.transport_for.)
         return ErrorCode.BACKEND.value, (
-            f"producer uses the {backend} backend (device {device}) but "
+            f"producer uses the {backend.name} backend (device {device}) but "
             f"the consumer asked for {hello.backend}; use the same kind of device on both sides"
         )
-    if backend == "cuda" and not remote:
-        # A consumer on another GPU of this host is welcome: it checks on SETUP that it
-        # can see ours and has peer access to it (GPUs are matched by UUID, not index).
-        if hello.pid_ns != host.pid_namespace():
-            return ErrorCode.HOST.value, "CUDA IPC needs both processes in one PID namespace"
+    rule = backend.pid_namespace_rule
+    if rule is not None and not remote and hello.pid_ns != host.pid_namespace():
+        # (A consumer on another GPU of this host is welcome: it checks on SETUP that it
+        # can see ours and has peer access to it; GPUs are matched by UUID, not index.)
+        return ErrorCode.HOST.value, rule
     if hello.credits < 1:
         return ErrorCode.CREDITS.value, "consumer credits must be at least 1"
     return None

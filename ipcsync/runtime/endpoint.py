@@ -1,5 +1,7 @@
-"""What Producer and Consumer share: the endpoint lock, the service thread, option checks,
-timeouts, and the endpoints' life across exit and fork.
+"""What the runtime endpoints of Producer and Consumer (``runtime.port.ProducerPort``,
+``runtime.consumer_endpoint.ConsumerEndpoint``; the public classes are facades over them)
+share: the endpoint lock, the service thread, option checks, timeouts, and the endpoints'
+life across exit and fork.
 
 Threading model. All protocol work happens in ``_pump`` under ``_lock``; the sockets are
 only ever used by the thread holding the lock (ZeroMQ sockets may move between threads
@@ -38,6 +40,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -45,7 +48,7 @@ from ..core.ratelog import RateLog
 from ..core.spin import AdaptiveSpin
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
 from ..logs import apply_env_level
-from .waiting import EVENT_SPIN_S, WAIT_MODES, Poller, spin_seconds
+from .waiting import EVENT_SPIN_S, Poller, spin_seconds
 
 if TYPE_CHECKING:
     from .handover import Pumpable
@@ -68,10 +71,16 @@ def check_positive_int(name: str, value: int, limit: int) -> int:
     return value
 
 
-def check_wait(value: str) -> str:
-    if value not in WAIT_MODES:
-        raise ConfigError(f"wait must be one of {WAIT_MODES}, got {value!r}")
-    return value
+def bind_hot(facade: Any, name: str, bound: Callable[..., Any]) -> None:
+    """Bind ``facade.<name>`` (a public method of the facade's class) to ``bound``, the
+    runtime endpoint's method of the same signature, for this instance: a call then runs
+    no Python frame of the facade's (the hot path's call budget,
+    tests/unit/test_call_counts.py). The binding carries the class method's docstring, so
+    ``help()`` and ``inspect.signature`` of the instance's method say what the class's
+    do; ``functools.partial`` is called in C."""
+    hot = partial(bound)
+    hot.__doc__ = getattr(type(facade), name).__doc__
+    facade.__dict__[name] = hot
 
 
 # Every endpoint open in this process, for the one atexit hook and for fork.
@@ -79,7 +88,7 @@ _open_endpoints: "weakref.WeakSet[EndpointBase]" = weakref.WeakSet()
 
 
 class EndpointBase:
-    """Base of Producer and Consumer: lock, service thread, closed state."""
+    """Base of the runtime endpoints: lock, service thread, closed state."""
 
     _role = "endpoint"
 

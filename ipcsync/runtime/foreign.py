@@ -177,26 +177,48 @@ class Wake:
 
 
 class Lender:
-    """The ``ForwardOrigin`` of one Consumer's items (``item.origin``): lends them to
-    forwarding Producers and takes them back. ``held`` and ``current`` are the consumer's
-    (its items held, and each iterating thread's current one); ``link`` its
-    ``ProducerLink`` (session, memory, foreign arenas, flush); ``lock`` its lock."""
+    """Where each of one Consumer's items is while it is out: with the program (``held``
+    by seq; ``current``: each iterating thread's current item, auto-released at that
+    thread's next ``next()``) or lent to a forwarding Producer (``forwarded``). The one
+    owner of those three: moving an item between them (``take``, ``undo``, the release)
+    happens here. It is the ``ForwardOrigin`` of the consumer's items (``item.origin``).
+    ``link``: the consumer's ``ProducerLink`` (session, memory, foreign arenas, flush);
+    ``lock``: the consumer's lock; ``release(item, stream)``: what ``Item.release()``
+    calls; ``is_closed()``: whether the consumer is closed.
+
+    The consumer's steady path asks with no Python frame: ``hold(seq, item)``,
+    ``unhold(seq, None)``, ``set_current(thread, item)`` and ``pop_current(thread, None)``
+    are the dicts' own (C) methods."""
 
     __slots__ = ("lock", "device", "stream", "release", "link", "held", "current", "is_closed", "forwarded",
-                 "back", "wake", "outs")
+                 "back", "wake", "outs", "hold", "unhold", "set_current", "pop_current")
 
     def __init__(self, lock: threading.Lock, device: torch.device, stream: Any,
-                 release: Callable[[Any, Any], None], link: Any, held: dict[int, Any],
-                 current: dict[int, Any], is_closed: Callable[[], bool]) -> None:
+                 release: Callable[[Any, Any], None], link: Any, is_closed: Callable[[], bool]) -> None:
         self.lock = lock
         self.device = device
         self.stream = stream  # the stream the consumer orders its waits on (None: current)
         self.release = release  # release(item, stream): what Item.release() calls
-        self.link, self.held, self.current, self.is_closed = link, held, current, is_closed
+        self.link, self.is_closed = link, is_closed
+        self.held: dict[int, Any] = {}  # seq -> item the program holds
+        self.current: dict[int, Any] = {}  # thread ident -> its current item
         self.forwarded: dict[int, Any] = {}  # seq -> item lent to a forwarding Producer
+        self.hold, self.unhold = self.held.__setitem__, self.held.pop
+        self.set_current, self.pop_current = self.current.__setitem__, self.current.pop
         self.back: deque[Any] = deque()  # lent items given back (appended by any thread)
         self.wake: Wake | None = None  # among the consumer's wait fds, made at the first take
         self.outs: dict[Any, Pumpable] = {}  # the Producers we lent to
+
+    # ------------------------------------------------------------------ what the consumer asks
+    def holding(self) -> bool:
+        """An item is out: held by the program or lent (then no BYE goes upstream)."""
+        return bool(self.held) or bool(self.forwarded)
+
+    def held_count(self) -> int:
+        return len(self.held)
+
+    def held_items(self) -> list[Any]:
+        return list(self.held.values())
 
     # ------------------------------------------------------------------ ForwardOrigin
     def take(self, item: Any, out: Pumpable) -> ForwardSource:

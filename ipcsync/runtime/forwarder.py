@@ -146,20 +146,19 @@ class Forwarder:
                 raise CannotForward(f"{peer.label} is on another host: its items travel by copy")
         if info.backend != backend.name:
             raise CannotForward(f"the item is in {info.backend} memory and this producer is on {self.device}")
-        if backend.name == "cuda":
-            if origin.device != self.device:
+        if origin.device != self.device:
+            raise CannotForward(
+                f"the item was received on {origin.device} and this producer is on {self.device}; "
+                "forward on the device the item was received on")
+        for peer in self.peers:  # (whether a reader reaches the memory is the backend's rule)
+            key = (peer.session.hello.device, info.device)
+            ok = self.reach.get(key)
+            if ok is None:
+                ok = self.reach[key] = backend.can_reach(peer.session.hello.device, info.device)
+            if not ok:
                 raise CannotForward(
-                    f"the item was received on {origin.device} and this producer is on {self.device}; "
-                    "forward on the device the item was received on")
-            for peer in self.peers:
-                key = (peer.session.hello.device, info.device)
-                ok = self.reach.get(key)
-                if ok is None:
-                    ok = self.reach[key] = backend.can_reach(peer.session.hello.device, info.device)
-                if not ok:
-                    raise CannotForward(
-                        f"{peer.label} runs on GPU {peer.session.hello.device}, which cannot read (or "
-                        f"this process cannot tell whether it can read) the item's GPU {info.device}")
+                    f"{peer.label} runs on device {peer.session.hello.device}, which cannot read (or "
+                    f"this process cannot tell whether it can read) the item's device {info.device}")
 
     # ------------------------------------------------------------------ upstream release
     def freed(self, slot: int) -> None:
@@ -167,7 +166,7 @@ class Forwarder:
         release the upstream item now (wait="host": once their release events are
         complete). Lock held."""
         done = self.ledger.freed(slot, self.handoffs.downstream_waits(slot), _complete,
-                                 host=self.handoffs.wait_mode == "host")
+                                 host=self.handoffs.wait.polls)
         if done is not None:
             self._finish(*done)
 
@@ -207,7 +206,7 @@ class Forwarder:
         h = self.handoffs
         held = 0
         for slot in self.ledger.outstanding_slots():
-            waits = [w for w in h.downstream_waits(slot) if h.wait_mode == "gpu" or w[1].query()]
+            waits = [w for w in h.downstream_waits(slot) if h.wait.may_enqueue(w[1])]
             if h.ring.holders[slot] or slot in self.ledger.pending:
                 held += 1
             done = self.ledger.finish(slot, waits)

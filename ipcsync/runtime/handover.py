@@ -53,7 +53,8 @@ class ForwardSource(NamedTuple):
 class Pumpable(Protocol):
     """A Producer's side, as a waiting Consumer sees it (see the module docstring)."""
 
-    lock: threading.Lock
+    @property
+    def lock(self) -> threading.Lock: ...
 
     @property
     def closed(self) -> bool: ...

@@ -7,7 +7,6 @@ watched; silence only makes it stalled). Used under the producer's lock."""
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -38,13 +37,12 @@ log = logging.getLogger(__name__)
 class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
-    __slots__ = ("identity", "session", "clock", "fd", "watch", "release_events", "outbox", "disconnected",
-                 "remote", "lane", "lane_ready", "bell")
+    __slots__ = ("identity", "session", "fd", "watch", "release_events", "outbox", "disconnected",
+                 "remote", "lane", "lane_ready", "spoke", "bell")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
         self.session = session
-        self.clock = session.clock
         self.fd = fd
         # The consumer's process, as the kernel named it where it can (SO_PEERCRED), else as
         # its HELLO claims it when that process exists; None where this producer cannot see
@@ -63,6 +61,9 @@ class Peer:
         # every frame to it goes on the lane (the ordering rule of runtime.lane).
         self.lane: Lane | None = None
         self.lane_ready: Lane | None = None
+        # A frame went out to it since the last tick, which tells the session
+        # (``session.spoke``): one flag per send, no call, on the hot path.
+        self.spoke = False
         # Its doorbell (runtime.bellwire), once joined: steady READYs go there as entries,
         # its RELEASEs come from there; None: every notice is a frame.
         self.bell: Doorbell | None = None
@@ -73,7 +74,7 @@ class Peer:
 
     @property
     def stalled(self) -> bool:
-        return self.clock.stalled
+        return self.session.clock.stalled
 
 
 class PeerTable:
@@ -110,7 +111,7 @@ class PeerTable:
             self.fd_peer[peer.fd] = peer.identity
 
     def stalled_now(self) -> int:
-        return sum(p.clock.stalled for p in self.by_id.values())
+        return sum(p.session.clock.stalled for p in self.by_id.values())
 
     # ------------------------------------------------------------------ sending
     def send(self, peer: Peer, frame: bytes, queue: bool = True) -> bool:
@@ -142,7 +143,7 @@ class PeerTable:
                 # Our last frame on ZeroMQ to this peer has left: the rest go on the lane.
                 peer.lane, peer.lane_ready = peer.lane_ready, None
         if ok:
-            peer.clock.last_send = time.monotonic()
+            peer.spoke = True
         elif queue:
             peer.outbox.append(frame)
         return ok
@@ -165,7 +166,7 @@ class PeerTable:
             bad = peer.session.bad_frame(exc)
             self.bad_frame(peer.identity, peer, bad.data, bad.reply)
             return True  # (as a send to a peer now gone: its holds were reclaimed)
-        peer.clock.last_send = time.monotonic()
+        peer.spoke = True
         return True
 
     def end_bell(self, peer: Peer) -> None:
@@ -318,16 +319,21 @@ class PeerTable:
                         "stalled",
                         "ipcsync producer %r: remote %s has been silent for %.1f s (heartbeat %.2f s); it is "
                         "lost if still silent past %d heartbeats", self.name, peer.label,
-                        peer.clock.silent_for(now), peer.clock.heartbeat, LOSS_HEARTBEATS)
+                        peer.session.clock.silent_for(now), peer.session.clock.heartbeat, LOSS_HEARTBEATS)
                 else:
                     self.ratelog.warning(
                         "stalled",
                         "ipcsync producer %r: %s has been silent for %.1f s (heartbeat %.2f s) but its "
                         "process is alive: stalled (paused, GC, SIGSTOP?); its %d slot(s) stay held",
-                        self.name, peer.label, peer.clock.silent_for(now), peer.clock.heartbeat,
+                        self.name, peer.label, peer.session.clock.silent_for(now), peer.session.clock.heartbeat,
                         len(self.ring.held_by(peer.identity)))
             elif verdict is Verdict.ANSWERING:
                 log.info("ipcsync producer %r: %s is answering again", self.name, peer.label)
+            if peer.spoke:
+                # Something went out since the last tick: no heartbeat is due for a while.
+                # (At most a tick late, so a heartbeat may come a tick later than due.)
+                peer.spoke = False
+                peer.session.spoke(now)
             if not peer.outbox:
                 frame = peer.session.heartbeat(now)
                 if frame is not None:

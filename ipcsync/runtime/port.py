@@ -1,9 +1,17 @@
-"""A Producer's port: its internal composition, as other parts of ipcsync use it (not user
-API). It is ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
+"""The Producer's runtime endpoint (``ProducerPort``): it owns the producer's state (the
+lock, the closed and closing flags, the ring, its memory and events, the consumers)
+and does what ``ipcsync.Producer`` (a facade) asks of it.
+
+Its parts, each with one job: ``runtime.slots`` (the handoff steps, each with its
+ordering rule), ``runtime.peers`` + ``runtime.admission`` (the consumers, their
+sockets, their liveness; ``core.producer_session``: one connection's protocol, sans
+I/O), ``runtime.forwarder`` + ``core.forwarding`` (zero-copy forwarding). The port
+handles what arrives (the pump: monitor events, frames through each consumer's
+``ProducerSession``, the handshake, the liveness tick), and it is what other parts of
+ipcsync use: ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
 producer pumps it while it waits), the entry of ``ipcsync.forward`` (``forward``) and of
-``Producer.slot()`` blocks (``open_slot``/``close_slot``), and it handles what arrives:
-monitor events, frames (through each consumer's ``ProducerSession``), the handshake, the
-liveness tick. Used under the producer's lock except where a method says it takes it.
+``Producer.slot()`` blocks (``open_slot``/``close_slot``). Not user API. Used under its
+lock except where a method says it takes it.
 """
 
 from __future__ import annotations
@@ -12,27 +20,38 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
+import torch
 import zmq
 
-from ..backends import Arena, Backend
+from .. import limits as L
+from ..backends import backend_for, resolve_device
 from ..core import protocol as P
+from ..core.forwarding import ForwardLedger
+from ..core.layout import ALIGN, plan_message, signature
 from ..core.producer_session import Kind, ProducerSession
 from ..core.remote_session import READY_PLACEHOLDER
 from ..core.ratelog import best_effort
-from ..errors import ProtocolError, SlotKeptError
-from . import host
+from ..core.ring import POLICIES, Ring
+from ..core.stats import Stats
+from ..core.waits import wait_strategy
+from ..errors import ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
+from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .bellwire import Offer, geometry_for, join, release_bounds
-from .channel import ProducerChannel
+from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
+from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
-from .slots import Handoffs, SlotRecord
+from .slots import Handoffs, SlotRecord, Waits
 
 __all__ = ["ProducerPort", "SlotTicket"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class SlotTicket(NamedTuple):
@@ -49,47 +68,77 @@ class SlotTicket(NamedTuple):
 _new_tuple = tuple.__new__  # SlotTicket(*fields) without a namedtuple's Python-level __new__
 
 
-class ProducerPort:
-    """See the module docstring. ``gate``: refuses a send on a closed or closing producer
-    (and notes that the user's thread is here); ``check_open``: refuses any call on a
-    closed one."""
+class ProducerPort(EndpointBase):
+    """See the module docstring; the arguments are ``ipcsync.Producer``'s, checked here.
+    ``closing`` (set by ``close``/``aclose``/``abort``): new sends are refused and a
+    consumer that attaches now is told goodbye once nothing is queued."""
 
-    def __init__(self, *, owner: Any, lock: threading.Lock, chan: ProducerChannel, peers: PeerTable,
-                 handoffs: Handoffs, forwarder: Forwarder, backend: Backend, arena: Arena, stride: int,
-                 heartbeat: float, tick: float, gate: Callable[[], None], check_open: Callable[[], None],
-                 default_stream: Any, name: str, ipc: bool) -> None:
-        self.owner = owner  # the Producer (its public ``closed`` only)
-        self.lock = lock
-        self.chan = chan
-        self.peers = peers
-        self.handoffs = handoffs
-        self.forwarder = forwarder
-        self.backend = backend
-        self.arena = arena
-        self.stride = stride
-        self.heartbeat = heartbeat
-        self.tick = tick
-        self.next_tick = 0.0
-        self.gate = gate
-        self.check_open = check_open
-        self.default_stream = default_stream
-        self.name = name
-        self.ipc = ipc  # the kernel can name the peer of a connection (SO_PEERCRED)
+    _role = "producer"
+
+    def __init__(self, endpoint: str, *, slots: int, slot_bytes: int, device: str | torch.device | None,
+                 policy: str, wait: str, timeout: float | None, heartbeat: float | None, stream: Any,
+                 curve: CurveKeys | None, insecure: bool, limits: P.Limits) -> None:
+        super().__init__(endpoint, timeout, heartbeat)
+        self._closed = True  # until every part is built (nothing for __del__ to tear down before)
+        self.slots = check_positive_int("slots", slots, L.MAX_SLOTS)
+        self.slot_bytes = check_positive_int("slot_bytes", slot_bytes, 1 << 40)
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        waiting = wait_strategy(wait)  # how a slot's overwrite is ordered after its readers
+        self.wait_mode = waiting.name
+        self.device = resolve_device(device)
+        self.endpoint = resolve_endpoint(endpoint)
+        check_transport(self.endpoint, curve, insecure, "producer")
+        self._stream = stream  # the default stream of every call (None: the current one)
+        self.backend = backend = backend_for(self.device)
+        self.ring = ring = Ring(self.slots, policy)
         self.closing = False
+        self.stride = stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
+        self.chan = chan = ProducerChannel(self.endpoint, limits.max_frame, curve)
+        arena = None
+        try:
+            try:
+                arena = backend.create_arena(stride * self.slots)
+            except ConfigError as exc:  # e.g. /dev/shm too small: name the ring that asked
+                raise ConfigError(f"Producer(slots={self.slots}, slot_bytes={self.slot_bytes}): {exc}") from None
+            slot_views = [arena.tensor[i * stride: i * stride + self.slot_bytes] for i in range(self.slots)]
+            ready_events = [backend.create_event() for _ in range(self.slots)]
+        except BaseException:
+            chan.close()
+            if arena is not None:
+                arena.close()
+            raise
+        self.arena = arena
+        self._stats = Stats()
+        self.name = name = self.endpoint.name
+        self.ipc = self.endpoint.path is not None  # the kernel can name the peer of a connection (SO_PEERCRED)
+        self.peers = peers = PeerTable(chan, name, ring, self._ratelog, self.on_gone)
+        self.handoffs = h = Handoffs(
+            ring=ring, slot_views=slot_views, ready_events=ready_events, slot_bytes=self.slot_bytes,
+            peers=peers, ledger=ForwardLedger(self.slots), stats=self._stats, limits=limits,
+            wait=waiting, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
+            waits=Waits(self.pump, self._wait_until, self._timeout_error, self._resolve_timeout))
+        self._plan_get: Callable[[Any], Any] = h.plans.get  # the plan cache's own get (hot path)
+        self.forwarder = Forwarder(handoffs=h, peers=peers, backend=backend, device=self.device, lock=self._lock,
+                                   enter=self._enter_send, touch=self._touch, default_stream=stream, name=name)
+        self.forwarder.remote_capable = not self.ipc  # (remote consumers attach on tcp endpoints only)
         self.attached_total = 0  # consumers that completed the handshake, ever
         self.pid = os.getpid()
         self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
         # Per-item notices through shared memory with consumers that opt in too (a lane edge).
-        self.doorbell = ipc and chan.lanes is not None and chan.doorbell
-        forwarder.remote_capable = not ipc  # (remote consumers attach on tcp endpoints only)
+        self.doorbell = self.ipc and chan.lanes is not None and chan.doorbell
+        self._fds = chan.fds()
+        self._closed = False
+        self._start_service()
 
     # ------------------------------------------------------------------ Pumpable
     @property
-    def closed(self) -> bool:
-        return bool(self.owner.closed)
+    def lock(self) -> threading.Lock:
+        return self._lock
 
     def io_fds(self) -> Sequence[int]:
-        return self.chan.fds()
+        return self._fds
 
     def io_pending(self) -> bool:
         return self.chan.pending() or (bool(self.peers.bells) and self.releases_pending())
@@ -124,8 +173,11 @@ class ProducerPort:
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 continue
             if got:
-                peer.clock.last_recv = now
+                peer.session.clock.heard(now)
                 self.handoffs.released(peer, [(e[0], e[1], e[2]) for e in got])
+
+    _io_fds = io_fds  # (EndpointBase's hooks)
+    _io_pending = io_pending
 
     def pump(self) -> None:
         """Handle everything that has arrived, without blocking. Lock held."""
@@ -161,9 +213,11 @@ class ProducerPort:
             self.confirm_sends()
         peers.flush()
         now = time.monotonic()
-        if now >= self.next_tick:
-            self.next_tick = now + self.tick
+        if now >= self._next_tick:
+            self._next_tick = now + self._tick
             peers.tick(now)
+
+    _pump = pump  # (EndpointBase's hook: no frame of its own)
 
     # ------------------------------------------------------------------ remote edges
     def confirm_sends(self) -> None:
@@ -181,12 +235,12 @@ class ProducerPort:
         """An edge's completion thread saw a send complete: confirm it now, under the lock
         (a thread holding the lock confirms at its next pump instead, if ``stopped``:
         the edge is closing, perhaps under the lock)."""
-        lock = self.lock
+        lock = self._lock
         while not lock.acquire(timeout=0.005):
             if stopped():
                 return
         try:
-            if not self.owner.closed:
+            if not self._closed:
                 self.confirm_sends()
         finally:
             lock.release()
@@ -315,7 +369,7 @@ class ProducerPort:
         self.peers.monitor(self.chan.events())
         self.chan.greeted(fd)  # no longer half-open (see ProducerChannel)
         cred = host.peer_credentials(fd) if self.ipc else None
-        problem = (hello_problem(hello, self.backend.name, self.owner.device, remote_ok=not self.ipc)
+        problem = (hello_problem(hello, self.backend, self.device, remote_ok=not self.ipc)
                    or credentials_problem(hello, cred))
         if problem is not None:
             code, text = problem
@@ -323,7 +377,7 @@ class ProducerPort:
                                        self.name, hello.pid, text)
             self.peers.send_raw(identity, P.encode(P.Error(code, text)))
             return
-        session = ProducerSession(identity, hello, time.monotonic(), self.heartbeat, self.handoffs.limits)
+        session = ProducerSession(identity, hello, time.monotonic(), self._heartbeat, self.handoffs.limits)
         if is_remote(hello):
             self.on_remote_hello(identity, session, fd)
             return
@@ -343,7 +397,7 @@ class ProducerPort:
             arena_bytes=[self.arena.nbytes],
             slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
             ready_events=[e.handle() for e in h.ready_events],
-            heartbeat_ms=int(self.heartbeat * 1000),
+            heartbeat_ms=int(self._heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
         lanes = self.chan.lanes
@@ -359,7 +413,7 @@ class ProducerPort:
         h = self.handoffs
         try:
             if self.remote_hub is None:
-                self.remote_hub = RemoteHub(self.owner.endpoint, self.owner.device, h.slot_views, h.ready_events,
+                self.remote_hub = RemoteHub(self.endpoint, self.device, h.slot_views, h.ready_events,
                                             self.name)
                 self.remote_hub.on_sent = self.confirm_from_thread
                 # A remote consumer's release events are its sends, complete only later, on
@@ -380,7 +434,7 @@ class ProducerPort:
             pid_ns=host.pid_namespace(), backend=self.backend.name, device=self.backend.device_identity(),
             arenas=[edge.address.encode()], arena_bytes=[self.arena.nbytes],
             slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
-            ready_events=[READY_PLACEHOLDER] * h.slots, heartbeat_ms=int(self.heartbeat * 1000),
+            ready_events=[READY_PLACEHOLDER] * h.slots, heartbeat_ms=int(self._heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
 
@@ -435,8 +489,8 @@ class ProducerPort:
         self.backend.collect()
         self.handoffs.dispatch()
 
-    def teardown(self, linger_ms: int = 0) -> None:
-        """Free everything (the Producer's ``_teardown``). ``linger_ms``: how long frames
+    def _teardown(self, linger_ms: int = 0) -> None:
+        """Free everything. Lock held (or the object is being collected). ``linger_ms``: how long frames
         already sent may still go out after the socket is closed."""
         best_effort("producer teardown", self.forwarder.abandon)
         if self.remote_hub is not None:
@@ -470,10 +524,10 @@ class ProducerPort:
         """Steps 1-2 for a ``Producer.slot()`` block (``Handoffs.begin``); returns the
         ticket and the slot's views, for the block to write (step 3). Takes the lock."""
         h = self.handoffs
-        with self.lock:
-            self.gate()
+        with self._lock:
+            self._enter_send()
             plan, recipe = h.empty_plan_for(spec)
-            s = stream if stream is not None else self.default_stream
+            s = stream if stream is not None else self._stream
             rec = h.begin(timeout, s)
             try:
                 store = h.slot_store(rec.slot).for_item()
@@ -489,7 +543,7 @@ class ProducerPort:
         else the slot is given back): ``Handoffs.finish``. Takes the lock."""
         h = self.handoffs
         slot = ticket.rec.slot
-        with self.lock:
+        with self._lock:
             if ticket.store.in_use():
                 # A tensor of the block outlived it: a write through it would change the
                 # item after it was sent. Not sent; the slot waits until it is gone.
@@ -504,10 +558,210 @@ class ProducerPort:
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return
-            self.check_open()  # (and notes that the user's thread was here)
+            self._check_open()  # (and notes that the user's thread was here)
             try:
                 # The block wrote on its own stream, or the current one at its end.
                 h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
             except BaseException:
                 h.ring.abandon(slot)
                 raise
+
+    # ------------------------------------------------------------------ what the Producer asks
+    def send(self, message: Any, meta: Any = None, *, timeout: float | None = None, stream: Any = None) -> int:
+        """``Producer.send``: its steps and its result (the facade binds this method)."""
+        # The handoff steps of runtime.slots: begin (1 reserve, 2 order after the previous
+        # readers), 3 write, finish (3b record ready, 4 publish). On a steady edge each is
+        # its fast branch (see runtime.slots).
+        with self._lock:
+            if self._closed or self.closing:
+                self._refuse_send()
+            key, tensors = signature(message)
+            plan = self._plan_get(key)
+            h = self.handoffs
+            if plan is None:
+                plan = h.new_plan(key, plan_message(message, self.slot_bytes, h.check_layout))
+            s = stream if stream is not None else self._stream
+            rec = h.begin(timeout, s)
+            try:
+                if s is None:  # 3. write, on the stream begin resolved (the current one)
+                    plan.write(rec.slot, h.slot_views[rec.slot], tensors)
+                else:
+                    self._write_on(s, plan, rec.slot, tensors)
+                return h.finish(rec, plan, meta, rec.stream)
+            except BaseException:
+                self.ring.abandon(rec.slot)
+                raise
+            finally:
+                self._last_call = time.monotonic()
+
+    def _write_on(self, stream: Any, plan: Any, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Step 3 on a stream the caller chose: the copy runs on ``stream``, so the caching
+        allocator must not reuse a source's memory before it has run."""
+        with (torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext()):
+            plan.write(slot, self.handoffs.slot_views[slot], tensors)
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(stream)
+
+    def _refuse_send(self) -> None:
+        self._check_open()
+        if self.closing:
+            raise ConfigError("send() during close()")
+
+    def _enter_send(self) -> None:
+        """A send-like call starts: refused on a closed or closing producer. Lock held."""
+        if self._closed or self.closing:
+            self._refuse_send()
+        self._last_call = time.monotonic()
+
+    def _touch(self) -> None:
+        self._last_call = time.monotonic()
+
+    async def when_slot_free(self, reserve: Callable[[], _T], timeout: float | None) -> _T:
+        """Await a free slot (up to ``timeout``, default the producer's), then ``reserve()``
+        (a call that reserves with timeout 0, so it never blocks). Lost to another thread
+        in between: wait again. Time over: ``reserve()`` once more; if still no slot is
+        free, the sync call's IpcTimeoutError, naming ``timeout`` (not the 0 of that try)."""
+        t = self._resolve_timeout(timeout)
+        deadline = None if t is None else time.monotonic() + t
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await aio.wait_for_attempt(self._slot_free, self._fill_poller, left, self._tick, lambda: None,
+                                       self._waited_for_slot)
+            try:
+                return reserve()
+            except IpcTimeoutError:
+                with self._lock:
+                    taken = self.ring.free_slots == 0  # by another thread since we looked
+                    if taken and deadline is not None and time.monotonic() >= deadline:
+                        raise self.handoffs.no_slot_error(t) from None
+                if not taken:
+                    raise
+
+    def _slot_free(self) -> tuple[bool, None]:
+        """A non-blocking look: is a slot free (after handling what arrived)? Refused on
+        a closed or closing producer."""
+        with self._lock:
+            self._enter_send()
+            if self.ring.free_slots == 0:
+                self.pump()
+            return self.ring.free_slots > 0, None
+
+    def _fill_poller(self, poller: Any) -> None:
+        with self._lock:
+            self._enter_send()
+            poller.add(self._fds, self.io_pending())
+
+    def _waited_for_slot(self, seconds: float) -> None:
+        self._stats.waited("slot" if self.ring.consumers() else "consumer", seconds)
+
+    async def aclose(self, timeout: float | None) -> None:
+        """``Producer.aclose``: what ``close`` does, awaited on the event loop."""
+        t = self._resolve_timeout(timeout)
+        deadline = None if t is None else time.monotonic() + t
+        with self._lock:
+            if self._closed:
+                return
+            self.closing = True
+
+        def drained() -> tuple[bool, None]:
+            with self._lock:
+                if self._closed:
+                    return True, None
+                self.pump()
+                if self.ring.queued > 0:
+                    # (Nobody left to take queued items: close() drops them, with its warning.)
+                    return self.handoffs.alone_too_long(self.attached_total), None
+                # Every item sent was delivered: say goodbye now, as close() does before it
+                # waits. A consumer gives back at our BYE the slots its program's tensors
+                # still view (the reference rule keeps them until then), so waiting for
+                # every release before the BYE would wait for ever on a kept view.
+                for peer in self.peers:
+                    self.say_bye(peer, "producer closed")
+                return not self.ring.busy(), None
+
+        def fill(poller: Any) -> None:
+            with self._lock:
+                if not self._closed:
+                    poller.add(self._fds, self.io_pending())
+
+        await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
+        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def flush(self, timeout: float | None) -> None:
+        """``Producer.flush``."""
+        with self._call():
+            t = self._resolve_timeout(timeout)
+            if not self._wait_until(lambda: not self.ring.busy(), t):
+                raise self._timeout_error("items still in flight", t, f"slot states: {self.ring.occupancy()}")
+
+    def wait_for_consumers(self, n: int, timeout: float | None) -> None:
+        """``Producer.wait_for_consumers``."""
+        with self._call():
+            t = self._resolve_timeout(timeout)
+            if not self._wait_until(lambda: len(self.ring.consumers()) >= n, t):
+                raise self._timeout_error(f"fewer than {n} consumers attached", t,
+                                          f"is a consumer running on endpoint {self.name!r}?")
+
+    @property
+    def consumers(self) -> int:
+        """Consumers attached now."""
+        return len(self.ring.consumers())
+
+    def stats(self) -> dict[str, Any]:
+        """``Producer.stats``."""
+        with self._lock:
+            peers, fwd = self.peers, self.forwarder
+            return self._stats.snapshot(
+                role="producer", occupancy=self.ring.occupancy(), consumers=self.consumers,
+                consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
+                consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
+                bad_frames=peers.bad_frames, forwarded=fwd.forwarded_total, forwarded_held=fwd.ledger.count(),
+                layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used, doorbells=len(peers.bells),
+            )
+
+    def close(self, timeout: float | None = None) -> None:
+        """``Producer.close``: deliver what is queued, BYE every consumer, wait for their
+        releases and goodbyes, then free everything."""
+        with self._lock:
+            if self._closed:
+                return
+            self.closing = True
+            self._begin_close()
+            t = self._resolve_timeout(timeout)
+            deadline = None if t is None else time.monotonic() + t
+            h, fwd = self.handoffs, self.forwarder
+            try:
+                h.deliver_queued(deadline, lambda: self.attached_total)
+                for peer in self.peers:
+                    self.say_bye(peer, "producer closed")
+                h.wait_nagging(lambda: not self.ring.busy() and not self.peers and not fwd.ledger.pending,
+                               deadline, h.held_words)
+            except Exception as exc:  # close never fails because of a peer
+                log.debug("ipcsync producer close: %s", exc)
+            fwd.abandon()
+            if self.ring.busy():
+                log.warning("ipcsync producer %r closing with items not released by consumers "
+                            "(slot states %s)", self.name, self.ring.occupancy())
+            self._closed = True
+            self._teardown()
+        self._stop_service()
+
+    def abort(self, error: BaseException | str | None = None) -> None:
+        """``Producer.abort``: ERROR ``failed`` to every consumer, then free everything."""
+        if isinstance(error, BaseException):
+            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        else:
+            text = error or "aborted"
+        with self._lock:
+            if self._closed:
+                return
+            self.closing = True
+            self._begin_close(timeout=1.0)
+            frame = P.encode(P.Error(P.ErrorCode.FAILED.value, text[:1000]))
+            for peer in self.peers:
+                if not peer.session.bye_received and not peer.disconnected:
+                    self.peers.send_raw(peer.identity, frame)
+            self._closed = True
+            self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+        self._stop_service()

@@ -6,8 +6,9 @@ way: ``begin`` (steps 1-2), their own write (step 3), ``finish`` (steps 3b-4).
    went to has released it or is gone (the ring's invariant); backpressure blocks, never
    drops.
 2. order after the previous readers (``begin``, ``order_after_readers``). Rule: the writing
-   stream waits on each previous holder's release event (``wait="host"``: only once it is
-   complete; a lost holder's event is never waited on).
+   stream is ordered after each previous holder's release event, as the endpoint's wait
+   strategy does it (``core.waits``; ``wait="host"``: the host polls it until complete);
+   a lost holder's event is never waited on.
 3. write: the caller's (a copy, the user's block, or for a forward the downstream wait on
    the upstream ready event). Rule: on the stream ``begin`` resolved (or the caller's).
 3b. record ready (``finish``): ``ready_events[slot].record(stream)``. Rule: recorded on the
@@ -48,6 +49,7 @@ from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_em
 from ..core.ratelog import RateLog
 from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
+from ..core.waits import WaitStrategy
 from ..errors import ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
@@ -121,7 +123,7 @@ class Handoffs:
 
     def __init__(self, *, ring: Ring, slot_views: list[Any], ready_events: list[Event], slot_bytes: int,
                  peers: PeerTable, ledger: ForwardLedger[Any], stats: Stats, limits: P.Limits,
-                 wait_mode: str, timeout: float | None, waits: Waits, name: str, ratelog: RateLog,
+                 wait: WaitStrategy, timeout: float | None, waits: Waits, name: str, ratelog: RateLog,
                  backend: Backend) -> None:
         self.ring = ring
         self.slots = ring.nslots
@@ -132,7 +134,8 @@ class Handoffs:
         self.ledger = ledger
         self.stats = stats
         self.limits = limits
-        self.wait_mode = wait_mode
+        self.wait = wait  # how a stream is ordered after a consumer's release event
+        self.order_after = wait.order  # (bound once: step 2 calls it per incomplete event)
         self.timeout = timeout  # the producer's default: bounds waits on release events
         self.waits = waits
         self.name = name
@@ -384,10 +387,11 @@ class Handoffs:
         """Step 2: order the overwrite after the previous holders' reads (their release
         events), on ``rec.stream``.
 
-        ``wait="gpu"``: the stream waits on each event at once. ``"host"``: poll ``query()``
-        (pumping, so deaths are noticed) and enqueue only completed events. A holder lost
-        meanwhile is skipped: no wait is ever enqueued on an event a lost peer recorded.
-        A forwarded item of this slot still waiting for downstream events is finished first.
+        As the wait strategy orders it (``wait="gpu"``: the stream waits on each event at
+        once; ``"host"``: the host polls ``query()``, pumping, so deaths are noticed). A
+        holder lost meanwhile is skipped: no wait is ever enqueued on an event a lost peer
+        recorded. A forwarded item of this slot still waiting for downstream events is
+        finished first.
         """
         slot, stream = rec.slot, rec.stream
         if self.ledger.pending and slot in self.ledger.pending:
@@ -405,16 +409,24 @@ class Handoffs:
             # so a completed query() stands until then.
             if ev.query():
                 continue
-            if self.wait_mode == "host":
-                t = self.timeout
-                if not self.waits.wait_until(lambda: peers.get(cid) is not peer or ev.query(),
-                                             t, "release_event", self.stats.waited, poll_event=True):
-                    raise self.waits.timeout_error(
-                        f"{peer.label} did not finish with slot {slot}", t,
-                        "its GPU work on the slot is still running (or wedged)",
-                    )
-                continue  # complete, or its recorder is lost: no wait either way
-            ev.wait(stream)
+            self.order_after(ev, stream, self.release_poll(peer, slot))
+
+    def release_poll(self, peer: Peer, slot: int) -> Callable[[Callable[[], bool]], None]:
+        """The host wait for ``peer``'s release event of ``slot`` (``WaitStrategy.order``'s
+        ``poll``): pumping until ``done()`` or the peer is lost (its event is then never
+        waited on); IpcTimeoutError after the producer's timeout."""
+        peers, cid = self.peers, peer.identity
+
+        def poll(done: Callable[[], bool]) -> None:
+            t = self.timeout
+            if not self.waits.wait_until(lambda: peers.get(cid) is not peer or done(),
+                                         t, "release_event", self.stats.waited, poll_event=True):
+                raise self.waits.timeout_error(
+                    f"{peer.label} did not finish with slot {slot}", t,
+                    "its GPU work on the slot is still running (or wedged)",
+                )
+
+        return poll
 
     # ------------------------------------------------------------------ 3b-4. finish
     def finish(self, rec: SlotRecord, plan: Plan, meta: Any, stream: Any,
@@ -430,6 +442,8 @@ class Handoffs:
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring
+        # The seq ``publish`` gives this item, read once before it: the frame naming it is
+        # built and checked before the commit (a refused meta commits nothing).
         seq = ring.next_seq
         sent_ns = time.monotonic_ns()
         lid = plan.layout_id
@@ -442,7 +456,7 @@ class Handoffs:
             frame = self.encode(rec, seq, sent_ns, plan, meta, fwd)
         # 4. publish. Rule: after the record (3b), in seq order; what the ring hands out
         # now goes out now, the rest when a consumer has a credit (dispatch).
-        seq, cid = ring.publish(slot)
+        cid = ring.publish(slot)[1]
         rec.seq, rec.sent_ns, rec.meta, rec.fwd = seq, sent_ns, meta, fwd
         rec.layout_id, rec.layout_version, rec.layout = lid, plan.layout_version, plan.layout
         if lid:

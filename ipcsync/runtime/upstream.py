@@ -152,13 +152,14 @@ class ProducerLink:
     out, the ring's memory and the foreign arenas opened as the session asks, and the
     producer's liveness. Every method runs under the consumer's lock.
 
-    ``held``: the consumer's items held now (read to know when to say BYE); ``lender``:
-    its ForwardOrigin (``forwarded``, ``wake`` and ``drain`` are read here)."""
+    ``lender``: the consumer's ``Lender``, asked whether an item is out (``holding``,
+    ``held_count``: when to say BYE, whether the ring is stalled); its ``wake`` and
+    ``drain`` bring lent items back."""
 
     def __init__(self, endpoint: Endpoint, chan: Any, session: ConsumerSession, backend: Any, stream: Any,
-                 ratelog: RateLog, held: dict[int, Any]) -> None:
+                 ratelog: RateLog) -> None:
         self.endpoint, self.chan, self.session = endpoint, chan, session
-        self.backend, self.stream, self.ratelog, self.held = backend, stream, ratelog, held
+        self.backend, self.stream, self.ratelog = backend, stream, ratelog
         self.memory = RingMemory()
         self.downstream = Downstream(backend, endpoint.name, ratelog)
         # Set at SETUP: a ProcessWatch (same PID namespace), a RemoteWatch (another host).
@@ -259,10 +260,10 @@ class ProducerLink:
         if setup is None:
             return
         most = min(len(setup.slots), self.credits)
-        if len(self.kept) + len(self.held) < most or self.kept.reported == frozenset(self.kept.items):
+        if len(self.kept) + self.lender.held_count() < most or self.kept.reported == frozenset(self.kept.items):
             return
         self.release_kept(collect=True)
-        if self.kept and len(self.kept) + len(self.held) >= most and self.kept.new_stall():
+        if self.kept and len(self.kept) + self.lender.held_count() >= most and self.kept.new_stall():
             log.warning("ipcsync consumer %r: the ring is stalled: %s", self.endpoint.name, self.kept.describe())
 
     def stall_text(self) -> str:
@@ -409,7 +410,7 @@ class ProducerLink:
                 self.flush_releases()
             elif len(s.pending) >= s.release_batch:
                 self.flush_releases()
-            if s.bye_received and s.finished(bool(self.held) or bool(lender.forwarded)):
+            if s.bye_received and s.finished(lender.holding()):
                 self.say_bye()
 
     # ------------------------------------------------------------------ the doorbell

@@ -1,6 +1,7 @@
-"""How endpoints wait: the wait strategy for a producer's ready event (``wait="gpu"`` or
-``"host"``) and the one poller every blocking wait sleeps in (an endpoint's own wait, a
-Consumer waiting while items it forwarded are out, FanIn waiting on all its sources).
+"""How endpoints wait: the one poller every blocking wait sleeps in (an endpoint's own wait,
+a Consumer waiting while items it forwarded are out, FanIn waiting on all its sources).
+How a stream is ordered after a peer's event (``wait="gpu"`` / ``"host"``) is
+``core.waits``.
 
 The poller sleeps in ``select`` on the OS file descriptors behind ZeroMQ sockets
 (``ZMQ_FD``: edge-triggered, safe to wait on from any thread) and on each channel's lane
@@ -21,12 +22,11 @@ import select
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, TypeVar
 
 from ..limits import DEFAULT_SPIN_US, MAX_SPIN_US
-from ..limits import WAIT_MODES  # the one definition (the launcher checks specs against it)
 
 if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
     from .handover import Pumpable
 
-__all__ = ["WAIT_MODES", "EVENT_SPIN_S", "Poller", "SourcePort", "wait_ready_event", "spin_seconds"]
+__all__ = ["EVENT_SPIN_S", "Poller", "SourcePort", "spin_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +110,6 @@ class Poller:
                 log.debug("ipcsync: pumping a forwarding producer: %s", exc)
             finally:
                 lock.release()
-
-
-def wait_ready_event(ev: Any, mode: str, stream: Any,
-                     poll: Callable[[Callable[[], bool]], None]) -> None:
-    """Order the reader after a producer's ready event ``ev``. ``"gpu"``: ``stream``
-    waits on it (enqueued at once, no host block). ``"host"``: ``poll(done)`` polls it on
-    the host until complete (so a producer that dies mid-record can never wedge the
-    stream), and nothing is enqueued. An event that is complete already needs neither."""
-    if ev.query():
-        return
-    if mode == "host":
-        poll(ev.query)
-    else:
-        ev.wait(stream)
-
 
 
 ItemT = TypeVar("ItemT")

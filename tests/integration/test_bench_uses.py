@@ -346,30 +346,36 @@ def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
         assert all(num(g) > 0 for g in m.groups()), dump
 
 
-@pytest.mark.timeout(300)  # one process, then 2 x (an encoder + 2 decoders), spawned
+@pytest.mark.timeout(300)  # one process, the decoder alone, then 2 x (an encoder + 2 decoders), spawned
 def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
     out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "4", "--pipe-warmup", "1"],
-                          "gpupipe", 7)
+                          "gpupipe", 8)
     assert re.search(r"^ipcsync bench: gpupipe: device=cpu ", out, re.M), dump
     assert "every method's checksum equal" in out, dump
-    for label, vs_mpq in (("one process (both stages)", r"-"), ("ipcsync, encoder -> 2 decoders", rf"{NUM}x"),
+    for label, vs_mpq in (("one process (both stages)", r"-"), ("decoder alone (input made in place)", r"-"),
+                          ("ipcsync, encoder -> 2 decoders", rf"{NUM}x"),
                           ("torch.mp.Queue, encoder -> 2 decoders", r"1\.00x")):
         m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{vs_mpq}\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$", out, re.M)
         assert m, f"no gpupipe row for {label}\n{dump}"
         rate, *_, p50, p99, busy = (num(g) for g in m.groups())
         assert rate > 0 and 0 < p50 <= p99 and busy > 0, dump
+    m = re.search(rf"^of the decoder alone's pace: ipcsync, encoder -> 2 decoders {NUM}x, "
+                  rf"torch.mp.Queue, encoder -> 2 decoders {NUM}x$", out, re.M)
+    assert m and all(num(g) > 0 for g in m.groups()), dump
 
 
-@pytest.mark.timeout(300)  # 2 x (a prefill + a decode), spawned
+@pytest.mark.timeout(300)  # 2 x (a prefill + a decode) and the decode alone, spawned
 def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
-    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "4", "--kv-warmup", "1"], "kv", 4)
+    out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "4", "--kv-warmup", "1"], "kv", 5)
     assert re.search(r"^ipcsync bench: kv: device=cpu ", out, re.M), dump
-    assert "first tokens equal both ways" in out, dump
+    assert "first tokens equal all ways" in out, dump
     for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue"):
-        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$", out, re.M)
+        m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$", out, re.M)
         assert m, f"no kv row for {label}\n{dump}"
-        rps, gbs, p50, p99, ratio = (num(g) for g in m.groups())
-        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0, dump
+        rps, gbs, p50, p99, ratio, of_alone = (num(g) for g in m.groups())
+        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0 and of_alone > 0, dump
+    m = re.search(rf"^decode alone \(KV made in place\)\s+{NUM}\s+-\s+{NUM}\s+{NUM}\s+{NUM}x\s+1\.00x$", out, re.M)
+    assert m, f"no kv row for the decode step alone\n{dump}"
 
 
 @pytest.mark.timeout(300)  # 3 train runs: 2 x (2 loaders + a trainer), a trainer with 2 DataLoader workers
@@ -410,12 +416,12 @@ def test_gpu_augment_is_the_datasets_crop_and_flip_for_a_whole_batch() -> None:
      [rf"^256K\s+2\s+{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}/{NUM}\s+{NUM}/{NUM}\s+yes, 4 loads$"
       for label in ("ipcsync broadcast, 1 message", "baseline: reduce_tensor+ZeroMQ pickle",
                     "torch.multiprocessing.Queue")]),
-    ("gpupipe", ["--pipe-steps", "12", "--pipe-warmup", "2"], 7,
+    ("gpupipe", ["--pipe-steps", "12", "--pipe-warmup", "2"], 8,
      [rf"^{re.escape(label)}\s+{NUM}\s+(?:-|{NUM}x)\s+{NUM}x\s+{NUM}\s+{NUM}\s+{NUM}%$"
-      for label in ("one process (both stages)", "ipcsync, encoder -> 2 decoders",
+      for label in ("one process (both stages)", "decoder alone (input made in place)", "ipcsync, encoder -> 2 decoders",
                     "torch.mp.Queue, encoder -> 2 decoders")]),
-    ("kv", ["--kv-requests", "10", "--kv-warmup", "2"], 4,
-     [rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x$"
+    ("kv", ["--kv-requests", "10", "--kv-warmup", "2"], 5,
+     [rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$"
       for label in ("ipcsync slot(), prefill -> decode", "torch.multiprocessing.Queue")]),
 ])
 def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int, rows: list[str]) -> None:

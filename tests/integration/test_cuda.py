@@ -170,6 +170,40 @@ def test_ipc_event_synchronize_times_out_instead_of_hanging():
     ev.synchronize(timeout=30)
 
 
+@pytest.mark.parametrize("mode", ["gpu", "host"])
+def test_each_wait_strategy_orders_a_stream_after_an_ipc_event_still_pending(mode):
+    """An IPC event recorded after ~1 s of GPU work that then fills ``x``: a second stream
+    ordered after it by the strategy reads the final values (without the order it would
+    read zeros). ``gpu`` enqueues the wait and never waits on the host; ``host`` polls the
+    event on the host until complete."""
+    from ipcsync.core.waits import wait_strategy
+
+    x = torch.zeros(N, device="cuda")
+    writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    ev = ipcsync.IpcEvent("cuda")
+    rate = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_980_000)  # kHz
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(int(1.0 * rate * 1000))
+        x.fill_(42.0)
+        ev.record(writer)
+    polls = []
+
+    def poll(done):
+        polls.append(1)
+        deadline = time.monotonic() + 60
+        while not done():
+            if time.monotonic() > deadline:
+                raise ipcsync.IpcTimeoutError("the event did not complete within 60 s")
+            time.sleep(0.001)
+
+    wait_strategy(mode).order(ev, reader, poll)
+    assert len(polls) == (1 if mode == "host" else 0)
+    with torch.cuda.stream(reader):
+        y = x.clone()
+    reader.synchronize()
+    assert y.min().item() == y.max().item() == 42.0
+
+
 def test_export_import_tensor_across_processes(procs, tmp_path):
     import subprocess
     import sys

@@ -172,7 +172,7 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
     _warm(p, rogue)
     good = endpoints.consumer("db-rogue-c", device="cpu", timeout=10, credits=2)
     p.wait_for_consumers(2, timeout=10)
-    bell = rogue._link.bell  # (the test plays the rogue process, writing its own segment)
+    bell = rogue._endpoint._link.bell  # (the test plays the rogue process, writing its own segment)
     buf, geom = bell.own.buf, bell.own.geom
     if garbage == "head":
         D._U64.pack_into(buf, D._HEAD, bell.writer.head + geom.capacity + 5)
@@ -231,7 +231,7 @@ def test_a_rogue_producer_writing_garbage_into_its_segment_fails_that_edge_only(
     _warm(p, victim)
     other = endpoints.consumer("db-rogue-p", device="cpu", timeout=10, credits=2)
     p.wait_for_consumers(2, timeout=10)
-    mine = bytes(victim._link.bell.own.buf[:D.HEADER_BYTES])  # the victim's edge: the one reading this
+    mine = bytes(victim._endpoint._link.bell.own.buf[:D.HEADER_BYTES])  # the victim's edge: the one reading this
     bell = next(x.bell for x in p.port.peers.by_id.values()
                 if x.bell is not None and bytes(x.bell.peer.buf[:D.HEADER_BYTES]) == mine)
     # (the test plays a rogue producer, writing its own segment)

@@ -195,6 +195,6 @@ def test_close_lets_go_of_every_plan(endpoints: Any) -> None:
     assert item is not None
     item.release()
     del item
-    (plan,) = out._handoffs.plans.plans.values()
+    (plan,) = out.port.handoffs.plans.plans.values()
     out.close()
     assert sys.getrefcount(plan) == 2  # ours, and getrefcount's argument: nobody else's

@@ -164,7 +164,7 @@ def test_a_forward_interrupted_after_its_commit_stays_forwarded(device: str) -> 
         up.send({"x": torch.arange(8, device=device)}, meta=0)
         a = mid.get()
         down.wait_for_consumers(1)  # (else the item waits queued, and the pump hands it out)
-        h = down._handoffs
+        h = down.port.handoffs
         deliver, calls = h.deliver, []
 
         def interrupted(*args: Any) -> None:  # the step after the commit, then a Ctrl-C

@@ -247,7 +247,7 @@ def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any,
     assert rc != 0
     err = prod.stderr()
     assert "KeyboardInterrupt" in err, err
-    assert re.search(r'producer\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
+    assert re.search(r'runtime/port\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
 
 
 SIGINT_RUNS = 20
@@ -392,7 +392,7 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
     held = inp.get(timeout=10)  # holds the only slot
     t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
     # In send() with no slot free: it can only wait (backpressure; no timeout).
-    assert wait_until(lambda: in_call(t, "send", "producer.py"), timeout=30), caught
+    assert wait_until(lambda: in_call(t, "send", "runtime/port.py"), timeout=30), caught
     assert out.stats()["occupancy"]["free"] == 0
     stats = _returns_while_alive(out.stats, t)  # stats() from here does not wait for it
     assert stats["occupancy"]["in_flight"] == 1 and t.is_alive()
@@ -409,7 +409,7 @@ def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it
     inp = endpoints.consumer("live-thr-c", device=device)
     t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits (no timeout)
     # (Iteration is Consumer._get, called by the iterator: inside it, the thread waits.)
-    assert wait_until(lambda: in_call(t, "_get", "consumer.py"), timeout=30), caught
+    assert wait_until(lambda: in_call(t, "next_item", "runtime/consumer_endpoint.py"), timeout=30), caught
     _returns_while_alive(inp.stats, t)  # stats() from here does not wait for it
     assert t.is_alive()
     inp.close()

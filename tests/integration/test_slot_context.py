@@ -93,7 +93,7 @@ def test_an_interrupt_after_the_commit_is_raised_as_itself_and_the_item_still_go
     # ("slot 0 is not writing") replaced the KeyboardInterrupt: a remote consumer was told
     # the producer failed with that ValueError.
     out, inp = pair
-    h = out._handoffs
+    h = out.port.handoffs
     h.deliver = _InterruptOnce(h.deliver)
     with pytest.raises(KeyboardInterrupt):
         if how == "send":

@@ -1,9 +1,13 @@
 """Rules that depend on the backend are asked of the backend (no name compared elsewhere):
-whether an arena a producer exports can be its own."""
+whether an arena a producer exports can be its own, whether a consumer on this host must
+share our PID namespace, which backends a remote consumer may name."""
 
 from __future__ import annotations
 
-from ipcsync.backends import Backend, CpuBackend
+import ast
+from pathlib import Path
+
+from ipcsync.backends import BACKEND_NAMES, Backend, CpuBackend
 from ipcsync.backends.cuda import CudaBackend
 
 SEGMENT_OF_123 = "ipcsync-123-456-789-0123456789abcdef"  # a segment name records its creator's pid
@@ -23,3 +27,32 @@ def test_a_backend_whose_handles_name_no_process_has_no_owner_rule() -> None:
     # (CUDA: an IPC handle names no process; the base class's answer is the CUDA backend's.)
     assert "arena_owner_problem" not in vars(CudaBackend)
     assert Backend.arena_owner_problem(CpuBackend(), SEGMENT_OF_123, 124) is None
+
+
+def test_only_cuda_ipc_needs_one_pid_namespace() -> None:
+    assert CpuBackend.pid_namespace_rule is None
+    assert CudaBackend.pid_namespace_rule == "CUDA IPC needs both processes in one PID namespace"
+
+
+def test_the_backend_names_are_those_of_the_backends() -> None:
+    assert BACKEND_NAMES == (CpuBackend.name, CudaBackend.name)
+
+
+def test_runtime_compares_no_backend_name_with_a_literal() -> None:
+    # A rule that depends on the backend is an attribute or method of Backend; the runtime
+    # compares names only with each other (a peer's backend with ours), never with "cpu"
+    # or "cuda". (The remote edge's transports compare torch device types: its own rule.)
+    runtime = Path(__file__).resolve().parents[2] / "ipcsync" / "runtime"
+    found = []
+    for path in sorted(runtime.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                names = [o for o in operands if isinstance(o, ast.Attribute) and o.attr in ("name", "backend")
+                         or isinstance(o, ast.Name) and o.id in ("backend", "backend_name")]
+                literals = [o for o in operands if isinstance(o, ast.Constant) and o.value in BACKEND_NAMES
+                            or isinstance(o, ast.Tuple) and any(isinstance(e, ast.Constant) and e.value in BACKEND_NAMES
+                                                                for e in o.elts)]
+                if names and literals:
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "backend names compared in the runtime:\n" + "\n".join(found)

@@ -675,7 +675,7 @@ class TestEdges:
 
     @pytest.mark.parametrize("wait", ["spin", "GPU", "cpu", None])
     def test_bad_wait(self, wait: Any) -> None:
-        with spec_error("edges[0].wait", f"{wait!r}; use one of gpu, host"):
+        with spec_error("edges[0].wait", f"wait must be one of 'gpu', 'host', got {wait!r}"):
             parse(with_edge(wait=wait))
 
     @pytest.mark.parametrize("edges", [{"from": "a", "to": "b"}, "a:b", 1])

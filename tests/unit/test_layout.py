@@ -1031,3 +1031,62 @@ def test_build_in_a_regions_own_storage_matches_build_and_counts_every_view() ->
         assert store.in_use()  # a view of a view
         del view
         assert not store.in_use()
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_message_of_many_tensors_is_written_in_one_batched_copy_with_the_same_bytes(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    batched = L._FOREACH_COPY
+
+    def counting(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
+        calls.append(len(dsts))
+        batched(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(L, "_FOREACH_COPY", counting)
+    g = torch.Generator().manual_seed(3)
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float64, torch.uint8, torch.int64]
+    tensors = [torch.randn(5, 7, generator=g).mul(50).to(dtypes[i % len(dtypes)]) for i in range(64)]
+    tensors[3] = tensors[3].t()  # dense, not contiguous: still one batched copy
+    msg = {"kv": [t.to(device) for t in tensors]}
+    placement = L.plan_message(msg, 1 << 16)
+    plan = L.Plan(placement, layout_id=1)
+    recipe = L.Recipe(plan.layout, 1 << 16)
+    slot = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+    for rnd in range(2):  # the second round reuses the slot's cached views
+        _, srcs = L.signature(msg)
+        plan.write(0, slot, srcs)
+        got = recipe.build(0, slot)["kv"]
+        assert calls == [64] * (rnd + 1)
+        for g_t, want in zip(got, msg["kv"]):
+            assert g_t.dtype == want.dtype and g_t.shape == want.shape and g_t.stride() == want.stride()
+            assert torch.equal(g_t, want)
+
+
+@pytest.mark.parametrize("odd", ["requires_grad", "conj", "neg",
+                                 pytest.param("host_source", marks=_DEVICES[1].marks)])
+def test_a_message_the_batched_copy_cannot_take_is_copied_tensor_by_tensor(
+        odd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(L, "_FOREACH_COPY", lambda *a, **k: pytest.fail("batched copy used"))
+    a, b = torch.arange(6.0), torch.arange(6.0) * 3
+    c = torch.complex(torch.arange(6.0), torch.ones(6))
+    if odd == "requires_grad":
+        msg = [a.clone().requires_grad_(), b]
+    elif odd == "conj":
+        msg = [c.conj(), c]
+    elif odd == "neg":
+        msg = [torch._neg_view(b), a]
+    else:  # a host source into a GPU slot: copied synchronously, tensor by tensor
+        msg = [a, b.cuda()]
+    placement = L.plan_message(msg, 1 << 12)
+    plan = L.Plan(placement, layout_id=1)
+    slot = torch.zeros(1 << 12, dtype=torch.uint8, device="cuda" if odd == "host_source" else "cpu")
+    _, srcs = L.signature(msg)
+    plan.write(0, slot, srcs)
+    got = L.Recipe(plan.layout, 1 << 12).build(0, slot)
+    for g_t, want in zip(got, msg):
+        assert torch.equal(g_t.cpu().resolve_conj().resolve_neg(), want.detach().cpu().resolve_conj().resolve_neg())
