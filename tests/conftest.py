@@ -105,6 +105,22 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield from _with_alarm(item, "teardown")
 
 
+# --------------------------------------------------------------------------- workers
+WORKERS_ENV = "IPCSYNC_TEST_WORKERS"
+WORKERS_PER_CORE = 2  # most tests wait on child processes; measured in docs/testing.md
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: IPCSYNC_TEST_WORKERS if set, else WORKERS_PER_CORE per usable core."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise pytest.UsageError(f"{WORKERS_ENV}={raw!r}: give a whole number of workers >= 1 "
+                                    f"(or unset it for {WORKERS_PER_CORE} per core)")
+        return int(raw)
+    return WORKERS_PER_CORE * len(os.sched_getaffinity(0))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
