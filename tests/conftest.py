@@ -107,18 +107,21 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- workers
 WORKERS_ENV = "IPCSYNC_TEST_WORKERS"
-WORKERS_PER_CORE = 2  # most tests wait on child processes; measured in docs/testing.md
+EXTRA_WORKERS_MAX = 4  # most tests wait on child processes; measured in docs/testing.md
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: IPCSYNC_TEST_WORKERS if set, else WORKERS_PER_CORE per usable core."""
+    """``-n auto``: IPCSYNC_TEST_WORKERS if set, else one worker per usable core and one
+    more per core, at most EXTRA_WORKERS_MAX more (2 cores: 4 workers)."""
     raw = os.environ.get(WORKERS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
             raise pytest.UsageError(f"{WORKERS_ENV}={raw!r}: give a whole number of workers >= 1 "
-                                    f"(or unset it for {WORKERS_PER_CORE} per core)")
+                                    f"(or unset it for the default: twice the cores, at most "
+                                    f"{EXTRA_WORKERS_MAX} more than the cores)")
         return int(raw)
-    return WORKERS_PER_CORE * len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))
+    return cores + min(cores, EXTRA_WORKERS_MAX)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
