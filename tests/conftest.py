@@ -105,6 +105,15 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield from _with_alarm(item, "teardown")
 
 
+# --------------------------------------------------------------------------- Ctrl-C
+# A suite started in the background (`cmd &` without job control, nohup under some shells,
+# some CI runners) inherits SIGINT ignored, and an ignored signal stays ignored across
+# exec: every child would then ignore the Ctrl-C the tests send it. Handled here, it is
+# back to the default in each child (the Ctrl-C tests need a terminal's Ctrl-C).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # --------------------------------------------------------------------------- workers
 WORKERS_ENV = "IPCSYNC_TEST_WORKERS"
 EXTRA_WORKERS_MAX = 4  # most tests wait on child processes; measured in docs/testing.md
