@@ -105,6 +105,34 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield from _with_alarm(item, "teardown")
 
 
+# --------------------------------------------------------------------------- Ctrl-C
+# A suite started in the background (`cmd &` without job control, nohup under some shells,
+# some CI runners) inherits SIGINT ignored, and an ignored signal stays ignored across
+# exec: every child would then ignore the Ctrl-C the tests send it. Handled here, it is
+# back to the default in each child (the Ctrl-C tests need a terminal's Ctrl-C).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# --------------------------------------------------------------------------- workers
+WORKERS_ENV = "IPCSYNC_TEST_WORKERS"
+EXTRA_WORKERS_MAX = 4  # most tests wait on child processes; measured in docs/testing.md
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: IPCSYNC_TEST_WORKERS if set, else one worker per usable core and one
+    more per core, at most EXTRA_WORKERS_MAX more (2 cores: 4 workers)."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise pytest.UsageError(f"{WORKERS_ENV}={raw!r}: give a whole number of workers >= 1 "
+                                    f"(or unset it for the default: twice the cores, at most "
+                                    f"{EXTRA_WORKERS_MAX} more than the cores)")
+        return int(raw)
+    cores = len(os.sched_getaffinity(0))
+    return cores + min(cores, EXTRA_WORKERS_MAX)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

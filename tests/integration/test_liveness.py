@@ -263,7 +263,9 @@ import peers.basic as roles
 for line in sys.stdin:
     args = json.loads(line)
     pid = os.fork()
-    if pid == 0:
+    if pid:
+        print(json.dumps({"event": "forked", "pid": pid}), flush=True)
+    else:
         os.environ.update(args.pop("env"))
         try:
             roles.produce(args)
@@ -278,7 +280,8 @@ for line in sys.stdin:
 
 class _Forker:
     """The forking interpreter (``_FORKER``) and its output; ``produce`` forks one producer
-    and returns its pid once it is bound, ``exit_code`` waits for its end."""
+    and returns its pid once it is bound (or SIGKILLs it, so that the forker can go on to
+    the next run), ``exit_code`` waits for its end."""
 
     def __init__(self, errors: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
@@ -296,7 +299,13 @@ class _Forker:
                      + "\n").encode())
         stdin.flush()
         self.peer.lines.clear()  # the previous producer's lines
-        return int(self.peer.read_until(_event("bound"), timeout=60)["pid"])
+        pid = int(self.peer.read_until(_event("forked"), timeout=60)["pid"])
+        try:
+            self.peer.read_until(lambda l: l.get("event") == "bound" and l["pid"] == pid, timeout=60)
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)  # the forker waits for it before the next run
+            raise
+        return pid
 
     def exit_code(self, pid: int, timeout: float) -> int:
         return int(self.peer.read_until(lambda l: l.get("event") == "exit" and l["pid"] == pid, timeout)["code"])

@@ -6,6 +6,7 @@ torch.distributed point-to-point."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,29 +144,33 @@ def test_a_received_item_is_served_once_its_send_is_confirmed(procs: Any) -> Non
     p.result(60)
 
 
-def start_stalled_pair(procs: Any, stall: float, **consumer: Any) -> tuple[Any, Any]:
-    """A producer by hand that announces an item and never sends it (for ``stall`` s),
-    and a consumer (``close_while_receiving``) that waits for it, then closes."""
+def start_stalled_pair(procs: Any, stall: float, until: Path | None = None, **consumer: Any) -> tuple[Any, Any]:
+    """A producer by hand that announces an item and never sends it (for ``stall`` s, or
+    until the file ``until`` exists), and a consumer (``close_while_receiving``) that waits
+    for it, then closes."""
     args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
-    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=stall, **args)
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=stall,
+                    until=str(until) if until else None, **args)
     p.read_until(lambda l: l.get("event") == "bound")
     c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), **consumer, **args)
     return p, c
 
 
 @pytest.mark.timeout(90)
-def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any) -> None:
+def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any,
+                                                                                  tmp_path: Path) -> None:
     # The producer is alive but its transfer never comes, so the consumer's recv stays
     # pending. get(timeout=...) raises IpcTimeoutError (twice: the item stays first in
     # line), it does not wait for the transfer past its timeout. close() must end the thread
     # waiting on the recv: gloo's abort() does not wake such a wait, and a wait that
     # returns later, while the interpreter finalizes, aborts the process (SIGABRT,
     # "terminate called without an active exception").
-    p, c = start_stalled_pair(procs, 20.0)
+    p, c = start_stalled_pair(procs, 60.0, until=tmp_path / "consumer-done")
     p.read_until(lambda l: l.get("event") == "stalled", 60)
     got = c.result(60)
     assert [("data was not ready" in t) for t in got["timeouts"]] == [True, True], got
     assert got["before"] and got["after"] == [], got  # (the edge's threads)
+    (tmp_path / "consumer-done").touch()  # the stall ends once the consumer has closed
     p.result(60)
 
 
