@@ -169,6 +169,10 @@ class ProducerLink:
         # receive ring fills ``memory``; None on every local edge.
         self.remote: Any = None
         self.lane_loss_seen = False  # a closed lane was handled as a closed connection
+        # The producer closed its connection after its BYE: a clean end, unless it died
+        # inside its close() (e.g. while we held items), leaving its /dev/shm arena behind.
+        # Until its process is provably gone (then reclaim) the ticks look.
+        self.closed_after_bye = False
         # Items the program released while its tensors still view their slot (the
         # reference rule): given back at a pump once nothing references them.
         self.kept = Kept()
@@ -401,8 +405,11 @@ class ProducerLink:
         if s.outbox:
             self.send_errors()
         # Frames that arrived before the disconnect count (a BYE then a close is clean).
-        if dropped and s.closed_by_peer():
-            self.on_lost()
+        if dropped:
+            if s.closed_by_peer():
+                self.on_lost()
+            elif s.bye_received:
+                self.closed_after_bye = True
         if s.error is None:
             if not s.ready:
                 if self.kept:
@@ -677,6 +684,9 @@ class ProducerLink:
         setup = s.setup
         if setup is None:  # (before SETUP every verdict is ALIVE, with no frame)
             return
+        if self.closed_after_bye and self.watch is not None and self.watch.gone():
+            self.closed_after_bye = False
+            reclaim_dead_segments()  # its arena, if it died inside its close()
         gone = (not self.producer_alive()) if s.watching else None
         w = self.watch
         remote = self.remote is not None  # (exactly when w is a RemoteWatch)
