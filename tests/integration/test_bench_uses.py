@@ -373,7 +373,7 @@ def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
         m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$", out, re.M)
         assert m, f"no kv row for {label}\n{dump}"
         rps, gbs, p50, p99, ratio, of_alone = (num(g) for g in m.groups())
-        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0 and of_alone > 0, dump
+        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0 and of_alone >= 0, dump  # (2 decimals)
     m = re.search(rf"^decode alone \(KV made in place\)\s+{NUM}\s+-\s+{NUM}\s+{NUM}\s+{NUM}x\s+1\.00x$", out, re.M)
     assert m, f"no kv row for the decode step alone\n{dump}"
 
