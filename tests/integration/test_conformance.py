@@ -20,8 +20,7 @@ import ipcsync
 from ipcsync.core import protocol as P
 from ipcsync.runtime.channel import resolve_endpoint
 
-# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("doorbell_env")]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
