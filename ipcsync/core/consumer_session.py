@@ -264,6 +264,12 @@ class ConsumerSession:
         """Teardown: forget the buffered items (nothing more is sent)."""
         self.ready.clear()
 
+    def forget_layouts(self) -> None:
+        """Drop the layouts' recipes (and the slot views they cache) before our BYE: after
+        it the producer may free the memory they view."""
+        self.recipes.clear()
+        self.frecipes.clear()
+
     def heard(self, now: float) -> None:
         """Frames from the producer arrived at ``now`` (liveness)."""
         self.clock.last_recv = now

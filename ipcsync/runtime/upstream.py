@@ -276,8 +276,7 @@ class ProducerLink:
         arena now, instead of the producer exiting first and torch warning there ("Producer
         process has been terminated before all shared CUDA tensors released"). Tensors the
         user still holds keep their memory mapped until they go."""
-        self.session.recipes.clear()
-        self.session.frecipes.clear()
+        self.session.forget_layouts()
         self.memory.let_go()
         self.downstream.close()
 
