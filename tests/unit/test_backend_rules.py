@@ -41,7 +41,7 @@ def test_the_backend_names_are_those_of_the_backends() -> None:
 def test_runtime_compares_no_backend_name_with_a_literal() -> None:
     # A rule that depends on the backend is an attribute or method of Backend; the runtime
     # compares names only with each other (a peer's backend with ours), never with "cpu"
-    # or "cuda". (The remote edge's transports compare torch device types: its own rule.)
+    # or "cuda" (the remote edge's transport included: backends.NATIVE_TRANSPORT).
     runtime = Path(__file__).resolve().parents[2] / "ipcsync" / "runtime"
     found = []
     for path in sorted(runtime.glob("*.py")):
@@ -49,10 +49,17 @@ def test_runtime_compares_no_backend_name_with_a_literal() -> None:
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
                 names = [o for o in operands if isinstance(o, ast.Attribute) and o.attr in ("name", "backend")
-                         or isinstance(o, ast.Name) and o.id in ("backend", "backend_name")]
+                         or isinstance(o, ast.Name) and (o.id.endswith("backend") or o.id == "backend_name")]
                 literals = [o for o in operands if isinstance(o, ast.Constant) and o.value in BACKEND_NAMES
                             or isinstance(o, ast.Tuple) and any(isinstance(e, ast.Constant) and e.value in BACKEND_NAMES
                                                                 for e in o.elts)]
                 if names and literals:
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "backend names compared in the runtime:\n" + "\n".join(found)
+
+
+def test_every_backend_names_the_transport_its_memory_travels_by() -> None:
+    from ipcsync.backends import NATIVE_TRANSPORT
+
+    assert set(NATIVE_TRANSPORT) == set(BACKEND_NAMES)
+    assert set(NATIVE_TRANSPORT.values()) <= {"gloo", "nccl"}
