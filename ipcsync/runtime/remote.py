@@ -54,6 +54,7 @@ from ..core.remote_session import (
     LOSS_HEARTBEATS, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
     layout_extent, silence_is_loss,
 )
+from ..envopts import env_seconds
 from ..errors import BackendError, ConfigError
 from .bounded import within
 from .channel import Endpoint
@@ -77,16 +78,7 @@ MAX_PENDING_JOINS = 16
 def op_timeout() -> float:
     """How long one rendezvous or one transfer may take before the edge is declared lost
     (``$IPCSYNC_REMOTE_TIMEOUT``, seconds; default 120)."""
-    raw = os.environ.get(OP_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_OP_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"${OP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ConfigError(f"${OP_TIMEOUT_ENV} must be > 0 seconds, got {raw!r}")
-    return value
+    return env_seconds(OP_TIMEOUT_ENV, DEFAULT_OP_TIMEOUT)
 
 
 TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
