@@ -278,11 +278,15 @@ class ConsumerEndpoint(EndpointBase):
 
     def close(self, timeout: float | None = None, forwarded_wait: bool = True) -> None:
         """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this
-        consumer forwarded zero-copy; without it they are given back at once)."""
+        consumer forwarded zero-copy; without it they are given back at once). A close()
+        already under way in another thread is waited for (up to ``timeout``), not run
+        twice; interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
+        interrupted: BaseException | None = None
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
                 return
-            self._begin_close(timeout=1.0)
+            if not self._begin_close(timeout=1.0):
+                return
             s, link, lender = self.session, self._link, self._lender
             try:
                 for item in lender.held_items():
@@ -304,9 +308,13 @@ class ConsumerEndpoint(EndpointBase):
                         link.remove_stale(0.0)  # it died after its BYE
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
-            self._closed = True
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: closed all the same
+                interrupted = exc
+            self._mark_closed()
             self._teardown()
         self._stop_service()
+        if interrupted is not None:
+            raise interrupted
 
     # ------------------------------------------------------------------ items
     def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:

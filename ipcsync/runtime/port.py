@@ -37,7 +37,7 @@ from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
-from ..errors import ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
+from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
 from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
@@ -46,7 +46,7 @@ from .forwarder import Forwarder
 from .peers import Peer, PeerTable
 from .slots import Handoffs, SlotRecord, Waits
 
-__all__ = ["ProducerPort", "SlotTicket"]
+__all__ = ["ProducerPort", "SlotTicket", "failure_text"]
 
 log = logging.getLogger(__name__)
 
@@ -472,6 +472,13 @@ class ProducerPort(EndpointBase):
                 h.ring.abort(slot)
                 return
             self._check_open()  # (and notes that the user's thread was here)
+            if self.closing:
+                # close() began while the block ran (another thread): its consumers may
+                # have had their goodbye, so an item published now could reach nobody.
+                h.ring.abort(slot)
+                raise ClosedError(
+                    f"producer {self.name!r} began closing (close() in another thread) while this "
+                    "Producer.slot() block ran: its item was not sent; finish sending before close()")
             try:
                 # The block wrote on its own stream, or the current one at its end.
                 h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
@@ -519,7 +526,8 @@ class ProducerPort(EndpointBase):
     def _refuse_send(self) -> None:
         self._check_open()
         if self.closing:
-            raise ConfigError("send() during close()")
+            raise ClosedError(f"producer {self.name!r} is closing (close() was called, perhaps in another "
+                              "thread): it sends nothing more; send before close(), or make a new Producer")
 
     def _enter_send(self) -> None:
         """A send-like call starts: refused on a closed or closing producer. Lock held."""
@@ -635,15 +643,21 @@ class ProducerPort(EndpointBase):
 
     def close(self, timeout: float | None = None) -> None:
         """``Producer.close``: deliver what is queued, BYE every consumer, wait for their
-        releases and goodbyes, then free everything."""
+        releases and goodbyes, then free everything. A close() already under way in
+        another thread is waited for (up to ``timeout``), not run twice. Interrupted
+        (Ctrl-C) inside its wait, it ends the stream as ``abort`` does, then re-raises: the
+        producer is closed, its consumers told it failed."""
+        me = threading.get_ident()
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
                 return
             self.closing = True
-            self._begin_close()
+            if not self._begin_close():
+                return
             t = self._resolve_timeout(timeout)
             deadline = None if t is None else time.monotonic() + t
             h, fwd = self.handoffs, self.forwarder
+            interrupted: BaseException | None = None
             try:
                 h.deliver_queued(deadline, lambda: self.attached_total)
                 for peer in self.peers:
@@ -652,29 +666,48 @@ class ProducerPort(EndpointBase):
                                deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
-            fwd.abandon()
-            if self.ring.busy():
-                log.warning("ipcsync producer %r closing with items not released by consumers "
-                            "(slot states %s)", self.name, self.ring.occupancy())
-            self._closed = True
-            self._teardown()
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: no clean end
+                interrupted = exc
+            if self._closed or self._closer != me:
+                return  # an abort() in another thread ended our wait: it finishes the job
+            if interrupted is not None:
+                self._fail(failure_text(interrupted))
+            else:
+                fwd.abandon()
+                if self.ring.busy():
+                    log.warning("ipcsync producer %r closing with items not released by consumers "
+                                "(slot states %s)", self.name, self.ring.occupancy())
+                self._mark_closed()
+                self._teardown()
         self._stop_service()
+        if interrupted is not None:
+            raise interrupted
 
     def abort(self, error: BaseException | str | None = None) -> None:
         """``Producer.abort``: ERROR ``failed`` to every consumer, then free everything."""
-        if isinstance(error, BaseException):
-            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        else:
-            text = error or "aborted"
+        text = failure_text(error)
         with self._lock:
             if self._closed:
                 return
             self.closing = True
-            self._begin_close(timeout=1.0)
-            frame = P.encode(P.Error(P.ErrorCode.FAILED.value, text[:1000]))
-            for peer in self.peers:
-                if not peer.session.bye_received and not peer.disconnected:
-                    self.peers.send_raw(peer.identity, frame)
-            self._closed = True
-            self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+            if not self._begin_close(timeout=1.0):
+                return
+            self._fail(text)
         self._stop_service()
+
+    def _fail(self, text: str) -> None:
+        """End the stream as failed: ERROR ``failed`` (``text``) to every consumer still
+        here, then free everything. Lock held."""
+        frame = P.encode(P.Error(P.ErrorCode.FAILED.value, text[:1000]))
+        for peer in self.peers:
+            if not peer.session.bye_received and not peer.disconnected:
+                self.peers.send_raw(peer.identity, frame)
+        self._mark_closed()
+        self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+
+
+def failure_text(error: BaseException | str | None) -> str:
+    """What an ERROR ``failed`` says of ``error``: an exception's type and message, or a text."""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return error or "aborted"
