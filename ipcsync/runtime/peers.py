@@ -246,8 +246,10 @@ class PeerTable:
         if peer.identity not in self.by_id:
             return
         # A remote consumer reads no memory of ours: its closed connection is loss at once.
-        if peer.watch is None or peer.remote is not None or peer.watch.gone() or not peer.session.may_hold:
-            self.lose(peer, why if peer.watch is None or peer.remote is not None else "process exited")
+        watch = peer.watch if peer.remote is None else None
+        exited = watch is not None and watch.gone()
+        if watch is None or exited or not peer.session.may_hold:
+            self.lose(peer, "process exited" if exited else why)
             return
         if not peer.disconnected:
             peer.disconnected = True

@@ -313,6 +313,8 @@ class ProducerPort(EndpointBase):
             heartbeat_ms=int(self._heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
+        if self.peers.get(identity) is not peer:
+            return  # its connection had closed (a consumer that gave up waiting): dropped, nothing to offer
         lanes = self.chan.lanes
         if lanes is not None and session.lane_capable:
             token = lanes.offer(identity, cred[0] if cred is not None else None)

@@ -544,6 +544,28 @@ def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch
     assert not out.port.peers, "a half-open handshake stayed forever"
 
 
+@pytest.mark.timeout(60)
+def test_a_consumer_gone_before_its_setup_leaves_the_producer_serving(endpoints: Any, caplog: Any) -> None:
+    # Before: SETUP to a consumer whose connection had closed (a connect_timeout too short
+    # for a busy producer) dropped it, then the lane offer on its ended session raised
+    # ProtocolError out of whichever call pumped: a user's wait_for_consumers()/send(), or
+    # the service thread ("ipcsync service thread error").
+    import logging
+
+    out = endpoints.producer("live-gone-hello", slots=2, slot_bytes=4096)
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        with out.port.lock:  # a busy producer: the HELLO waits in its socket, unread
+            with pytest.raises(ipcsync.IpcTimeoutError):
+                ipcsync.Consumer("live-gone-hello", connect_timeout=0.2)
+        inp = endpoints.consumer("live-gone-hello", timeout=10)
+        out.wait_for_consumers(1, timeout=10)
+        out.send({"x": torch.ones(4)}, meta=0, timeout=10)
+        assert inp.get(timeout=10).meta == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "process exited" not in caplog.text  # it had not: its connection had closed
+    assert out.consumers == 1
+
+
 def test_defaults_are_one_set(endpoints: Any) -> None:
     from ipcsync import limits
 
