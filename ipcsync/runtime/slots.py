@@ -320,6 +320,8 @@ class Handoffs:
         the slot's overwrite after its previous readers on it. The slot is given back if
         step 2 fails. Returns the slot's record: the caller writes (step 3), then calls
         ``finish`` (or ``ring.abandon(rec.slot)`` if it fails)."""
+        if timeout is not None:  # bad input is refused whether or not the call has to wait
+            self.waits.resolve_timeout(timeout)
         # 1. reserve. Rule: only a FREE slot, one every earlier holder released or left.
         acq = self.ring.acquire() or self._wait_for_slot(timeout)
         rec = self.records[acq.slot]
