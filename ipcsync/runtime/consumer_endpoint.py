@@ -366,9 +366,10 @@ class ConsumerEndpoint(EndpointBase):
                    asked: float | None = None) -> Item:
         """The item of a READY entry, once its data may be read (its ready event). The
         wait for that event (``wait="host"``, and every remote item: its transfer) is
-        bounded by ``timeout``: past it the entry goes back, first in line, for the next
-        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
-        when given); nothing is lost or released."""
+        bounded by ``timeout``: past it (or interrupted by Ctrl-C) the entry goes back,
+        first in line, for the next call, and IpcTimeoutError (or the KeyboardInterrupt)
+        is raised (naming ``asked``, the whole call's timeout, when given); nothing is lost
+        or released."""
         seq, slot, gen, sent_ns, meta, recipe = entry
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
@@ -387,7 +388,7 @@ class ConsumerEndpoint(EndpointBase):
         if not ev.query():
             try:
                 self._wait.order(ev, self._stream, lambda done: self._poll_event(done, timeout, asked))
-            except IpcTimeoutError:
+            except (IpcTimeoutError, KeyboardInterrupt):  # (a Ctrl-C in the wait: the same)
                 self._lender.unhold(seq, None)
                 self.session.requeue(entry)
                 raise

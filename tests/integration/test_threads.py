@@ -200,3 +200,33 @@ def test_ctrl_c_inside_consumer_close_leaves_it_closed(endpoints: Any, monkeypat
     with pytest.raises(ipcsync.ClosedError):
         inp.get(timeout=1)
     out.flush(timeout=10)  # its release went out before the interrupt
+
+
+# --------------------------------------------------------------------------- Ctrl-C inside a call's wait
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_for_an_items_data_keeps_the_item_first_in_line(endpoints: Any,
+                                                                              monkeypatch: Any) -> None:
+    # wait="host": an announced item's ready event is polled before it is handed out. Before:
+    # a Ctrl-C in that wait left the item held by the consumer but handed to nobody: the
+    # next get() skipped it, and its slot stayed taken until close().
+    from ipcsync.backends import cpu
+
+    ctrl_c = _CtrlC(monkeypatch)
+    ready = threading.Event()  # the producer's write "completes" when set
+    monkeypatch.setattr(cpu.CpuEvent, "query", lambda self: ready.is_set())
+    out = endpoints.producer("thr-kihost", slots=2, slot_bytes=4096)
+    inp = endpoints.consumer("thr-kihost", wait="host", timeout=10)
+    out.send({"x": torch.full((4,), 1.0)}, meta=0)
+    out.send({"x": torch.full((4,), 2.0)}, meta=1)
+    getter, caught = _in_thread(lambda: inp.get(timeout=30))
+    assert wait_until(lambda: _waiting(getter, "_make_item", "runtime/consumer_endpoint.py"), 30), caught
+    ctrl_c.target = getter.ident
+    _joined(getter)
+    assert ctrl_c.fired.is_set() and isinstance(caught.get("error"), KeyboardInterrupt), caught
+    assert inp.stats()["held"] == 0
+    ready.set()
+    got = []
+    for _ in range(2):
+        item = inp.get(timeout=10)
+        got.append((item.meta, item["x"].tolist()))
+    assert got == [(0, [1.0] * 4), (1, [2.0] * 4)]
