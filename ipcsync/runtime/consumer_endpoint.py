@@ -429,7 +429,7 @@ class ConsumerEndpoint(EndpointBase):
         if self._trace is not None:
             self._trace.released(seq)
         store = item.store
-        if self._check_refs and store.count() > store.own:
+        if self._check_refs and (store.count() > store.own or store.pyrefs() > store.own_py):
             # The program still views the slot: it goes back once nothing does (the
             # link polls it at every pump; a stall is reported at once).
             self._link.kept.add(item)

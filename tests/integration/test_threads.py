@@ -167,22 +167,23 @@ def test_a_slot_block_that_ends_after_close_began_is_refused_not_lost(endpoints:
 def test_ctrl_c_inside_producer_close_leaves_it_closed_and_its_consumers_told(endpoints: Any,
                                                                                 monkeypatch: Any) -> None:
     # Before: the producer stayed half-closed (not closed, service thread running, every
-    # send refused with "send() during close()"), and its consumer saw a clean end.
+    # send refused with "send() during close()"), and its consumer waited for the item
+    # still queued for it as for a live producer's.
     ctrl_c = _CtrlC(monkeypatch)
     out = endpoints.producer("thr-kiclose-p", slots=2, slot_bytes=4096)
-    inp = endpoints.consumer("thr-kiclose-p", auto_release=False, timeout=10)
+    inp = endpoints.consumer("thr-kiclose-p", auto_release=False, credits=1, timeout=10)
     out.send({"x": torch.full((4,), 5.0)}, meta=0)
-    out.send({"x": torch.full((4,), 6.0)}, meta=1)
-    held = inp.get(timeout=10)  # the second stays buffered until the next get
+    out.send({"x": torch.full((4,), 6.0)}, meta=1)  # queued: the consumer has one credit
+    held = inp.get(timeout=10)
+    # close() waits to deliver the queued item (no goodbye yet): Ctrl-C there.
     ctrl_c.interrupt(lambda: out.close(timeout=30), "runtime/port.py")
     assert out.closed
     with pytest.raises(ipcsync.ClosedError):
         out.send({"x": torch.ones(4)}, timeout=1)
     assert held["x"].tolist() == [5.0] * 4  # what the consumer holds stays readable
-    # The stream failed: no clean end (the buffered item may still come first).
+    # The stream failed (item 1 never went out): an error naming the interrupt, no clean end.
     with pytest.raises(ipcsync.PeerLostError, match="KeyboardInterrupt"):
-        for _ in range(2):
-            inp.get(timeout=10)
+        inp.get(timeout=10)
 
 
 @pytest.mark.timeout(60)
@@ -216,9 +217,11 @@ def test_ctrl_c_while_waiting_for_an_items_data_keeps_the_item_first_in_line(end
     monkeypatch.setattr(cpu.CpuEvent, "query", lambda self: ready.is_set())
     out = endpoints.producer("thr-kihost", slots=2, slot_bytes=4096)
     inp = endpoints.consumer("thr-kihost", wait="host", timeout=10)
+    getter, caught = _in_thread(lambda: inp.get(timeout=30))
+    # Sent while get() waits, so the item is made on the general path, which polls its event.
+    assert wait_until(lambda: _waiting(getter, "next_item", "runtime/consumer_endpoint.py"), 30), caught
     out.send({"x": torch.full((4,), 1.0)}, meta=0)
     out.send({"x": torch.full((4,), 2.0)}, meta=1)
-    getter, caught = _in_thread(lambda: inp.get(timeout=30))
     assert wait_until(lambda: _waiting(getter, "_make_item", "runtime/consumer_endpoint.py"), 30), caught
     ctrl_c.target = getter.ident
     _joined(getter)
