@@ -157,21 +157,52 @@ def consume_fanin(a: dict[str, Any]) -> None:
 
 
 def fork_child_exit(a: dict[str, Any]) -> None:
-    """Make an endpoint, fork; the child tries to use it, then exits normally (atexit
-    runs): it must exit at once and never touch the parent's endpoint."""
+    """Make a producer and a consumer (holding an item), fork; the child tries every call
+    of both, then the parent uses them, closes them while the child still lives, and only
+    then lets the child exit normally (atexit runs): the child's calls must each raise
+    ClosedError naming the fork (close() is a no-op there), its exit must be prompt, and
+    it must never touch the parent's endpoints."""
     out = ipcsync.Producer(a["endpoint"], slots=2, slot_bytes=4096)
-    inp = ipcsync.Consumer(a["endpoint"])
+    inp = ipcsync.Consumer(a["endpoint"], auto_release=False)
     out.send({"x": torch.ones(4)}, meta=0)
+    held = inp.get(timeout=10)
+    go_r, go_w = os.pipe()  # the parent closed its endpoints: the child may exit
     pid = os.fork()
     if pid == 0:
-        try:
-            out.send({"x": torch.ones(4)}, meta=1)
-            code = 3  # must not work
-        except ipcsync.ClosedError as exc:
-            code = 0 if "forked child" in str(exc) else 4
+        os.close(go_w)
+        calls = {
+            "send": lambda: out.send({"x": torch.ones(4)}, meta=1),
+            "slot": lambda: out.slot(x=((4,), torch.float32)).__enter__(),
+            "flush": lambda: out.flush(timeout=1),
+            "wait_for_consumers": lambda: out.wait_for_consumers(1, timeout=1),
+            "get": lambda: inp.get(timeout=1),
+            "next": lambda: next(iter(inp)),
+        }
+        code = 0
+        for k, call in enumerate(calls.values()):
+            try:
+                call()
+                code = code or 10 + k  # must not work
+            except ipcsync.ClosedError as exc:
+                code = code or (0 if "forked child" in str(exc) else 30 + k)
+            except BaseException:  # noqa: BLE001 (an exit code says which call)
+                code = code or 50 + k
+        held.release()  # a no-op: the item is the parent's
+        inp.close()
+        out.close()
+        os.read(go_r, 1)  # the parent closed everything meanwhile
         sys.stdout.flush()
         sys.exit(code)  # atexit handlers run here
+    os.close(go_r)
+    # The child acts meanwhile; the parent's endpoints keep working.
+    assert not held.released and held["x"].tolist() == [1.0] * 4
+    held.release()
+    out.send({"x": torch.full((4,), 2.0)}, meta=2)
+    metas = [0, inp.get(timeout=10).meta]
+    inp.close()
+    out.close()  # the child still lives
     t0 = time.monotonic()
+    os.write(go_w, b"x")
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -183,11 +214,6 @@ def fork_child_exit(a: dict[str, Any]) -> None:
             break
         time.sleep(0.01)
     child_s = time.monotonic() - t0
-    # The parent's endpoints still work after the child exited.
-    out.send({"x": torch.full((4,), 2.0)}, meta=2)
-    metas = [inp.get(timeout=10).meta, inp.get(timeout=10).meta]
-    inp.close()
-    out.close()
     say(event="done", child_status=status, child_s=child_s, metas=metas)
 
 

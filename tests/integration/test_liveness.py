@@ -491,8 +491,10 @@ def test_the_atexit_list_does_not_grow_with_endpoints() -> None:
 def test_a_forked_child_never_touches_its_parents_endpoints(procs: Any) -> None:
     p = procs.start("fork_child_exit", module="liveness_peers", endpoint="live-fork")
     res = p.result(timeout=30)
-    # The child's send raised ClosedError naming the fork, and its exit (atexit hooks
-    # included) did not hang on the inherited endpoints: it was not killed.
+    # Every call of the child's (send, slot, flush, wait_for_consumers, get, next) raised
+    # ClosedError naming the fork; the parent's endpoints worked meanwhile and were closed
+    # while the child lived; the child's exit (atexit hooks included) did not hang on the
+    # inherited endpoints: it was not killed.
     assert res["child_status"] == 0, res
     assert res["metas"] == [0, 2], res
 

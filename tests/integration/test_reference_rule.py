@@ -308,6 +308,36 @@ def test_a_slot_blocks_storage_object_kept_after_the_block_is_refused(endpoints:
     del storage
 
 
+# --------------------------------------------------------------------------- a consumer dropped
+def test_a_consumer_dropped_without_close_keeps_what_it_held(endpoints: Any, device: str) -> None:
+    """Unreferenced while it holds an item, a Consumer is torn down without a goodbye: the
+    views its program kept stay readable, and its producer keeps their slot while this
+    process lives (a closed connection of a living process is not its death)."""
+    import gc
+    import threading
+
+    from polling import wait_until
+
+    out = endpoints.producer("keep-drop", slots=1, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
+    inp = ipcsync.Consumer("keep-drop", heartbeat=None, timeout=5, device=device, auto_release=False)
+    out.send({"x": value(1, device)}, timeout=5)
+    item = inp.get(timeout=5)
+    x = item["x"][2:][1:]  # a view of a view
+    del inp
+
+    def gone() -> bool:
+        gc.collect()
+        return not any(t.name == "ipcsync-consumer-keep-drop" for t in threading.enumerate())
+
+    assert wait_until(gone, 10), "the unreferenced consumer was never torn down"
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        out.send({"x": value(2, device)}, timeout=0.5)  # its only slot is still held
+    assert x.tolist() == [1.0] * (SIZE - 3)
+    assert item["x"].tolist() == [1.0] * SIZE
+    item.release()  # nothing left to release it to: a no-op
+    assert out.stats()["consumers_lost"] == 0
+
+
 # --------------------------------------------------------------------------- 1,000 items kept
 N = 1000
 WINDOW = 2  # views of the latest items kept as they are; older ones kept as clones
