@@ -194,17 +194,21 @@ class ConsumerEndpoint(EndpointBase):
                     except IndexError:
                         return self._next_item(timeout, pumped=True)
                 seq, slot, gen, sent_ns, meta, recipe = entry
-                mem = self._memory
-                if (self._flat and recipe.__class__ is Recipe
-                        and (mem.complete_on_record or mem.ready_events[slot].query())):
-                    store = mem.stores[slot]
-                    item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
-                                recipe.nbytes, store)
-                    lender.hold(seq, item)
-                    self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
-                else:
-                    item = self._make_item(entry, timeout)
-                lender.set_current(get_ident(), item)
+                try:
+                    mem = self._memory
+                    if (self._flat and recipe.__class__ is Recipe
+                            and (mem.complete_on_record or mem.ready_events[slot].query())):
+                        store = mem.stores[slot]
+                        item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
+                                    recipe.nbytes, store)
+                        lender.hold(seq, item)
+                        self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
+                    else:
+                        item = self._make_item(entry, timeout)
+                    lender.set_current(get_ident(), item)
+                except KeyboardInterrupt:
+                    self._untake(entry)
+                    raise
                 return item
             finally:
                 self._last_call = time.monotonic()
@@ -328,8 +332,13 @@ class ConsumerEndpoint(EndpointBase):
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.take_ready(), left, timeout)
-            self._lender.set_current(get_ident(), item)
+            entry = s.take_ready()
+            try:
+                item = self._make_item(entry, left, timeout)
+                self._lender.set_current(get_ident(), item)
+            except KeyboardInterrupt:
+                self._untake(entry)
+                raise
             return item
         if s.bye_received:
             self._pump()  # answers BYE once nothing is held
@@ -347,10 +356,14 @@ class ConsumerEndpoint(EndpointBase):
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
                 # the fds it waits on) or the SENT frame wakes it when this one is ready.
+                entry = self.session.take_ready()
                 try:
-                    return True, self._make_item(self.session.take_ready(), 0.0 if self._data_wakes else None)
+                    return True, self._make_item(entry, 0.0 if self._data_wakes else None)
                 except IpcTimeoutError:
                     return False, None  # (the entry is first in line again)
+                except KeyboardInterrupt:
+                    self._untake(entry)
+                    raise
             if self.session.bye_received:
                 self._pump()  # answers BYE once nothing is held
                 return True, None
@@ -366,10 +379,10 @@ class ConsumerEndpoint(EndpointBase):
                    asked: float | None = None) -> Item:
         """The item of a READY entry, once its data may be read (its ready event). The
         wait for that event (``wait="host"``, and every remote item: its transfer) is
-        bounded by ``timeout``: past it (or interrupted by Ctrl-C) the entry goes back,
-        first in line, for the next call, and IpcTimeoutError (or the KeyboardInterrupt)
-        is raised (naming ``asked``, the whole call's timeout, when given); nothing is lost
-        or released."""
+        bounded by ``timeout``: past it the entry goes back, first in line, for the next
+        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
+        when given); nothing is lost or released. (A Ctrl-C here or before the caller
+        handed the item out: the caller's ``_untake``.)"""
         seq, slot, gen, sent_ns, meta, recipe = entry
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
@@ -388,7 +401,7 @@ class ConsumerEndpoint(EndpointBase):
         if not ev.query():
             try:
                 self._wait.order(ev, self._stream, lambda done: self._poll_event(done, timeout, asked))
-            except (IpcTimeoutError, KeyboardInterrupt):  # (a Ctrl-C in the wait: the same)
+            except IpcTimeoutError:
                 self._lender.unhold(seq, None)
                 self.session.requeue(entry)
                 raise
@@ -399,6 +412,16 @@ class ConsumerEndpoint(EndpointBase):
         if self._trace is not None:
             self._trace.received(seq, now)
         return item
+
+    def _untake(self, entry: tuple[int, int, int, int, Any, Any]) -> None:
+        """A KeyboardInterrupt (Ctrl-C) landed between taking READY ``entry`` and handing
+        its item out: nobody holds that item, so the entry goes back first in line for the
+        next call, as a timed-out wait's does, and nothing keeps its slot. Lock held."""
+        lender, tid = self._lender, get_ident()
+        item = lender.unhold(entry[0], None)
+        if item is not None and lender.current.get(tid) is item:
+            lender.pop_current(tid, None)
+        self.session.requeue(entry)
 
     def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)

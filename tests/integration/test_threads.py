@@ -233,3 +233,35 @@ def test_ctrl_c_while_waiting_for_an_items_data_keeps_the_item_first_in_line(end
         item = inp.get(timeout=10)
         got.append((item.meta, item["x"].tolist()))
     assert got == [(0, [1.0] * 4), (1, [2.0] * 4)]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_next_builds_an_item_loses_nothing(endpoints: Any, monkeypatch: Any) -> None:
+    # A Ctrl-C lands where a busy loop spends its time: inside the steady next(), between
+    # taking the item's READY and handing the item out. Before: that item was lost (the
+    # next call returned the one after it) and its slot stayed taken for good.
+    from ipcsync.core.layout import Recipe
+
+    build_in = Recipe.build_in
+    fired: list[bool] = []
+
+    def interrupted_once(self: Any, store: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return build_in(self, store)
+
+    out = endpoints.producer("thr-kibuild", slots=2, slot_bytes=4096)
+    inp = endpoints.consumer("thr-kibuild", auto_release=False, timeout=10)
+    out.send({"x": torch.full((4,), 1.0)}, meta=0)
+    out.send({"x": torch.full((4,), 2.0)}, meta=1)
+    assert wait_until(lambda: inp.stats()["buffered"] == 2, 30)  # both READYs arrived
+    monkeypatch.setattr(Recipe, "build_in", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        inp.get(timeout=10)
+    assert fired and inp.stats()["held"] == 0
+    items = [inp.get(timeout=10) for _ in range(2)]
+    assert [(i.meta, i["x"].tolist()) for i in items] == [(0, [1.0] * 4), (1, [2.0] * 4)]
+    for item in items:
+        item.release()
+    out.flush(timeout=10)  # every slot came back
