@@ -436,14 +436,17 @@ class ConsumerEndpoint(EndpointBase):
         s = self.session
         mem = self._memory
         if s.error is None and not mem.complete_on_record:
-            if stream is None and (stream := self._stream) is None:
-                # The current stream: its key (one C call) names the one resolved last time.
-                key = self._stream_key()
-                if key != self._stream_seen:
-                    self._stream_seen, self._stream_now = key, self._backend.current_stream()
-                stream = self._stream_now
+            if stream is None and (stream := self._stream) is None:  # the current one
+                stream = self._stream_now if self._stream_key() == self._stream_seen else self._current_stream()
             mem.record_release[slot](stream)
         s.queue_release((seq, slot, item.gen))
+
+    def _current_stream(self) -> Any:
+        """The current stream, asked of the backend only when its key (one C call) changed."""
+        key = self._stream_key()
+        if key != self._stream_seen:
+            self._stream_seen, self._stream_now = key, self._backend.current_stream()
+        return self._stream_now
 
     def _release_verified(self, item: Item, stream: Any) -> None:
         """``_release_locked`` with ``verify=True``: the item's checksum is taken again

@@ -332,10 +332,7 @@ class Handoffs:
         rec.gen = acq.gen
         rec.last_holders = acq.last_holders
         if stream is None and not self.host_sync:  # resolved once: steps 2, 3 and 3b use it
-            key = self.stream_key()
-            if key != self._stream_seen:
-                self._stream_seen, self._stream_now = key, self.current_stream()
-            stream = self._stream_now
+            stream = self._stream_now if self.stream_key() == self._stream_seen else self.resolve_stream()
         rec.stream = stream
         # 2. order after the previous readers. Rule: the overwrite waits for their release
         # events (a lost reader's never); a forward of this slot still waiting downstream is
@@ -348,6 +345,13 @@ class Handoffs:
                 self.ring.abort(rec.slot)
                 raise
         return rec
+
+    def resolve_stream(self) -> Any:
+        """The current stream, asked of the backend only when its key changed."""
+        key = self.stream_key()
+        if key != self._stream_seen:
+            self._stream_seen, self._stream_now = key, self.current_stream()
+        return self._stream_now
 
     def _wait_for_slot(self, timeout: float | None) -> Acquired:
         w = self.waits
@@ -446,7 +450,7 @@ class Handoffs:
         slot = rec.slot
         # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
         if not self.host_sync:
-            self.record_ready[slot](stream)
+            self.record_ready[slot](stream if stream is not None else self.resolve_stream())
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring
