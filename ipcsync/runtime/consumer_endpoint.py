@@ -200,7 +200,7 @@ class ConsumerEndpoint(EndpointBase):
                 seq, slot, gen, sent_ns, meta, recipe = entry
                 mem = self._memory
                 if (self._flat and recipe.__class__ is Recipe
-                        and (mem.complete_on_record or mem.ready_events[slot].query())):
+                        and (mem.complete_on_record or mem.ready_done[slot]())):
                     store = mem.stores[slot]
                     item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
                                 recipe.nbytes, store)

@@ -81,16 +81,19 @@ class RingMemory:
     """The producer's ring as this consumer sees it: its arenas, each slot's own storage
     (``stores``: items are built from it, and it says whether a tensor of the program
     still references the slot; ``stores[i].base`` is slot i's bytes), its ready events,
-    and our release events (one per slot), with ``record_release``, their records
+    and our release events (one per slot), with ``ready_done``, the ready events'
+    queries (``Event.bound_query``), and ``record_release``, the release events' records
     (``Event.bound_record``). ``complete_on_record``: every one of those events is
     complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "release_events", "record_release", "complete_on_record")
+    __slots__ = ("arenas", "stores", "ready_events", "ready_done", "release_events", "record_release",
+                 "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
+        self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
         self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
@@ -109,6 +112,7 @@ class RingMemory:
     def set_events(self, ready: list[Event], release: list[Event]) -> None:
         """The producer's ready events and our release events, one each per slot."""
         self.ready_events, self.release_events = ready, release
+        self.ready_done = [e.bound_query() for e in ready]
         self.record_release = [e.bound_record() for e in release]
         self.complete_on_record = all(type(e).complete_on_record for e in (*ready, *release))
 
