@@ -9,7 +9,7 @@ complete when recorded; the CUDA backend's are interprocess CUDA events.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -46,6 +46,16 @@ class Event(abc.ABC):
     @abc.abstractmethod
     def handle(self) -> bytes:
         """Bytes another process passes to ``Backend.open_event`` to use this event."""
+
+    def bound_record(self) -> Callable[[Any], None]:
+        """``record`` as one callable, for a hot path that always names the stream (never
+        None): where the backend has a binding, the binding with this event bound (no
+        Python frame per call). Asked once per event, kept beside it."""
+        return self.record
+
+    def bound_query(self) -> Callable[[], bool]:
+        """``query`` as one callable (as ``bound_record``)."""
+        return self.query
 
 
 class Arena(abc.ABC):
@@ -130,6 +140,12 @@ class Backend(abc.ABC):
         """Where a peer's device (its ``device_identity()``) is in this process: None for
         this backend's own device. ``need_access``: this device must be able to read it
         (peer access); ConfigError if it cannot, or if the device is not visible here."""
+        return None
+
+    def current_stream_key(self) -> Callable[[], Any] | None:
+        """A callable without Python frames whose result names the current stream (equal
+        results: the same stream), so a hot path asks ``current_stream()`` only when it
+        changed; None where the backend has none (events that ignore streams)."""
         return None
 
     def current_stream(self) -> Any:

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
-    __slots__ = ("identity", "session", "fd", "watch", "release_events", "outbox", "disconnected",
-                 "remote", "lane", "lane_ready", "spoke")
+    __slots__ = ("identity", "session", "fd", "watch", "release_events", "release_done", "outbox",
+                 "disconnected", "remote", "lane", "lane_ready", "spoke")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
@@ -50,6 +50,7 @@ class Peer:
         # RemoteWatch (no process to watch on another host).
         self.watch = watch
         self.release_events: list[Event] = []  # per slot, opened from its ATTACH
+        self.release_done: list[Callable[[], bool]] = []  # their queries (Event.bound_query)
         self.outbox: deque[bytes] = deque()
         self.disconnected = False  # connection closed without BYE, process alive: holds stay
         # A consumer on another host (core.remote_session): its runtime.remote.ProducerEdge,
@@ -67,6 +68,11 @@ class Peer:
     @property
     def label(self) -> str:
         return self.session.label
+
+    def set_release_events(self, events: list[Event]) -> None:
+        """Its release events, one per slot (none: it is gone), with their queries."""
+        self.release_events = events
+        self.release_done = [e.bound_query() for e in events]
 
     @property
     def stalled(self) -> bool:
@@ -215,7 +221,7 @@ class PeerTable:
         peer.session.close()
         self.bad_by_peer.pop(peer.identity, None)
         self.on_gone(peer)  # never waits on the departed peer's events: it is out of the table
-        peer.release_events = []
+        peer.set_release_events([])
         if peer.watch is not None:
             peer.watch.close()
 

@@ -366,7 +366,7 @@ class ProducerPort(EndpointBase):
                 bad = peer.session.bad_frame(ProtocolError(f"remote edge: {why}"))
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
-            peer.release_events = list(peer.remote.release_events)
+            peer.set_release_events(list(peer.remote.release_events))
             watch = peer.watch  # (a remote peer's: its RemoteWatch)
             if watch is not None and not isinstance(watch, host.ProcessWatch):
                 watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
@@ -374,7 +374,7 @@ class ProducerPort(EndpointBase):
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see
                 # CudaBackend.open_event).
-                peer.release_events = [self.backend.open_event(e) for e in msg.release_events]
+                peer.set_release_events([self.backend.open_event(e) for e in msg.release_events])
             except Exception as exc:
                 bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)

@@ -11,7 +11,7 @@ way: ``begin`` (steps 1-2), their own write (step 3), ``finish`` (steps 3b-4).
    a lost holder's event is never waited on.
 3. write: the caller's (a copy, the user's block, or for a forward the downstream wait on
    the upstream ready event). Rule: on the stream ``begin`` resolved (or the caller's).
-3b. record ready (``finish``): ``ready_events[slot].record(stream)``. Rule: recorded on the
+3b. record ready (``finish``): the slot's ready event recorded on ``stream``. Rule: recorded on the
    stream that wrote the slot, after the write.
 4. publish (``finish``, ``deliver``): the slot gets its seq and goes out, in seq order, to
    consumers with free credits. Rule: READY goes out after the ready event was recorded, so
@@ -129,6 +129,7 @@ class Handoffs:
         self.slots = ring.nslots
         self.slot_views = slot_views
         self.ready_events = ready_events
+        self.record_ready = [e.bound_record() for e in ready_events]  # (step 3b, per slot)
         self.slot_bytes = slot_bytes
         self.peers = peers
         self.ledger = ledger
@@ -149,6 +150,11 @@ class Handoffs:
         # Host-synchronous backend: no ready event to record, no stream to resolve.
         self.host_sync = backend.host_sync
         self.current_stream = backend.current_stream
+        # The current stream's key (one C call) names the Stream resolved last time: the
+        # backend's current_stream() is asked only when the key changed.
+        self.stream_key = backend.current_stream_key() or backend.current_stream
+        self._stream_seen: Any = object()  # (no key seen yet)
+        self._stream_now: Any = None
         # Step 2 has work to do: events that complete on the GPU, or (set by the port) a
         # remote consumer's release events, sends that complete later, on any backend.
         self.order_events = not backend.host_sync
@@ -327,20 +333,32 @@ class Handoffs:
         rec = self.records[acq.slot]
         rec.gen = acq.gen
         rec.last_holders = acq.last_holders
-        if stream is None and not self.host_sync:
-            stream = self.current_stream()  # resolved once: steps 2, 3 and 3b use it
+        if stream is None and not self.host_sync:  # resolved once: steps 2, 3 and 3b use it
+            stream = self._stream_now if self.stream_key() == self._stream_seen else self.resolve_stream()
         rec.stream = stream
         # 2. order after the previous readers. Rule: the overwrite waits for their release
         # events (a lost reader's never); a forward of this slot still waiting downstream is
         # finished first. Nothing to do with no previous reader still attached, or with
         # events complete once recorded and no forward pending.
-        if acq.last_holders and (self.order_events or self.ledger.pending):
-            try:
-                self.order_after_readers(rec)
-            except BaseException:
-                self.ring.abort(rec.slot)
-                raise
+        holders: frozenset[Any] = acq.last_holders  # (consumer identities)
+        if holders and (self.order_events or self.ledger.pending):
+            # Its steady branch: one previous reader, whose release event is complete
+            # already (a query, ~0.1 us), and no forward of the slot pending: nothing to order.
+            peer = self.peers.get(next(iter(holders))) if len(holders) == 1 and not self.ledger.pending else None
+            if peer is None or not peer.release_done or not peer.release_done[acq.slot]():
+                try:
+                    self.order_after_readers(rec)
+                except BaseException:
+                    self.ring.abort(rec.slot)
+                    raise
         return rec
+
+    def resolve_stream(self) -> Any:
+        """The current stream, asked of the backend only when its key changed."""
+        key = self.stream_key()
+        if key != self._stream_seen:
+            self._stream_seen, self._stream_now = key, self.current_stream()
+        return self._stream_now
 
     def _wait_for_slot(self, timeout: float | None) -> Acquired:
         w = self.waits
@@ -404,14 +422,13 @@ class Handoffs:
             peer = peers.get(cid)
             if peer is None or not peer.release_events:
                 continue
-            ev = peer.release_events[slot]
             # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
             # which costs far more host time than the query when the event is another
             # process's. The peer re-records this event only after we hand it the slot again,
             # so a completed query() stands until then.
-            if ev.query():
+            if peer.release_done[slot]():
                 continue
-            self.order_after(ev, stream, self.release_poll(peer, slot))
+            self.order_after(peer.release_events[slot], stream, self.release_poll(peer, slot))
 
     def release_poll(self, peer: Peer, slot: int) -> Callable[[Callable[[], bool]], None]:
         """The host wait for ``peer``'s release event of ``slot`` (``WaitStrategy.order``'s
@@ -440,7 +457,9 @@ class Handoffs:
         slot = rec.slot
         # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
         if not self.host_sync:
-            self.ready_events[slot].record(stream)
+            if stream is None:  # (a slot() block's: the current stream at its end)
+                stream = self._stream_now if self.stream_key() == self._stream_seen else self.resolve_stream()
+            self.record_ready[slot](stream)
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring

@@ -81,16 +81,21 @@ class RingMemory:
     """The producer's ring as this consumer sees it: its arenas, each slot's own storage
     (``stores``: items are built from it, and it says whether a tensor of the program
     still references the slot; ``stores[i].base`` is slot i's bytes), its ready events,
-    and our release events (one per slot). ``complete_on_record``: every one of those
-    events is complete once recorded (the CPU backend's): the steady path skips them."""
+    and our release events (one per slot), with ``ready_done``, the ready events'
+    queries (``Event.bound_query``), and ``record_release``, the release events' records
+    (``Event.bound_record``). ``complete_on_record``: every one of those events is
+    complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "release_events", "complete_on_record")
+    __slots__ = ("arenas", "stores", "ready_events", "ready_done", "release_events", "record_release",
+                 "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
+        self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
+        self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
 
     def open(self, backend: Any, s: P.Setup, where: Any) -> None:
@@ -99,12 +104,17 @@ class RingMemory:
         try:
             self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
-            self.ready_events = [backend.open_event(h) for h in s.ready_events]
-            self.release_events = [backend.create_event() for _ in s.slots]
-            self.complete_on_record = all(type(e).complete_on_record
-                                          for e in (*self.ready_events, *self.release_events))
+            self.set_events([backend.open_event(h) for h in s.ready_events],
+                            [backend.create_event() for _ in s.slots])
         except IpcSyncError as exc:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
+
+    def set_events(self, ready: list[Event], release: list[Event]) -> None:
+        """The producer's ready events and our release events, one each per slot."""
+        self.ready_events, self.release_events = ready, release
+        self.ready_done = [e.bound_query() for e in ready]
+        self.record_release = [e.bound_record() for e in release]
+        self.complete_on_record = all(type(e).complete_on_record for e in (*ready, *release))
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
@@ -118,8 +128,7 @@ class RingMemory:
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
     def drop_events(self) -> None:
-        self.ready_events = []
-        self.release_events = []
+        self.set_events([], [])
         self.complete_on_record = False
 
 
@@ -468,7 +477,7 @@ class ProducerLink:
         m = self.memory
         m.arenas = [edge.arena]
         m.set_slots(list(edge.slot_views))
-        m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)
+        m.set_events(list(edge.ready_events), list(edge.release_events))
         self.watch = RemoteWatch(self.session.clock, edge)
         self.send(self.session.attach(s, [RELEASE_PLACEHOLDER] * len(s.slots)))
 

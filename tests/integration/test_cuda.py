@@ -224,3 +224,55 @@ def test_export_import_tensor_across_processes(procs, tmp_path):
         ipcsync.export_tensor(torch.zeros(3))
     with pytest.raises(ipcsync.ConfigError):
         ipcsync.import_tensor(b"\x93garbage")
+
+
+@pytest.mark.parametrize("stage", ["send", "release"])
+def test_a_call_under_another_current_stream_records_on_that_stream(stage):
+    """The steady path names the current stream by a cached key and resolves it again only
+    when the key changes. A send (or a release) made under another current stream after
+    several on the default one records its event on that stream: the reader (or the
+    overwrite) is ordered after ~1 s of GPU work queued there first. Recorded on the
+    stale default stream instead, the consumer reads the previous item's values (or
+    the producer overwrites the slot before the slow read ran)."""
+    rate = getattr(torch.cuda.get_device_properties(0), "clock_rate", 1_980_000)  # kHz
+    name = f"stream-key-{stage}-{os.getpid()}"
+    src = torch.zeros(N, device="cuda")
+    opts = dict(device="cuda", heartbeat=None, timeout=60)
+    with ipcsync.Producer(name, slots=1, slot_bytes=N * 4, **opts) as out, \
+            ipcsync.Consumer(name, auto_release=False, **opts) as inp:
+        out.wait_for_consumers(1, timeout=60)
+        it = iter(inp)
+        for v in (1.0, 2.0, 3.0):  # the default stream's key is the one cached
+            src.fill_(v)
+            out.send({"x": src})
+            next(it).release()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        if stage == "send":
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(1.0 * rate * 1000))
+                src.fill_(42.0)
+                out.send({"x": src})  # the copy runs on `side`, after the sleep
+            item = next(it)  # its wait is enqueued on the consumer's current (default) stream
+            y = item["x"].clone()
+            torch.cuda.current_stream().synchronize()
+            assert y.min().item() == y.max().item() == 42.0
+            item.release()
+        else:
+            src.fill_(5.0)
+            out.send({"x": src})
+            item = next(it)
+            kept = torch.empty(N, device="cuda")
+            with torch.cuda.stream(side):
+                side.wait_stream(torch.cuda.default_stream())  # (after the item's ready wait)
+                torch.cuda._sleep(int(1.0 * rate * 1000))
+                kept.copy_(item["x"])  # the slow read
+                item.release()  # its release event is recorded on `side`
+            src.fill_(6.0)
+            out.send({"x": src})  # one slot: the overwrite waits on that release event
+            side.synchronize()
+            assert kept.min().item() == kept.max().item() == 5.0
+            nxt = next(it)
+            assert nxt["x"].max().item() == 6.0
+            nxt.release()
+        torch.cuda.synchronize()

@@ -423,6 +423,9 @@ class _GatedEvent:
     def query(self) -> bool:
         return self.gate.is_set()
 
+    def bound_query(self) -> Any:
+        return self.query
+
     def wait(self, stream: Any = None) -> None:
         assert self.gate.is_set(), "a wait was enqueued on an incomplete event (wait='host')"
         self.waited += 1
@@ -432,7 +435,7 @@ def _gate_release_events(down: ipcsync.Producer, gate: threading.Event) -> _Gate
     ev = _GatedEvent(gate)
     with down.port.lock:
         (peer,) = down.port.peers
-        peer.release_events = [ev] * down.slots
+        peer.set_release_events([ev] * down.slots)
     return ev
 
 

@@ -1,7 +1,7 @@
 """The steady path, counted in Python calls. The producer's (``sys.setprofile``, as
 ``scripts/profile_handoff.py --calls`` counts them): a count, not a time, so no load can
 make it flaky. A steady edge: the message's plan cached, its destination views built for
-every slot, a slot free, one consumer that knows the layout (CPU backend), its frames on
+every slot, a slot free, one consumer that knows the layout (CPU and CUDA backends), its frames on
 its lane or on ZeroMQ (the same calls).
 
 Bounds: ``send`` <= 10 Python calls (the issue's target); a ``slot()`` block <= 22
@@ -49,10 +49,20 @@ def python_calls(fn: Callable[[], Any]) -> tuple[int, list[str]]:
     return len(names) - 1, names[1:]
 
 
+# The CUDA backend's steady path adds the events (record ready, query the previous
+# reader's release; record release): bound once, they are C calls, not Python frames.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: Any) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def steady(endpoints: Any) -> Any:
-    out = endpoints.producer("counted", slots=SLOTS, slot_bytes=8192, heartbeat=None, timeout=10)
-    inp = endpoints.consumer("counted", heartbeat=None, timeout=10, auto_release=False)
+def steady(endpoints: Any, device: str) -> Any:
+    out = endpoints.producer("counted", slots=SLOTS, slot_bytes=8192, device=device, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("counted", device=device, heartbeat=None, timeout=10, auto_release=False)
     out.wait_for_consumers(1, timeout=10)
     return out, inp
 
@@ -78,7 +88,7 @@ def _warm(out: Any, inp: Any, produce: Callable[[], Any]) -> None:
 
 def test_a_steady_send_makes_at_most_10_python_calls(steady: Any) -> None:
     out, inp = steady
-    src = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.zeros(4096, dtype=torch.uint8, device=out.device)
     produce = lambda: out.send({"x": src})  # noqa: E731
     _warm(out, inp, produce)
     counts = _rounds(out, inp, produce, 3 * SLOTS)
@@ -119,11 +129,11 @@ def _python_calls(fn: Callable[[], Any]) -> tuple[int, Any]:
     return calls, out
 
 
-def test_a_steady_next_costs_at_most_6_python_calls_and_a_release_3(endpoints: Any) -> None:
-    p = endpoints.producer("calls", slots=16, slot_bytes=8192, device="cpu", heartbeat=None, timeout=10)
-    c = endpoints.consumer("calls", device="cpu", heartbeat=None, timeout=10, auto_release=False)
+def test_a_steady_next_costs_at_most_6_python_calls_and_a_release_3(endpoints: Any, device: str) -> None:
+    p = endpoints.producer("calls", slots=16, slot_bytes=8192, device=device, heartbeat=None, timeout=10)
+    c = endpoints.consumer("calls", device=device, heartbeat=None, timeout=10, auto_release=False)
     p.wait_for_consumers(1, timeout=10)
-    x = torch.zeros(4096, dtype=torch.uint8)
+    x = torch.zeros(4096, dtype=torch.uint8, device=device)
     it = iter(c)
     rounds = 0
     while not c.stats()["lane"] or rounds < 3:  # warm up: until frames travel on the lane
