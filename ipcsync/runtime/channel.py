@@ -876,11 +876,19 @@ class ConsumerChannel(_Channel):
             self._send(self._switch, _NOBLOCK)
         except zmq.Again:
             return False
+        except KeyboardInterrupt:  # (raised once the send returned: our SWITCH went out)
+            self._switched_out()
+            raise
+        self._switched_out()
+        return True
+
+    def _switched_out(self) -> None:
+        """Our SWITCH went out: our frames go on the lane from now on, and it is never
+        sent twice (the producer refuses a second one)."""
         self._switch = None
         self.lane_out = True
         if self.lane_in and not self.lane_lost:
             self.steady_lane = self.lane
-        return True
 
     def _lane_send_failed(self) -> None:
         """A send on the lane failed (the producer closed it): nothing more goes out, but

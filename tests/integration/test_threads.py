@@ -265,3 +265,53 @@ def test_ctrl_c_while_next_builds_an_item_loses_nothing(endpoints: Any, monkeypa
     for item in items:
         item.release()
     out.flush(timeout=10)  # every slot came back
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_right_after_the_consumer_switched_to_its_lane_keeps_the_connection(endpoints: Any,
+                                                                                   monkeypatch: Any) -> None:
+    # The consumer's SWITCH (its last frame on ZeroMQ before its frames move to the lane)
+    # went out, then a Ctrl-C landed before the consumer noted it. Before: the SWITCH was
+    # sent again at the next pump and the producer refused the consumer ("SWITCH is not
+    # allowed ... with the lane 'switched'"), a ProtocolError at its next call.
+    from ipcsync.runtime.channel import ConsumerChannel
+
+    switch_in = ConsumerChannel.switch_in
+    fired: list[bool] = []
+
+    def interrupted_switch_in(self: Any, frame: bytes) -> None:
+        real = self._send
+
+        def send_then_ctrl_c(data: Any, flags: int = 0) -> Any:
+            self._send = real
+            real(data, flags)
+            fired.append(True)
+            raise KeyboardInterrupt
+
+        self._send = send_then_ctrl_c
+        switch_in(self, frame)
+
+    monkeypatch.setattr(ConsumerChannel, "switch_in", interrupted_switch_in)
+    out = endpoints.producer("thr-kiswitch", slots=2, slot_bytes=4096)
+    inp = endpoints.consumer("thr-kiswitch", timeout=10)
+    out.send({"x": torch.ones(4)}, meta=0)
+
+    def pumped_until_switched() -> bool:  # this thread's calls pump (the service thread's wait)
+        try:
+            item = inp.get(timeout=0)
+            assert item is not None and item.meta == 0
+            out.send({"x": torch.ones(4)}, meta=0)
+        except ipcsync.IpcTimeoutError:
+            pass
+        except KeyboardInterrupt:
+            assert fired
+        return bool(fired)
+
+    assert wait_until(pumped_until_switched, 30), "the consumer never switched to its lane"
+    for i in range(1, 6):
+        out.send({"x": torch.full((4,), float(i))}, meta=i, timeout=10)
+        item = inp.get(timeout=10)
+        while item.meta == 0:  # (items sent before the switch)
+            item = inp.get(timeout=10)
+        assert (item.meta, item["x"].tolist()) == (i, [float(i)] * 4)
+    assert inp.stats()["lane"] and out.stats()["bad_frames"] == 0
