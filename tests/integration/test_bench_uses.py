@@ -89,6 +89,7 @@ def pid_running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(360)  # 3 train runs and 2 infer runs, each spawning fresh processes
 def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "uses.png"
@@ -269,6 +270,7 @@ def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_path: Path) -> None:
     # A matplotlib package that fails to import, first on the path: as if none were installed.
@@ -295,6 +297,7 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     assert re.search(rf"^4K\s+torch\.multiprocessing\.Queue\s+{NUM}\s", out, re.M), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # a raw zmq pair, 3 request/reply pairs of 40 round trips, 2 x 0.5 s of idle
 def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_cost() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
@@ -344,6 +347,7 @@ def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240,
     return out, dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
 def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
     out, dump = run_suite(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
@@ -357,6 +361,7 @@ def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
         assert all(num(g) > 0 for g in m.groups()), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # one process, the decoder alone, then 2 x (an encoder + 2 decoders), spawned
 def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
     out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "4", "--pipe-warmup", "1"],
@@ -375,6 +380,7 @@ def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
     assert m and all(num(g) > 0 for g in m.groups()), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 2 x (a prefill + a decode) and the decode alone, spawned
 def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
     out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "4", "--kv-warmup", "1"], "kv", 5)
@@ -389,6 +395,7 @@ def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
     assert m, f"no kv row for the decode step alone\n{dump}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 3 train runs: 2 x (2 loaders + a trainer), a trainer with 2 DataLoader workers
 def test_train_suite_with_augmentation_on_the_device() -> None:
     out, dump = run_suite(["--suite", "train", "--quick", "--train-aug", "gpu", *TINY[:8]], "train", 7)
@@ -444,6 +451,7 @@ def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int
         assert re.search(row, out, re.M), f"no row {row}\n{dump}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)  # 2 settings x 2 pairs, then 2 idle pairs: 12 processes spawned one run after another
 def test_contention_suite_prints_spin_off_and_on_and_the_idle_pair() -> None:
     out, dump = run_suite(["--suite", "contention", "--quick", "--contention-pairs", "2", "--contention-count", "50",
