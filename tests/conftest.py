@@ -133,7 +133,24 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return cores + min(cores, EXTRA_WORKERS_MAX)
 
 
+SCHED_CHUNK = 2  # tests xdist hands a worker at a time (unless --maxschedchunk says otherwise)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's load scheduling otherwise gives each worker a block of a quarter of its share
+    # of the tests at once, in collection order, and refills in large blocks: the long tests,
+    # collected first (below), would all be in the first worker's block, and a worker that
+    # drew slow blocks is the tail of the run while the others wait. In twos, every worker
+    # takes the next tests whenever it is free.
+    if getattr(config.option, "maxschedchunk", "absent") is None:  # (absent: xdist not installed)
+        config.option.maxschedchunk = SCHED_CHUNK
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked `long` first (a stable sort: the rest keep their order), so that they
+    # start at once, spread over the workers, with the short ones filling in around them,
+    # instead of a long one starting late and being the tail of the run.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu-tests.sh on one)")

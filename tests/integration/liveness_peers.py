@@ -105,8 +105,11 @@ def consume(a: dict[str, Any]) -> None:
                 i = item.meta
                 x = item["x"]
                 if i == a.get("hold"):
-                    say(event="holding", i=i)
+                    # The hold counts from before "holding": the test stops this process as
+                    # soon as it reads that line, so a deadline taken after it could start
+                    # only once the process is continued, doubling a long pause.
                     end = time.monotonic() + a["hold_s"]
+                    say(event="holding", i=i)
                     while time.monotonic() < end:  # paused (SIGSTOP) in here by the test
                         time.sleep(0.01)
                     if dev.startswith("cuda"):

@@ -102,6 +102,7 @@ def role_part_sink(a: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- chains
+@pytest.mark.long
 @pytest.mark.parametrize("part_only", [False, True], ids=["all", "part"])
 def test_chain_forwards_every_item_without_a_copy(procs: Any, device: str, part_only: bool) -> None:
     n = 300
@@ -269,6 +270,7 @@ def test_broadcast_downstream_releases_upstream_only_after_both(procs: Any, endp
 
 
 # --------------------------------------------------------------------------- failures
+@pytest.mark.long
 def test_downstream_consumer_sigkilled_holding_forwarded_items(procs: Any, device: str) -> None:
     """A downstream consumer dies holding forwarded items: the middle reclaims its slots and
     releases the upstream items (never waiting on the dead consumer's events); the other

@@ -40,6 +40,7 @@ def _stream(p: ipcsync.Producer, c: ipcsync.Consumer, n: int, start: int = 0) ->
     return got
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_an_ipc_edge_moves_to_a_lane_and_keeps_order_meta_and_end(endpoints: Any) -> None:
     """Items sent at once after the handshake travel on ZeroMQ, later ones on the lane: the

@@ -920,6 +920,7 @@ def test_stage_api_outside_launcher_explains(launcher: Launcher) -> None:
 
 
 # ---------------------------------------------------------------------------- the README's example
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_readme_example_pipeline(launcher: Launcher) -> None:
     run = launcher.run("examples/pipeline.toml", cwd=ROOT, timeout=120)

@@ -239,6 +239,7 @@ def test_producer_on_node_0_consumer_on_node_1(cluster: Cluster) -> None:
     assert cluster.leftovers() == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_three_stages_with_a_same_node_edge_and_a_cross_node_edge(cluster: Cluster) -> None:
     spec = cluster.spec(toml_spec(
@@ -287,6 +288,7 @@ def test_a_stage_failing_on_node_1_stops_node_0_with_the_root_cause(cluster: Clu
     assert cluster.leftovers() == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_restart_policy_restarts_the_group_on_every_node(cluster: Cluster) -> None:
     spec = cluster.spec(toml_spec(
@@ -336,6 +338,7 @@ def test_node_0_killed_the_others_stop(cluster: Cluster) -> None:
     assert cluster.leftovers() == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("paused", [0, 1])
 def test_a_node_whose_launcher_is_paused_stops_the_other_and_stops_once_resumed(cluster: Cluster,
@@ -378,6 +381,7 @@ def test_ctrl_c_on_one_node_stops_every_node_with_it_as_root_cause(cluster: Clus
     assert cluster.leftovers() == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_a_second_launcher_given_a_taken_node_rank_is_refused_and_the_run_goes_on(cluster: Cluster) -> None:
     # The same command typed on two machines: before, both joined as node 1, and the

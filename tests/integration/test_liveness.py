@@ -61,7 +61,7 @@ def _pause(proc: Any, peer: Any, pause: float | None, mark: Path) -> None:
         os.kill(proc.pid, signal.SIGCONT)
 
 
-PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s")]
+PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s", marks=pytest.mark.long)]
 
 
 @pytest.mark.timeout(120)

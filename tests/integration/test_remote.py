@@ -80,6 +80,7 @@ def test_broadcast_to_two_remote_consumers(procs: Any, curve: dict[str, Any]) ->
     p.result(60)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_remote_consumer_killed_is_dropped_and_the_producer_does_not_hang(procs: Any) -> None:
     args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 50, "insecure": True, "slots": 4}

@@ -337,6 +337,7 @@ def test_remote_consumer_killed_mid_transfer_is_dropped_and_the_producer_does_no
     assert p.proc.wait(timeout=30) == 0
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_transfer_cut_off_mid_way_ends_by_its_timeout_and_never_aborts_the_exit(procs: Any, device: str) -> None:
     # The consumer is paused with an item half on the wire (128 MiB: it moves for about a
