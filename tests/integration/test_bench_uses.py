@@ -204,11 +204,10 @@ def test_size_options_real_quick_and_explicit() -> None:
 @pytest.mark.timeout(120)
 def test_handoff_runner_reports_a_crashed_child_at_once(runtime_dir: Path) -> None:
     """A child that dies (here: a producer on a device ipcsync refuses) ends the handoff
-    run with a BenchError within seconds, not after the runner's 10-minute wait."""
-    t0 = time.monotonic()
+    run with a BenchError at once, not after the runner's 10-minute wait (which the
+    test's timeout would end first)."""
     with pytest.raises(bench.BenchError, match="ipcsync producer exited with 1"):
         bench.run_ipcsync(4096, 10, 4, "send", "meta", "gpu")
-    assert time.monotonic() - t0 < 60
 
 
 def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
