@@ -242,10 +242,8 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A producer paused right after its SETUP: the store's port accepts (the kernel does)
     # but nothing answers the client's handshake, which has no timeout of its own. Before,
-    # the consumer's join waited in recv() for ever; now BackendError past twice the remote
-    # timeout.
-    import time
-
+    # the consumer's join waited in recv() for ever (the test's timeout fails that); now
+    # BackendError past twice the remote timeout, which its message names.
     import torch
     from silent_server import silent_listener
 
@@ -256,8 +254,6 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
     monkeypatch.setenv(OP_TIMEOUT_ENV, "1")
     with silent_listener() as port:
         addr = EdgeAddress("gloo", "127.0.0.1", port, "ab" * 12, "127.0.0.1").encode()
-        t0 = time.monotonic()
         with pytest.raises(BackendError, match=rf"cannot join the remote edge at 127.0.0.1:{port}: its store "
                                                r"did not answer within 2 s .*is the producer paused\?"):
             open_consumer_edge(addr, torch.device("cpu"), 4096, [(0, 0, 4096)], "test")
-        assert time.monotonic() - t0 < 15

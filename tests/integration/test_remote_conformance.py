@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from typing import Any
 
 import pytest
@@ -237,9 +236,7 @@ def test_remote_consumer_exiting_without_close_is_dropped(procs: Any, device: st
     out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
     assert out["event"] == "timeout" and out["consumers"] == 0
     assert out["stats"]["consumers_lost"] + 0 >= 0  # gone either way: by BYE-less close or loss
-    t0 = time.monotonic()
-    p.result(30)
-    assert time.monotonic() - t0 < 30
+    p.result(30)  # it exits: a producer held by the gone consumer's edge fails this wait
 
 
 # Large enough that a transfer is in flight whenever the kill lands: 16 MiB per item, sent
