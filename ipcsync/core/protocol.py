@@ -57,6 +57,7 @@ checks every frame a side receives and every frame it sends against them.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, Callable, ClassVar, Final, Sequence, Union
@@ -421,8 +422,15 @@ def _opt_layout(v: Any, lim: Limits) -> Any:
     return None if v is None else _layout(v, lim)
 
 
+# A peer's value in an error message: bounded in depth and size before it is made (a
+# plain repr of a hostile frame recurses as deep as it nests, and walks all of it).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 4
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40
+
+
 def _describe(v: Any) -> str:
-    r = repr(v)
+    r = _REPR.repr(v)
     return f"{type(v).__name__} {r[:40]}{'...' if len(r) > 40 else ''}"
 
 

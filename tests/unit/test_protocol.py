@@ -1153,3 +1153,17 @@ def test_lane_frames_are_allowed_only_where_the_state_machine_says() -> None:
         p.receive(SWITCH)  # no lane was switched to it
     with pytest.raises(ProtocolError, match="may not send SWITCH"):
         p.send(P.MsgType.SWITCH)  # before LANE
+
+@pytest.mark.parametrize("depth", [500, 1000, 1020])
+def test_a_deeply_nested_frame_is_a_protocol_error_not_a_recursion_error(depth: int) -> None:
+    # The error message describes the peer's value: bounded before it is made (a plain
+    # repr of it recursed as deep as the frame nests: RecursionError from about 1,000).
+    with pytest.raises(ProtocolError):
+        decode(b"\x91" * depth + b"\xc0")
+
+
+def test_a_bad_value_is_described_briefly_however_large() -> None:
+    from ipcsync.core.protocol import _describe
+
+    assert len(_describe(list(range(1_000_000)))) < 80
+    assert len(_describe({str(i): i for i in range(100_000)})) < 80
