@@ -62,8 +62,10 @@ def _native_threads(pid: int) -> str:
     return ", ".join(out)
 
 
-class TestTimeout(Exception):
-    """A test phase ran past its timeout."""
+class TestTimeout(BaseException):
+    """A test phase ran past its timeout. A BaseException, as KeyboardInterrupt is: code
+    under test that ends a wait on any Exception (a producer's close() does) must not
+    swallow it, or a test whose only guard against a hang is its timeout would pass."""
 
 
 # --------------------------------------------------------------------------- timeouts
