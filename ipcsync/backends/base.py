@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-__all__ = ["Arena", "Event", "Backend"]
+__all__ = ["Arena", "Event", "Backend", "CurrentStream"]
 
 
 class Event(abc.ABC):
@@ -159,3 +159,28 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release what the backend itself holds."""
+
+
+class CurrentStream:
+    """A backend's current stream, looked up again only when it changed: ``key()`` (the
+    backend's ``current_stream_key``, one C call; else its ``current_stream``) names it,
+    ``now`` is the Stream resolved for the key ``seen`` last. A hot path checks inline,
+    with no Python frame when nothing changed::
+
+        stream = cs.now if cs.key() == cs.seen else cs.resolve()
+    """
+
+    __slots__ = ("key", "seen", "now", "_lookup")
+
+    def __init__(self, backend: Backend) -> None:
+        self._lookup = backend.current_stream
+        self.key: Callable[[], Any] = backend.current_stream_key() or backend.current_stream
+        self.seen: Any = object()  # (no key seen yet)
+        self.now: Any = None
+
+    def resolve(self) -> Any:
+        """The current stream, asked of the backend only when its key changed."""
+        key = self.key()
+        if key != self.seen:
+            self.seen, self.now = key, self._lookup()
+        return self.now

@@ -38,6 +38,7 @@ import torch
 
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
+from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession
 from ..core.layout import Recipe
@@ -91,10 +92,7 @@ class ConsumerEndpoint(EndpointBase):
         self.source = endpoint  # what Item.source says; FanIn relabels it
         self._stream = stream
         self._backend = backend_for(self.device)
-        # (_release_plain's current stream, as runtime.slots resolves the producer's)
-        self._stream_key = self._backend.current_stream_key() or self._backend.current_stream
-        self._stream_seen: Any = object()  # (no key seen yet)
-        self._stream_now: Any = None
+        self._streams = CurrentStream(self._backend)  # (_release_plain's current stream)
         if self.device.type == "cpu" and not faulthandler.is_enabled():
             # Received items are mapped read-only (backends.cpu): an in-place op on one
             # is a SIGSEGV, and this shows the line that did it.
@@ -469,16 +467,10 @@ class ConsumerEndpoint(EndpointBase):
         mem = self._memory
         if s.error is None and not mem.complete_on_record:
             if stream is None and (stream := self._stream) is None:  # the current one
-                stream = self._stream_now if self._stream_key() == self._stream_seen else self._current_stream()
+                cs = self._streams
+                stream = cs.now if cs.key() == cs.seen else cs.resolve()
             mem.record_release[slot](stream)
         s.queue_release((seq, slot, item.gen))
-
-    def _current_stream(self) -> Any:
-        """The current stream, asked of the backend only when its key (one C call) changed."""
-        key = self._stream_key()
-        if key != self._stream_seen:
-            self._stream_seen, self._stream_now = key, self._backend.current_stream()
-        return self._stream_now
 
     def _release_verified(self, item: Item, stream: Any) -> None:
         """``_release_locked`` with ``verify=True``: the item's checksum is taken again

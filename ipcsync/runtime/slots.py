@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import msgpack
 
 from ..backends import Backend, Event
+from ..backends.base import CurrentStream
 from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
@@ -149,12 +150,9 @@ class Handoffs:
         self.records = [SlotRecord(i) for i in range(self.slots)]
         # Host-synchronous backend: no ready event to record, no stream to resolve.
         self.host_sync = backend.host_sync
-        self.current_stream = backend.current_stream
-        # The current stream's key (one C call) names the Stream resolved last time: the
-        # backend's current_stream() is asked only when the key changed.
-        self.stream_key = backend.current_stream_key() or backend.current_stream
-        self._stream_seen: Any = object()  # (no key seen yet)
-        self._stream_now: Any = None
+        # The current stream, looked up again only when its key changed (steps 2-3b, and
+        # a slot() block's at its end).
+        self.streams = CurrentStream(backend)
         # Step 2 has work to do: events that complete on the GPU, or (set by the port) a
         # remote consumer's release events, sends that complete later, on any backend.
         self.order_events = not backend.host_sync
@@ -334,7 +332,8 @@ class Handoffs:
         rec.gen = acq.gen
         rec.last_holders = acq.last_holders
         if stream is None and not self.host_sync:  # resolved once: steps 2, 3 and 3b use it
-            stream = self._stream_now if self.stream_key() == self._stream_seen else self.resolve_stream()
+            cs = self.streams
+            stream = cs.now if cs.key() == cs.seen else cs.resolve()
         rec.stream = stream
         # 2. order after the previous readers. Rule: the overwrite waits for their release
         # events (a lost reader's never); a forward of this slot still waiting downstream is
@@ -352,13 +351,6 @@ class Handoffs:
                     self.ring.abort(rec.slot)
                     raise
         return rec
-
-    def resolve_stream(self) -> Any:
-        """The current stream, asked of the backend only when its key changed."""
-        key = self.stream_key()
-        if key != self._stream_seen:
-            self._stream_seen, self._stream_now = key, self.current_stream()
-        return self._stream_now
 
     def _wait_for_slot(self, timeout: float | None) -> Acquired:
         w = self.waits
@@ -458,7 +450,8 @@ class Handoffs:
         # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
         if not self.host_sync:
             if stream is None:  # (a slot() block's: the current stream at its end)
-                stream = self._stream_now if self.stream_key() == self._stream_seen else self.resolve_stream()
+                cs = self.streams
+                stream = cs.now if cs.key() == cs.seen else cs.resolve()
             self.record_ready[slot](stream)
         if plan is not self.mru_plan:
             self.use_plan(plan)

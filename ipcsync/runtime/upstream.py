@@ -114,7 +114,7 @@ class RingMemory:
         self.ready_events, self.release_events = ready, release
         self.ready_done = [e.bound_query() for e in ready]
         self.record_release = [e.bound_record() for e in release]
-        self.complete_on_record = all(type(e).complete_on_record for e in (*ready, *release))
+        self.complete_on_record = bool(ready) and all(type(e).complete_on_record for e in (*ready, *release))
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
@@ -129,7 +129,6 @@ class RingMemory:
 
     def drop_events(self) -> None:
         self.set_events([], [])
-        self.complete_on_record = False
 
 
 def remove_stale_endpoint(endpoint: Endpoint, setup: P.Setup | None, alive: Callable[[], bool],

@@ -63,3 +63,30 @@ def test_every_backend_names_the_transport_its_memory_travels_by() -> None:
 
     assert set(NATIVE_TRANSPORT) == set(BACKEND_NAMES)
     assert set(NATIVE_TRANSPORT.values()) <= {"gloo", "nccl"}
+
+
+def test_the_current_stream_is_looked_up_again_only_when_its_key_changes() -> None:
+    from typing import Any, Callable
+
+    import torch
+
+    from ipcsync.backends.base import CurrentStream
+
+    class Keyed(CpuBackend):
+        key = "a"
+        lookups = 0
+
+        def current_stream_key(self) -> Callable[[], Any] | None:
+            return lambda: self.key
+
+        def current_stream(self) -> Any:
+            self.lookups += 1
+            return f"stream {self.key}"
+
+    b = Keyed(torch.device("cpu"), run_id=None)
+    cs = CurrentStream(b)
+    got = [cs.now if cs.key() == cs.seen else cs.resolve() for _ in range(3)]
+    b.key = "b"
+    got += [cs.now if cs.key() == cs.seen else cs.resolve() for _ in range(2)]
+    assert got == ["stream a"] * 3 + ["stream b"] * 2
+    assert b.lookups == 2
