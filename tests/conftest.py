@@ -34,6 +34,8 @@ import zmq
 
 import ipcsync
 
+import forkserver  # tests/forkserver.py
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent / "integration"  # the child-process roles (peers/, ...)
 # (SIGUSR1 prints every thread's stack to stderr: Peer.read_until asks for it at its deadline.)
@@ -357,7 +359,7 @@ class Peer:
     """A child process running a role (tests/integration/peers/, ...); reads its JSON lines
     with deadlines."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], role: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | forkserver.ForkedProcess, role: str) -> None:
         self.proc = proc
         self.role = role
         self._buf = b""
@@ -441,6 +443,37 @@ class Peer:
             self.proc.wait(timeout=10)
 
 
+_FORK_SERVERS: dict[str, forkserver.ForkServer] = {}
+
+
+def _pidfd_works() -> bool:
+    """The server watches its children through pidfds (Linux 5.3+)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+_PIDFD = _pidfd_works()
+
+
+def _fork_server(pythonpath: str) -> forkserver.ForkServer | None:
+    """This worker's fork server for peers with this PYTHONPATH (tests/forkserver.py), or
+    None with IPCSYNC_TEST_FORKSERVER=0 (every peer a fresh interpreter, as a user's)."""
+    if os.environ.get("IPCSYNC_TEST_FORKSERVER", "1") == "0" or not _PIDFD:
+        return None
+    server = _FORK_SERVERS.get(pythonpath)
+    if server is None:
+        server = _FORK_SERVERS[pythonpath] = forkserver.ForkServer(pythonpath)
+    return server
+
+
+def pytest_sessionfinish() -> None:
+    for server in _FORK_SERVERS.values():
+        server.close()
+
+
 class Procs:
     """Starts peers in their own process groups; kills them all at teardown."""
 
@@ -456,11 +489,17 @@ class Procs:
         full.update(env or {})
         full["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
         full["PYTHONUNBUFFERED"] = "1"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, module, role, json.dumps(args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            env=full, start_new_session=True,
-        )
+        argv = [module, role, json.dumps(args)]
+        server = _fork_server(full["PYTHONPATH"])
+        proc: subprocess.Popen[bytes] | forkserver.ForkedProcess
+        if server is not None and server.forkable(full):
+            proc = server.start(argv, full)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCH, *argv],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                env=full, start_new_session=True,
+            )
         peer = Peer(proc, role)
         self.peers.append(peer)
         return peer
