@@ -404,7 +404,8 @@ class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
     __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
-                 "layout_size", "room", "data_bytes", "recipe", "_direct", "_batched", "_dst")
+                 "layout_size", "room", "data_bytes", "recipe", "flat", "flat_device", "_direct", "_batched",
+                 "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
@@ -432,6 +433,17 @@ class Plan:
         # dispatch for the list: 64 tensors cost ~21 us instead of ~420 us on an H200 host)
         # whenever every source is on the slot's device and needs no detach.
         self._batched = len(self._direct) > 1 and all(self._direct)
+        # One dense tensor with nothing to resolve (no conj/neg bit, no grad): its bytes are
+        # its span, the same in the slot as in the source (same strides). (byte offset in
+        # the slot, bytes), for a caller that copies the bytes itself (runtime.slots,
+        # Handoffs.write), who also checks ``flat_device`` against the slot's and may
+        # clear ``flat``; None: ``write`` copies. The signature (plan key) fixes all of it.
+        self.flat: tuple[int, int] | None = None
+        self.flat_device: torch.device | None = None
+        ts = placement.tensors
+        if len(ts) == 1 and self._direct[0] and not (ts[0].is_conj() or ts[0].is_neg() or ts[0].requires_grad):
+            self.flat = (int(self.layout[1][0][3]), ts[0].numel() * ts[0].element_size())
+            self.flat_device = ts[0].device
         # slot -> (slot device, whether it is not the host, [(destination view, direct)],
         #          the destination views alone, for the batched copy)
         self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]],

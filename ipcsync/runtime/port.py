@@ -506,10 +506,11 @@ class ProducerPort(EndpointBase):
             rec = h.begin(timeout, s)
             try:
                 if s is None:  # 3. write, on the stream begin resolved (the current one)
-                    plan.write(rec.slot, h.slot_views[rec.slot], tensors)
+                    recorded = h.write(rec, plan, tensors)
                 else:
                     self._write_on(s, plan, rec.slot, tensors)
-                return h.finish(rec, plan, meta, rec.stream)
+                    recorded = False
+                return h.finish(rec, plan, meta, rec.stream, recorded=recorded)
             except BaseException:
                 self.ring.abandon(rec.slot)
                 raise
