@@ -35,12 +35,14 @@ typedef cuda_error_t (*event_record_fn)(void *, void *);
 typedef cuda_error_t (*get_device_fn)(int *);
 typedef cuda_error_t (*set_device_fn)(int);
 typedef const char *(*error_name_fn)(cuda_error_t);
+typedef cuda_error_t (*last_error_fn)(void);
 
 static memcpy_async_fn memcpy_async;
 static event_record_fn event_record;
 static get_device_fn get_device;
 static set_device_fn set_device;
 static error_name_fn error_name;
+static last_error_fn last_error;
 static int resolved;          /* 0: not tried yet, 1: found, -1: not found */
 static char reason[512];
 
@@ -50,7 +52,8 @@ static int lookup(void *lib) {
     get_device = (get_device_fn)dlsym(lib, "cudaGetDevice");
     set_device = (set_device_fn)dlsym(lib, "cudaSetDevice");
     error_name = (error_name_fn)dlsym(lib, "cudaGetErrorName");
-    return memcpy_async && event_record && get_device && set_device && error_name;
+    last_error = (last_error_fn)dlsym(lib, "cudaGetLastError");
+    return memcpy_async && event_record && get_device && set_device && error_name && last_error;
 }
 
 /* The path of the libcudart mapped into this process, or 0. */
@@ -92,7 +95,7 @@ static int resolve(void) {
     lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD | RTLD_LOCAL);
     if (lib == NULL || !lookup(lib)) {
         snprintf(reason, sizeof reason, "%s does not export the CUDA runtime calls needed (%s)", path,
-                 lib == NULL ? dlerror() : "cudaMemcpyAsync, cudaEventRecord, cudaGetDevice, cudaSetDevice, cudaGetErrorName");
+                 lib == NULL ? dlerror() : "cudaMemcpyAsync, cudaEventRecord, cudaGetDevice, cudaSetDevice, cudaGetErrorName, cudaGetLastError");
         return 0;
     }
     resolved = 1; /* the handle stays open: the runtime lives as long as the process */
@@ -146,8 +149,11 @@ static PyObject *native_copy(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* The error raised; the runtime's last error is cleared, so that torch's next launch
+ * check does not report ours as its own. */
 static PyObject *cuda_error(const char *call, cuda_error_t err) {
     const char *name = error_name(err);
+    last_error();
     PyErr_Format(PyExc_RuntimeError, "%s failed: %s (CUDA error %d)", call, name ? name : "unknown", err);
     return NULL;
 }
