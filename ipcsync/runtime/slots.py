@@ -487,6 +487,8 @@ class Handoffs:
         return True
 
     def raw_ready(self, slot: int) -> tuple[int, int] | None:
+        """Slot ``slot``'s ready event as (cudaEvent_t, device index), kept once torch has
+        created it; None before."""
         raw = self.ready_raw[slot] = self.ready_events[slot].native_handle()
         return raw
 
