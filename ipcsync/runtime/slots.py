@@ -456,20 +456,19 @@ class Handoffs:
         return poll
 
     # ------------------------------------------------------------------ 3. write
-    def write(self, rec: SlotRecord, plan: Plan, tensors: list[Any]) -> bool:
-        """Step 3 for ``send``: copy ``tensors`` (``plan``'s signature) into slot ``rec`` on
-        ``rec.stream`` (begin's: the current stream). Returns True when step 3b was done
-        too (the ready event recorded): pass it to ``finish`` as ``recorded``.
+    def write_flat(self, rec: SlotRecord, plan: Plan, tensors: list[Any]) -> bool:
+        """Step 3 for ``send`` of a plan with ``flat`` bytes (one dense tensor, see
+        core.layout.Plan; a plan without them is ``Plan.write``, torch's copy): copy
+        ``tensors[0]`` into slot ``rec`` on ``rec.stream`` (begin's: the current stream)
+        in one C call (backends.native). Returns True when step 3b was done too (the ready
+        event recorded): pass it to ``finish`` as ``recorded``.
 
-        A plan with ``flat`` bytes (one dense tensor, see core.layout.Plan) is one C call
-        (backends.native); any other through ``Plan.write`` (torch). Rule: the copy is
-        enqueued on ``rec.stream``, the stream step 2 ordered after the previous readers'
-        release events, and the ready event is recorded on that same stream after it."""
+        Rule: the copy is enqueued on ``rec.stream``, the stream step 2 ordered after the
+        previous readers' release events, and the ready event is recorded on that same
+        stream after it."""
         flat = plan.flat
         slot = rec.slot
-        if flat is None:
-            plan.write(slot, self.slot_views[slot], tensors)
-            return False
+        assert flat is not None
         dst = self.slot_ptrs[slot] + flat[0]  # (our own slot and our plan's checked offset)
         if self.host_copy is not None:
             self.host_copy(dst, tensors[0].data_ptr(), flat[1])
