@@ -8,6 +8,7 @@ conformance and fast-path suites run both copy paths (the ``copy_path`` fixture)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,6 +30,8 @@ needs_module = pytest.mark.skipif(not native.BUILT, reason=f"{native.reason()}")
 
 def _can_compile() -> str | None:
     """Why this machine cannot build a C extension, or None."""
+    if importlib.util.find_spec("setuptools") is None:
+        return "no setuptools in this Python (pip install -e . brings its own)"
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None:
         return f"no C compiler ({cc}) here"
