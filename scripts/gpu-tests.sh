@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the `cuda` tests (and the whole suite's CUDA parameters) on a GPU machine, from the
-# checkout root: `bash scripts/gpu-tests.sh [pytest arguments]`.
+# checkout root: `bash scripts/gpu-tests.sh [pytest arguments]`. Builds the compiled copy
+# (ipcsync._native) in place first where it can, and goes on without it where it cannot.
 #
 # Needs torch with CUDA, msgpack and pyzmq. Where pyzmq is missing and there is no network,
 # put a pyzmq wheel for the machine's Python in .whl/ of the checkout (docs/testing.md); it
@@ -26,6 +27,17 @@ if ! python3 -c "import zmq" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
+# The compiled copy (ipcsync._native), built in place from this checkout when it can be
+# (a C compiler and the Python headers); otherwise the tests run on torch's copy (the
+# fallback), and the native legs of the copy_path tests skip, saying why.
+if python3 setup.py -q build_ext --inplace >/tmp/ipcsync-build-ext.$$.log 2>&1 \
+        && python3 -c "import ipcsync._native" 2>/dev/null; then
+    echo "gpu-tests: the compiled copy: built in place ($(ls ipcsync/_native*.so 2>/dev/null | head -n 1))"
+else
+    echo "gpu-tests: the compiled copy could not be built: torch's copy is used; the build said:"
+    grep -iE "error|failed" /tmp/ipcsync-build-ext.$$.log | tail -n 3 | cut -c1-300 | sed 's/^/gpu-tests:   /'
+fi
+rm -f /tmp/ipcsync-build-ext.$$.log
 python3 -c "import torch, zmq, msgpack; print('gpu-tests: torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s), pyzmq', zmq.__version__)"
 workers=${WORKERS:-4}
 python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m cuda "$@"

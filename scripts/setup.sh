@@ -6,7 +6,9 @@
 # `scripts/bench.py --plot` and its tests). Safe to run again: it installs only what is missing,
 # and when nothing is (torch is there, every requirement of ipcsync's installed metadata is
 # installed at a version it accepts, that metadata is not older than pyproject.toml, ipcsync
-# resolves to this checkout, imports, and its commands exist) it starts the environment's
+# resolves to this checkout, imports, its commands exist, and its compiled copy
+# ipcsync._native is built and not older than ipcsync/_native.c wherever a C compiler and the
+# Python headers are there; setup.py builds it, optionally) it starts the environment's
 # Python once, without importing torch, and calls no pip: about a second.
 #
 # The environment is the active virtual environment if there is one (VIRTUAL_ENV, or a
@@ -161,6 +163,21 @@ for module, name in (("ipcsync", "ipcsync"), ("zmq", "pyzmq"), ("msgpack", "msgp
     except Exception as exc:
         broken.add(name)
         print(f"missing={name} (import {module}: {type(exc).__name__})")
+# The compiled copy (ipcsync._native, optional): "native=ok", "native=missing" (not built,
+# or older than its source, where a C compiler and the Python headers are there: the
+# editable install builds it) or "native=cannot: why" (ipcsync then copies with torch).
+import sysconfig
+cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+import shutil
+why = ("no C compiler (" + cc + ")" if shutil.which(cc) is None else
+       "no Python headers (Python.h)" if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+       else "")
+try:
+    import ipcsync._native as native
+    fresh = os.path.getmtime(native.__file__) >= os.path.getmtime(os.path.join(root, "ipcsync", "_native.c"))
+    print("native=" + ("ok" if fresh or why else "missing"))
+except ImportError:
+    print("native=" + (f"cannot: {why}" if why else "missing"))
 for req in requires:
     m = re.fullmatch(r"\s*([A-Za-z0-9._-]+)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?\s*(?:;(.*))?", req)
     if m is None or m.group(1) in broken or not applies(m.group(3) or ""):
@@ -225,11 +242,16 @@ fi
 [ -n "$(field torch)" ] || state=$(probe) || die "$PY does not run"
 
 # ------------------------------------------------------------------ ipcsync
-# The editable install must be this checkout's, with its commands, and every requirement met.
+# The editable install must be this checkout's, with its commands, every requirement met
+# and the compiled copy built where it can be (the install builds it in place).
 if [ -z "$(field torch)" ] || [ "$(field at)" != "$ROOT" ] || [ -n "$(field missing)" ] \
+        || [ "$(field native)" = missing ] \
         || [ ! -x "$(dirname "$PY")/ipcsync-run" ] || [ ! -x "$(dirname "$PY")/ipcsync" ]; then
     if [ -n "$(field missing)" ]; then
         say "to install: $(field missing | paste -sd, - | sed 's/,/, /g')"
+    fi
+    if [ "$(field native)" = missing ]; then
+        say "to build: the compiled copy (ipcsync._native)"
     fi
     say "installing ipcsync (editable) with its ${extras:+test and bench }dependencies"
     pip_install -e ".${extras:+[${extras// /,}]}" || die "installing ipcsync failed (see above)"
@@ -238,5 +260,10 @@ fi
 [ -n "$(field torch)" ] || die "torch still does not import in $PY"
 [ "$(field at)" = "$ROOT" ] || die "ipcsync from $ROOT does not import in $PY (got '$(field at)')"
 [ -z "$(field missing)" ] || die "still missing in $PY: $(field missing | paste -sd, - | sed 's/,/, /g')"
+case "$(field native)" in
+    ok) ;;
+    cannot*) say "note: the compiled copy (ipcsync._native) cannot be built here ($(field native | sed 's/^cannot: //')): ipcsync copies with torch (slower steady sends; everything else is the same)" ;;
+    *) say "note: the compiled copy (ipcsync._native) did not build (pip install -e . -v shows why): ipcsync copies with torch" ;;
+esac
 
 say "ok: ${PY#"$ROOT"/} ($("$PY" --version 2>&1), torch $(field torch)); run things with the environment active: . .venv/bin/activate"

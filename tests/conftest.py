@@ -254,6 +254,24 @@ def endpoints() -> Iterator[Endpoints]:
     assert not errors, f"closing the test's endpoints failed: {errors}"
 
 
+@pytest.fixture(params=["native", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a steady send copies (ipcsync.backends.native): "native", the compiled copy
+    (skipped where it is not built, with the reason), or "torch", the pure-Python
+    fallback: endpoints made in this test copy with torch, and so do the processes it
+    starts (IPCSYNC_NATIVE=0)."""
+    from ipcsync.backends import native
+
+    if request.param == "native":
+        if native.reason() is not None:
+            pytest.skip(f"the compiled copy is not in use: {native.reason()}")
+    else:
+        monkeypatch.setenv("IPCSYNC_NATIVE", "0")
+        monkeypatch.setattr(native, "host_copy", lambda: None)
+        monkeypatch.setattr(native, "cuda_copy_record", lambda: None)
+    return str(request.param)
+
+
 class Sockets:
     """Factory for raw zmq sockets (LINGER 0, the process's shared context), all closed at
     teardown. ``sockets(zmq.DEALER, rcvtimeo=5000)``: options by lower-case name."""

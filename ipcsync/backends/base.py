@@ -57,6 +57,11 @@ class Event(abc.ABC):
         """``query`` as one callable (as ``bound_record``)."""
         return self.query
 
+    def native_handle(self) -> tuple[int, int] | None:
+        """(the runtime's handle of this event, its device index), for a compiled caller
+        that records it itself (``backends.native``); None where there is none (yet)."""
+        return None
+
 
 class Arena(abc.ABC):
     """A byte buffer shared between processes. ``tensor`` is a uint8 view of all of it.

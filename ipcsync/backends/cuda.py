@@ -148,6 +148,11 @@ class IpcEvent(Event):
             return self.query
         return functools.partial(_EVENT_QUERY, self.event)  # (the binding returns a bool)
 
+    def native_handle(self) -> tuple[int, int] | None:
+        # torch creates the cudaEvent_t at the event's first record or ipc_handle(): 0 before.
+        raw = int(getattr(self.event, "cuda_event", 0) or 0)
+        return (raw, self.device_index) if raw else None
+
     def synchronize(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-5

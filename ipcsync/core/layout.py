@@ -109,6 +109,9 @@ class Placement:
     layout: list[Any]  # [tree, specs] as sent in READY
     tensors: list[torch.Tensor]  # sources, in spec order (empty for plan_empty)
     nbytes: int  # bytes of the slot the message occupies
+    # Every source as the caller gave it: none was detached or had a conj/neg bit resolved
+    # (``tensors`` are then the caller's own, their bytes what travels).
+    plain: bool = False
 
 
 def _flatten(msg: Any, leaves: list[torch.Tensor], depth: int) -> Any:
@@ -249,10 +252,11 @@ def plan_message(msg: Any, slot_bytes: int, check_layout: Callable[[list[Any]], 
         if t.requires_grad and not t.is_leaf:
             raise non_leaf_error(msg, i)
         flags.append(autograd_flags(t))
+    plain = not any(t.requires_grad or t.is_conj() or t.is_neg() for t in leaves)
     tensors = [_check_tensor(t) for t in leaves]
     specs, nbytes = _place(((t.shape, t.stride(), t.dtype) for t in tensors), slot_bytes,
                            flags if any(flags) else (), tree, check_layout)
-    return Placement([tree, specs], tensors, nbytes)
+    return Placement([tree, specs], tensors, nbytes, plain)
 
 
 def plan_empty(
@@ -404,7 +408,8 @@ class Plan:
     """A placement to reuse for every message of one signature (producer side)."""
 
     __slots__ = ("layout", "nbytes", "layout_id", "layout_version", "layout_key", "cache_key",
-                 "layout_size", "room", "data_bytes", "recipe", "_direct", "_batched", "_dst")
+                 "layout_size", "room", "data_bytes", "recipe", "flat", "flat_device", "_direct", "_batched",
+                 "_dst")
 
     def __init__(self, placement: Placement, layout_id: int) -> None:
         self.layout = placement.layout
@@ -432,6 +437,18 @@ class Plan:
         # dispatch for the list: 64 tensors cost ~21 us instead of ~420 us on an H200 host)
         # whenever every source is on the slot's device and needs no detach.
         self._batched = len(self._direct) > 1 and all(self._direct)
+        # One dense tensor with nothing to resolve (``placement.plain``: no conj/neg bit, no
+        # grad): its bytes are its span, the same in the slot as in the source (same
+        # strides). (byte offset in the slot, bytes), for a caller that copies the bytes
+        # itself (runtime.slots, Handoffs.write_flat), who also checks ``flat_device`` against
+        # the slot's and may clear ``flat``; None: ``write`` copies. The signature (the
+        # plan's key) fixes all of it for every message of the plan.
+        self.flat: tuple[int, int] | None = None
+        self.flat_device: torch.device | None = None
+        ts = placement.tensors
+        if len(ts) == 1 and self._direct[0] and placement.plain:
+            self.flat = (int(self.layout[1][0][3]), ts[0].numel() * ts[0].element_size())
+            self.flat_device = ts[0].device
         # slot -> (slot device, whether it is not the host, [(destination view, direct)],
         #          the destination views alone, for the batched copy)
         self._dst: dict[int, tuple[torch.device, bool, list[tuple[torch.Tensor, bool]],

@@ -505,11 +505,16 @@ class ProducerPort(EndpointBase):
             s = stream if stream is not None else self._stream
             rec = h.begin(timeout, s)
             try:
-                if s is None:  # 3. write, on the stream begin resolved (the current one)
+                # 3. write, on the stream begin resolved (the current one): one C call for
+                # a flat plan (with 3b where it records too), else torch's copy.
+                recorded = False
+                if s is not None:
+                    self._write_on(s, plan, rec.slot, tensors)
+                elif plan.flat is None:
                     plan.write(rec.slot, h.slot_views[rec.slot], tensors)
                 else:
-                    self._write_on(s, plan, rec.slot, tensors)
-                return h.finish(rec, plan, meta, rec.stream)
+                    recorded = h.write_flat(rec, plan, tensors)
+                return h.finish(rec, plan, meta, rec.stream, recorded=recorded)
             except BaseException:
                 self.ring.abandon(rec.slot)
                 raise

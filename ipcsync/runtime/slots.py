@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import msgpack
 
 from ..backends import Backend, Event
+from ..backends import native
 from ..backends.base import CurrentStream
 from ..backends.refs import SlotStore
 from ..core import protocol as P
@@ -51,7 +52,7 @@ from ..core.ratelog import RateLog
 from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
-from ..errors import ConfigError, IpcTimeoutError, ProtocolError
+from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
@@ -166,6 +167,17 @@ class Handoffs:
         # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
         self.stores: list[SlotStore | None] = [None] * self.slots
         self.kept_slots: dict[int, SlotStore] = {}
+        # Step 3 in one C call for a plan with ``flat`` bytes (backends.native): on a host
+        # slot a memcpy, on a CUDA slot the copy and step 3b's record together. None: off,
+        # not built, or no CUDA runtime found; plans then keep no ``flat`` (torch copies).
+        device = slot_views[0].device if slot_views else None
+        self.device = device
+        self.host_copy = native.host_copy() if device is not None and device.type == "cpu" else None
+        self.copy_record = (native.cuda_copy_record() if device is not None and device.type == "cuda"
+                            else None)
+        self.slot_ptrs = [v.data_ptr() for v in slot_views] if self.host_copy or self.copy_record else []
+        # Per slot: (cudaEvent_t, device index) of its ready event, once torch created it.
+        self.ready_raw: list[tuple[int, int] | None] = [None] * self.slots
 
     # ------------------------------------------------------------------ slot() blocks
     def slot_store(self, slot: int) -> SlotStore:
@@ -195,6 +207,10 @@ class Handoffs:
         plan.layout_size = len(encoded)
         plan.room = self.limits.max_frame - plan.layout_size
         plan.layout_key = lkey
+        flat = plan.flat
+        if flat is not None and not (self.slot_ptrs and plan.flat_device == self.device
+                                     and 0 <= flat[0] and flat[0] + flat[1] <= self.slot_bytes):
+            plan.flat = None  # (the bytes stay inside the slot: checked once per plan)
         self.assign_layout(plan)
         self.plans.put(key, plan)
         return plan
@@ -439,16 +455,52 @@ class Handoffs:
 
         return poll
 
+    # ------------------------------------------------------------------ 3. write
+    def write_flat(self, rec: SlotRecord, plan: Plan, tensors: list[Any]) -> bool:
+        """Step 3 for ``send`` of a plan with ``flat`` bytes (one dense tensor, see
+        core.layout.Plan; a plan without them is ``Plan.write``, torch's copy): copy
+        ``tensors[0]`` into slot ``rec`` on ``rec.stream`` (begin's: the current stream)
+        in one C call (backends.native). Returns True when step 3b was done too (the ready
+        event recorded): pass it to ``finish`` as ``recorded``.
+
+        Rule: the copy is enqueued on ``rec.stream``, the stream step 2 ordered after the
+        previous readers' release events, and the ready event is recorded on that same
+        stream after it."""
+        flat = plan.flat
+        slot = rec.slot
+        assert flat is not None
+        dst = self.slot_ptrs[slot] + flat[0]  # (our own slot and our plan's checked offset)
+        if self.host_copy is not None:
+            self.host_copy(dst, tensors[0].data_ptr(), flat[1])
+            return False
+        raw = self.ready_raw[slot] or self.raw_ready(slot)
+        if raw is None:  # (torch creates the event at its first record: this item by torch)
+            plan.write(slot, self.slot_views[slot], tensors)
+            return False
+        assert self.copy_record is not None
+        try:
+            self.copy_record(dst, tensors[0].data_ptr(), flat[1], rec.stream.cuda_stream, raw[0], raw[1])
+        except RuntimeError as exc:
+            raise BackendError(f"the copy into slot {slot} of producer {self.name!r} failed: {exc}; "
+                               "the item was not sent (IPCSYNC_NATIVE=0 copies with torch instead)") from None
+        return True
+
+    def raw_ready(self, slot: int) -> tuple[int, int] | None:
+        """Slot ``slot``'s ready event as (cudaEvent_t, device index), kept once torch has
+        created it; None before."""
+        raw = self.ready_raw[slot] = self.ready_events[slot].native_handle()
+        return raw
+
     # ------------------------------------------------------------------ 3b-4. finish
     def finish(self, rec: SlotRecord, plan: Plan, meta: Any, stream: Any,
-               fwd: tuple[ForeignArena, int, int] | None = None) -> int:
-        """Steps 3b and 4 for slot ``rec`` (written): record its ready event on ``stream``,
-        commit it and send what can go out. ``fwd``: (foreign arena, region offset, region
-        bytes) of a zero-copy forward. Returns the item's seq; ConfigError (nothing
-        committed) for a meta the consumers would refuse."""
+               fwd: tuple[ForeignArena, int, int] | None = None, recorded: bool = False) -> int:
+        """Steps 3b and 4 for slot ``rec`` (written): record its ready event on ``stream``
+        (unless ``recorded``: ``write`` did), commit it and send what can go out. ``fwd``:
+        (foreign arena, region offset, region bytes) of a zero-copy forward. Returns the
+        item's seq; ConfigError (nothing committed) for a meta the consumers would refuse."""
         slot = rec.slot
         # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
-        if not self.host_sync:
+        if not (self.host_sync or recorded):
             if stream is None:  # (a slot() block's: the current stream at its end)
                 cs = self.streams
                 stream = cs.now if cs.key() == cs.seen else cs.resolve()

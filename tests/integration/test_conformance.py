@@ -20,7 +20,8 @@ import ipcsync
 from ipcsync.core import protocol as P
 from ipcsync.runtime.channel import resolve_endpoint
 
-pytestmark = pytest.mark.timeout(60)
+# Each test twice: the steady write step copying natively and with torch (conftest).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("copy_path")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -232,6 +232,7 @@ def test_export_import_tensor_across_processes(procs, tmp_path):
         ipcsync.import_tensor(b"\x93garbage")
 
 
+@pytest.mark.usefixtures("copy_path")  # (a send's copy natively or with torch: both on that stream)
 @pytest.mark.parametrize("stage", ["send", "release"])
 def test_a_call_under_another_current_stream_records_on_that_stream(stage):
     """The steady path names the current stream by a cached key and resolves it again only

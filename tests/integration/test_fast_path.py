@@ -25,7 +25,8 @@ from ipcsync.runtime import slots as slots_module
 
 from peers.common import check, expected
 
-pytestmark = pytest.mark.timeout(120)
+# Each test twice: the steady write step copying natively and with torch (conftest).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("copy_path")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

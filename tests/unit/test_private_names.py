@@ -23,7 +23,8 @@ def _violations(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                if alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and alias.name not in COMPILED.get(str(rel), set()):
                     out.append(f"{rel}:{node.lineno}: imports {alias.name} from {node.module}")
             if node.module and any(p.startswith("_") and not p.startswith("__") for p in node.module.split(".")):
                 out.append(f"{rel}:{node.lineno}: imports from private module {node.module}")
@@ -55,6 +56,9 @@ THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "
                # torch's storage weak references (what torch.multiprocessing's
                # StorageWeakRef uses): the reference rule's fallback (backends/refs.py)
                "_weak_ref", "_expired", "_free_weak_ref"}
+
+# The compiled piece is private to its one wrapper (no other module imports it).
+COMPILED = {"ipcsync/backends/native.py": {"_native"}}
 
 # Private attributes of a module's own classes used on other objects of that module
 # (e.g. a helper class reading its owner's state): allowed only within that module.

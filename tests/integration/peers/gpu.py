@@ -57,25 +57,52 @@ def warm_kernels() -> None:
 
 
 def race_produce(a: dict[str, Any]) -> None:
-    """Write a slot only after ~`sleep` s of GPU work, on the same stream; return at once."""
+    """Write a slot only after ~`sleep` s of GPU work, on the same stream; return at once.
+    ``via="send"``: the values are written into a tensor of our own that ``send`` copies
+    (a steady one-tensor send: the compiled copy where it is in use, counted in the
+    report's ``native_copies``), instead of in place in a ``slot()`` block."""
     _disable_waits(a.get("skip_wait", False))
     warm_kernels()
     n = a.get("elems", 1 << 20)
+    native_copies = _count_native_copies()
+    src = torch.zeros(n, device="cuda")
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 1), slot_bytes=n * 4 + 4096,
                           device="cuda", wait=a.get("wait", "host"), timeout=60) as out:
         out.wait_for_consumers(1, timeout=60)
         pending = []  # per item: the stream's work still queued when the block's exit returned
         for k, value in enumerate(a.get("values", [42.0])):
-            with out.slot(x=((n,), torch.float32), meta={"value": value}) as slot:
-                torch.cuda._sleep(_cycles(a.get("sleep", 1.0)) if k == 0 or a.get("sleep_all") else 0)
-                slot["x"].fill_(value)
+            sleep = _cycles(a.get("sleep", 1.0)) if k == 0 or a.get("sleep_all") else 0
+            if a.get("via") == "send":
+                torch.cuda._sleep(sleep)
+                src.fill_(value)
+                out.send({"x": src}, meta={"value": value})
+            else:
+                with out.slot(x=((n,), torch.float32), meta={"value": value}) as slot:
+                    torch.cuda._sleep(sleep)
+                    slot["x"].fill_(value)
             pending.append(not torch.cuda.current_stream().query())
             say(event="sent", k=k, pending=pending[-1])
         if a.get("die"):
             say(event="dying")
             os.kill(os.getpid(), signal.SIGKILL)
         drained = _drains()
-    say(event="done", pending=pending, drained=drained)
+    say(event="done", pending=pending, drained=drained, native_copies=len(native_copies))
+
+
+def _count_native_copies() -> list[int]:
+    """Each compiled copy-and-record that producers made from now on appends its bytes
+    to the list returned (empty where the compiled copy is off or not built)."""
+    from ipcsync.backends import native
+
+    real = native.cuda_copy_record()
+    copies: list[int] = []
+    if real is not None:
+        def counted(dst: int, src: int, nbytes: int, stream: int, event: int, device: int) -> None:
+            copies.append(nbytes)
+            real(dst, src, nbytes, stream, event, device)
+
+        native.cuda_copy_record = lambda: counted  # type: ignore[assignment]
+    return copies
 
 
 def race_consume(a: dict[str, Any]) -> None:
