@@ -64,7 +64,10 @@ def _unmap(seg: "OwnSegment | PeerSegment") -> None:
     buf, seg.buf = getattr(seg, "buf", None), None
     if buf is not None:
         buf.release()
-        seg.map.close()
+        try:
+            seg.map.close()
+        except BufferError:
+            pass  # a ring still holds a view of it (RingWriter/RingReader.release): unmapped with it
 
 
 class OwnSegment:
@@ -201,7 +204,11 @@ class Doorbell:
             raise ClosedError("a doorbell needs both segments open; one was closed already")
         self.own, self.peer, self.bell, self.peer_bell = own, peer, own_bell, peer_bell
         self.writer = D.RingWriter(own.buf, peer.buf, own.geom, who)
-        self.reader = D.RingReader(peer.buf, own.geom, who, bounds, sequential, first)
+        try:
+            self.reader = D.RingReader(peer.buf, own.geom, who, bounds, sequential, first)
+        except BaseException:
+            self.writer.release()
+            raise
 
     @property
     def fd(self) -> int:
@@ -242,6 +249,9 @@ class Doorbell:
         self.bell.drain()
 
     def close(self) -> None:
+        """Unmap both segments and close both eventfds (our views of the segments first)."""
+        self.writer.release()
+        self.reader.release()
         for part in (self.own, self.peer, self.bell, self.peer_bell):
             part.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from ipcsync.core import doorbell as D
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(90)
+
+HEAD_AT, READ_AT = 24, 32  # a segment's head and read counters (core.doorbell's layout)
 
 
 def _up(p: ipcsync.Producer, *consumers: ipcsync.Consumer) -> bool:
@@ -175,15 +178,15 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
     bell = rogue._endpoint._link.bell  # (the test plays the rogue process, writing its own segment)
     buf, geom = bell.own.buf, bell.own.geom
     if garbage == "head":
-        D._U64.pack_into(buf, D._HEAD, bell.writer.head + geom.capacity + 5)
+        struct.pack_into("=Q", buf, HEAD_AT, bell.writer.head + geom.capacity + 5)
     elif garbage == "slot":
         _own_writer(bell).publish([(0, 999, 0, 0, 0, 0)])
     elif garbage == "stamp":
         head = bell.writer.head  # the next entry's stamp is garbage, then a head past it
-        D._U64.pack_into(buf, D.HEADER_BYTES + (head % geom.capacity) * geom.entry_bytes, head + 12345)
-        D._U64.pack_into(buf, D._HEAD, head + 1)
+        struct.pack_into("=Q", buf, D.HEADER_BYTES + (head % geom.capacity) * geom.entry_bytes, head + 12345)
+        struct.pack_into("=Q", buf, HEAD_AT, head + 1)
     else:
-        D._U64.pack_into(buf, D._READ, 10**9)  # says it read entries never published
+        struct.pack_into("=Q", buf, READ_AT, 10**9)  # says it read entries never published
     got: list[int] = []
 
     def drain() -> bool:
@@ -236,7 +239,7 @@ def test_a_rogue_producer_writing_garbage_into_its_segment_fails_that_edge_only(
                 if x.bell is not None and bytes(x.bell.peer.buf[:D.HEADER_BYTES]) == mine)
     # (the test plays a rogue producer, writing its own segment)
     if garbage == "head":
-        D._U64.pack_into(bell.own.buf, D._HEAD, bell.writer.head + bell.own.geom.capacity + 1)
+        struct.pack_into("=Q", bell.own.buf, HEAD_AT, bell.writer.head + bell.own.geom.capacity + 1)
     else:
         entry = (10**6, 99, 0, 1, 0, 0) if garbage == "slot" else (10**6, 0, 0, 4000, 0, 0)
         _own_writer(bell).publish([entry])
