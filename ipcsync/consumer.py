@@ -174,7 +174,7 @@ class Consumer:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
         waiting by cause, items held and buffered, items released but still viewed by the
         program's tensors (``kept``: their slots are not given back yet), whether frames
-        travel on a lane (``lane``) and steady notices through the doorbell (``doorbell``)."""
+        travel on a lane (``lane``)."""
         return self._endpoint.stats()
 
     @property
@@ -197,7 +197,9 @@ class Consumer:
         """Release everything held, say goodbye and disconnect. Idempotent. The goodbye
         waits at most ``min(timeout, 1 s)``; items this consumer forwarded zero-copy are
         waited for up to ``timeout`` (default: the consumer's; None: while their holders
-        live). A call blocked in another thread raises ClosedError."""
+        live). A call blocked in another thread raises ClosedError; a second close() from
+        another thread waits for this one. Interrupted (Ctrl-C) while it waits, it still
+        closes, then re-raises."""
         self._endpoint.close(timeout, forwarded_wait=True)
 
     def __enter__(self) -> "Consumer":

@@ -116,7 +116,7 @@ class Producer:
         overwritten), up to ``timeout`` (default: the producer's). On CUDA the copy and the
         ready event go on ``stream`` (default: current) and the call returns without a host
         sync. Raises ConfigError for a message that does not fit a slot or a bad meta,
-        IpcTimeoutError when no slot frees in time, ClosedError after close().
+        IpcTimeoutError when no slot frees in time, ClosedError after (or during) close().
         """
         return self.port.send(message, meta, timeout=timeout, stream=stream)
 
@@ -134,7 +134,8 @@ class Producer:
         ``with out.slot(x=((64, 3, 224, 224), torch.uint8)) as s: s["x"].copy_(src)``.
         Fields are ``name=(shape, dtype)`` (or a ``fields`` mapping); the tensors are
         contiguous. Set ``s.meta`` to change the meta. If the block raises, nothing is sent
-        and the slot is given back.
+        and the slot is given back; so too if close() began (in another thread) while the
+        block ran, and its exit raises ClosedError.
         """
         spec = {**fields, **named_fields} if fields else named_fields
         return SlotEntry(self.port, spec, meta, timeout, stream)
@@ -197,8 +198,7 @@ class Producer:
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
         by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``) and those of them
-        with a doorbell (``doorbells``)."""
+        but alive), rejected frames, consumers on a lane now (``lanes``)."""
         return self.port.stats()
 
     def close(self, timeout: float | None = None) -> None:
@@ -208,7 +208,9 @@ class Producer:
         producer's; None: as long as the consumers holding items live) for them to be
         released, saying on whom it waits every few seconds, then frees the slots and the
         endpoint. Idempotent; never raises for peers that are gone. A call blocked in
-        another thread raises ClosedError.
+        another thread raises ClosedError; a second close() from another thread waits for
+        this one. Interrupted (Ctrl-C) while it waits, it ends the stream as ``abort()``
+        does, then re-raises.
 
         Nobody left: once every consumer that attached has left (said goodbye or died),
         items still queued wait 2 s (``runtime.slots.CLOSE_LINGER_S``) for a consumer to

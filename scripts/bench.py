@@ -106,7 +106,11 @@ contention
           --contention-*. See scripts/bench_contention.py.
 
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
-by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1. Processes are
+by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1.
+``--start-method forkserver`` forks every process instead from one server process that
+imported torch once (scripts/benchprocs.py): the same targets and arguments, pickled as
+with spawn, without an interpreter start and torch's import per process; a smoke run
+(the bench's tests) starts in a fraction of the time. Numbers are measured with spawn. Processes are
 spawned by the bench rather than by ``ipcsync-run`` so that both methods of a comparison
 start the same way, the bench controls the timing and collects the numbers from each
 process directly, and it runs from a checkout where the ``ipcsync-run`` command is not
@@ -132,7 +136,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -155,7 +158,7 @@ if str(ROOT) not in sys.path:
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 import benchchart  # noqa: E402  (imports matplotlib only to draw, for --plot)
-from benchprocs import ProcsError  # noqa: E402
+from benchprocs import START_METHODS, ProcsError, context, use_start_method  # noqa: E402
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
 COUNT = {"4K": 20_000, "1M": 3_000, "64M": 60, "256M": 20}  # CPU backend: host memcpy speeds
@@ -290,7 +293,7 @@ def _event_get(ev: Any) -> Callable[[float], Any]:
 
 def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str,
                 refs_check: bool = True) -> tuple[float, list[float]]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}-{int(refs_check)}"
     results, ready = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready),
@@ -309,9 +312,7 @@ def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: s
 
 
 def run_mpq(nbytes: int, n: int, slots: int, device: str) -> tuple[float, list[float]]:
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
+    ctx = context()  # (torch.multiprocessing's reducers are registered: tensors through its queues)
     q, results, done = ctx.Queue(maxsize=slots), ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_mpq_producer, args=(q, nbytes, n, device, done), name="mp.Queue producer")
     c = ctx.Process(target=_mpq_consumer, args=(q, n, device, results), name="mp.Queue consumer")
@@ -378,7 +379,7 @@ class _Procs:
 
     def __init__(self, what: str, timeout: float) -> None:
         self.what = what
-        self.ctx = mp.get_context("spawn")
+        self.ctx = context()
         self.results = self.ctx.Queue()
         self.procs: dict[str, Any] = {}
         self.deadline = time.monotonic() + timeout
@@ -972,7 +973,7 @@ def run_infer(method: str, cfg: dict[str, Any], device: str, slots: int, timeout
             procs.start("frontend", _infer_frontend, method=method, cfg=cfg, device=device, timeout=timeout,
                         slots=slots, req_ep=req_ep, rep_ep=rep_ep, req_bytes=req_bytes)
         else:
-            ctx = torch.multiprocessing.get_context("spawn")
+            ctx = context()
             q_req, q_rep = ctx.Queue(maxsize=slots), ctx.Queue(maxsize=slots)
             procs.start("worker", _infer_worker_mpq, q_req=q_req, q_rep=q_rep, cfg=cfg, device=device)
             procs.start("frontend", _infer_frontend, method=method, cfg=cfg, device=device, timeout=timeout,
@@ -1406,6 +1407,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", metavar="PATH.png",
                     help="also save a PNG chart of the comparisons run (needs matplotlib: "
                          f"{benchchart.INSTALL_HINT})")
+    ap.add_argument("--start-method", choices=START_METHODS, default="spawn",
+                    help="how every process of a suite starts: spawn (default: a fresh interpreter each, "
+                         "as a user's processes start) or forkserver (forks of one process that imported "
+                         "torch once: a smoke run starts much faster; the suites' tests use it)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds for one method of the train/infer/weightsync/gpupipe/kv suites (default 600)")
     h = ap.add_argument_group("handoff suite")
@@ -1496,6 +1501,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.py: error: {problem}", file=sys.stderr)
         return 2
     command = _command(argv)
+    use_start_method(args.start_method)
     # One intra-op thread per process for every method (as torchrun does), so the processes
     # of a run do not spin against each other in OpenMP on a small machine.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

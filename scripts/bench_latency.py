@@ -20,7 +20,6 @@ few seconds: the CPU time each process uses (every thread), as a share of one co
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -29,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchprocs import context
 from bench import _touch  # the handoff suite's 1-byte touch: every suite reads its items alike
 
 LAT_SIZES = ("4K", "1M")
@@ -273,7 +273,7 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
     """Rows ``(size, method, read, p50_us, p99_us)`` and the idle shares. ``trips``: timed
     round trips per variant (default 5000, 500 with ``quick``); ``idle_s``: how long an
     idle endpoint is measured."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     n, warm = (500, 50) if quick else (5000, 300)
     if trips is not None:
         n, warm = trips, min(warm, max(1, trips // 10))
@@ -304,14 +304,11 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
                 lat = got["a"]["read" if read else "noread"]
                 rows.append((name, method, read, pct(lat, .5), pct(lat, .99)))
         progress(f"latency {name}: torch.multiprocessing queues, {n} round trips per variant")
-        import torch.multiprocessing as tmp
-
-        tctx = tmp.get_context("spawn")
-        qreq, qrep = tctx.Queue(1), tctx.Queue(1)
+        qreq, qrep = ctx.Queue(1), ctx.Queue(1)  # (torch.multiprocessing's reducers: bench imports it)
         got = _pair(f"mp queues {name}",
                     (_mpq_requester, {"qreq": qreq, "qrep": qrep, "nbytes": nbytes, "n": n, "warm": warm,
                                       "device": device}),
-                    (_mpq_responder, {"qreq": qreq, "qrep": qrep, "device": device}), tctx, timeout)
+                    (_mpq_responder, {"qreq": qreq, "qrep": qrep, "device": device}), ctx, timeout)
         for read in READS:
             lat = got["a"]["read" if read else "noread"]
             rows.append((name, "torch.multiprocessing queues", read, pct(lat, .5), pct(lat, .99)))

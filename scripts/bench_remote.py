@@ -38,7 +38,6 @@ behind the transfer.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -47,6 +46,8 @@ import traceback
 from typing import Any, Callable
 
 import torch
+
+from benchprocs import context
 
 METHODS = ("raw", "send", "slot")
 REMOTE_SIZES = ("1M", "64M", "256M")
@@ -200,7 +201,7 @@ def run_remote(device: str, quick: bool, slots: int, progress: Callable[[str], N
                      "rounds": [{m: _free_port() for m in METHODS} for _ in range(ROUNDS)]})
     progress("remote: " + ", ".join(f"{p['name']} x {p['n']}" for p in plan)
              + f" per method and round, {ROUNDS} rounds of raw, ipcsync send, ipcsync slot")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_side, args=(results, "send", "bench-host-a", devices[0], plan, slots)),
              ctx.Process(target=_side, args=(results, "recv", "bench-host-b", devices[1], plan, slots))]

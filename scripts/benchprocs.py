@@ -1,7 +1,8 @@
 """Spawned processes of one comparison run of scripts/bench.py's suites that live in their
 own modules (weightsync, gpupipe): each process reports one result through ``report``;
 ``run_procs`` starts them, collects every result, and joins or kills them all, pass or
-fail."""
+fail. ``context()`` is the start method of every process any suite starts
+(``--start-method``, set once by ``use_start_method``)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,33 @@ def run_procs(what: str, ctx: Any, results: Any, targets: dict[str, tuple[Callab
     return got
 
 
+START_METHODS = ("spawn", "forkserver")
+# forkserver: one server process imports these once; every process is then a fork of it,
+# without an interpreter start and torch's import of its own (what makes a smoke run slow).
+# ipcsync is not among them: a process imports it after setting its own environment.
+FORKSERVER_PRELOAD = ["__main__", "torch", "torch.multiprocessing"]
+_start_method = "spawn"
+
+
+def use_start_method(method: str) -> None:
+    """Start every later process with ``method`` ("spawn", the default: a fresh
+    interpreter per process; "forkserver": a fork of a server that imported torch once,
+    with the same pickled targets and arguments)."""
+    global _start_method
+    if method not in START_METHODS:
+        raise ValueError(f"start method {method!r}: choose from {', '.join(START_METHODS)}")
+    _start_method = method
+
+
+def context() -> Any:
+    """The multiprocessing context every suite starts its processes with."""
+    ctx = mp.get_context(_start_method)
+    if _start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def spawn() -> tuple[Any, Any]:
-    """The spawn context and a results queue for ``run_procs``."""
-    ctx = mp.get_context("spawn")
+    """The context of ``context()`` and a results queue for ``run_procs``."""
+    ctx = context()
     return ctx, ctx.Queue()

@@ -24,6 +24,9 @@ the endpoints yet) gives a request/reply: two processes ping-pong one entry each
 waiting by a spin of ``IPCSYNC_SPIN_US`` (``os.sched_yield`` between looks) then parked
 on the eventfd; against the same ping-pong over an AF_UNIX SOCK_SEQPACKET pair (a lane).
 
+``--c-costs``: the same phases, timing every C function (torch op, event call, socket
+call, msgpack) each operation enters: where a hot call's host time goes.
+
 ``--calls``: the same phases, counting instead of timing: the Python calls (functions,
 generator resumptions) and C calls (builtins, C methods) the calling thread makes per
 ``send`` (or ``slot()`` block), ``next`` and ``release`` on the steady path, as one table.
@@ -212,6 +215,73 @@ def calls(n: int, batch: int, slots: int, device: str, mode: str) -> None:
               f"{py[len(py) // 2] - hp:10d} {c[len(c) // 2] - hc:9d}")
     if mode == "slot":
         print("(slot: one whole `with out.slot(...)` block, the context manager's enter and exit included)")
+
+
+def _c_name(fn) -> str:
+    mod = getattr(fn, "__module__", None) or type(getattr(fn, "__self__", None)).__name__
+    return f"{mod}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
+def c_costs(n: int, batch: int, slots: int, device: str, mode: str) -> None:
+    """Where a hot call's host time goes: the --per-call rounds with a profile hook that
+    times every C function (torch ops, events, syscalls wrappers, msgpack) the calling
+    thread enters, per operation; what is left of the call is Python (and the hook's own
+    cost, about 0.2 us per call it sees: the totals read high by that much)."""
+    per_op: dict[str, dict[str, list[float]]] = {op: {} for op in (mode, "next", "release")}
+    wall = {op: 0.0 for op in per_op}
+    stack: list[tuple[str, int]] = []
+    now = time.perf_counter_ns
+    table: dict[str, list[float]] = {}
+
+    def hook(frame, event, arg) -> None:
+        # Entries are [name, start, own]: a C function that calls back into Python
+        # (next() on a generator, a context manager) is not "own" C time; the C calls
+        # made inside that Python code are counted instead.
+        if event == "c_call":
+            stack.append([_c_name(arg), now(), True])
+        elif event == "call":
+            for entry in stack:
+                entry[2] = False
+        elif event in ("c_return", "c_exception") and stack:
+            name, t0, own = stack.pop()
+            if own and not any(e[2] for e in stack):
+                row = table.setdefault(name, [0.0, 0])
+                row[0] += now() - t0
+                row[1] += 1
+
+    # The hook's own cost per C call it times, measured on len(()) and subtracted below.
+    table = {}
+    stack.clear()
+    sys.setprofile(hook)
+    for _ in range(20000):
+        len(())
+    sys.setprofile(None)
+    base = table.get("builtins.len", [0.0, 1])
+    per_c_ns = base[0] / base[1]
+
+    def phase(op: str, fns: list, counted: bool) -> None:
+        nonlocal table
+        table = per_op[op] if counted else {}
+        stack.clear()  # (the c_call of the last phase's setprofile(None) never returned to us)
+        t0 = time.perf_counter()
+        sys.setprofile(hook)
+        for fn in fns:
+            fn()
+        sys.setprofile(None)
+        if counted:
+            wall[op] += time.perf_counter() - t0
+
+    _steady_rounds(n, batch, slots, device, mode, phase)
+    print(f"C functions per operation ({device}, {n} handoffs in rounds of {batch}, {slots} slots), "
+          f"us per operation under the hook, less its own {per_c_ns / 1e3:.2f} us per C call")
+    for op, rows in per_op.items():
+        net = {name: (max(t - k * per_c_ns, 0.0), k) for name, (t, k) in rows.items()}
+        total_c = sum(t for t, _ in net.values()) / n / 1e3
+        calls_c = sum(k for _, k in net.values()) / n
+        print(f"== {op}: {wall[op] / n * 1e6:.2f} us per call under the hook; "
+              f"{calls_c:.1f} C calls taking {total_c:.2f} us")
+        for name, (t, k) in sorted(net.items(), key=lambda r: -r[1][0])[:20]:
+            print(f"   {t / n / 1e3:7.2f} us  {k / n:5.2f}x  {name}")
 
 
 def _db_wait(bell, spin_s: float) -> None:
@@ -497,6 +567,8 @@ def main() -> None:
                     help="request/reply floor over the shared-memory doorbell against a raw AF_UNIX lane")
     ap.add_argument("--calls", action="store_true",
                     help="count Python and C calls per send/next/release on the steady path, in one process")
+    ap.add_argument("--c-costs", action="store_true",
+                    help="time each C function a send/next/release enters, per operation, in one process")
     ap.add_argument("--batch", type=int, default=4, help="--per-call/--calls: calls per round")
     ap.add_argument("--ops", action="store_true", help="time each primitive alone")
     ap.add_argument("--roundtrip", action="store_true",
@@ -519,6 +591,10 @@ def main() -> None:
     if a.calls:
         torch.set_num_threads(1)
         calls(min(a.n, 2000), a.batch, a.slots, a.device, a.mode)
+        return
+    if a.c_costs:
+        torch.set_num_threads(1)
+        c_costs(a.n, a.batch, a.slots, a.device, a.mode)
         return
     if a.per_call:
         torch.set_num_threads(1)

@@ -62,8 +62,10 @@ def _native_threads(pid: int) -> str:
     return ", ".join(out)
 
 
-class TestTimeout(Exception):
-    """A test phase ran past its timeout."""
+class TestTimeout(BaseException):
+    """A test phase ran past its timeout. A BaseException, as KeyboardInterrupt is: code
+    under test that ends a wait on any Exception (a producer's close() does) must not
+    swallow it, or a test whose only guard against a hang is its timeout would pass."""
 
 
 # --------------------------------------------------------------------------- timeouts
@@ -105,7 +107,52 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield from _with_alarm(item, "teardown")
 
 
+# --------------------------------------------------------------------------- Ctrl-C
+# A suite started in the background (`cmd &` without job control, nohup under some shells,
+# some CI runners) inherits SIGINT ignored, and an ignored signal stays ignored across
+# exec: every child would then ignore the Ctrl-C the tests send it. Handled here, it is
+# back to the default in each child (the Ctrl-C tests need a terminal's Ctrl-C).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# --------------------------------------------------------------------------- workers
+WORKERS_ENV = "IPCSYNC_TEST_WORKERS"
+EXTRA_WORKERS_MAX = 4  # most tests wait on child processes; measured in docs/testing.md
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: IPCSYNC_TEST_WORKERS if set, else one worker per usable core and one
+    more per core, at most EXTRA_WORKERS_MAX more (2 cores: 4 workers)."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise pytest.UsageError(f"{WORKERS_ENV}={raw!r}: give a whole number of workers >= 1 "
+                                    f"(or unset it for the default: twice the cores, at most "
+                                    f"{EXTRA_WORKERS_MAX} more than the cores)")
+        return int(raw)
+    cores = len(os.sched_getaffinity(0))
+    return cores + min(cores, EXTRA_WORKERS_MAX)
+
+
+SCHED_CHUNK = 2  # tests xdist hands a worker at a time (unless --maxschedchunk says otherwise)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's load scheduling otherwise gives each worker a block of a quarter of its share
+    # of the tests at once, in collection order, and refills in large blocks: the long tests,
+    # collected first (below), would all be in the first worker's block, and a worker that
+    # drew slow blocks is the tail of the run while the others wait. In twos, every worker
+    # takes the next tests whenever it is free.
+    if getattr(config.option, "maxschedchunk", "absent") is None:  # (absent: xdist not installed)
+        config.option.maxschedchunk = SCHED_CHUNK
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked `long` first (a stable sort: the rest keep their order), so that they
+    # start at once, spread over the workers, with the short ones filling in around them,
+    # instead of a long one starting late and being the tail of the run.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu-tests.sh on one)")
@@ -123,14 +170,6 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("IPCSYNC_RUNTIME_DIR", str(d))
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(params=["0", "1"], ids=["doorbell0", "doorbell1"])
-def doorbell_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test with ``IPCSYNC_DOORBELL`` off and on (its child processes inherit it):
-    per-item notices on the lane, then through the shared-memory doorbell."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", request.param)
-    return str(request.param)
 
 
 def shm_segments(pid: int) -> list[str]:

@@ -9,9 +9,15 @@ from ..runtime.shm import launcher_run_id
 from .base import Arena, Backend, Event
 from .cpu import CpuBackend
 
-__all__ = ["Arena", "Backend", "Event", "CpuBackend", "BACKEND_NAMES", "backend_for", "resolve_device"]
+__all__ = ["Arena", "Backend", "Event", "CpuBackend", "BACKEND_NAMES", "NATIVE_TRANSPORT", "backend_for",
+           "resolve_device"]
 
 BACKEND_NAMES = ("cpu", "cuda")  # the ``Backend.name`` of each backend ``backend_for`` makes
+# The torch.distributed backend that moves each backend's memory between hosts as it is
+# (runtime.remote): NCCL carries CUDA memory, gloo host memory. An edge whose two ends
+# name the same one uses it; any other pair goes by gloo, its CUDA end (if any) staged
+# through pinned host memory.
+NATIVE_TRANSPORT = {"cpu": "gloo", "cuda": "nccl"}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -9,11 +9,11 @@ complete when recorded; the CUDA backend's are interprocess CUDA events.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
-__all__ = ["Arena", "Event", "Backend"]
+__all__ = ["Arena", "Event", "Backend", "CurrentStream"]
 
 
 class Event(abc.ABC):
@@ -46,6 +46,16 @@ class Event(abc.ABC):
     @abc.abstractmethod
     def handle(self) -> bytes:
         """Bytes another process passes to ``Backend.open_event`` to use this event."""
+
+    def bound_record(self) -> Callable[[Any], None]:
+        """``record`` as one callable, for a hot path that always names the stream (never
+        None): where the backend has a binding, the binding with this event bound (no
+        Python frame per call). Asked once per event, kept beside it."""
+        return self.record
+
+    def bound_query(self) -> Callable[[], bool]:
+        """``query`` as one callable (as ``bound_record``)."""
+        return self.query
 
 
 class Arena(abc.ABC):
@@ -132,6 +142,12 @@ class Backend(abc.ABC):
         (peer access); ConfigError if it cannot, or if the device is not visible here."""
         return None
 
+    def current_stream_key(self) -> Callable[[], Any] | None:
+        """A callable without Python frames whose result names the current stream (equal
+        results: the same stream), so a hot path asks ``current_stream()`` only when it
+        changed; None where the backend has none (events that ignore streams)."""
+        return None
+
     def current_stream(self) -> Any:
         """The stream ``Event.record(None)``/``wait(None)`` would use now, to pass to several
         of them in one call (CUDA: the device's current stream; None where events ignore
@@ -143,3 +159,28 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release what the backend itself holds."""
+
+
+class CurrentStream:
+    """A backend's current stream, looked up again only when it changed: ``key()`` (the
+    backend's ``current_stream_key``, one C call; else its ``current_stream``) names it,
+    ``now`` is the Stream resolved for the key ``seen`` last. A hot path checks inline,
+    with no Python frame when nothing changed::
+
+        stream = cs.now if cs.key() == cs.seen else cs.resolve()
+    """
+
+    __slots__ = ("key", "seen", "now", "_lookup")
+
+    def __init__(self, backend: Backend) -> None:
+        self._lookup = backend.current_stream
+        self.key: Callable[[], Any] = backend.current_stream_key() or backend.current_stream
+        self.seen: Any = object()  # (no key seen yet)
+        self.now: Any = None
+
+    def resolve(self) -> Any:
+        """The current stream, asked of the backend only when its key changed."""
+        key = self.key()
+        if key != self.seen:
+            self.seen, self.now = key, self._lookup()
+        return self.now

@@ -23,10 +23,11 @@ an H200 host); ``current_stream`` here caches one per stream id.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
-from typing import Any, TypeAlias
+from typing import Any, Callable, TypeAlias
 
 import msgpack
 import torch
@@ -135,6 +136,18 @@ class IpcEvent(Event):
             return bool(_EVENT_QUERY(self.event))
         return bool(self.event.query())
 
+    def bound_record(self) -> Callable[[Any], None]:
+        # The binding takes any torch.cuda.Stream (torch's own record() passes the stream
+        # on to it after replacing None, which a bound caller never passes).
+        if _EVENT_RECORD is None:  # pragma: no cover - CPU builds of torch
+            return self.record
+        return functools.partial(_EVENT_RECORD, self.event)
+
+    def bound_query(self) -> Callable[[], bool]:
+        if _EVENT_QUERY is None:  # pragma: no cover - CPU builds of torch
+            return self.query
+        return functools.partial(_EVENT_QUERY, self.event)  # (the binding returns a bool)
+
     def synchronize(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-5
@@ -213,6 +226,12 @@ class CudaBackend(Backend):
 
     def device_identity(self) -> str | None:
         return self._uuid
+
+    def current_stream_key(self) -> Callable[[], Any] | None:
+        # (stream id, device index, device type): the key current_stream caches Streams by.
+        if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch
+            return None
+        return functools.partial(_GET_CURRENT_STREAM, self.index)
 
     def current_stream(self) -> torch.cuda.Stream:
         if _GET_CURRENT_STREAM is None:  # pragma: no cover - older torch

@@ -2,8 +2,9 @@
 
 The reference rule (docs/architecture.md, section 13): memory a user's program can still
 reach is never reused. A tensor reaches memory through its storage (a ``StorageImpl``,
-reference-counted): every view, view of a view, ``.numpy()`` array and
-``untyped_storage()`` object of it holds one reference. So each slot (and each region a
+reference-counted): every view, view of a view and ``.numpy()`` array of it holds one
+reference (its ``untyped_storage()`` object, one per storage, is counted apart: see
+``SlotStore``). So each slot (and each region a
 forwarded item lies in) gets a storage of its own (``own_storage``), kept in a
 ``SlotStore`` with the few views the library itself makes of it; the item's tensors are
 built from those. The library's own references are counted when it makes them
@@ -23,6 +24,7 @@ costs a storage per item instead of one per slot.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Any, Callable
 
@@ -80,21 +82,29 @@ class SlotStore:
     library's own references the region. The use count the library itself accounts for
     is measured as each view is made.
 
-    The same test for the steady path, without a Python frame: ``count() > own``
-    (``count``: the storage's use count, one C call; ``own``: the library's share of it).
-    ``in_use()`` is that comparison, where torch can count."""
+    The same test for the steady path, without a Python frame: ``count() > own or
+    pyrefs() > own_py`` (``count``: the storage's use count, one C call; ``own``: the
+    library's share of it; ``pyrefs``/``own_py``: the same for the storage's Python
+    object, below). ``in_use()`` is that test, where torch can count.
 
-    __slots__ = ("base", "nbytes", "views", "count", "own", "_probe", "_cdata")
+    torch keeps one Python object per storage (``x.untyped_storage()`` of every view
+    returns it) and that object adds nothing to the use count once made; the library
+    holds it (``_probe``), so a program that keeps ``x.untyped_storage()`` holds a
+    reference to that very object: its Python reference count says so."""
+
+    __slots__ = ("base", "nbytes", "views", "count", "own", "pyrefs", "own_py", "_probe", "_cdata")
 
     def __init__(self, region: torch.Tensor) -> None:
         self.base = own_storage(region)
         self.nbytes = self.base.numel()
-        # A storage object kept for the probe: its _cdata is the StorageImpl the count is
-        # read from (making one per check would add a reference of its own).
+        # The storage's Python object: its _cdata is the StorageImpl the count is read
+        # from (making one per check would add a reference of its own).
         self._probe = self.base.untyped_storage()
         self._cdata = self._probe._cdata
         self.count: Callable[[], int] = partial(USE_COUNT, self._cdata) if USE_COUNT is not None else _no_count
         self.own = self.count()
+        self.pyrefs: Callable[[], int] = partial(sys.getrefcount, self._probe)
+        self.own_py = self.pyrefs()
         self.views: dict[torch.dtype, torch.Tensor] = {}
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +122,7 @@ class SlotStore:
     def in_use(self) -> bool:
         """A tensor (or array, or storage object) of the program still references this
         region. False where torch cannot tell (``checks_references()``)."""
-        return USE_COUNT is not None and USE_COUNT(self._cdata) > self.own
+        return USE_COUNT is not None and (USE_COUNT(self._cdata) > self.own or self.pyrefs() > self.own_py)
 
     def for_item(self) -> "SlotStore":
         """What one item is built from: this store, or where torch cannot count
@@ -140,6 +150,7 @@ class ItemStore(SlotStore):
         self._weak: Any = None
         self.count = self._alive
         self.own = 0
+        self.pyrefs, self.own_py = _no_count, 0  # (a kept storage object keeps the storage alive: in_use)
 
     def seal(self) -> None:
         storage = self.base.untyped_storage()

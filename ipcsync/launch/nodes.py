@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import seal
+from ..envopts import env_seconds
 from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .config import check_rdzv_timeout, parse_endpoint
@@ -90,16 +91,9 @@ class GroupFailure:
 
 
 def node_timeout() -> float:
-    raw = os.environ.get(NODE_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_NODE_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"${NODE_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not 0 < value < 1e6:
-        raise ConfigError(f"${NODE_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return value
+    """How long a node may stay silent before the others declare it lost
+    (``$IPCSYNC_NODE_TIMEOUT``, seconds)."""
+    return env_seconds(NODE_TIMEOUT_ENV, DEFAULT_NODE_TIMEOUT)
 
 
 def spec_digest(spec: PipelineSpec) -> str:

@@ -38,6 +38,7 @@ import torch
 
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
+from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession
 from ..core.layout import Recipe
@@ -91,6 +92,7 @@ class ConsumerEndpoint(EndpointBase):
         self.source = endpoint  # what Item.source says; FanIn relabels it
         self._stream = stream
         self._backend = backend_for(self.device)
+        self._streams = CurrentStream(self._backend)  # (_release_plain's current stream)
         if self.device.type == "cpu" and not faulthandler.is_enabled():
             # Received items are mapped read-only (backends.cpu): an in-place op on one
             # is a SIGSEGV, and this shows the line that did it.
@@ -124,7 +126,7 @@ class ConsumerEndpoint(EndpointBase):
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat, link.doorbell)))
+                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
@@ -194,17 +196,21 @@ class ConsumerEndpoint(EndpointBase):
                     except IndexError:
                         return self._next_item(timeout, pumped=True)
                 seq, slot, gen, sent_ns, meta, recipe = entry
-                mem = self._memory
-                if (self._flat and recipe.__class__ is Recipe
-                        and (mem.complete_on_record or mem.ready_events[slot].query())):
-                    store = mem.stores[slot]
-                    item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
-                                recipe.nbytes, store)
-                    lender.hold(seq, item)
-                    self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
-                else:
-                    item = self._make_item(entry, timeout)
-                lender.set_current(get_ident(), item)
+                try:
+                    mem = self._memory
+                    if (self._flat and recipe.__class__ is Recipe
+                            and (mem.complete_on_record or mem.ready_done[slot]())):
+                        store = mem.stores[slot]
+                        item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
+                                    recipe.nbytes, store)
+                        lender.hold(seq, item)
+                        self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
+                    else:
+                        item = self._make_item(entry, timeout)
+                    lender.set_current(get_ident(), item)
+                except KeyboardInterrupt:
+                    self._untake(entry)
+                    raise
                 return item
             finally:
                 self._last_call = time.monotonic()
@@ -257,7 +263,7 @@ class ConsumerEndpoint(EndpointBase):
                 role="consumer", held=self._lender.held_count(), buffered=self.session.buffered(),
                 kept=len(self._link.kept), forwarded_out=len(self._lender.forwarded),
                 forwarded_lost=self._link.downstream.lost, producer_stalled=clock.stalled,
-                producer_stalled_total=clock.stalls, lane=self._chan.lane_used, doorbell=self._link.bell_up,
+                producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
 
     def source_port(self) -> SourcePort[Item]:
@@ -278,11 +284,15 @@ class ConsumerEndpoint(EndpointBase):
 
     def close(self, timeout: float | None = None, forwarded_wait: bool = True) -> None:
         """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this
-        consumer forwarded zero-copy; without it they are given back at once)."""
+        consumer forwarded zero-copy; without it they are given back at once). A close()
+        already under way in another thread is waited for (up to ``timeout``), not run
+        twice; interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
+        interrupted: BaseException | None = None
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
                 return
-            self._begin_close(timeout=1.0)
+            if not self._begin_close(timeout=1.0):
+                return
             s, link, lender = self.session, self._link, self._lender
             try:
                 for item in lender.held_items():
@@ -304,9 +314,13 @@ class ConsumerEndpoint(EndpointBase):
                         link.remove_stale(0.0)  # it died after its BYE
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
-            self._closed = True
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: closed all the same
+                interrupted = exc
+            self._mark_closed()
             self._teardown()
         self._stop_service()
+        if interrupted is not None:
+            raise interrupted
 
     # ------------------------------------------------------------------ items
     def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:
@@ -320,8 +334,13 @@ class ConsumerEndpoint(EndpointBase):
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._make_item(s.take_ready(), left, timeout)
-            self._lender.set_current(get_ident(), item)
+            entry = s.take_ready()
+            try:
+                item = self._make_item(entry, left, timeout)
+                self._lender.set_current(get_ident(), item)
+            except KeyboardInterrupt:
+                self._untake(entry)
+                raise
             return item
         if s.bye_received:
             self._pump()  # answers BYE once nothing is held
@@ -339,10 +358,14 @@ class ConsumerEndpoint(EndpointBase):
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
                 # the fds it waits on) or the SENT frame wakes it when this one is ready.
+                entry = self.session.take_ready()
                 try:
-                    return True, self._make_item(self.session.take_ready(), 0.0 if self._data_wakes else None)
+                    return True, self._make_item(entry, 0.0 if self._data_wakes else None)
                 except IpcTimeoutError:
                     return False, None  # (the entry is first in line again)
+                except KeyboardInterrupt:
+                    self._untake(entry)
+                    raise
             if self.session.bye_received:
                 self._pump()  # answers BYE once nothing is held
                 return True, None
@@ -360,7 +383,8 @@ class ConsumerEndpoint(EndpointBase):
         wait for that event (``wait="host"``, and every remote item: its transfer) is
         bounded by ``timeout``: past it the entry goes back, first in line, for the next
         call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
-        when given); nothing is lost or released."""
+        when given); nothing is lost or released. (A Ctrl-C here or before the caller
+        handed the item out: the caller's ``_untake``.)"""
         seq, slot, gen, sent_ns, meta, recipe = entry
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
@@ -391,6 +415,16 @@ class ConsumerEndpoint(EndpointBase):
             self._trace.received(seq, now)
         return item
 
+    def _untake(self, entry: tuple[int, int, int, int, Any, Any]) -> None:
+        """A KeyboardInterrupt (Ctrl-C) landed between taking READY ``entry`` and handing
+        its item out: nobody holds that item, so the entry goes back first in line for the
+        next call, as a timed-out wait's does, and nothing keeps its slot. Lock held."""
+        lender, tid = self._lender, get_ident()
+        item = lender.unhold(entry[0], None)
+        if item is not None and lender.current.get(tid) is item:
+            lender.pop_current(tid, None)
+        self.session.requeue(entry)
+
     def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
         s = self.session  # (wait="host": the ready event is polled with the socket pumped)
         # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
@@ -420,7 +454,7 @@ class ConsumerEndpoint(EndpointBase):
         if self._trace is not None:
             self._trace.released(seq)
         store = item.store
-        if self._check_refs and store.count() > store.own:
+        if self._check_refs and (store.count() > store.own or store.pyrefs() > store.own_py):
             # The program still views the slot: it goes back once nothing does (the
             # link polls it at every pump; a stall is reported at once).
             self._link.kept.add(item)
@@ -432,7 +466,10 @@ class ConsumerEndpoint(EndpointBase):
         s = self.session
         mem = self._memory
         if s.error is None and not mem.complete_on_record:
-            mem.release_events[slot].record(stream if stream is not None else self._stream)
+            if stream is None and (stream := self._stream) is None:  # the current one
+                cs = self._streams
+                stream = cs.now if cs.key() == cs.seen else cs.resolve()
+            mem.record_release[slot](stream)
         s.queue_release((seq, slot, item.gen))
 
     def _release_verified(self, item: Item, stream: Any) -> None:
@@ -482,7 +519,7 @@ class ConsumerEndpoint(EndpointBase):
         return self._fds if wake is None else [*self._fds, wake.fd]
 
     def _io_pending(self) -> bool:
-        return self._chan.pending() or (self._link.bell is not None and self._link.notices_pending())
+        return self._chan.pending()
 
     def _raise_if_broken(self) -> None:
         if (error := self.session.error) is not None:

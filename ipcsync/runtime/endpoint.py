@@ -213,12 +213,31 @@ class EndpointBase:
         if closer is not None and closer != threading.get_ident():
             raise ClosedError(f"this {self._role} was closed by another thread while this call waited")
 
-    def _begin_close(self, timeout: float = 2.0) -> None:
+    def _begin_close(self, timeout: float = 2.0) -> bool:
         """close(): mark it started, then wait (up to ``timeout``) until every call blocked
-        in another thread has left; they raise ClosedError. Lock held."""
+        in another thread has left; they raise ClosedError. False: the endpoint was closed
+        meanwhile (by the close() whose wait this one ended): nothing is left to do. Lock held."""
         self._closer = threading.get_ident()
         if self.blocked_calls:
             self._cond.wait_for(lambda: self.blocked_calls == 0, timeout)
+        return not self._closed
+
+    def _closing_elsewhere(self, timeout: float | None) -> bool:
+        """close(): another thread's close() is under way. Wait until it ends (up to
+        ``timeout``; it is bounded by its own) instead of starting a second one, whose
+        start would end the first one's wait and whose teardown would run twice. True
+        if one was under way. Lock held."""
+        closer = self._closer
+        if closer is None or closer == threading.get_ident() or self._closed:
+            return False
+        self._cond.wait_for(lambda: self._closed or self._closer is None, timeout)
+        return True
+
+    def _mark_closed(self) -> None:
+        """The endpoint is closed: calls see it, and a close() waiting for this one
+        (``_closing_elsewhere``) returns. Lock held."""
+        self._closed = True
+        self._cond.notify_all()
 
     def _unlocked(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a blocking wait) with the lock released; take it back however ``fn``

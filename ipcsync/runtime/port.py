@@ -37,17 +37,16 @@ from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
-from ..errors import ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
+from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
 from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
-from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .peers import Peer, PeerTable
 from .slots import Handoffs, SlotRecord, Waits
 
-__all__ = ["ProducerPort", "SlotTicket"]
+__all__ = ["ProducerPort", "SlotTicket", "failure_text"]
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +125,6 @@ class ProducerPort(EndpointBase):
         self.attached_total = 0  # consumers that completed the handshake, ever
         self.pid = os.getpid()
         self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
-        # Per-item notices through shared memory with consumers that opt in too (a lane edge).
-        self.doorbell = self.ipc and chan.lanes is not None and chan.doorbell
         self._fds = chan.fds()
         self._closed = False
         self._start_service()
@@ -141,40 +138,7 @@ class ProducerPort(EndpointBase):
         return self._fds
 
     def io_pending(self) -> bool:
-        return self.chan.pending() or (bool(self.peers.bells) and self.releases_pending())
-
-    def releases_pending(self) -> bool:
-        """A consumer's doorbell holds RELEASE entries not taken yet (a ring that came
-        without a ring of the eventfd, or while we pumped)."""
-        for peer in self.peers.bells.values():
-            bell = peer.bell
-            try:
-                if bell is not None and bell.pending():
-                    return True
-            except ProtocolError:
-                return True  # (its pump says so, and drops it)
-        return False
-
-    def take_releases(self) -> None:
-        """The RELEASE entries of each consumer's doorbell, as its RELEASE frames would be
-        handled (the state must allow a RELEASE; each entry the ring's rules): taken before
-        the lane frames read with them, which followed them."""
-        now = time.monotonic()
-        for peer in list(self.peers.bells.values()):
-            bell = peer.bell
-            if bell is None:
-                continue
-            try:
-                got = bell.take()
-                if got and not peer.session.may_hold:
-                    raise ProtocolError(f"RELEASE entries in its doorbell in state {peer.session.state.value!r}")
-            except ProtocolError as exc:
-                bad = peer.session.bad_frame(exc)
-                self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
-                continue
-            if got:
-                peer.session.clock.heard(now)
-                self.handoffs.released(peer, [(e[0], e[1], e[2]) for e in got])
+        return self.chan.pending()
 
     _io_fds = io_fds  # (EndpointBase's hooks)
     _io_pending = io_pending
@@ -193,10 +157,7 @@ class ProducerPort(EndpointBase):
         if lanes is not None:
             # After the ZeroMQ frames: a consumer's SWITCH among them opened its lane for
             # reading, and its lane frames all follow that SWITCH (runtime.lane).
-            polled = lanes.poll()
-            if peers.bells:
-                self.take_releases()
-            for what, identity, data in polled:
+            for what, identity, data in lanes.poll():
                 if what == "frame":
                     if identity in peers.by_id:
                         on_frame(identity, [data], -1)
@@ -285,55 +246,11 @@ class ProducerPort(EndpointBase):
             self.peers.drop(peer)
         elif kind is Kind.BAD_FRAME:
             self.peers.bad_frame(identity, peer, ev.data, ev.reply)
-        elif kind is Kind.DOORBELL:
-            self.on_doorbell(peer, ev.data)
         elif kind is Kind.SWITCHED:
             lanes = self.chan.lanes
             if lanes is None or lanes.read(identity) is None:
                 bad = peer.session.bad_frame(ProtocolError("SWITCH, but this consumer's lane is gone"))
                 self.peers.bad_frame(identity, peer, bad.data, bad.reply)
-
-    def on_doorbell(self, peer: Peer, msg: P.DoorbellOffer) -> None:
-        """The consumer offered its doorbell (runtime.bellwire): map it, answer with ours
-        and its eventfd on the lane, and from then on send steady READYs as entries.
-        Anything that fails leaves the edge on the lane (logged once): never an error,
-        except a doorbell the consumer broke (it broke the protocol)."""
-        lane = peer.lane
-        fd = lane.take_fd() if lane is not None else None
-        if (not self.doorbell or peer.session.hello.version < P.DOORBELL_VERSION or lane is None
-                or peer.session.state is not P.State.ACTIVE or peer.bell is not None):
-            if fd is not None:
-                os.close(fd)
-            return  # (not ours to answer: the edge stays on the lane)
-        offer = None
-        try:
-            offer = Offer(geometry_for(self.handoffs.slots))
-            bell = join(offer, msg, fd, peer.label, release_bounds(self.handoffs.slots))
-        except ProtocolError as exc:
-            if offer is not None:
-                offer.close()
-            bad = peer.session.bad_frame(exc)
-            self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
-            return
-        except OSError as exc:
-            if offer is not None:
-                offer.close()
-            self.peers.ratelog.log(logging.INFO, "doorbell", "ipcsync producer %r: no doorbell with %s (%s); "
-                                   "its notices stay on the lane", self.name, peer.label, exc)
-            return
-        frame = peer.session.doorbell_offer(offer.message())
-        try:
-            sent = not peer.outbox and offer.bell.fd is not None and lane.send_fd(frame, offer.bell.fd)
-        except OSError as exc:  # (its lane broke: the closed lane is handled at the next poll)
-            log.debug("ipcsync producer %r: the doorbell answer to %s failed: %s", self.name, peer.label, exc)
-            sent = False
-        if not sent:
-            bell.close()
-            return
-        peer.bell = bell
-        self.peers.bells[peer.identity] = peer
-        assert self.chan.lanes is not None
-        self.chan.lanes.watch_bell(bell.fd)
 
     def on_lane(self, what: str, identity: bytes, data: Any) -> None:
         """What the lane hub reported besides frames (see ``LaneHub.poll``)."""
@@ -349,8 +266,6 @@ class ProducerPort(EndpointBase):
             if peer.disconnected or peer.session.state in P.ENDED or peer.session.switch_sent:
                 return
             peer.lane_ready = data
-            if self.doorbell and peer.session.hello.version >= P.DOORBELL_VERSION:
-                data.want_fds = True  # its DOORBELL brings its eventfd (runtime.bellwire)
             self.peers.send(peer, peer.session.switch())
         elif what == "closed":
             self.peers.on_disconnect(peer, data)  # as a closed ZeroMQ connection
@@ -385,9 +300,7 @@ class ProducerPort(EndpointBase):
         self.peers.add(peer)
         h = self.handoffs
         setup = P.Setup(
-            # The consumer's, up to ours: an older one gets its version's SETUP (no lane
-            # before 4, no doorbell before 5); ours is 5 only with the doorbell on.
-            version=min(hello.version, P.DOORBELL_VERSION if self.doorbell else P.PROTOCOL_VERSION),
+            version=hello.version,  # the consumer's: an older one gets its version's SETUP (no lane)
             pid=self.pid,
             start_time=host.start_time(self.pid),
             pid_ns=host.pid_namespace(),
@@ -400,6 +313,8 @@ class ProducerPort(EndpointBase):
             heartbeat_ms=int(self._heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
+        if self.peers.get(identity) is not peer:
+            return  # its connection had closed (a consumer that gave up waiting): dropped, nothing to offer
         lanes = self.chan.lanes
         if lanes is not None and session.lane_capable:
             token = lanes.offer(identity, cred[0] if cred is not None else None)
@@ -451,7 +366,7 @@ class ProducerPort(EndpointBase):
                 bad = peer.session.bad_frame(ProtocolError(f"remote edge: {why}"))
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
-            peer.release_events = list(peer.remote.release_events)
+            peer.set_release_events(list(peer.remote.release_events))
             watch = peer.watch  # (a remote peer's: its RemoteWatch)
             if watch is not None and not isinstance(watch, host.ProcessWatch):
                 watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
@@ -459,7 +374,7 @@ class ProducerPort(EndpointBase):
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see
                 # CudaBackend.open_event).
-                peer.release_events = [self.backend.open_event(e) for e in msg.release_events]
+                peer.set_release_events([self.backend.open_event(e) for e in msg.release_events])
             except Exception as exc:
                 bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
@@ -559,6 +474,13 @@ class ProducerPort(EndpointBase):
                 h.ring.abort(slot)
                 return
             self._check_open()  # (and notes that the user's thread was here)
+            if self.closing:
+                # close() began while the block ran (another thread): its consumers may
+                # have had their goodbye, so an item published now could reach nobody.
+                h.ring.abort(slot)
+                raise ClosedError(
+                    f"producer {self.name!r} began closing (close() in another thread) while this "
+                    "Producer.slot() block ran: its item was not sent; finish sending before close()")
             try:
                 # The block wrote on its own stream, or the current one at its end.
                 h.finish(ticket.rec, ticket.plan, meta, ticket.stream)
@@ -606,7 +528,8 @@ class ProducerPort(EndpointBase):
     def _refuse_send(self) -> None:
         self._check_open()
         if self.closing:
-            raise ConfigError("send() during close()")
+            raise ClosedError(f"producer {self.name!r} is closing (close() was called, perhaps in another "
+                              "thread): it sends nothing more; send before close(), or make a new Producer")
 
     def _enter_send(self) -> None:
         """A send-like call starts: refused on a closed or closing producer. Lock held."""
@@ -650,7 +573,7 @@ class ProducerPort(EndpointBase):
     def _fill_poller(self, poller: Any) -> None:
         with self._lock:
             self._enter_send()
-            poller.add(self._fds, self.io_pending())
+            poller.add(self._fds, self.chan.pending())
 
     def _waited_for_slot(self, seconds: float) -> None:
         self._stats.waited("slot" if self.ring.consumers() else "consumer", seconds)
@@ -683,7 +606,7 @@ class ProducerPort(EndpointBase):
         def fill(poller: Any) -> None:
             with self._lock:
                 if not self._closed:
-                    poller.add(self._fds, self.io_pending())
+                    poller.add(self._fds, self.chan.pending())
 
         await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
         self.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -717,20 +640,26 @@ class ProducerPort(EndpointBase):
                 consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
                 consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
                 bad_frames=peers.bad_frames, forwarded=fwd.forwarded_total, forwarded_held=fwd.ledger.count(),
-                layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used, doorbells=len(peers.bells),
+                layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used,
             )
 
     def close(self, timeout: float | None = None) -> None:
         """``Producer.close``: deliver what is queued, BYE every consumer, wait for their
-        releases and goodbyes, then free everything."""
+        releases and goodbyes, then free everything. A close() already under way in
+        another thread is waited for (up to ``timeout``), not run twice. Interrupted
+        (Ctrl-C) inside its wait, it ends the stream as ``abort`` does, then re-raises: the
+        producer is closed, its consumers told it failed."""
+        me = threading.get_ident()
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
                 return
             self.closing = True
-            self._begin_close()
+            if not self._begin_close():
+                return
             t = self._resolve_timeout(timeout)
             deadline = None if t is None else time.monotonic() + t
             h, fwd = self.handoffs, self.forwarder
+            interrupted: BaseException | None = None
             try:
                 h.deliver_queued(deadline, lambda: self.attached_total)
                 for peer in self.peers:
@@ -739,29 +668,48 @@ class ProducerPort(EndpointBase):
                                deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
-            fwd.abandon()
-            if self.ring.busy():
-                log.warning("ipcsync producer %r closing with items not released by consumers "
-                            "(slot states %s)", self.name, self.ring.occupancy())
-            self._closed = True
-            self._teardown()
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: no clean end
+                interrupted = exc
+            if self._closed or self._closer != me:
+                return  # an abort() in another thread ended our wait: it finishes the job
+            if interrupted is not None:
+                self._fail(failure_text(interrupted))
+            else:
+                fwd.abandon()
+                if self.ring.busy():
+                    log.warning("ipcsync producer %r closing with items not released by consumers "
+                                "(slot states %s)", self.name, self.ring.occupancy())
+                self._mark_closed()
+                self._teardown()
         self._stop_service()
+        if interrupted is not None:
+            raise interrupted
 
     def abort(self, error: BaseException | str | None = None) -> None:
         """``Producer.abort``: ERROR ``failed`` to every consumer, then free everything."""
-        if isinstance(error, BaseException):
-            text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        else:
-            text = error or "aborted"
+        text = failure_text(error)
         with self._lock:
             if self._closed:
                 return
             self.closing = True
-            self._begin_close(timeout=1.0)
-            frame = P.encode(P.Error(P.ErrorCode.FAILED.value, text[:1000]))
-            for peer in self.peers:
-                if not peer.session.bye_received and not peer.disconnected:
-                    self.peers.send_raw(peer.identity, frame)
-            self._closed = True
-            self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+            if not self._begin_close(timeout=1.0):
+                return
+            self._fail(text)
         self._stop_service()
+
+    def _fail(self, text: str) -> None:
+        """End the stream as failed: ERROR ``failed`` (``text``) to every consumer still
+        here, then free everything. Lock held."""
+        frame = P.encode(P.Error(P.ErrorCode.FAILED.value, text[:1000]))
+        for peer in self.peers:
+            if not peer.session.bye_received and not peer.disconnected:
+                self.peers.send_raw(peer.identity, frame)
+        self._mark_closed()
+        self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
+
+
+def failure_text(error: BaseException | str | None) -> str:
+    """What an ERROR ``failed`` says of ``error``: an exception's type and message, or a text."""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return error or "aborted"

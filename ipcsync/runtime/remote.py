@@ -48,12 +48,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..backends import Event
+from ..backends import NATIVE_TRANSPORT, Event
 from ..backends.remote import ReceiveArena, RecvEvent, ReleaseEvent, SendEvent, slot_tensors, staged
 from ..core.remote_session import (
     LOSS_HEARTBEATS, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
     layout_extent, silence_is_loss,
 )
+from ..envopts import env_seconds
 from ..errors import BackendError, ConfigError
 from .bounded import within
 from .channel import Endpoint
@@ -77,16 +78,7 @@ MAX_PENDING_JOINS = 16
 def op_timeout() -> float:
     """How long one rendezvous or one transfer may take before the edge is declared lost
     (``$IPCSYNC_REMOTE_TIMEOUT``, seconds; default 120)."""
-    raw = os.environ.get(OP_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_OP_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"${OP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ConfigError(f"${OP_TIMEOUT_ENV} must be > 0 seconds, got {raw!r}")
-    return value
+    return env_seconds(OP_TIMEOUT_ENV, DEFAULT_OP_TIMEOUT)
 
 
 TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
@@ -94,15 +86,18 @@ TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
 
 def transport_for(device: torch.device, consumer_backend: str) -> str:
     """The transport of an edge from a producer on ``device`` to a consumer on a
-    ``consumer_backend`` device: NCCL when both ends are on CUDA, else gloo, whose CUDA
+    ``consumer_backend`` device: the one both ends' memory travels by as it is
+    (``backends.NATIVE_TRANSPORT``: NCCL when both are on CUDA), else gloo, whose CUDA
     end (if any) stages each item through pinned host memory. ``$IPCSYNC_REMOTE_TRANSPORT``
     (the producer's): ``auto`` (default) or ``gloo`` (gloo for CUDA pairs too, e.g. where
     NCCL's network transport cannot reach the peer)."""
     forced = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
     if forced not in ("auto", "gloo"):
         raise ConfigError(f"${TRANSPORT_ENV} must be 'auto' or 'gloo', got {forced!r}")
-    if device.type == "cuda" and consumer_backend == "cuda" and forced == "auto":
-        return "nccl"
+    # (A device's type is the name of the backend serving it: backends.backend_for.)
+    native = NATIVE_TRANSPORT.get(device.type, "gloo")
+    if forced == "auto" and NATIVE_TRANSPORT.get(consumer_backend) == native:
+        return native
     return "gloo"
 
 

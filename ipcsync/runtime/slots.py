@@ -11,7 +11,7 @@ way: ``begin`` (steps 1-2), their own write (step 3), ``finish`` (steps 3b-4).
    a lost holder's event is never waited on.
 3. write: the caller's (a copy, the user's block, or for a forward the downstream wait on
    the upstream ready event). Rule: on the stream ``begin`` resolved (or the caller's).
-3b. record ready (``finish``): ``ready_events[slot].record(stream)``. Rule: recorded on the
+3b. record ready (``finish``): the slot's ready event recorded on ``stream``. Rule: recorded on the
    stream that wrote the slot, after the write.
 4. publish (``finish``, ``deliver``): the slot gets its seq and goes out, in seq order, to
    consumers with free credits. Rule: READY goes out after the ready event was recorded, so
@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import msgpack
 
 from ..backends import Backend, Event
+from ..backends.base import CurrentStream
 from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
@@ -129,6 +130,7 @@ class Handoffs:
         self.slots = ring.nslots
         self.slot_views = slot_views
         self.ready_events = ready_events
+        self.record_ready = [e.bound_record() for e in ready_events]  # (step 3b, per slot)
         self.slot_bytes = slot_bytes
         self.peers = peers
         self.ledger = ledger
@@ -148,7 +150,9 @@ class Handoffs:
         self.records = [SlotRecord(i) for i in range(self.slots)]
         # Host-synchronous backend: no ready event to record, no stream to resolve.
         self.host_sync = backend.host_sync
-        self.current_stream = backend.current_stream
+        # The current stream, looked up again only when its key changed (steps 2-3b, and
+        # a slot() block's at its end).
+        self.streams = CurrentStream(backend)
         # Step 2 has work to do: events that complete on the GPU, or (set by the port) a
         # remote consumer's release events, sends that complete later, on any backend.
         self.order_events = not backend.host_sync
@@ -320,24 +324,32 @@ class Handoffs:
         the slot's overwrite after its previous readers on it. The slot is given back if
         step 2 fails. Returns the slot's record: the caller writes (step 3), then calls
         ``finish`` (or ``ring.abandon(rec.slot)`` if it fails)."""
+        if timeout is not None:  # bad input is refused whether or not the call has to wait
+            self.waits.resolve_timeout(timeout)
         # 1. reserve. Rule: only a FREE slot, one every earlier holder released or left.
         acq = self.ring.acquire() or self._wait_for_slot(timeout)
         rec = self.records[acq.slot]
         rec.gen = acq.gen
         rec.last_holders = acq.last_holders
-        if stream is None and not self.host_sync:
-            stream = self.current_stream()  # resolved once: steps 2, 3 and 3b use it
+        if stream is None and not self.host_sync:  # resolved once: steps 2, 3 and 3b use it
+            cs = self.streams
+            stream = cs.now if cs.key() == cs.seen else cs.resolve()
         rec.stream = stream
         # 2. order after the previous readers. Rule: the overwrite waits for their release
         # events (a lost reader's never); a forward of this slot still waiting downstream is
         # finished first. Nothing to do with no previous reader still attached, or with
         # events complete once recorded and no forward pending.
-        if acq.last_holders and (self.order_events or self.ledger.pending):
-            try:
-                self.order_after_readers(rec)
-            except BaseException:
-                self.ring.abort(rec.slot)
-                raise
+        holders: frozenset[Any] = acq.last_holders  # (consumer identities)
+        if holders and (self.order_events or self.ledger.pending):
+            # Its steady branch: one previous reader, whose release event is complete
+            # already (a query, ~0.1 us), and no forward of the slot pending: nothing to order.
+            peer = self.peers.get(next(iter(holders))) if len(holders) == 1 and not self.ledger.pending else None
+            if peer is None or not peer.release_done or not peer.release_done[acq.slot]():
+                try:
+                    self.order_after_readers(rec)
+                except BaseException:
+                    self.ring.abort(rec.slot)
+                    raise
         return rec
 
     def _wait_for_slot(self, timeout: float | None) -> Acquired:
@@ -402,14 +414,13 @@ class Handoffs:
             peer = peers.get(cid)
             if peer is None or not peer.release_events:
                 continue
-            ev = peer.release_events[slot]
             # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
             # which costs far more host time than the query when the event is another
             # process's. The peer re-records this event only after we hand it the slot again,
             # so a completed query() stands until then.
-            if ev.query():
+            if peer.release_done[slot]():
                 continue
-            self.order_after(ev, stream, self.release_poll(peer, slot))
+            self.order_after(peer.release_events[slot], stream, self.release_poll(peer, slot))
 
     def release_poll(self, peer: Peer, slot: int) -> Callable[[Callable[[], bool]], None]:
         """The host wait for ``peer``'s release event of ``slot`` (``WaitStrategy.order``'s
@@ -438,7 +449,10 @@ class Handoffs:
         slot = rec.slot
         # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
         if not self.host_sync:
-            self.ready_events[slot].record(stream)
+            if stream is None:  # (a slot() block's: the current stream at its end)
+                cs = self.streams
+                stream = cs.now if cs.key() == cs.seen else cs.resolve()
+            self.record_ready[slot](stream)
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring
@@ -547,9 +561,6 @@ class Handoffs:
             self.layouts_inline += 1
         if self.trace is not None:  # (before the send: the consumer may stamp its receipt at once)
             self.trace.ready(rec.seq, peer.label)
-        if (peer.bell is not None and frame is short and fwd is None and rec.meta is None
-                and peers.post_ready(peer, rec.seq, rec.slot, rec.gen, lid, rec.sent_ns)):
-            return  # a doorbell entry (runtime.bellwire); anything else is a frame
         peers.send(peer, frame)
         if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
             peer.remote.send(rec.slot, rec.layout, rec.seq)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -19,8 +18,8 @@ from ..backends import Arena, Backend, Event
 from ..backends.refs import SlotStore
 from ..backends.cpu import reclaim_dead_segments
 from ..core import protocol as P
-from ..core.consumer_session import (ConsumerSession, DoorbellOffered, ForeignReceived, HelloAgain, LaneOffered,
-                                     SentReceived, SetupReceived, SwitchReceived)
+from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgain, LaneOffered, SentReceived,
+                                     SetupReceived, SwitchReceived)
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
 from ..core.remote_session import LOSS_HEARTBEATS, RELEASE_PLACEHOLDER, is_remote_handle
@@ -29,9 +28,7 @@ from ..errors import (
     BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
 )
 from . import host
-from .bellwire import Offer, geometry_for, join, ready_bounds, release_entries
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
-from .doorbell import Doorbell
 from .foreign import Downstream
 from .keeping import Kept
 
@@ -46,13 +43,11 @@ log = logging.getLogger(__name__)
 _FRAMES_PER_PUMP = 256  # frames the steady pump reads at most (a flood cannot starve the caller)
 
 
-def make_hello(backend: Any, credits: int, heartbeat: float, doorbell: bool = False) -> P.Hello:
-    """HELLO: who this consumer is (process identity, host) and where it runs; the
-    doorbell's version only if this consumer offers one (``runtime.bellwire``)."""
+def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
+    """HELLO: who this consumer is (process identity, host) and where it runs."""
     pid = os.getpid()
     return P.Hello(
-        version=P.DOORBELL_VERSION if doorbell else P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid),
-        boot_id=host.host_identity(),
+        version=P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.host_identity(),
         pid_ns=host.pid_namespace(), backend=backend.name, device=backend.device_identity(),
         credits=credits, heartbeat_ms=int(heartbeat * 1000),
     )
@@ -86,16 +81,21 @@ class RingMemory:
     """The producer's ring as this consumer sees it: its arenas, each slot's own storage
     (``stores``: items are built from it, and it says whether a tensor of the program
     still references the slot; ``stores[i].base`` is slot i's bytes), its ready events,
-    and our release events (one per slot). ``complete_on_record``: every one of those
-    events is complete once recorded (the CPU backend's): the steady path skips them."""
+    and our release events (one per slot), with ``ready_done``, the ready events'
+    queries (``Event.bound_query``), and ``record_release``, the release events' records
+    (``Event.bound_record``). ``complete_on_record``: every one of those events is
+    complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "release_events", "complete_on_record")
+    __slots__ = ("arenas", "stores", "ready_events", "ready_done", "release_events", "record_release",
+                 "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
         self.ready_events: list[Event] = []
+        self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
+        self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
 
     def open(self, backend: Any, s: P.Setup, where: Any) -> None:
@@ -104,12 +104,17 @@ class RingMemory:
         try:
             self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
-            self.ready_events = [backend.open_event(h) for h in s.ready_events]
-            self.release_events = [backend.create_event() for _ in s.slots]
-            self.complete_on_record = all(type(e).complete_on_record
-                                          for e in (*self.ready_events, *self.release_events))
+            self.set_events([backend.open_event(h) for h in s.ready_events],
+                            [backend.create_event() for _ in s.slots])
         except IpcSyncError as exc:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
+
+    def set_events(self, ready: list[Event], release: list[Event]) -> None:
+        """The producer's ready events and our release events, one each per slot."""
+        self.ready_events, self.release_events = ready, release
+        self.ready_done = [e.bound_query() for e in ready]
+        self.record_release = [e.bound_record() for e in release]
+        self.complete_on_record = bool(ready) and all(type(e).complete_on_record for e in (*ready, *release))
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
@@ -123,9 +128,7 @@ class RingMemory:
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
     def drop_events(self) -> None:
-        self.ready_events = []
-        self.release_events = []
-        self.complete_on_record = False
+        self.set_events([], [])
 
 
 def remove_stale_endpoint(endpoint: Endpoint, setup: P.Setup | None, alive: Callable[[], bool],
@@ -169,18 +172,15 @@ class ProducerLink:
         # receive ring fills ``memory``; None on every local edge.
         self.remote: Any = None
         self.lane_loss_seen = False  # a closed lane was handled as a closed connection
+        # The producer closed its connection after its BYE: a clean end, unless it died
+        # inside its close() (e.g. while we held items), leaving its /dev/shm arena behind.
+        # Until its process is provably gone (then reclaim) the ticks look.
+        self.closed_after_bye = False
         # Items the program released while its tensors still view their slot (the
         # reference rule): given back at a pump once nothing references them.
         self.kept = Kept()
         self.credits = 1 << 20  # the most items we may hold (the consumer's credits=)
         self.check_refs = True  # the consumer's keep_refs_check (and torch can count)
-        # The doorbell (runtime.bellwire): offered once the lane carries everything, if
-        # IPCSYNC_DOORBELL=1 here and the producer's SETUP says it can; ``notices``: READY
-        # entries taken from its ring, each waiting for the lane frames sent before it.
-        self.doorbell = chan.mux is not None and chan.doorbell
-        self.bell_offer: Offer | None = None
-        self.bell: Doorbell | None = None
-        self.notices: deque[tuple[int, ...]] = deque()
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -204,22 +204,8 @@ class ProducerLink:
         self.send_errors()
 
     def flush_releases(self) -> None:
-        """Send the queued releases (one RELEASE; once per batch, not per item): as
-        entries of our doorbell while it has room, else as a frame."""
+        """Send the queued releases (one RELEASE; once per batch, not per item)."""
         s = self.session
-        bell = self.bell
-        if bell is not None and s.pending:
-            entries = s.take_releases(time.monotonic())
-            if entries:
-                try:
-                    n = bell.post(release_entries(entries))
-                except ProtocolError as exc:  # its read counter of our ring is garbage
-                    s.unsend_releases(entries)
-                    self.fail(exc, ErrorCode.PROTOCOL)
-                    return
-                if n == len(entries):
-                    return
-                s.unsend_releases(entries[n:])
         out = s.release_frame(time.monotonic())
         if out is not None and not self.chan.send(out[0]):
             s.unsend_releases(out[1])
@@ -298,8 +284,7 @@ class ProducerLink:
         arena now, instead of the producer exiting first and torch warning there ("Producer
         process has been terminated before all shared CUDA tensors released"). Tensors the
         user still holds keep their memory mapped until they go."""
-        self.session.recipes.clear()
-        self.session.frecipes.clear()
+        self.session.forget_layouts()
         self.memory.let_go()
         self.downstream.close()
 
@@ -319,19 +304,6 @@ class ProducerLink:
             return
         frames: list[bytes] = []
         chan.read_lane(frames, _FRAMES_PER_PUMP)
-        bell = self.bell
-        if bell is not None:  # the doorbell's steady pump: its entries, no lane frame
-            if frames or chan.steady_lane is None:
-                self.pump(frames)
-                return
-            bell.bell.drain()
-            self.take_notices()
-            self.deliver_notices()
-            if s.outbox:  # (an entry broke the protocol: the producer is told)
-                self.send_errors()
-            elif s.pending and not s.ready:
-                self.flush_releases()
-            return
         n = s.receive_frames(frames, time.monotonic())
         if n < len(frames) or chan.steady_lane is None:
             self.pump(frames[n:])  # the rest in order, then everything else
@@ -361,29 +333,22 @@ class ProducerLink:
                 frame = s.connected()
                 if frame is not None:
                     self.send(frame)
-        receive = s.receive
-        if self.bell is not None:  # lane frames and doorbell entries, in the producer's order
-            heard = self.pump_notices(taken)
-        else:
-            if not taken and chan.steady_lane is not None:  # the lane's steady READYs: in one call
-                got: list[bytes] = []
-                chan.read_lane(got, _FRAMES_PER_PUMP)
-                taken = got[s.receive_frames(got, time.monotonic()):]
-            heard = bool(taken)
-            for i, frame in enumerate(taken):
-                if s.error is not None:
-                    break
-                event = receive([frame])
-                if event is not None:
-                    self.on_event(event)
-                    if self.bell_up:  # it came up: the rest in order with its entries
-                        self.pump_notices(taken[i + 1:])
-                        break
+        recv, receive = self.chan.recv, s.receive
+        if not taken and chan.steady_lane is not None:  # the lane's steady READYs: in one call
+            got: list[bytes] = []
+            chan.read_lane(got, _FRAMES_PER_PUMP)
+            taken = got[s.receive_frames(got, time.monotonic()):]
+        heard = bool(taken)
+        for frame in taken:
+            if s.error is not None:
+                break
+            event = receive([frame])
+            if event is not None:
+                self.on_event(event)
         for _ in range(10_000):
             if s.error is not None:
                 break
-            # (With a doorbell the lane is read only beside its entries: pump_notices.)
-            frames = chan.recv() if self.bell is None else chan.recv_zmq()
+            frames = recv()
             if frames is None:
                 break
             heard = True
@@ -401,8 +366,11 @@ class ProducerLink:
         if s.outbox:
             self.send_errors()
         # Frames that arrived before the disconnect count (a BYE then a close is clean).
-        if dropped and s.closed_by_peer():
-            self.on_lost()
+        if dropped:
+            if s.closed_by_peer():
+                self.on_lost()
+            elif s.bye_received:
+                self.closed_after_bye = True
         if s.error is None:
             if not s.ready:
                 if self.kept:
@@ -412,157 +380,6 @@ class ProducerLink:
                 self.flush_releases()
             if s.bye_received and s.finished(lender.holding()):
                 self.say_bye()
-
-    # ------------------------------------------------------------------ the doorbell
-    def pump_notices(self, taken: Sequence[bytes]) -> bool:
-        """Lane frames (``taken``: read just now, the newest the lane gave) and the
-        doorbell's READY entries, merged in the producer's order: an entry saying ``b``
-        lane frames went before it is handed over after the ``b``-th and before the next
-        (``runtime.bellwire``). True if anything came."""
-        chan, s, bell = self.chan, self.session, self.bell
-        lane = chan.lane
-        assert bell is not None and lane is not None
-        bell.bell.drain()
-        heard = False
-        batch = list(taken)
-        if not batch:
-            chan.read_lane(batch, _FRAMES_PER_PUMP)
-        for _ in range(64):  # bounded, so a flood cannot starve the caller
-            first = lane.received - len(batch) + 1  # the lane index of batch[0]
-            self.take_notices()  # (after the read: every entry a frame of it follows is in)
-            for i, frame in enumerate(batch):
-                heard = self.deliver_notices(first + i - 1) or heard
-                if s.error is not None:
-                    return True
-                heard = True
-                event = s.receive([frame])
-                if event is not None:
-                    self.on_event(event)
-            if not batch:
-                break
-            batch = []
-            chan.read_lane(batch, _FRAMES_PER_PUMP)
-            if not batch:
-                break
-        self.take_notices()
-        return self.deliver_notices() or heard
-
-    def take_notices(self) -> None:
-        """The READY entries published since the last look, checked (``core.doorbell``),
-        kept in ``notices`` for ``deliver_notices``."""
-        bell = self.bell
-        if bell is None or self.session.error is not None:
-            return
-        try:
-            got = bell.take()
-            if got:
-                self.notices.extend(got)
-                if len(self.notices) > bell.writer.geom.capacity:
-                    raise ProtocolError(f"its doorbell holds {len(self.notices)} READY entries waiting for lane "
-                                        "frames, more than its ring")
-        except ProtocolError as exc:  # (its message names the producer and what it broke)
-            self.fail(exc, ErrorCode.PROTOCOL)
-
-    def deliver_notices(self, upto: int | None = None) -> bool:
-        """Hand the session the kept entries that follow at most ``upto`` lane frames (None:
-        every lane frame read so far); True if any went."""
-        q = self.notices
-        if not q:
-            return False
-        if upto is None:
-            lane = self.chan.lane
-            upto = lane.received if lane is not None else 0
-        if q[0][5] > upto:
-            return False
-        out = []
-        while q and q[0][5] <= upto:
-            out.append(q.popleft())
-        self.session.ready_entries(out, time.monotonic())
-        return True
-
-    @property
-    def bell_up(self) -> bool:
-        return self.bell is not None
-
-    def notices_pending(self) -> bool:
-        """Entries wait in our ring (published without a ring, or while we pumped)."""
-        bell = self.bell
-        try:
-            return bell is not None and bell.pending()
-        except ProtocolError:
-            return True  # (the pump reads it and says so)
-
-    def offer_doorbell(self) -> None:
-        """Our DOORBELL and eventfd on the lane, once it carries everything both ways,
-        if the producer's SETUP says it can answer. Anything that fails leaves the edge
-        on the lane (logged)."""
-        chan, s = self.chan, self.session
-        lane = chan.steady_lane
-        setup = s.setup
-        if (not self.doorbell or lane is None or setup is None or setup.version < P.DOORBELL_VERSION
-                or self.remote is not None or self.bell_offer is not None or self.bell is not None):
-            return
-        try:
-            offer = Offer(geometry_for(len(setup.slots)))
-        except OSError as exc:
-            log.info("ipcsync consumer %r: no doorbell (%s); notices stay on the lane", self.endpoint.name, exc)
-            return
-        frame = s.doorbell_offer(offer.message())
-        try:
-            sent = frame is not None and offer.bell.fd is not None and lane.send_fd(frame, offer.bell.fd)
-        except OSError:
-            sent = False  # (a broken lane: its EOF is read as a closed connection)
-        if not sent:
-            offer.close()
-            log.info("ipcsync consumer %r: no doorbell (the lane took no offer now); notices stay on the lane",
-                     self.endpoint.name)
-            return
-        s.spoke(time.monotonic())
-        lane.want_fds = True  # the answer brings the producer's eventfd
-        self.bell_offer = offer
-
-    def on_doorbell(self, msg: P.DoorbellOffer) -> None:
-        """The producer answered our DOORBELL: map its segment; from now on its steady
-        READYs come as entries. It mapped ours already and sends entries from now on, so
-        a failure here ends the session (an error, never a silent loss)."""
-        offer, self.bell_offer = self.bell_offer, None
-        lane = self.chan.lane
-        fd = lane.take_fd() if lane is not None else None
-        if offer is None or self.chan.mux is None:
-            if fd is not None:
-                os.close(fd)
-            self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: a DOORBELL "
-                                    "answering none of ours"), ErrorCode.PROTOCOL)
-            return
-        setup = self.session.setup
-        assert setup is not None
-        try:
-            bell = join(offer, msg, fd, f"producer on {self.endpoint.name!r}", ready_bounds(len(setup.slots)))
-        except ProtocolError as exc:
-            offer.close()
-            self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: {exc}"),
-                      ErrorCode.PROTOCOL)
-            return
-        except OSError as exc:
-            offer.close()
-            self.fail(BackendError(f"cannot map the doorbell of the producer on {self.endpoint.name!r}: {exc}; "
-                                   "run without IPCSYNC_DOORBELL=1, or free descriptors / shared memory"),
-                      ErrorCode.BACKEND)
-            return
-        self.bell = bell
-        self.chan.mux.add(bell.fd)
-
-    def close_doorbell(self) -> None:
-        offer, self.bell_offer = self.bell_offer, None
-        bell, self.bell = self.bell, None
-        self.notices.clear()
-        if offer is not None:
-            offer.close()
-        if bell is not None:
-            mux = self.chan.mux
-            if mux is not None:
-                mux.remove(bell.fd)
-            bell.close()
 
     def on_event(self, event: Any) -> None:
         kind = type(event)
@@ -595,12 +412,9 @@ class ProducerLink:
                 log.info("ipcsync consumer %r: no lane (%s); staying on ZeroMQ", self.endpoint.name, why)
         elif kind is SwitchReceived:
             self.chan.switch_in(event.frame)  # from the next frame on, read the lane
-            self.offer_doorbell()
-        elif kind is DoorbellOffered:
-            self.on_doorbell(event.msg)
         elif kind is HelloAgain:
-            log.info("ipcsync consumer %r: the producer speaks an older protocol version; saying HELLO "
-                     "again one version lower", self.endpoint.name)
+            log.info("ipcsync consumer %r: the producer speaks protocol version %d; no lane",
+                     self.endpoint.name, P.OLDEST_VERSION)
             self.send(event.frame)
         else:  # ForwardedReceived
             m = event.msg
@@ -662,7 +476,7 @@ class ProducerLink:
         m = self.memory
         m.arenas = [edge.arena]
         m.set_slots(list(edge.slot_views))
-        m.ready_events, m.release_events = list(edge.ready_events), list(edge.release_events)
+        m.set_events(list(edge.ready_events), list(edge.release_events))
         self.watch = RemoteWatch(self.session.clock, edge)
         self.send(self.session.attach(s, [RELEASE_PLACEHOLDER] * len(s.slots)))
 
@@ -677,6 +491,9 @@ class ProducerLink:
         setup = s.setup
         if setup is None:  # (before SETUP every verdict is ALIVE, with no frame)
             return
+        if self.closed_after_bye and self.watch is not None and self.watch.gone():
+            self.closed_after_bye = False
+            reclaim_dead_segments()  # its arena, if it died inside its close()
         gone = (not self.producer_alive()) if s.watching else None
         w = self.watch
         remote = self.remote is not None  # (exactly when w is a RemoteWatch)
@@ -730,4 +547,4 @@ class ProducerLink:
         if self.remote is not None:
             best_effort("consumer teardown", self.remote.close)
         self.memory.drop_events()
-        best_effort("consumer teardown", self.close_doorbell, self.chan.close, self.backend.collect)
+        best_effort("consumer teardown", self.chan.close, self.backend.collect)

@@ -77,17 +77,13 @@ def produce(a: dict[str, Any]) -> None:
         for i in range(n):
             if a.get("fail_at") == i:
                 raise ValueError(f"loader broke at item {i}")
-            if a.get("plain"):  # no meta: steady items (doorbell entries where one is up)
-                out.send({"x": content(i, elems, dev)})
-            else:
-                out.send({"x": content(i, elems, dev)}, meta=i)
+            out.send({"x": content(i, elems, dev)}, meta=i)
             if a.get("every"):
                 time.sleep(a["every"])
             if a.get("progress") and (i + 1) % a["progress"] == 0:
                 say(event="sent", n=i + 1)
         stats = out.stats()
-        say(event="sent-all", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"],
-            doorbells=stats["doorbells"])
+        say(event="sent-all", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"])
     say(event="done", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"])
 
 
@@ -106,12 +102,14 @@ def consume(a: dict[str, Any]) -> None:
             say_once("peer-stalled", lambda: stalled_after(a["stalled_after"], inp, "producer_stalled"))
         try:
             for item in inp:
+                i = item.meta
                 x = item["x"]
-                # (A plain item says which it is by its content: content(i)[0] == i * 1000.)
-                i = item.meta if item.meta is not None else round(float(x[0]) / 1000.0)
                 if i == a.get("hold"):
-                    say(event="holding", i=i)
+                    # The hold counts from before "holding": the test stops this process as
+                    # soon as it reads that line, so a deadline taken after it could start
+                    # only once the process is continued, doubling a long pause.
                     end = time.monotonic() + a["hold_s"]
+                    say(event="holding", i=i)
                     while time.monotonic() < end:  # paused (SIGSTOP) in here by the test
                         time.sleep(0.01)
                     if dev.startswith("cuda"):
@@ -130,8 +128,7 @@ def consume(a: dict[str, Any]) -> None:
         except ipcsync.IpcSyncError as exc:
             error = f"{type(exc).__name__}: {exc}"
         stats = inp.stats()
-    say(event="done", received=got, bad=bad[:10], error=error, stalled=stats["producer_stalled_total"],
-        doorbell=stats["doorbell"])
+    say(event="done", received=got, bad=bad[:10], error=error, stalled=stats["producer_stalled_total"])
 
 
 def consume_fanin(a: dict[str, Any]) -> None:
@@ -163,21 +160,52 @@ def consume_fanin(a: dict[str, Any]) -> None:
 
 
 def fork_child_exit(a: dict[str, Any]) -> None:
-    """Make an endpoint, fork; the child tries to use it, then exits normally (atexit
-    runs): it must exit at once and never touch the parent's endpoint."""
+    """Make a producer and a consumer (holding an item), fork; the child tries every call
+    of both, then the parent uses them, closes them while the child still lives, and only
+    then lets the child exit normally (atexit runs): the child's calls must each raise
+    ClosedError naming the fork (close() is a no-op there), its exit must be prompt, and
+    it must never touch the parent's endpoints."""
     out = ipcsync.Producer(a["endpoint"], slots=2, slot_bytes=4096)
-    inp = ipcsync.Consumer(a["endpoint"])
+    inp = ipcsync.Consumer(a["endpoint"], auto_release=False)
     out.send({"x": torch.ones(4)}, meta=0)
+    held = inp.get(timeout=10)
+    go_r, go_w = os.pipe()  # the parent closed its endpoints: the child may exit
     pid = os.fork()
     if pid == 0:
-        try:
-            out.send({"x": torch.ones(4)}, meta=1)
-            code = 3  # must not work
-        except ipcsync.ClosedError as exc:
-            code = 0 if "forked child" in str(exc) else 4
+        os.close(go_w)
+        calls = {
+            "send": lambda: out.send({"x": torch.ones(4)}, meta=1),
+            "slot": lambda: out.slot(x=((4,), torch.float32)).__enter__(),
+            "flush": lambda: out.flush(timeout=1),
+            "wait_for_consumers": lambda: out.wait_for_consumers(1, timeout=1),
+            "get": lambda: inp.get(timeout=1),
+            "next": lambda: next(iter(inp)),
+        }
+        code = 0
+        for k, call in enumerate(calls.values()):
+            try:
+                call()
+                code = code or 10 + k  # must not work
+            except ipcsync.ClosedError as exc:
+                code = code or (0 if "forked child" in str(exc) else 30 + k)
+            except BaseException:  # noqa: BLE001 (an exit code says which call)
+                code = code or 50 + k
+        held.release()  # a no-op: the item is the parent's
+        inp.close()
+        out.close()
+        os.read(go_r, 1)  # the parent closed everything meanwhile
         sys.stdout.flush()
         sys.exit(code)  # atexit handlers run here
+    os.close(go_r)
+    # The child acts meanwhile; the parent's endpoints keep working.
+    assert not held.released and held["x"].tolist() == [1.0] * 4
+    held.release()
+    out.send({"x": torch.full((4,), 2.0)}, meta=2)
+    metas = [0, inp.get(timeout=10).meta]
+    inp.close()
+    out.close()  # the child still lives
     t0 = time.monotonic()
+    os.write(go_w, b"x")
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -189,11 +217,6 @@ def fork_child_exit(a: dict[str, Any]) -> None:
             break
         time.sleep(0.01)
     child_s = time.monotonic() - t0
-    # The parent's endpoints still work after the child exited.
-    out.send({"x": torch.full((4,), 2.0)}, meta=2)
-    metas = [inp.get(timeout=10).meta, inp.get(timeout=10).meta]
-    inp.close()
-    out.close()
     say(event="done", child_status=status, child_s=child_s, metas=metas)
 
 

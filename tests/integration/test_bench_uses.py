@@ -35,6 +35,11 @@ import benchchart  # noqa: E402
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
+# Every process of a suite forked from one server that imported torch once, not started
+# fresh (an interpreter and torch's import each were most of these tests' time); targets
+# and arguments cross by pickle as with spawn, the default, which the CUDA runs and the
+# runner's tests here (bench._Procs, bench.run_ipcsync in this process) keep.
+FORK = ("--start-method", "forkserver")
 TINY = ["--train-batches", "6", "--train-warmup", "1", "--train-batch", "4", "--train-image", "16",
         "--infer-requests", "32", "--infer-warmup", "1"]
 NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
@@ -84,12 +89,13 @@ def pid_running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(360)  # 3 train runs and 2 infer runs, each spawning fresh processes
 def test_train_and_infer_suites_print_both_methods_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "uses.png"
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
     plot = ["--plot", str(png)] if HAVE_MATPLOTLIB else []
-    cmd = [sys.executable, str(BENCH), "--suite", "train,infer", "--quick", *plot, *TINY]
+    cmd = [sys.executable, str(BENCH), "--suite", "train,infer", "--quick", *plot, *TINY, *FORK]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=env, cwd=str(ROOT), start_new_session=True)
     try:
@@ -166,6 +172,10 @@ def test_size_options_real_quick_and_explicit() -> None:
     inf = bench.infer_config(bench.parse_args(["--suite", "all", "--device", "cpu"]))
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
+    assert bench.parse_args([]).start_method == "spawn"  # a fresh interpreter per process, as users start them
+    assert bench.parse_args(["--start-method", "forkserver"]).start_method == "forkserver"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--start-method", "fork"])
     assert bench.parse_args(["--suite", "all"]).suites == bench.SUITES
     assert set(bench.SUITES) == {"handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv",
                                  "contention"}
@@ -194,11 +204,10 @@ def test_size_options_real_quick_and_explicit() -> None:
 @pytest.mark.timeout(120)
 def test_handoff_runner_reports_a_crashed_child_at_once(runtime_dir: Path) -> None:
     """A child that dies (here: a producer on a device ipcsync refuses) ends the handoff
-    run with a BenchError within seconds, not after the runner's 10-minute wait."""
-    t0 = time.monotonic()
+    run with a BenchError at once, not after the runner's 10-minute wait (which the
+    test's timeout would end first)."""
     with pytest.raises(bench.BenchError, match="ipcsync producer exited with 1"):
         bench.run_ipcsync(4096, 10, 4, "send", "meta", "gpu")
-    assert time.monotonic() - t0 < 60
 
 
 def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
@@ -260,6 +269,7 @@ def run_bench(args: list[str], env: dict[str, str], timeout: float) -> tuple[int
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_path: Path) -> None:
     # A matplotlib package that fails to import, first on the path: as if none were installed.
@@ -267,7 +277,7 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib in this test')\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root(str(tmp_path)))
     png = tmp_path / "x.png"
-    small = ["--suite", "handoff", "--quick", "--sizes", "4K", "--modes", "slot"]
+    small = ["--suite", "handoff", "--quick", "--sizes", "4K", "--modes", "slot", *FORK]
 
     rc, out, err = run_bench([*small, "--plot", str(png)], env, timeout=60)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err}"
@@ -286,11 +296,12 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     assert re.search(rf"^4K\s+torch\.multiprocessing\.Queue\s+{NUM}\s", out, re.M), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # a raw zmq pair, 3 request/reply pairs of 40 round trips, 2 x 0.5 s of idle
 def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_cost() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
     rc, out, err = run_bench(["--suite", "latency", "--quick", "--sizes", "4K", "--latency-trips", "40",
-                              "--latency-idle", "0.5"], env, timeout=240)
+                              "--latency-idle", "0.5", *FORK], env, timeout=240)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
     assert re.search(r"^ipcsync bench: latency: device=cpu ", out, re.M), dump
@@ -318,12 +329,14 @@ def test_latency_panel_groups_rows_by_message_and_read() -> None:
     assert not panel.higher_is_better and bench.latency_panels(None) == []
 
 
-def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240) -> tuple[str, str]:
-    """``scripts/bench.py args``, which must succeed and start ``processes`` processes
-    (its "SUITE METHOD: started ROLE (pid N)" lines), all gone after it with their
-    shared memory; its stdout and the dump to show when an assertion fails."""
+def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240,
+              start: tuple[str, ...] = FORK) -> tuple[str, str]:
+    """``scripts/bench.py args`` (its processes started as ``start`` says), which must
+    succeed and start ``processes`` processes (its "SUITE METHOD: started ROLE (pid N)"
+    lines), all gone after it with their shared memory; its stdout and the dump to show
+    when an assertion fails."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=with_root())
-    rc, out, err = run_bench(args, env, timeout=timeout)
+    rc, out, err = run_bench([*args, *start], env, timeout=timeout)
     dump = f"rc {rc}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, dump
     pids = [int(p) for p in re.findall(rf"^bench: {suite} \S+: started [a-z/ ]+\d* \(pid (\d+)\)$", err, re.M)]
@@ -333,6 +346,7 @@ def run_suite(args: list[str], suite: str, processes: int, timeout: float = 240)
     return out, dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 3 methods x (a trainer + 2 workers), spawned
 def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
     out, dump = run_suite(["--suite", "weightsync", "--quick", "--ws-workers", "2", "--ws-syncs", "2"],
@@ -346,6 +360,7 @@ def test_weightsync_suite_compares_three_methods_checked_bit_for_bit() -> None:
         assert all(num(g) > 0 for g in m.groups()), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # one process, the decoder alone, then 2 x (an encoder + 2 decoders), spawned
 def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
     out, dump = run_suite(["--suite", "gpupipe", "--quick", "--pipe-steps", "4", "--pipe-warmup", "1"],
@@ -364,6 +379,7 @@ def test_gpupipe_suite_compares_one_process_ipcsync_and_mp_queues() -> None:
     assert m and all(num(g) > 0 for g in m.groups()), dump
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 2 x (a prefill + a decode) and the decode alone, spawned
 def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
     out, dump = run_suite(["--suite", "kv", "--quick", "--kv-requests", "4", "--kv-warmup", "1"], "kv", 5)
@@ -373,11 +389,12 @@ def test_kv_suite_compares_ipcsync_with_mp_queues_same_first_tokens() -> None:
         m = re.search(rf"^{re.escape(label)}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$", out, re.M)
         assert m, f"no kv row for {label}\n{dump}"
         rps, gbs, p50, p99, ratio, of_alone = (num(g) for g in m.groups())
-        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0 and of_alone > 0, dump
+        assert rps > 0 and gbs >= 0 and 0 < p50 <= p99 and ratio > 0 and of_alone >= 0, dump  # (2 decimals)
     m = re.search(rf"^decode alone \(KV made in place\)\s+{NUM}\s+-\s+{NUM}\s+{NUM}\s+{NUM}x\s+1\.00x$", out, re.M)
     assert m, f"no kv row for the decode step alone\n{dump}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)  # 3 train runs: 2 x (2 loaders + a trainer), a trainer with 2 DataLoader workers
 def test_train_suite_with_augmentation_on_the_device() -> None:
     out, dump = run_suite(["--suite", "train", "--quick", "--train-aug", "gpu", *TINY[:8]], "train", 7)
@@ -427,12 +444,13 @@ def test_gpu_augment_is_the_datasets_crop_and_flip_for_a_whole_batch() -> None:
 def test_real_use_suites_run_on_cuda(suite: str, args: list[str], processes: int, rows: list[str]) -> None:
     """The CUDA paths of the weightsync, gpupipe and kv suites at --quick sizes (CUDA IPC
     through reduce_tensor and torch.multiprocessing, CUDA events, memory stats)."""
-    out, dump = run_suite(["--device", "cuda", "--suite", suite, "--quick", *args], suite, processes)
+    out, dump = run_suite(["--device", "cuda", "--suite", suite, "--quick", *args], suite, processes, start=())
     assert re.search(rf"^ipcsync bench: {suite}: device=cuda ", out, re.M), dump
     for row in rows:
         assert re.search(row, out, re.M), f"no row {row}\n{dump}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)  # 2 settings x 2 pairs, then 2 idle pairs: 12 processes spawned one run after another
 def test_contention_suite_prints_spin_off_and_on_and_the_idle_pair() -> None:
     out, dump = run_suite(["--suite", "contention", "--quick", "--contention-pairs", "2", "--contention-count", "50",

@@ -478,9 +478,11 @@ def test_a_frame_of_max_frame_bytes_passes(producer: ProducerChannel, consumer: 
 
 def test_wait_times_out_when_idle(producer: ProducerChannel) -> None:
     list(producer.events())
+    # A wait that ignored its timeout would never return on an idle channel: the test's
+    # timeout fails it. The lower bound stays: a clock cannot run fast.
     t0 = time.monotonic()
     assert producer.wait(0.1) is False
-    assert 0.05 <= time.monotonic() - t0 < 2.0
+    assert 0.05 <= time.monotonic() - t0
 
 
 def test_consumer_may_connect_before_the_producer_binds(endpoint: Endpoint, closing: Callable) -> None:

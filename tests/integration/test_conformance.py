@@ -20,8 +20,7 @@ import ipcsync
 from ipcsync.core import protocol as P
 from ipcsync.runtime.channel import resolve_endpoint
 
-# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("doorbell_env")]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -205,11 +204,10 @@ def test_get_times_out_without_losing_anything(device: str) -> None:
 
 
 def test_consumer_without_producer_times_out_naming_the_endpoint(device: str) -> None:
-    t0 = time.monotonic()
-    with pytest.raises(ipcsync.IpcTimeoutError, match="nobody-here") as info:
+    # Its handshake waits its timeout (not the 30 s connect default): the error names both.
+    with pytest.raises(ipcsync.IpcTimeoutError, match=r"'nobody-here'.* within 0\.3 s") as info:
         consumer("nobody-here", device, timeout=0.3)
     assert isinstance(info.value, TimeoutError)
-    assert time.monotonic() - t0 < 5
 
 
 def test_consumer_may_start_first(device: str, endpoints) -> None:

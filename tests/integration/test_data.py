@@ -432,6 +432,7 @@ def example_spec(launcher: cli.Launcher, loader_batches: int, train_batches: int
     ))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_example_pipeline_end_to_end(launcher: cli.Launcher) -> None:
     run = launcher.run(example_spec(launcher, 10, 10, 2), timeout=180)

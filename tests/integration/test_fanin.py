@@ -250,6 +250,10 @@ def test_busy_source_does_not_starve_one_with_fewer_items(fan, runtime_dir):
 
 # --------------------------------------------------------------------------- peer loss
 def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, fan, runtime_dir):
+    """A source killed mid-stream ends the merged stream with PeerLostError while the other
+    sources still have items: its death is noticed (the process is gone), not waited out.
+    A FanIn that did not notice would go on merging the live sources (a million items
+    each, then an endless wait), and the test's timeout fails it."""
     victim = procs.start("tagged_produce", module="peers.basic", endpoint="kill-v", n=1_000_000, tag=9, label="v",
                         slots=4, heartbeat=1.0)
     prods = [fan.producer("kill-a", heartbeat=1.0), fan.producer("kill-b", heartbeat=1.0)]
@@ -261,14 +265,9 @@ def test_source_sigkilled_midstream_raises_peer_lost_fast(procs, fan, runtime_di
         if from_victim == 50:
             break
     os.kill(victim.pid, signal.SIGKILL)
-    t_kill = time.monotonic()
-    after = 0
     with pytest.raises(PeerLostError) as info:
         for item in fi:
-            after += 1
-            assert time.monotonic() - t_kill < 10, "no PeerLostError 10 s after the kill"
-    detected = time.monotonic() - t_kill
-    assert detected < 5.0, f"PeerLostError {detected:.2f} s after the kill"
+            pass
     assert f"pid {victim.pid}" in str(info.value)
     # The error sticks (the merged stream cannot silently continue without a source).
     with pytest.raises(PeerLostError):
@@ -293,16 +292,14 @@ def test_get_timeout_end_and_closed(fan, runtime_dir):
     prods = [fan.producer("api-a"), fan.producer("api-b")]
     fi = fan.fanin(["api-a", "api-b"], device="cpu", timeout=10)
     assert fi.sources == ["api-a", "api-b"]  # default labels: the endpoints
+    # The call's own timeout, not the FanIn's 10 s, is the one waited out: the error names it.
     t0 = time.monotonic()
-    with pytest.raises(IpcTimeoutError) as info:
+    with pytest.raises(IpcTimeoutError, match=r"within 0\.2 s") as info:
         fi.get(timeout=0.2)
-    elapsed = time.monotonic() - t0
     assert isinstance(info.value, TimeoutError)
-    assert 0.18 <= elapsed < 2.0, elapsed
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
-        fi.get(timeout=0)
-    assert time.monotonic() - t0 < 0.5
+    assert 0.18 <= time.monotonic() - t0  # it waited (a clock cannot run fast)
+    with pytest.raises(TimeoutError, match=r"within 0(\.0)? s"):
+        fi.get(timeout=0)  # 0 is no wait, not "unset" (which would be the FanIn's 10 s)
     with pytest.raises(ConfigError):
         fi.get(timeout=-1)
     prods[0].send(msg(0, 0), meta={"tag": 0, "i": 0})
@@ -330,9 +327,9 @@ def test_idle_timeout_bounds_iteration(fan, runtime_dir):
     fan.producer("idle-a")
     fi = fan.fanin(["idle-a"], device="cpu", timeout=10, idle_timeout=0.2)
     t0 = time.monotonic()
-    with pytest.raises(IpcTimeoutError):
+    with pytest.raises(IpcTimeoutError, match=r"within 0\.2 s"):  # idle_timeout, not the 10 s timeout
         next(fi)
-    assert 0.18 <= time.monotonic() - t0 < 2.0
+    assert 0.18 <= time.monotonic() - t0  # it waited (a clock cannot run fast)
 
 
 def test_source_closed_directly_refused(fan, runtime_dir):
@@ -346,10 +343,9 @@ def test_source_closed_directly_refused(fan, runtime_dir):
 
 def test_missing_producer_fails_handshake_and_frees_the_others(fan, runtime_dir):
     p = fan.producer("present")
-    t0 = time.monotonic()
-    with pytest.raises(IpcTimeoutError, match="absent"):
+    # The handshake waits the FanIn's timeout, not the 30 s connect default: the error names it.
+    with pytest.raises(IpcTimeoutError, match=r"'absent'.* within 0\.3 s"):
         fan.fanin(["present", "absent"], device="cpu", timeout=0.3)
-    assert time.monotonic() - t0 < 3.0
     # The consumer already connected to "present" was closed again.
     assert wait_until(lambda: p.consumers == 0, 3)
     assert p.stats()["consumers_attached"] == 1
@@ -364,12 +360,17 @@ def test_missing_producer_fails_handshake_and_frees_the_others(fan, runtime_dir)
     (["a"], {"idle_timeout": float("nan")}, "idle_timeout"),
     (["a"], {"wait": "sometimes"}, "wait must be one of"),
 ])
-def test_bad_arguments_raise_config_error_at_once(runtime_dir, args, kwargs, match):
-    """Rejected before any handshake: no producer exists, yet the error comes at once."""
-    t0 = time.monotonic()
+def test_bad_arguments_raise_config_error_at_once(runtime_dir, monkeypatch, args, kwargs, match):
+    """Rejected before any handshake: no producer exists, yet the error comes at once (no
+    source connects, so no handshake waits; the work is checked, not the time)."""
+    from ipcsync.runtime import consumer_endpoint
+
+    def no_handshake(*a: Any, **kw: Any) -> None:
+        raise AssertionError(f"a source connected before the arguments were checked: {a[:1]}")
+
+    monkeypatch.setattr(consumer_endpoint, "ConsumerChannel", no_handshake)
     with pytest.raises(ConfigError, match=match):
         FanIn(args, **{"device": "cpu", "timeout": 5, **kwargs})
-    assert time.monotonic() - t0 < 2.0
     assert os.listdir(runtime_dir) == []
 
 

@@ -25,8 +25,7 @@ from ipcsync.runtime import slots as slots_module
 
 from peers.common import check, expected
 
-# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("doorbell_env")]
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -13,6 +13,7 @@ the test must watch an endpoint closely, in the test process itself (endpoints c
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -102,6 +103,7 @@ def role_part_sink(a: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- chains
+@pytest.mark.long
 @pytest.mark.parametrize("part_only", [False, True], ids=["all", "part"])
 def test_chain_forwards_every_item_without_a_copy(procs: Any, device: str, part_only: bool) -> None:
     n = 300
@@ -269,6 +271,7 @@ def test_broadcast_downstream_releases_upstream_only_after_both(procs: Any, endp
 
 
 # --------------------------------------------------------------------------- failures
+@pytest.mark.long
 def test_downstream_consumer_sigkilled_holding_forwarded_items(procs: Any, device: str) -> None:
     """A downstream consumer dies holding forwarded items: the middle reclaims its slots and
     releases the upstream items (never waiting on the dead consumer's events); the other
@@ -390,9 +393,13 @@ def test_copy_false_after_the_upstream_producer_is_gone(procs: Any, device: str)
             ipcsync.forward(item, mid, copy=False)  # type: ignore[arg-type]
 
 
-def test_consumer_closed_first_waits_for_forwarded_items(endpoints: Any, device: str) -> None:
+def test_consumer_closed_first_waits_for_forwarded_items(endpoints: Any, device: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Closing the middle's Consumer while items it forwarded are held downstream waits for
-    them (the forwarding Producer gives them back as they are released)."""
+    them (the forwarding Producer gives them back as they are released). Its close has no
+    deadline here, so only the give-back ends that wait (one that missed it would never
+    return: the test's timeout), and nothing is released over the sink's head (the
+    warning a close that gave up logs)."""
     P = dict(slots=2, slot_bytes=4096, device=device, timeout=10)
     up = endpoints.producer("fwc-up", **P)
     down = endpoints.producer("fwc-down", **P)
@@ -404,8 +411,11 @@ def test_consumer_closed_first_waits_for_forwarded_items(endpoints: Any, device:
     timer = threading.Timer(0.5, held.release)
     timer.start()
     t0 = time.monotonic()
-    mid.close(timeout=10)
-    assert 0.4 <= time.monotonic() - t0 < 8
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        mid.close(timeout=math.inf)
+    assert 0.4 <= time.monotonic() - t0  # it waited for the release (a clock cannot run fast)
+    assert held.released
+    assert "still held downstream" not in caplog.text, caplog.text
     timer.join()
     up.close(timeout=5)
     assert up.stats()["occupancy"]["free"] == 2
@@ -423,6 +433,9 @@ class _GatedEvent:
     def query(self) -> bool:
         return self.gate.is_set()
 
+    def bound_query(self) -> Any:
+        return self.query
+
     def wait(self, stream: Any = None) -> None:
         assert self.gate.is_set(), "a wait was enqueued on an incomplete event (wait='host')"
         self.waited += 1
@@ -432,7 +445,7 @@ def _gate_release_events(down: ipcsync.Producer, gate: threading.Event) -> _Gate
     ev = _GatedEvent(gate)
     with down.port.lock:
         (peer,) = down.port.peers
-        peer.release_events = [ev] * down.slots
+        peer.set_release_events([ev] * down.slots)
     return ev
 
 

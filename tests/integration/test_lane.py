@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from typing import Any
 
 import pytest
@@ -41,6 +40,7 @@ def _stream(p: ipcsync.Producer, c: ipcsync.Consumer, n: int, start: int = 0) ->
     return got
 
 
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_an_ipc_edge_moves_to_a_lane_and_keeps_order_meta_and_end(endpoints: Any) -> None:
     """Items sent at once after the handshake travel on ZeroMQ, later ones on the lane: the
@@ -267,7 +267,7 @@ def test_stopped_consumer_on_a_lane_is_stalled_not_lost(procs: Any, endpoints: A
     assert wait_until(lambda: p.stats()["lanes"] == 1, 10)
     os.kill(cons.pid, signal.SIGSTOP)
     try:
-        time.sleep(1.0)
+        assert wait_until(lambda: p.stats()["consumers_stalled"] == 1, 30), p.stats()  # silent past 1.5 heartbeats
         p.send({"x": _content(1)}, meta=1)
         assert p.stats()["consumers_lost"] == 0
     finally:

@@ -920,6 +920,7 @@ def test_stage_api_outside_launcher_explains(launcher: Launcher) -> None:
 
 
 # ---------------------------------------------------------------------------- the README's example
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_readme_example_pipeline(launcher: Launcher) -> None:
     run = launcher.run("examples/pipeline.toml", cwd=ROOT, timeout=120)
@@ -1123,9 +1124,11 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 # What the launcher may load before a pipeline runs: the package root, its errors and
-# limits, segment naming (the run id's variable) and the launcher's pure layers. No
+# limits, segment naming (the run id's variable), the launcher's pure layers and the wait
+# strategies' registry (core.waits, pure: the spec accepts the modes it names). No
 # endpoint, backend, channel, torch or zmq.
 LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
+                    "ipcsync.core", "ipcsync.core.waits",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
                     "ipcsync.launch.config", "ipcsync.launch.commands", "ipcsync.launch.__main__"}
 HEAVY = {"torch", "zmq", "msgpack"}

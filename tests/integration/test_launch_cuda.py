@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -99,7 +98,9 @@ slot_bytes = "64KiB"
 def test_restart_recovers_from_a_stage_killed_mid_record(launch: Any, tmp_path: Path) -> None:
     # On the first attempt the producer SIGKILLs itself with a recorded event still pending:
     # its consumer (wait="gpu") may be wedged on that event for good. The supervisor tears
-    # the group down and restarts it; the second attempt delivers everything.
+    # the group down (SIGKILL after stop_timeout) and restarts it; the second attempt
+    # delivers everything. A teardown that waited on the wedged consumer would never end:
+    # the launch's own timeout fails it.
     spec = write_spec(tmp_path, f"""
 restart = 1
 stop_timeout = 3
@@ -113,7 +114,6 @@ to = "sink"
 slot_bytes = "64KiB"
 wait = "gpu"
 """)
-    t0 = time.monotonic()
     rc, out, err = launch([spec], timeout=230)
     assert rc == 0, out[-3000:] + err[-3000:]
     assert results(out, "dying") == [{"event": "dying", "attempt": 0}]
@@ -121,4 +121,3 @@ wait = "gpu"
     assert "restarting the whole group (restart 1 of 1)" in err
     done = results(out, "sink-done")
     assert done[-1]["ok"] and done[-1]["attempt"] == 1 and done[-1]["got"] == 40, done
-    assert time.monotonic() - t0 < 200

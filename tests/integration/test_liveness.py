@@ -61,7 +61,7 @@ def _pause(proc: Any, peer: Any, pause: float | None, mark: Path) -> None:
         os.kill(proc.pid, signal.SIGCONT)
 
 
-PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s")]
+PAUSES = [pytest.param(None, id="until-stalled"), pytest.param(35.0, id="35s", marks=pytest.mark.long)]
 
 
 @pytest.mark.timeout(120)
@@ -112,17 +112,17 @@ def test_paused_producer_is_waited_for_not_lost(procs: Any, device: str, pause: 
 
 @pytest.mark.timeout(60)
 def test_killed_consumer_is_still_detected_at_once(procs: Any, endpoints: Any) -> None:
-    """Real deaths stay fast: a SIGKILLed consumer's slots come back within ~2 heartbeats."""
+    """Real deaths stay fast: a SIGKILLed consumer's slot comes back once its process is
+    gone (the kill matrix holds the tight bound). The living consumer's silence alone
+    never frees it: a send that waited for that would end in IpcTimeoutError."""
     p = endpoints.producer("live-kill", slots=2, slot_bytes=8192, heartbeat=0.2)
     cons = procs.start("consume", module="liveness_peers", endpoint="live-kill", hold=0,
                        hold_s=60, heartbeat=0.2)
     p.send({"x": torch.zeros(1024)}, meta=0)
     cons.read_until(_event("holding"), timeout=30)
     p.send({"x": torch.zeros(1024)}, meta=1)
-    t0 = time.monotonic()
     cons.kill()
-    p.send({"x": torch.zeros(1024)}, meta=2)  # needs slot 0 back
-    assert time.monotonic() - t0 < 5.0  # (the kill matrix holds the tight bound)
+    p.send({"x": torch.zeros(1024)}, meta=2, timeout=30)  # needs slot 0 back
     assert p.stats()["consumers_lost"] == 1
 
 
@@ -202,9 +202,9 @@ def test_a_program_dying_of_an_exception_without_a_with_block_is_no_clean_end(pr
 @pytest.mark.timeout(60)
 def test_abort_and_exception_close_at_once_and_propagate(endpoints: Any, device: str) -> None:
     """An exception inside the with-block (items in flight, a consumer that will never
-    release them) closes within a second and propagates unchanged."""
+    release them) closes at once and propagates unchanged: a close that waited for the
+    held item would never return (the consumer never releases it; the test's timeout)."""
     inp = None
-    t0 = time.monotonic()
     with pytest.raises(KeyError, match="mine"):
         # A with block on purpose: its exit on an exception is what is tested.
         with ipcsync.Producer("live-exc", slots=2, slot_bytes=4096, device=device) as out:
@@ -212,9 +212,7 @@ def test_abort_and_exception_close_at_once_and_propagate(endpoints: Any, device:
             out.send({"x": torch.ones(2, device=device)}, meta=0)
             inp.get(timeout=10)  # held, never released
             out.send({"x": torch.ones(2, device=device)}, meta=1)
-            t0 = time.monotonic()
             raise KeyError("mine")
-    assert time.monotonic() - t0 < 1.5
     assert out.closed
     assert inp is not None
     # The producer's ERROR travels behind the READY of the item it sent last: a get() that
@@ -263,7 +261,9 @@ import peers.basic as roles
 for line in sys.stdin:
     args = json.loads(line)
     pid = os.fork()
-    if pid == 0:
+    if pid:
+        print(json.dumps({"event": "forked", "pid": pid}), flush=True)
+    else:
         os.environ.update(args.pop("env"))
         try:
             roles.produce(args)
@@ -278,7 +278,8 @@ for line in sys.stdin:
 
 class _Forker:
     """The forking interpreter (``_FORKER``) and its output; ``produce`` forks one producer
-    and returns its pid once it is bound, ``exit_code`` waits for its end."""
+    and returns its pid once it is bound (or SIGKILLs it, so that the forker can go on to
+    the next run), ``exit_code`` waits for its end."""
 
     def __init__(self, errors: Path) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
@@ -296,7 +297,13 @@ class _Forker:
                      + "\n").encode())
         stdin.flush()
         self.peer.lines.clear()  # the previous producer's lines
-        return int(self.peer.read_until(_event("bound"), timeout=60)["pid"])
+        pid = int(self.peer.read_until(_event("forked"), timeout=60)["pid"])
+        try:
+            self.peer.read_until(lambda l: l.get("event") == "bound" and l["pid"] == pid, timeout=60)
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)  # the forker waits for it before the next run
+            raise
+        return pid
 
     def exit_code(self, pid: int, timeout: float) -> int:
         return int(self.peer.read_until(lambda l: l.get("event") == "exit" and l["pid"] == pid, timeout)["code"])
@@ -482,8 +489,10 @@ def test_the_atexit_list_does_not_grow_with_endpoints() -> None:
 def test_a_forked_child_never_touches_its_parents_endpoints(procs: Any) -> None:
     p = procs.start("fork_child_exit", module="liveness_peers", endpoint="live-fork")
     res = p.result(timeout=30)
-    # The child's send raised ClosedError naming the fork, and its exit (atexit hooks
-    # included) did not hang on the inherited endpoints: it was not killed.
+    # Every call of the child's (send, slot, flush, wait_for_consumers, get, next) raised
+    # ClosedError naming the fork; the parent's endpoints worked meanwhile and were closed
+    # while the child lived; the child's exit (atexit hooks included) did not hang on the
+    # inherited endpoints: it was not killed.
     assert res["child_status"] == 0, res
     assert res["metas"] == [0, 2], res
 
@@ -533,6 +542,28 @@ def test_a_hello_without_attach_is_dropped_after_the_handshake_bound(monkeypatch
     while out.port.peers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not out.port.peers, "a half-open handshake stayed forever"
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_gone_before_its_setup_leaves_the_producer_serving(endpoints: Any, caplog: Any) -> None:
+    # Before: SETUP to a consumer whose connection had closed (a connect_timeout too short
+    # for a busy producer) dropped it, then the lane offer on its ended session raised
+    # ProtocolError out of whichever call pumped: a user's wait_for_consumers()/send(), or
+    # the service thread ("ipcsync service thread error").
+    import logging
+
+    out = endpoints.producer("live-gone-hello", slots=2, slot_bytes=4096)
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        with out.port.lock:  # a busy producer: the HELLO waits in its socket, unread
+            with pytest.raises(ipcsync.IpcTimeoutError):
+                ipcsync.Consumer("live-gone-hello", connect_timeout=0.2)
+        inp = endpoints.consumer("live-gone-hello", timeout=10)
+        out.wait_for_consumers(1, timeout=10)
+        out.send({"x": torch.ones(4)}, meta=0, timeout=10)
+        assert inp.get(timeout=10).meta == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "process exited" not in caplog.text  # it had not: its connection had closed
+    assert out.consumers == 1
 
 
 def test_defaults_are_one_set(endpoints: Any) -> None:

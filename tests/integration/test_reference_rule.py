@@ -274,6 +274,70 @@ def test_a_slot_tensor_kept_after_its_block_is_refused(endpoints: Any, device: s
         item.release()
 
 
+# --------------------------------------------------------------------------- storage objects
+def test_a_storage_object_kept_past_release_keeps_its_slot(endpoints: Any, device: str) -> None:
+    # Before: torch keeps one Python object per storage, and the library held that very
+    # object (its probe), so a program's x.untyped_storage() added no use count: the slot
+    # went back while the program could still read (and later view) it through the object.
+    out = endpoints.producer("keep-stor", slots=1, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
+    inp = endpoints.consumer("keep-stor", heartbeat=None, timeout=5, device=device)
+    out.send({"x": value(1, device)}, timeout=5)
+    item = inp.get(timeout=5)
+    storage = item["x"].untyped_storage()
+    item.release()
+    del item
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        out.send({"x": value(2, device)}, timeout=0.5)  # the only slot is still referenced
+    assert inp.stats()["kept"] == 1
+    kept = torch.empty(0, device=device).set_(storage)  # what the object still reaches: item 1
+    assert kept.view(torch.float32)[:SIZE].tolist() == [1.0] * SIZE
+    del storage, kept
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        inp.get(timeout=0.2)  # pumps: the slot goes back
+    out.send({"x": value(2, device)}, timeout=5)
+    assert inp.get(timeout=5)["x"][0].item() == 2.0
+
+
+def test_a_slot_blocks_storage_object_kept_after_the_block_is_refused(endpoints: Any, device: str) -> None:
+    out = endpoints.producer("keep-slot-stor", slots=1, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
+    endpoints.consumer("keep-slot-stor", heartbeat=None, timeout=5, device=device)
+    out.wait_for_consumers(1, timeout=5)
+    with pytest.raises(ipcsync.SlotKeptError, match="still referenced after the block ended"):
+        with out.slot(x=((SIZE,), torch.float32), meta=0) as s:
+            storage = s["x"].untyped_storage()
+    del storage
+
+
+# --------------------------------------------------------------------------- a consumer dropped
+def test_a_consumer_dropped_without_close_keeps_what_it_held(endpoints: Any, device: str) -> None:
+    """Unreferenced while it holds an item, a Consumer is torn down without a goodbye: the
+    views its program kept stay readable, and its producer keeps their slot while this
+    process lives (a closed connection of a living process is not its death)."""
+    import gc
+    import threading
+
+    from polling import wait_until
+
+    out = endpoints.producer("keep-drop", slots=1, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
+    inp = ipcsync.Consumer("keep-drop", heartbeat=None, timeout=5, device=device, auto_release=False)
+    out.send({"x": value(1, device)}, timeout=5)
+    item = inp.get(timeout=5)
+    x = item["x"][2:][1:]  # a view of a view
+    del inp
+
+    def gone() -> bool:
+        gc.collect()
+        return not any(t.name == "ipcsync-consumer-keep-drop" for t in threading.enumerate())
+
+    assert wait_until(gone, 10), "the unreferenced consumer was never torn down"
+    with pytest.raises(ipcsync.IpcTimeoutError):
+        out.send({"x": value(2, device)}, timeout=0.5)  # its only slot is still held
+    assert x.tolist() == [1.0] * (SIZE - 3)
+    assert item["x"].tolist() == [1.0] * SIZE
+    item.release()  # nothing left to release it to: a no-op
+    assert out.stats()["consumers_lost"] == 0
+
+
 # --------------------------------------------------------------------------- 1,000 items kept
 N = 1000
 WINDOW = 2  # views of the latest items kept as they are; older ones kept as clones

@@ -6,6 +6,7 @@ torch.distributed point-to-point."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,6 +80,7 @@ def test_broadcast_to_two_remote_consumers(procs: Any, curve: dict[str, Any]) ->
     p.result(60)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_remote_consumer_killed_is_dropped_and_the_producer_does_not_hang(procs: Any) -> None:
     args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 50, "insecure": True, "slots": 4}
@@ -143,29 +145,33 @@ def test_a_received_item_is_served_once_its_send_is_confirmed(procs: Any) -> Non
     p.result(60)
 
 
-def start_stalled_pair(procs: Any, stall: float, **consumer: Any) -> tuple[Any, Any]:
-    """A producer by hand that announces an item and never sends it (for ``stall`` s),
-    and a consumer (``close_while_receiving``) that waits for it, then closes."""
+def start_stalled_pair(procs: Any, stall: float, until: Path | None = None, **consumer: Any) -> tuple[Any, Any]:
+    """A producer by hand that announces an item and never sends it (for ``stall`` s, or
+    until the file ``until`` exists), and a consumer (``close_while_receiving``) that waits
+    for it, then closes."""
     args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "insecure": True}
-    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=stall, **args)
+    p = procs.start("hand_produce", module=MODULE, env=host("producer-host"), then="stall", stall=stall,
+                    until=str(until) if until else None, **args)
     p.read_until(lambda l: l.get("event") == "bound")
     c = procs.start("close_while_receiving", module=MODULE, env=host("consumer-host"), **consumer, **args)
     return p, c
 
 
 @pytest.mark.timeout(90)
-def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any) -> None:
+def test_a_transfer_that_never_comes_times_out_get_and_close_ends_the_edge_thread(procs: Any,
+                                                                                  tmp_path: Path) -> None:
     # The producer is alive but its transfer never comes, so the consumer's recv stays
     # pending. get(timeout=...) raises IpcTimeoutError (twice: the item stays first in
     # line), it does not wait for the transfer past its timeout. close() must end the thread
     # waiting on the recv: gloo's abort() does not wake such a wait, and a wait that
     # returns later, while the interpreter finalizes, aborts the process (SIGABRT,
     # "terminate called without an active exception").
-    p, c = start_stalled_pair(procs, 20.0)
+    p, c = start_stalled_pair(procs, 60.0, until=tmp_path / "consumer-done")
     p.read_until(lambda l: l.get("event") == "stalled", 60)
     got = c.result(60)
     assert [("data was not ready" in t) for t in got["timeouts"]] == [True, True], got
     assert got["before"] and got["after"] == [], got  # (the edge's threads)
+    (tmp_path / "consumer-done").touch()  # the stall ends once the consumer has closed
     p.result(60)
 
 
@@ -236,10 +242,8 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A producer paused right after its SETUP: the store's port accepts (the kernel does)
     # but nothing answers the client's handshake, which has no timeout of its own. Before,
-    # the consumer's join waited in recv() for ever; now BackendError past twice the remote
-    # timeout.
-    import time
-
+    # the consumer's join waited in recv() for ever (the test's timeout fails that); now
+    # BackendError past twice the remote timeout, which its message names.
     import torch
     from silent_server import silent_listener
 
@@ -250,8 +254,6 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
     monkeypatch.setenv(OP_TIMEOUT_ENV, "1")
     with silent_listener() as port:
         addr = EdgeAddress("gloo", "127.0.0.1", port, "ab" * 12, "127.0.0.1").encode()
-        t0 = time.monotonic()
         with pytest.raises(BackendError, match=rf"cannot join the remote edge at 127.0.0.1:{port}: its store "
                                                r"did not answer within 2 s .*is the producer paused\?"):
             open_consumer_edge(addr, torch.device("cpu"), 4096, [(0, 0, 4096)], "test")
-        assert time.monotonic() - t0 < 15

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from typing import Any
 
 import pytest
@@ -237,9 +236,7 @@ def test_remote_consumer_exiting_without_close_is_dropped(procs: Any, device: st
     out = p.read_until(lambda l: l.get("event") in ("timeout", "done"), 60)
     assert out["event"] == "timeout" and out["consumers"] == 0
     assert out["stats"]["consumers_lost"] + 0 >= 0  # gone either way: by BYE-less close or loss
-    t0 = time.monotonic()
-    p.result(30)
-    assert time.monotonic() - t0 < 30
+    p.result(30)  # it exits: a producer held by the gone consumer's edge fails this wait
 
 
 # Large enough that a transfer is in flight whenever the kill lands: 16 MiB per item, sent
@@ -337,6 +334,7 @@ def test_remote_consumer_killed_mid_transfer_is_dropped_and_the_producer_does_no
     assert p.proc.wait(timeout=30) == 0
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_transfer_cut_off_mid_way_ends_by_its_timeout_and_never_aborts_the_exit(procs: Any, device: str) -> None:
     # The consumer is paused with an item half on the wire (128 MiB: it moves for about a

@@ -119,6 +119,11 @@ class TestTcp:
 # ---------------------------------------------------------------------------- ipc credentials
 def raw_hello(sockets: Any, url: str, pid: int) -> P.Message:
     """Send a HELLO naming ``pid`` from a raw DEALER; return the producer's answer."""
+    return raw_hello_socket(sockets, url, pid)[1]
+
+
+def raw_hello_socket(sockets: Any, url: str, pid: int) -> tuple[zmq.Socket, P.Message]:
+    """Send a HELLO naming ``pid`` from a raw DEALER; return it and the producer's answer."""
     sock = sockets(zmq.DEALER)
     sock.connect(url)
     hello = P.Hello(
@@ -128,7 +133,7 @@ def raw_hello(sockets: Any, url: str, pid: int) -> P.Message:
     )
     sock.send(P.encode(hello))
     assert sock.poll(5000), "no answer to HELLO"
-    return P.decode(sock.recv())
+    return sock, P.decode(sock.recv())
 
 
 class TestIpcCredentials:
@@ -141,7 +146,11 @@ class TestIpcCredentials:
 
     def test_hello_from_the_named_process_is_answered(self, sockets: Any) -> None:
         with ipcsync.Producer("sec-cred-ok", device="cpu") as p:
-            assert isinstance(raw_hello(sockets, p.endpoint.url, os.getpid()), P.Setup)
+            sock, answer = raw_hello_socket(sockets, p.endpoint.url, os.getpid())
+            assert isinstance(answer, P.Setup), answer
+            # Leave as a consumer does; a peer that is alive and silent is waited for (close()
+            # would wait out its whole timeout for it).
+            sock.send(P.encode(P.Bye(reason="done")))
 
     def test_another_user_is_refused(self, sockets: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         # Simulated: the kernel reports another uid for the connection.

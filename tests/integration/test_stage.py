@@ -323,10 +323,10 @@ def test_output_gives_up_after_the_edge_timeout_and_frees_its_endpoint(fresh, ru
     plan = make_plan(runtime_dir, timeout=0.3)
     src = instance(plan, "src/0")
     become(fresh, src)
-    t0 = time.monotonic()
-    with pytest.raises(IpcTimeoutError):
+    # It gave up at the edge's timeout; without it the wait has none (the producer's
+    # default) and the test's timeout fails it.
+    with pytest.raises(IpcTimeoutError, match=r"fewer than 1 consumers attached within 0\.3 s"):
         stage.output("sink")  # no sink replica ever attaches
-    assert time.monotonic() - t0 < 3
     assert stage._made == []
     assert sorted(os.listdir(plan.run_dir)) == ["stats"]  # socket and lock files removed
     # The endpoint can be bound again.
@@ -404,9 +404,8 @@ def test_edge_timeout_bounds_the_handshake_only_data_waits_while_the_peer_lives(
     late.join()
     inp.close()
     out.close()
-    # The handshake is still bounded by the edge timeout: nobody on the other side.
+    # The handshake is still bounded by the edge timeout (not the default connect
+    # timeout, 30 s): nobody on the other side.
     become(fresh, sink)
-    t0 = time.monotonic()
-    with pytest.raises(ipcsync.IpcSyncError):
+    with pytest.raises(ipcsync.IpcSyncError, match=r"no producer answered on endpoint .* within 0\.5 s"):
         stage.input("src")
-    assert time.monotonic() - t0 < 5

@@ -129,3 +129,23 @@ def test_a_name_nobody_bound_lists_the_live_endpoints(endpoints: Any) -> None:
     assert f"within {T} s" in msg and "there is no socket" in msg, msg
     assert re.search(r"live endpoints in \S+: 'tm-frames', 'tm-labels'; ", msg), msg
     assert "tm-gone" not in msg, msg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [-1, float("nan"), "1"])
+def test_a_bad_timeout_is_refused_even_when_no_wait_is_needed(endpoints: Any, bad: Any) -> None:
+    # Before: send() and slot() took a negative (or NaN, or text) timeout without a word
+    # whenever a slot was free, and refused the same call only when they had to wait.
+    p = endpoints.producer("tm-bad", slots=2, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("tm-bad", device="cpu", timeout=10)
+    with pytest.raises(ipcsync.ConfigError, match="timeout"):
+        p.send({"x": torch.zeros(4)}, meta="refused", timeout=bad)
+    with pytest.raises(ipcsync.ConfigError, match="timeout"):
+        with p.slot(x=((4,), torch.float32), meta="refused", timeout=bad):
+            pass
+    with pytest.raises(ipcsync.ConfigError, match="timeout"):
+        c.get(timeout=bad)
+    p.send({"x": torch.zeros(4)}, meta="sent", timeout=10)  # nothing was taken or lost
+    item = c.get(timeout=10)
+    assert (item.seq, item.meta) == (0, "sent")
+    assert p.stats()["occupancy"]["writing"] == 0

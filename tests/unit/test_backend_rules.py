@@ -41,7 +41,7 @@ def test_the_backend_names_are_those_of_the_backends() -> None:
 def test_runtime_compares_no_backend_name_with_a_literal() -> None:
     # A rule that depends on the backend is an attribute or method of Backend; the runtime
     # compares names only with each other (a peer's backend with ours), never with "cpu"
-    # or "cuda". (The remote edge's transports compare torch device types: its own rule.)
+    # or "cuda" (the remote edge's transport included: backends.NATIVE_TRANSPORT).
     runtime = Path(__file__).resolve().parents[2] / "ipcsync" / "runtime"
     found = []
     for path in sorted(runtime.glob("*.py")):
@@ -49,10 +49,44 @@ def test_runtime_compares_no_backend_name_with_a_literal() -> None:
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
                 names = [o for o in operands if isinstance(o, ast.Attribute) and o.attr in ("name", "backend")
-                         or isinstance(o, ast.Name) and o.id in ("backend", "backend_name")]
+                         or isinstance(o, ast.Name) and (o.id.endswith("backend") or o.id == "backend_name")]
                 literals = [o for o in operands if isinstance(o, ast.Constant) and o.value in BACKEND_NAMES
                             or isinstance(o, ast.Tuple) and any(isinstance(e, ast.Constant) and e.value in BACKEND_NAMES
                                                                 for e in o.elts)]
                 if names and literals:
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "backend names compared in the runtime:\n" + "\n".join(found)
+
+
+def test_every_backend_names_the_transport_its_memory_travels_by() -> None:
+    from ipcsync.backends import NATIVE_TRANSPORT
+
+    assert set(NATIVE_TRANSPORT) == set(BACKEND_NAMES)
+    assert set(NATIVE_TRANSPORT.values()) <= {"gloo", "nccl"}
+
+
+def test_the_current_stream_is_looked_up_again_only_when_its_key_changes() -> None:
+    from typing import Any, Callable
+
+    import torch
+
+    from ipcsync.backends.base import CurrentStream
+
+    class Keyed(CpuBackend):
+        key = "a"
+        lookups = 0
+
+        def current_stream_key(self) -> Callable[[], Any] | None:
+            return lambda: self.key
+
+        def current_stream(self) -> Any:
+            self.lookups += 1
+            return f"stream {self.key}"
+
+    b = Keyed(torch.device("cpu"), run_id=None)
+    cs = CurrentStream(b)
+    got = [cs.now if cs.key() == cs.seen else cs.resolve() for _ in range(3)]
+    b.key = "b"
+    got += [cs.now if cs.key() == cs.seen else cs.resolve() for _ in range(2)]
+    assert got == ["stream a"] * 3 + ["stream b"] * 2
+    assert b.lookups == 2

@@ -162,7 +162,9 @@ def fault_produce(a: dict[str, Any]) -> None:
             torch.cuda._sleep(a["gpu_sleep"])  # the copy and the ready event queue behind this
         t0 = time.monotonic()
         out.send(msg, meta={"i": i}, timeout=60)
-        say(event="sent", i=i, t=time.monotonic(), send_s=time.monotonic() - t0)
+        # (pending: the GPU sleep still queued when send() returned, so send() made no host sync)
+        pending = bool(a.get("gpu_sleep")) and not torch.cuda.current_stream().query()
+        say(event="sent", i=i, t=time.monotonic(), send_s=time.monotonic() - t0, pending=pending)
         i += 1
     if a.get("then") == "close":
         say(event="closing", t=time.monotonic())

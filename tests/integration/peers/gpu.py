@@ -64,19 +64,18 @@ def race_produce(a: dict[str, Any]) -> None:
     with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 1), slot_bytes=n * 4 + 4096,
                           device="cuda", wait=a.get("wait", "host"), timeout=60) as out:
         out.wait_for_consumers(1, timeout=60)
-        returned = []
+        pending = []  # per item: the stream's work still queued when the block's exit returned
         for k, value in enumerate(a.get("values", [42.0])):
-            t0 = time.monotonic()
             with out.slot(x=((n,), torch.float32), meta={"value": value}) as slot:
                 torch.cuda._sleep(_cycles(a.get("sleep", 1.0)) if k == 0 or a.get("sleep_all") else 0)
                 slot["x"].fill_(value)
-            returned.append(time.monotonic() - t0)
-            say(event="sent", k=k, returned_after=returned[-1])
+            pending.append(not torch.cuda.current_stream().query())
+            say(event="sent", k=k, pending=pending[-1])
         if a.get("die"):
             say(event="dying")
             os.kill(os.getpid(), signal.SIGKILL)
         drained = _drains()
-    say(event="done", returned_after=returned, drained=drained)
+    say(event="done", pending=pending, drained=drained)
 
 
 def race_consume(a: dict[str, Any]) -> None:

@@ -330,7 +330,8 @@ def hand_produce(a: dict[str, Any]) -> None:
     - ``"silent"``: nothing more at all (a producer whose SENT and ERROR never arrive);
     - ``"confirm"``: SENT for the item (its bytes are then item 0's), then BYE;
     - ``"stall"``: READY, but its send is never posted: a producer alive and heartbeating
-      whose transfer never comes (the consumer's recv stays pending), for ``stall`` s.
+      whose transfer never comes (the consumer's recv stays pending), for ``stall`` s or
+      until the file ``until`` exists.
     """
     import datetime
 
@@ -357,9 +358,9 @@ def hand_produce(a: dict[str, Any]) -> None:
     def send(msg: Any) -> None:
         sock.send_multipart([ident, P.encode(msg)])
 
-    def heartbeats(seconds: float) -> None:
+    def heartbeats(seconds: float, until: str | None = None) -> None:
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (until and os.path.exists(until)):
             send(P.Heartbeat())
             time.sleep(0.1)
 
@@ -386,7 +387,7 @@ def hand_produce(a: dict[str, Any]) -> None:
     send(P.Ready(0, 0, 1, time.monotonic_ns(), 0, placement.layout, {"i": 0, "tag": "item-0"}))
     if then == "stall":
         say(event="stalled")
-        heartbeats(a.get("stall", 20.0))
+        heartbeats(a.get("stall", 20.0), a.get("until"))
         sock.close()
         ctx.term()
         say(event="done")
