@@ -172,6 +172,14 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(params=["0", "1"], ids=["doorbell0", "doorbell1"])
+def doorbell_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with ``IPCSYNC_DOORBELL`` off and on (its child processes inherit it):
+    per-item notices on the lane, then through the shared-memory doorbell."""
+    monkeypatch.setenv("IPCSYNC_DOORBELL", request.param)
+    return str(request.param)
+
+
 def shm_segments(pid: int) -> list[str]:
     """ipcsync shared-memory segments created by process ``pid``."""
     prefix = f"ipcsync-{pid}-"

@@ -2,9 +2,10 @@
 read-write, the peer's read-only), and the eventfds that wake a parked side. The ring and
 counter rules, and every check of what the peer wrote, are ``core.doorbell``'s.
 
-Not wired into the sessions yet: an edge's READY and RELEASE still travel on its lane or
-on ZeroMQ. This module is the transport a negotiated edge would use (the lane passes the
-eventfds, ``send_bell``/``receive_bell``; the handshake names the segments).
+Wired by ``runtime.bellwire`` on a lane edge whose both sides opted in
+(``IPCSYNC_DOORBELL=1``): the DOORBELL frames name the segments and their lane packets
+carry the eventfds (``Lane.send_fd``; ``send_bell``/``receive_bell`` pass one over any
+AF_UNIX socket).
 
 Rules:
 

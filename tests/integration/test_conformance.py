@@ -20,7 +20,8 @@ import ipcsync
 from ipcsync.core import protocol as P
 from ipcsync.runtime.channel import resolve_endpoint
 
-pytestmark = pytest.mark.timeout(60)
+# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("doorbell_env")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -25,7 +25,8 @@ from ipcsync.runtime import slots as slots_module
 
 from peers.common import check, expected
 
-pytestmark = pytest.mark.timeout(120)
+# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("doorbell_env")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
