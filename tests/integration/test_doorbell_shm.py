@@ -246,6 +246,8 @@ def _echo(geom: tuple[int, int], conn: Any, parent: int) -> None:
         seg.close()
 
 
+@pytest.mark.long
+@pytest.mark.timeout(240)  # (spawning the peer and 200,000 entries on a busy machine)
 def test_counters_are_never_seen_half_written_by_a_peer_running_at_once() -> None:
     """Both sides of an edge in two processes, publishing and taking as fast as they can:
     each side reads the other's head and read counters while they change, and must see
