@@ -198,7 +198,8 @@ class Producer:
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
         by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``)."""
+        but alive), rejected frames, consumers on a lane now (``lanes``) and those of them
+        with a doorbell (``doorbells``)."""
         return self.port.stats()
 
     def close(self, timeout: float | None = None) -> None:

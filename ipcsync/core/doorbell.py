@@ -14,6 +14,17 @@ Each side writes only its own segment; the other side maps it read-only. A segme
     40  reserved up to HEADER_BYTES
     64  ring: capacity entries of (u64 stamp, then ``words`` u64 words)
 
+The geometry fields are little-endian; everything after them is in this host's byte
+order (a segment never leaves its host).
+
+**Shared words are accessed whole.** ``parked``, ``head``, ``read`` and each stamp change
+while the peer reads them, so each is written and read as one aligned access, through a
+memoryview of the segment cast to u32/u64 words (``_Words``). Never through ``struct``:
+``pack_into`` first zeroes the whole field, then stores it byte by byte (and the
+``<``/``>`` codes read byte by byte), so a peer reading a counter meanwhile saw 0 or a
+mix of two values: "head says 0 with 17860 consumed" mid-stream, on a host whose cores
+let both sides run at once.
+
 A writer fills entry ``i`` at ring index ``i % capacity`` (its words, then its stamp
 ``i``), then advances ``head`` to ``i + 1``: the stamp tells a reader the entry is whole
 even where stores may become visible out of order.
@@ -57,9 +68,27 @@ MAX_WORDS = 8
 EMPTY = (1 << 64) - 1  # the stamp of an entry never written
 
 _GEOMETRY = struct.Struct("<8sIII")  # magic, version, capacity, words
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_PARKED, _HEAD, _READ = 20, 24, 32
+_PARKED = 5  # the u32 word of ``parked``
+_HEAD, _READ = 3, 4  # the u64 words of ``head`` and ``read``
+_RING = HEADER_BYTES // 8  # the u64 word of the first entry's stamp
+
+
+class _Words:
+    """A segment's shared words: ``u64`` (the counters and the stamps) and ``u32`` (the
+    header, for ``parked``), views of the segment's buffer; one aligned load or store per
+    access (the module docstring). ``release`` lets the mapping be closed."""
+
+    __slots__ = ("u64", "u32")
+
+    def __init__(self, buf: memoryview | bytearray | bytes, geom: "Geometry") -> None:
+        whole = memoryview(buf)[:segment_bytes(geom)]
+        self.u64 = whole.cast("Q")
+        self.u32 = whole[:HEADER_BYTES].cast("I")
+        whole.release()
+
+    def release(self) -> None:
+        self.u64.release()
+        self.u32.release()
 
 
 def _broke(who: str, what: str) -> ProtocolError:
@@ -70,7 +99,7 @@ def _broke(who: str, what: str) -> ProtocolError:
 class Geometry:
     """A ring's shape: ``capacity`` entries (a power of two) of ``words`` u64 words."""
 
-    __slots__ = ("capacity", "words", "entry_bytes", "entry")
+    __slots__ = ("capacity", "words", "entry_bytes", "entry", "words_only")
 
     def __init__(self, capacity: int, words: int) -> None:
         if not (isinstance(capacity, int) and 1 <= capacity <= MAX_CAPACITY and capacity & (capacity - 1) == 0):
@@ -78,7 +107,8 @@ class Geometry:
         if not (isinstance(words, int) and 1 <= words <= MAX_WORDS):
             raise ValueError(f"a doorbell entry has 1 to {MAX_WORDS} words, got {words!r}")
         self.capacity, self.words = capacity, words
-        self.entry = struct.Struct(f"<{words + 1}Q")  # stamp, words
+        self.entry = struct.Struct(f"={words + 1}Q")  # stamp, words (host order, as the stamp's word)
+        self.words_only = struct.Struct(f"={words}Q")  # an entry's words, after its stamp
         self.entry_bytes = self.entry.size
 
     def __eq__(self, other: object) -> bool:
@@ -119,21 +149,23 @@ def check_peer_segment(buf: memoryview | bytes, geom: Geometry, who: str) -> Non
 class RingWriter:
     """Our own segment: we publish entries into its ring, record how far we read the
     peer's ring, and say whether we are parked. ``peer`` is the peer's segment (read-only),
-    read only for its ``read`` counter (how far it consumed our ring), validated."""
+    read only for its ``read`` counter (how far it consumed our ring), validated.
+    ``release`` once done (the mappings may then be closed)."""
 
-    __slots__ = ("buf", "peer", "geom", "head", "peer_read", "who")
+    __slots__ = ("buf", "own", "peer", "geom", "head", "peer_read", "who")
 
     def __init__(self, own: memoryview | bytearray, peer: memoryview | bytes, geom: Geometry, who: str) -> None:
         if len(own) < segment_bytes(geom):
             raise ValueError(f"our doorbell segment is {len(own)} bytes, {segment_bytes(geom)} needed")
-        self.buf, self.peer, self.geom, self.who = own, peer, geom, who
-        self.head: int = _U64.unpack_from(own, _HEAD)[0]  # ours: trusted
+        self.buf, self.geom, self.who = own, geom, who
+        self.own, self.peer = _Words(own, geom), _Words(peer, geom)
+        self.head: int = self.own.u64[_HEAD]  # ours: trusted
         self.peer_read = 0  # the peer's last validated read counter
 
     def space(self) -> int:
         """Entries we may publish now without overwriting one the peer has not consumed.
         ProtocolError if the peer's read counter went backwards or past our head."""
-        read: int = _U64.unpack_from(self.peer, _READ)[0]
+        read: int = self.peer.u64[_READ]
         if read != self.peer_read:
             if read < self.peer_read or read > self.head:
                 raise _broke(self.who, f"its read counter says {read}, after {self.peer_read}, "
@@ -145,35 +177,40 @@ class RingWriter:
         """Publish as many of ``entries`` (each ``words`` u64 values) as fit; return how
         many. The caller keeps the rest for later (backpressure, never loss)."""
         n = min(len(entries), self.space())
-        geom, buf, head = self.geom, self.buf, self.head
-        pack, size, mask = geom.entry.pack_into, geom.entry_bytes, geom.capacity - 1
+        geom, buf, head, u64 = self.geom, self.buf, self.head, self.own.u64
+        pack, size, mask, stride = geom.words_only.pack_into, geom.entry_bytes, geom.capacity - 1, geom.words + 1
         for k in range(n):
             i = head + k
             words = entries[k]
             if len(words) != geom.words:
                 raise ValueError(f"a doorbell entry has {geom.words} words, got {len(words)}")
-            # Words then stamp: the stamp is the last field a reader trusts.
-            pack(buf, HEADER_BYTES + (i & mask) * size, EMPTY, *words)
-            _U64.pack_into(buf, HEADER_BYTES + (i & mask) * size, i)
+            # Words then stamp (one store): the stamp is the last field a reader trusts.
+            pack(buf, HEADER_BYTES + 8 + (i & mask) * size, *words)
+            u64[_RING + (i & mask) * stride] = i
         if n:
-            self.head = head + n
-            _U64.pack_into(buf, _HEAD, self.head)
+            self.head = u64[_HEAD] = head + n
         return n
 
     def set_read(self, n: int) -> None:
         """We consumed the peer's ring up to ``n`` entries: the peer may reuse them."""
-        _U64.pack_into(self.buf, _READ, n)
+        self.own.u64[_READ] = n
 
     def set_parked(self, parked: bool) -> None:
-        _U32.pack_into(self.buf, _PARKED, 1 if parked else 0)
+        self.own.u32[_PARKED] = 1 if parked else 0
+
+    def release(self) -> None:
+        """Done with both segments: drop our views of them."""
+        self.own.release()
+        self.peer.release()
 
 
 class RingReader:
     """The peer's segment (read-only): we consume the entries of its ring, each checked
     (the module docstring's list). ``bounds``: per word an exclusive upper bound, 0 for any;
-    ``sequential``: the index of a word that must grow by one per entry, from ``first``."""
+    ``sequential``: the index of a word that must grow by one per entry, from ``first``.
+    ``release`` once done (the mapping may then be closed)."""
 
-    __slots__ = ("peer", "geom", "read", "bounds", "sequential", "next_seq", "who")
+    __slots__ = ("peer", "words", "geom", "read", "bounds", "sequential", "next_seq", "who")
 
     def __init__(self, peer: memoryview | bytes, geom: Geometry, who: str, bounds: Sequence[int],
                  sequential: int | None = None, first: int = 0) -> None:
@@ -181,12 +218,13 @@ class RingReader:
             raise ValueError(f"{geom.words} bounds needed, got {len(bounds)}")
         check_peer_segment(peer, geom, who)
         self.peer, self.geom, self.who = peer, geom, who
+        self.words = _Words(peer, geom)
         self.read = 0
         self.bounds = tuple(bounds)
         self.sequential, self.next_seq = sequential, first
 
     def _head(self) -> int:
-        head: int = _U64.unpack_from(self.peer, _HEAD)[0]
+        head: int = self.words.u64[_HEAD]
         if head < self.read or head - self.read > self.geom.capacity:
             raise _broke(self.who, f"its ring's head says {head} with {self.read} consumed "
                                    f"and {self.geom.capacity} entries")
@@ -198,28 +236,31 @@ class RingReader:
 
     def peer_parked(self) -> bool:
         """The peer says it sleeps: ring its eventfd after publishing. (Any nonzero word.)"""
-        parked: int = _U32.unpack_from(self.peer, _PARKED)[0]
-        return parked != 0
+        return self.words.u32[_PARKED] != 0
+
+    def release(self) -> None:
+        """Done with the peer's segment: drop our views of it."""
+        self.words.release()
 
     def take(self, limit: int | None = None) -> list[tuple[int, ...]]:
         """The entries published since the last call (at most ``limit``), in order, each
         checked; the caller then records ``read`` in its own segment (``set_read``).
         Entries not visible yet (their stamp still the previous lap's) are left for later."""
         head = self._head()
-        geom, peer = self.geom, self.peer
-        unpack, size, mask, cap = geom.entry.unpack_from, geom.entry_bytes, geom.capacity - 1, geom.capacity
+        geom, peer, u64 = self.geom, self.peer, self.words.u64
+        unpack, size, mask, cap = geom.words_only.unpack_from, geom.entry_bytes, geom.capacity - 1, geom.capacity
+        stride = geom.words + 1
         out: list[tuple[int, ...]] = []
         i = self.read
         end = head if limit is None else min(head, i + limit)
         bounds, seqw = self.bounds, self.sequential
         while i < end:
-            fields = unpack(peer, HEADER_BYTES + (i & mask) * size)
-            stamp = fields[0]
+            stamp = u64[_RING + (i & mask) * stride]
             if stamp != i:
                 if stamp == (EMPTY if i < cap else i - cap):
                     break  # not whole yet: the next call reads it
                 raise _broke(self.who, f"entry {i} is stamped {stamp}")
-            words = fields[1:]
+            words = unpack(peer, HEADER_BYTES + 8 + (i & mask) * size)
             for k, bound in enumerate(bounds):
                 if bound and words[k] >= bound:
                     raise _broke(self.who, f"entry {i} word {k} is {words[k]}, not below {bound}")

@@ -2,9 +2,10 @@
 read-write, the peer's read-only), and the eventfds that wake a parked side. The ring and
 counter rules, and every check of what the peer wrote, are ``core.doorbell``'s.
 
-Not wired into the sessions yet: an edge's READY and RELEASE still travel on its lane or
-on ZeroMQ. This module is the transport a negotiated edge would use (the lane passes the
-eventfds, ``send_bell``/``receive_bell``; the handshake names the segments).
+Wired by ``runtime.bellwire`` on a lane edge whose both sides opted in
+(``IPCSYNC_DOORBELL=1``): the DOORBELL frames name the segments and their lane packets
+carry the eventfds (``Lane.send_fd``; ``send_bell``/``receive_bell`` pass one over any
+AF_UNIX socket).
 
 Rules:
 
@@ -63,7 +64,10 @@ def _unmap(seg: "OwnSegment | PeerSegment") -> None:
     buf, seg.buf = getattr(seg, "buf", None), None
     if buf is not None:
         buf.release()
-        seg.map.close()
+        try:
+            seg.map.close()
+        except BufferError:
+            pass  # a ring still holds a view of it (RingWriter/RingReader.release): unmapped with it
 
 
 class OwnSegment:
@@ -200,7 +204,11 @@ class Doorbell:
             raise ClosedError("a doorbell needs both segments open; one was closed already")
         self.own, self.peer, self.bell, self.peer_bell = own, peer, own_bell, peer_bell
         self.writer = D.RingWriter(own.buf, peer.buf, own.geom, who)
-        self.reader = D.RingReader(peer.buf, own.geom, who, bounds, sequential, first)
+        try:
+            self.reader = D.RingReader(peer.buf, own.geom, who, bounds, sequential, first)
+        except BaseException:
+            self.writer.release()
+            raise
 
     @property
     def fd(self) -> int:
@@ -241,6 +249,9 @@ class Doorbell:
         self.bell.drain()
 
     def close(self) -> None:
+        """Unmap both segments and close both eventfds (our views of the segments first)."""
+        self.writer.release()
+        self.reader.release()
         for part in (self.own, self.peer, self.bell, self.peer_bell):
             part.close()
 

@@ -201,3 +201,106 @@ def test_a_rogue_peer_process_gets_a_protocol_error_and_the_other_edge_goes_on(e
             peer.join(WAIT_S)
         mine.close()
         theirs.close()
+
+
+# ------------------------------------------------------------------ two processes at full speed
+STREAM_ITEMS = 100_000  # each way; a counter read half-written showed within ~10,000 on 2 cores
+STREAM_GEOM = (32, 3)
+_IDLE_LOOKS = 20_000  # looks without progress before checking that the other process lives
+
+
+def _echo(geom: tuple[int, int], conn: Any, parent: int) -> None:
+    """A consumer process at full speed: takes each READY entry of the test's ring and
+    answers it with a RELEASE entry in its own; reports what went wrong, if anything."""
+    g = D.Geometry(*geom)
+    seg = R.OwnSegment(g)
+    try:
+        conn.send(seg.name)
+        peer = R.PeerSegment(conn.recv(), g, "producer 1")
+        assert seg.buf is not None and peer.buf is not None
+        writer = D.RingWriter(seg.buf, peer.buf, g, "producer 1")
+        reader = D.RingReader(peer.buf, g, "producer 1", [0, NSLOTS, 0], sequential=0)
+        backlog: list[tuple[int, ...]] = []
+        done = idle = 0
+        try:
+            while done < STREAM_ITEMS:
+                got = reader.take()
+                if got:
+                    writer.set_read(reader.read)
+                    backlog += [(seq, slot, 0) for seq, slot, _ in got]
+                sent = writer.publish(backlog) if backlog else 0
+                del backlog[:sent]
+                done += sent
+                idle = 0 if got or sent else idle + 1
+                if idle >= _IDLE_LOOKS and os.getppid() != parent:
+                    return  # the test is gone
+            conn.send("ok")
+        except ProtocolError as exc:
+            conn.send(f"consumer: {exc}")
+        finally:
+            writer.release()
+            reader.release()
+            peer.close()
+        conn.recv()  # until the test read its own side's last entries
+    finally:
+        seg.close()
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)  # (spawning the peer and 200,000 entries on a busy machine)
+def test_counters_are_never_seen_half_written_by_a_peer_running_at_once() -> None:
+    """Both sides of an edge in two processes, publishing and taking as fast as they can:
+    each side reads the other's head and read counters while they change, and must see
+    every value whole (the same protocol on one core and on many; this edge once failed
+    mid-stream with 'head says 0 with 17860 consumed' on a 16-core host)."""
+    g = D.Geometry(*STREAM_GEOM)
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_echo, args=(STREAM_GEOM, theirs, os.getpid()), daemon=True)
+    own = R.OwnSegment(g)
+    peer = None
+    proc.start()
+    try:
+        assert mine.poll(60), "the peer process did not start"
+        peer = R.PeerSegment(mine.recv(), g, "consumer 2")
+        mine.send(own.name)
+        assert own.buf is not None and peer.buf is not None
+        writer = D.RingWriter(own.buf, peer.buf, g, "consumer 2")
+        reader = D.RingReader(peer.buf, g, "consumer 2", [0, NSLOTS, 0], sequential=0)
+        released: list[tuple[int, ...]] = []
+        problem = None
+        try:
+            seq = idle = 0
+            while len(released) < STREAM_ITEMS and problem is None:
+                batch = [(seq + k, (seq + k) % NSLOTS, 7) for k in range(min(4, STREAM_ITEMS - seq))]
+                sent = writer.publish(batch) if batch else 0
+                seq += sent
+                got = reader.take()
+                if got:
+                    writer.set_read(reader.read)
+                    released += got
+                idle = 0 if got or sent else idle + 1
+                if idle >= _IDLE_LOOKS and (not proc.is_alive() or mine.poll()):
+                    problem = mine.recv() if mine.poll() else f"the peer process ended ({proc.exitcode})"
+        except ProtocolError as exc:
+            problem = f"producer: {exc}"
+        finally:
+            writer.release()
+            reader.release()
+        assert problem is None, problem
+        assert mine.poll(WAIT_S) and mine.recv() == "ok"
+        assert released == [(i, i % NSLOTS, 0) for i in range(STREAM_ITEMS)]
+    finally:
+        try:
+            mine.send("bye")
+        except OSError:
+            pass  # (it is gone already)
+        proc.join(WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(WAIT_S)
+        if peer is not None:
+            peer.close()
+        own.close()
+        mine.close()
+        theirs.close()

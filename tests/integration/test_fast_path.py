@@ -25,8 +25,9 @@ from ipcsync.runtime import slots as slots_module
 
 from peers.common import check, expected
 
-# Each test twice: the steady write step copying natively and with torch (conftest).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("copy_path")]
+# Each test three times: the steady write step copying natively and with torch, then
+# per-item notices through the doorbell (IPCSYNC_DOORBELL) (conftest's handoff_path).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("handoff_path")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -20,7 +20,8 @@ import torch
 import ipcsync
 from polling import in_call, wait_until
 
-pytestmark = pytest.mark.timeout(120)
+# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("doorbell_env")]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

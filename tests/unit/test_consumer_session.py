@@ -181,7 +181,7 @@ def test_failed_after_setup_is_producer_failed_and_drops_what_is_buffered() -> N
 def test_version_mismatch_and_out_of_state_messages_answer_with_their_code() -> None:
     s = ConsumerSession("ep", "cpu", 1.0)
     s.hello(hello())
-    s.receive([msgpack.packb([MsgType.SETUP, P.PROTOCOL_VERSION + 1])])
+    s.receive([msgpack.packb([MsgType.SETUP, P.HIGHEST_VERSION + 1])])
     assert msgpack.unpackb(s.outbox[0])[1] == "version"
     s2 = ConsumerSession("ep", "cpu", 1.0)
     s2.hello(hello())
