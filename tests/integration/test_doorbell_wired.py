@@ -177,6 +177,12 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
     p.wait_for_consumers(2, timeout=10)
     bell = rogue._endpoint._link.bell  # (the test plays the rogue process, writing its own segment)
     buf, geom = bell.own.buf, bell.own.geom
+    # The rogue's own releases (of _warm's items) go out first, under its lock: none of its
+    # service thread's flushes can then write over the garbage (its ring's head and stamps).
+    lock = rogue._endpoint._lock
+    lock.acquire()
+    rogue._endpoint._link.flush_releases()
+    assert not rogue._endpoint.session.pending
     if garbage == "head":
         struct.pack_into("=Q", buf, HEAD_AT, bell.writer.head + geom.capacity + 5)
     elif garbage == "slot":
@@ -187,6 +193,7 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
         struct.pack_into("=Q", buf, HEAD_AT, head + 1)
     else:
         struct.pack_into("=Q", buf, READ_AT, 10**9)  # says it read entries never published
+    lock.release()
     got: list[int] = []
 
     def drain() -> bool:
