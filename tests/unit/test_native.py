@@ -9,7 +9,6 @@ conformance and fast-path suites run both copy paths (the ``copy_path`` fixture)
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -135,19 +134,17 @@ def test_without_the_cuda_runtime_cuda_copy_record_raises_naming_why() -> None:
         _native.cuda_copy_record(1, 2, 3, 0, 5, 0)
 
 
-def _env_run(value: str) -> subprocess.CompletedProcess[str]:
-    code = "from ipcsync.backends import native; print(native.ENABLED, native.host_copy() is not None)"
-    env = dict(os.environ, IPCSYNC_NATIVE=value)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+def test_ipcsync_native_0_turns_it_off_and_a_bad_value_is_refused(procs: Any) -> None:
+    """Read at import, in a process of its own for each value."""
+    def state(value: str) -> Any:
+        return procs.start("native_state", module="peers.basic", env={"IPCSYNC_NATIVE": value})
 
-
-def test_ipcsync_native_0_turns_it_off_and_a_bad_value_is_refused() -> None:
-    off = _env_run("0")
-    assert off.returncode == 0 and off.stdout.split() == ["False", "False"], off.stderr[-2000:]
-    on = _env_run("1")
-    assert on.returncode == 0 and on.stdout.split() == ["True", str(native.BUILT)], on.stderr[-2000:]
-    bad = _env_run("yes")
-    assert bad.returncode != 0 and "IPCSYNC_NATIVE='yes'" in bad.stderr and "set it to 0" in bad.stderr
+    assert state("0").result() == {"event": "done", "enabled": False, "host_copy": False}
+    assert state("1").result() == {"event": "done", "enabled": True, "host_copy": native.BUILT}
+    bad = state("yes")
+    assert bad.proc.wait(timeout=120) != 0
+    err = bad.stderr()
+    assert "IPCSYNC_NATIVE='yes'" in err and "set it to 0" in err, err[-2000:]
 
 
 @needs_module

@@ -140,3 +140,10 @@ def stage_sink(a: dict[str, Any]) -> None:
             got.append([item.source, item["x"].tolist(), item.meta])
         stats = inp.stats()
     say(event="done", kind=kind, got=got, stats=plain(stats))
+
+
+def native_state(a: dict[str, Any]) -> None:
+    """What ``ipcsync.backends.native`` made of ``IPCSYNC_NATIVE`` at its import here."""
+    from ipcsync.backends import native  # noqa: PLC0415 - the import is what is tested
+
+    say(event="done", enabled=native.ENABLED, host_copy=native.host_copy() is not None)
