@@ -40,6 +40,19 @@ def _warm(p: ipcsync.Producer, c: ipcsync.Consumer) -> None:
     assert wait_until(one, 20), (p.stats(), c.stats())
 
 
+def _two_consumers(monkeypatch: Any, endpoints: Any, name: str) -> tuple[Any, Any, Any]:
+    """A producer (4 slots) with the doorbell on, its first consumer streaming through
+    its doorbell, and a second one that joined after it (2 credits each)."""
+    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
+    p = endpoints.producer(name, slots=4, slot_bytes=4096, device="cpu")
+    first = endpoints.consumer(name, device="cpu", timeout=10, credits=2)
+    p.wait_for_consumers(1, timeout=10)
+    _warm(p, first)
+    second = endpoints.consumer(name, device="cpu", timeout=10, credits=2)
+    p.wait_for_consumers(2, timeout=10)
+    return p, first, second
+
+
 def _items(n: int) -> list[tuple[str, Any]]:
     """Item ``i``: mostly plain (an entry), some with meta or a layout never seen (frames)."""
     out: list[tuple[str, Any]] = []
@@ -95,13 +108,7 @@ def _arenas(p: ipcsync.Producer) -> set[str]:
 def test_a_consumer_joining_mid_stream_gets_its_own_doorbell(monkeypatch: Any, endpoints: Any) -> None:
     """A second consumer joins while the first streams through its doorbell: both get one,
     every item goes to exactly one of them, and each sees its items in order."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
-    p = endpoints.producer("db-join", slots=4, slot_bytes=4096, device="cpu")
-    a = endpoints.consumer("db-join", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(1, timeout=10)
-    _warm(p, a)
-    b = endpoints.consumer("db-join", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(2, timeout=10)
+    p, a, b = _two_consumers(monkeypatch, endpoints, "db-join")
     seen: dict[str, list[int]] = {"a": [], "b": []}
     sent = 0
 
@@ -168,13 +175,7 @@ def test_a_rogue_consumer_writing_garbage_into_its_segment_loses_its_edge_only(
     """A consumer whose own segment (its RELEASE ring, its read counter of the producer's
     ring) holds garbage is dropped with a ProtocolError; a second consumer of the same
     producer goes on receiving every item sent to it."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
-    p = endpoints.producer("db-rogue-c", slots=4, slot_bytes=4096, device="cpu")
-    rogue = endpoints.consumer("db-rogue-c", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(1, timeout=10)
-    _warm(p, rogue)
-    good = endpoints.consumer("db-rogue-c", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(2, timeout=10)
+    p, rogue, good = _two_consumers(monkeypatch, endpoints, "db-rogue-c")
     bell = rogue._endpoint._link.bell  # (the test plays the rogue process, writing its own segment)
     buf, geom = bell.own.buf, bell.own.geom
     # The rogue's own releases (of _warm's items) go out first, under its lock: none of its
@@ -234,13 +235,7 @@ def test_a_rogue_producer_writing_garbage_into_its_segment_fails_that_edge_only(
     """The producer's segment for one consumer holds garbage (an entry naming a slot
     outside the ring or a layout the consumer never got, a head past the ring): that
     consumer gets a ProtocolError; a second consumer of the same producer goes on."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", "1")
-    p = endpoints.producer("db-rogue-p", slots=4, slot_bytes=4096, device="cpu")
-    victim = endpoints.consumer("db-rogue-p", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(1, timeout=10)
-    _warm(p, victim)
-    other = endpoints.consumer("db-rogue-p", device="cpu", timeout=10, credits=2)
-    p.wait_for_consumers(2, timeout=10)
+    p, victim, other = _two_consumers(monkeypatch, endpoints, "db-rogue-p")
     mine = bytes(victim._endpoint._link.bell.own.buf[:D.HEADER_BYTES])  # the victim's edge: the one reading this
     bell = next(x.bell for x in p.port.peers.by_id.values()
                 if x.bell is not None and bytes(x.bell.peer.buf[:D.HEADER_BYTES]) == mine)
