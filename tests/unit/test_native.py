@@ -159,8 +159,9 @@ def test_a_steady_one_tensor_send_copies_natively_and_others_with_torch(
         real(dst, src, nbytes)
 
     monkeypatch.setattr(native, "host_copy", lambda: counted)
-    out = endpoints.producer("native-route", slots=2, slot_bytes=1 << 16, heartbeat=None, timeout=10)
-    inp = endpoints.consumer("native-route", heartbeat=None, timeout=10)
+    # (the CPU backend's route: on a machine with a GPU too, where a device would default to it)
+    out = endpoints.producer("native-route", slots=2, slot_bytes=1 << 16, heartbeat=None, timeout=10, device="cpu")
+    inp = endpoints.consumer("native-route", heartbeat=None, timeout=10, device="cpu")
     out.wait_for_consumers(1, timeout=10)
     plain = torch.arange(1000, dtype=torch.float32)
     sent = [
