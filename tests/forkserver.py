@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -125,7 +126,7 @@ def _child(request: dict[str, Any], out_w: int, err_w: int) -> None:
     os.dup2(null, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 65536 else 65536)
+    os.closerange(3, min(os.sysconf("SC_OPEN_MAX"), 65536))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -202,8 +203,6 @@ class ForkedProcess:
         self._status_r = status_r
 
     def _read_status(self, timeout: float | None) -> int | None:
-        import select  # noqa: PLC0415
-
         if self.returncode is not None:
             return self.returncode
         ready, _, _ = select.select([self._status_r], [], [], timeout)
