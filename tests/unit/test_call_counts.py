@@ -38,7 +38,8 @@ def python_calls(fn: Callable[[], Any]) -> tuple[int, list[str]]:
         if event == "call":
             names.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
 
-    gc.disable()  # (a collection mid-count, of this test's or an earlier one's objects, would count as calls)
+    gc.collect()  # (an earlier test's objects, collected mid-count, would count as calls)
+    gc.disable()
     sys.setprofile(hook)
     try:
         fn()
