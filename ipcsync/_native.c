@@ -1,5 +1,6 @@
 /* ipcsync._native: the steady write step's copy (and, on CUDA, its ready-event record)
- * in one C call instead of a torch dispatch.
+ * in one C call instead of a torch dispatch; and the steady READY / RELEASE frames decoded
+ * by hand (decode_readies, decode_release: see "steady frames" below).
  *
  *   copy(dst_ptr, src_ptr, nbytes)                          memcpy (CPU backend)
  *   cuda_copy_record(dst_ptr, src_ptr, nbytes, stream, event[, device])
@@ -375,6 +376,23 @@ static int frame_bytes(PyObject *frame, Py_ssize_t max_frame, cursor_t *c) {
     return 1;
 }
 
+/* A tuple of size items, the first n of them v[0..n) as ints (the rest for the caller to
+ * set), or NULL with an exception (out of memory). */
+static PyObject *uint_tuple(const uint64_t *v, Py_ssize_t n, Py_ssize_t size) {
+    PyObject *tuple = PyTuple_New(size);
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromUnsignedLongLong(v[i]);
+        if (x == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, i, x);
+    }
+    return tuple;
+}
+
 /* One steady READY: its (seq, slot, gen, sent_ns, layout_id, meta), or NULL (without an
  * exception: not one this parser takes; with one: out of memory). */
 static PyObject *parse_ready(PyObject *frame, Py_ssize_t max_frame, Py_ssize_t max_items, uint64_t kind,
@@ -398,18 +416,9 @@ static PyObject *parse_ready(PyObject *frame, Py_ssize_t max_frame, Py_ssize_t m
         Py_DECREF(meta);
         return NULL;
     }
-    if ((tuple = PyTuple_New(6)) == NULL) {
+    if ((tuple = uint_tuple(v + 1, 5, 6)) == NULL) {
         Py_DECREF(meta);
         return NULL;
-    }
-    for (int i = 1; i < 6; i++) {
-        PyObject *n = PyLong_FromUnsignedLongLong(v[i]);
-        if (n == NULL) {
-            Py_DECREF(meta);
-            Py_DECREF(tuple);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(tuple, i - 1, n);
     }
     PyTuple_SET_ITEM(tuple, 5, meta);
     return tuple;
@@ -492,8 +501,7 @@ static PyObject *native_decode_release(PyObject *self, PyObject *const *args, Py
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
-        if ((t = Py_BuildValue("(KKK)", (unsigned long long)e[0], (unsigned long long)e[1],
-                               (unsigned long long)e[2])) == NULL) {
+        if ((t = uint_tuple(e, 3, 3)) == NULL) {
             Py_DECREF(out);
             return NULL;
         }
@@ -527,7 +535,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ipcsync._native",
-    "The steady write step's copy (and CUDA ready-event record) in one C call; see ipcsync.backends.native.",
+    "The steady write step's copy (and CUDA ready-event record) in one C call, and the steady READY / "
+    "RELEASE frames decoded by hand; see ipcsync.backends.native.",
     -1, methods,
 };
 
