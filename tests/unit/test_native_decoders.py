@@ -222,3 +222,9 @@ def test_bad_frames_never_raise() -> None:
 
 def test_the_dispatchers_use_the_route(decoder_route: str) -> None:
     assert native.decoders_in_use() is (decoder_route == "native")
+
+
+def test_the_handoff_routes_turn_the_decoders_on_and_off(copy_path: str) -> None:
+    """The conformance and fast-path suites' routes (tests/conftest.py ``_use_copy``): the
+    compiled decoders in the native route, the Python ones in the torch route."""
+    assert native.decoders_in_use() is (copy_path == "native")
