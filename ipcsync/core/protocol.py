@@ -68,6 +68,7 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from itertools import islice
 from typing import Any, Callable, ClassVar, Final, Sequence, Union
 
 import msgpack
@@ -947,7 +948,7 @@ def decode_readies(
     out = native(frames, limits.max_frame, limits.max_items, _READY, _MAX_INT)
     n = len(out)
     if n < len(frames):  # (stopped: the reference decides this frame and takes the rest)
-        out += python_decode_readies(frames[n:], limits)
+        out += python_decode_readies(list(islice(frames, n, None)), limits)  # (any Sequence: a deque too)
     return out
 
 

@@ -13,6 +13,7 @@ extension is not built.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -140,6 +141,7 @@ def test_one_frame_agrees_with_the_reference(frame: bytes, limits: Limits) -> No
 def test_batches_stop_where_the_reference_stops(frames: list[bytes], limits: Limits) -> None:
     check_readies(frames, limits)
     check_readies(tuple(frames), limits)
+    check_readies(deque(frames), limits)
 
 
 # --------------------------------------------------------------------------- RELEASE
