@@ -3,7 +3,9 @@
 - ``protocol.decode_ready`` / ``decode_release``: for every frame and limits, either None
   (the caller then uses ``decode``) or exactly the fields ``decode`` would return, so the
   wire format is validated exactly as strictly as by ``decode``; ``decode_readies`` (a
-  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None;
+  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None; each
+  with the compiled decoders in use and without them (``decoder_route``; the compiled
+  ones against the Python reference directly: tests/unit/test_native_decoders.py);
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
   after a frame failed to pack;
 - ``layout.signature``'s unrolled dict case: the key of the general ``_sig``;
@@ -114,6 +116,7 @@ _release_like = st.builds(
 )
 
 
+@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.one_of(_ready_like, _ready_like.map(lambda a: a[:-1]), _ready_like.map(lambda a: a + [0]), _data),
        st.sampled_from(LIMITS))
@@ -121,12 +124,14 @@ def test_decode_ready_agrees_with_decode(obj: Any, limits: Limits) -> None:
     check_ready(pack(obj), limits)
 
 
+@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.one_of(_release_like, _release_like.map(lambda a: a + [0]), _data), st.sampled_from(LIMITS))
 def test_decode_release_agrees_with_decode(obj: Any, limits: Limits) -> None:
     check_release(pack(obj), limits)
 
 
+@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.lists(st.one_of(_ready_like, _ready_like.map(lambda a: a[:-1]), _data).map(pack) | st.binary(max_size=16),
                 max_size=6),
@@ -142,6 +147,7 @@ def test_decode_readies_is_decode_ready_of_each_frame_up_to_the_first_refused(fr
     assert same(P.decode_readies(frames, limits), expected)
 
 
+@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.binary(max_size=64), st.sampled_from(LIMITS))
 def test_fast_decoders_agree_on_arbitrary_bytes(frame: bytes, limits: Limits) -> None:
@@ -149,6 +155,7 @@ def test_fast_decoders_agree_on_arbitrary_bytes(frame: bytes, limits: Limits) ->
     check_release(frame, limits)
 
 
+@pytest.mark.usefixtures("decoder_route")
 @pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize(
     "frame",

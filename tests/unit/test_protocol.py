@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from decoders import check_readies, check_release
 from ipcsync.core import protocol as P
 from ipcsync.errors import IpcSyncError, ProtocolError
 from ipcsync.core.protocol import (
@@ -773,6 +774,9 @@ def test_odd_versions(version: Any) -> None:
 
 # --------------------------------------------------------------------------- hypothesis
 def _decode_or_protocol_error(frame: bytes) -> None:
+    # The steady-frame decoders, compiled and Python, agree on it (tests/decoders.py).
+    check_readies([frame])
+    check_release(frame)
     try:
         msg = decode(frame)
     except ProtocolError:
