@@ -121,6 +121,7 @@ __all__ = [
     "decode_ready",
     "decode_readies",
     "decode_release",
+    "decode_releases",
     "Encoder",
     "Conversation",
     "VersionMismatch",
@@ -873,30 +874,49 @@ def decode_readies(
 def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
     """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
     would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
-    if len(frame) > limits.max_frame or not frame:
-        return None
-    try:
-        obj = _unpack(frame, limits)
-    except Exception:
-        return None
-    if type(obj) is not list or len(obj) != 2:
-        return None
-    kind, raw = obj
-    if type(kind) is not int or kind != _RELEASE or type(raw) is not list or len(raw) > limits.max_release_batch:
-        return None
-    entries = []
-    for e in raw:
-        if type(e) is not list or len(e) != 3:
-            return None
-        seq, slot, gen = e
-        if (
-            type(seq) is not int or not 0 <= seq <= _MAX_INT
-            or type(slot) is not int or not 0 <= slot <= _MAX_INT
-            or type(gen) is not int or not 0 <= gen <= _MAX_INT
-        ):
-            return None
-        entries.append((seq, slot, gen))
-    return entries
+    entries: list[tuple[int, int, int]] = []
+    return entries if decode_releases((frame,), limits, entries) else None
+
+
+def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
+    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
+    several at once): appends their entries to ``out``, in order, and returns how many
+    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
+    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
+    call per batch, no Python call per frame. Never raises."""
+    max_frame, max_batch = limits.max_frame, limits.max_release_batch
+    unpackb, max_items = msgpack.unpackb, limits.max_items
+    n = 0
+    for frame in frames:
+        if len(frame) > max_frame or not frame:
+            return n
+        try:
+            obj = unpackb(  # as _unpack
+                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext, max_str_len=max_frame,
+                max_bin_len=max_frame, max_array_len=max_items, max_map_len=max_items, max_ext_len=0,
+            )
+        except Exception:
+            return n
+        if type(obj) is not list or len(obj) != 2:
+            return n
+        kind, raw = obj
+        if type(kind) is not int or kind != _RELEASE or type(raw) is not list or len(raw) > max_batch:
+            return n
+        entries = []
+        for e in raw:
+            if type(e) is not list or len(e) != 3:
+                return n
+            seq, slot, gen = e
+            if (
+                type(seq) is not int or not 0 <= seq <= _MAX_INT
+                or type(slot) is not int or not 0 <= slot <= _MAX_INT
+                or type(gen) is not int or not 0 <= gen <= _MAX_INT
+            ):
+                return n
+            entries.append((seq, slot, gen))
+        out += entries  # (the whole frame or none of it)
+        n += 1
+    return n
 
 
 def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -3,7 +3,8 @@
 - ``protocol.decode_ready`` / ``decode_release``: for every frame and limits, either None
   (the caller then uses ``decode``) or exactly the fields ``decode`` would return, so the
   wire format is validated exactly as strictly as by ``decode``; ``decode_readies`` (a
-  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None;
+  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None, and
+  ``decode_releases`` (the producer's) ``decode_release`` of each, the same way;
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
   after a frame failed to pack;
 - ``layout.signature``'s unrolled dict case: the key of the general ``_sig``;
@@ -140,6 +141,25 @@ def test_decode_readies_is_decode_ready_of_each_frame_up_to_the_first_refused(fr
             break
         expected.append(one)
     assert same(P.decode_readies(frames, limits), expected)
+
+
+@HYP
+@given(st.lists(st.one_of(_release_like, _release_like.map(lambda a: a[:-1]), _data).map(pack)
+                | st.binary(max_size=16), max_size=6),
+       st.sampled_from(LIMITS))
+def test_decode_releases_is_decode_release_of_each_frame_up_to_the_first_refused(frames: list[bytes],
+                                                                                 limits: Limits) -> None:
+    expected: list[Any] = []
+    taken = 0
+    for frame in frames:
+        one = P.decode_release(frame, limits)
+        if one is None:
+            break
+        expected += one
+        taken += 1
+    out: list[Any] = [("earlier",)]
+    assert P.decode_releases(frames, limits, out) == taken
+    assert out == [("earlier",), *expected]  # (appended: a refused frame adds none of its entries)
 
 
 @HYP
