@@ -218,12 +218,12 @@ class ProducerPort(EndpointBase):
         now = time.monotonic()
         h, peer_of = self.handoffs, peers.get
         for i, (identity, frames, end) in enumerate(got):
-            peer = peer_of(identity)
-            entries: list[tuple[int, int, int]] = []
-            n = peer.session.release_frames(frames, now, entries) if peer is not None else 0
-            if entries:
-                assert peer is not None
-                h.released(peer, entries)  # (frees slots and credits: sends nothing)
+            reader, n = peer_of(identity), 0
+            if reader is not None:  # (else gone: pump ignores its frames)
+                entries: list[tuple[int, int, int]] = []
+                n = reader.session.release_frames(frames, now, entries)
+                if entries:
+                    h.released(reader, entries)  # (frees slots and credits: sends nothing)
             if n < len(frames) or end is not None:
                 # Another frame kind, a bad frame, EOF: the rest of this lane and the
                 # lanes after it, in order, then everything else.
