@@ -883,7 +883,8 @@ def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int
     several at once): appends their entries to ``out``, in order, and returns how many
     frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
     frame and the rest are left to ``decode``; none of its entries are in ``out``). One
-    call per batch, no Python call per frame. Never raises."""
+    call per batch, no Python call per frame, no object built per entry (msgpack's arrays
+    as tuples: each entry is the ``(seq, slot, gen)`` appended). Never raises."""
     max_frame, max_batch = limits.max_frame, limits.max_release_batch
     unpackb, max_items = msgpack.unpackb, limits.max_items
     n = 0
@@ -891,20 +892,19 @@ def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int
         if len(frame) > max_frame or not frame:
             return n
         try:
-            obj = unpackb(  # as _unpack
-                frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext, max_str_len=max_frame,
+            obj = unpackb(  # as _unpack, but arrays as tuples
+                frame, raw=False, use_list=False, strict_map_key=True, ext_hook=_reject_ext, max_str_len=max_frame,
                 max_bin_len=max_frame, max_array_len=max_items, max_map_len=max_items, max_ext_len=0,
             )
         except Exception:
             return n
-        if type(obj) is not list or len(obj) != 2:
+        if type(obj) is not tuple or len(obj) != 2:
             return n
         kind, raw = obj
-        if type(kind) is not int or kind != _RELEASE or type(raw) is not list or len(raw) > max_batch:
+        if type(kind) is not int or kind != _RELEASE or type(raw) is not tuple or len(raw) > max_batch:
             return n
-        entries = []
         for e in raw:
-            if type(e) is not list or len(e) != 3:
+            if type(e) is not tuple or len(e) != 3:
                 return n
             seq, slot, gen = e
             if (
@@ -913,8 +913,7 @@ def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int
                 or type(gen) is not int or not 0 <= gen <= _MAX_INT
             ):
                 return n
-            entries.append((seq, slot, gen))
-        out += entries  # (the whole frame or none of it)
+        out += raw  # (the whole frame, or none of it)
         n += 1
     return n
 
