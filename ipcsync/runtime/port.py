@@ -134,6 +134,7 @@ class ProducerPort(EndpointBase):
         # Per-item notices through shared memory with consumers that opt in too (a lane edge).
         self.doorbell = self.ipc and chan.lanes is not None and chan.doorbell
         self._fds = chan.fds()
+        self._lanes_woken = [chan.lanes.fd] if chan.lanes is not None else [-1]  # (what _pump compares)
         self._closed = False
         self._start_service()
 
@@ -276,7 +277,16 @@ class ProducerPort(EndpointBase):
             self._next_tick = now + self._tick
             peers.tick(now)
 
-    _pump = pump  # (EndpointBase's hook: no frame of its own)
+    def _pump(self) -> None:
+        """EndpointBase's hook (its waits, the service thread): the steady pump when the
+        last wait's select woke on the lanes' epoll alone, or on nothing (it timed out):
+        ``io_pending`` had found nothing queued on ZeroMQ before that select, and a ZeroMQ
+        fd that did not signal has nothing new behind it. The general pump otherwise."""
+        woken, self._woken = self._woken, None
+        if woken is not None and (not woken or woken == self._lanes_woken):
+            self.pump_steady()
+        else:
+            self.pump()
 
     # ------------------------------------------------------------------ remote edges
     def confirm_sends(self) -> None:
