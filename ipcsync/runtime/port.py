@@ -7,7 +7,8 @@ ordering rule), ``runtime.peers`` + ``runtime.admission`` (the consumers, their
 sockets, their liveness; ``core.producer_session``: one connection's protocol, sans
 I/O), ``runtime.forwarder`` + ``core.forwarding`` (zero-copy forwarding). The port
 handles what arrives (the pump: monitor events, frames through each consumer's
-``ProducerSession``, the handshake, the liveness tick), and it is what other parts of
+``ProducerSession``, the handshake, the liveness tick; the steady pump, ``pump_steady``:
+only the lanes' RELEASEs, while nothing else needs a look), and it is what other parts of
 ipcsync use: ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
 producer pumps it while it waits), the entry of ``ipcsync.forward`` (``forward``) and of
 ``Producer.slot()`` blocks (``open_slot``/``close_slot``). Not user API. Used under its
