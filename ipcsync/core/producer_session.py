@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Final
+from typing import Any, Final, Sequence
 
 from ..errors import ProtocolError
 from . import protocol as P
@@ -125,12 +125,20 @@ class ProducerSession:
     def release_entries(self, frame: bytes, now: float) -> list[tuple[int, int, int]] | None:
         """The steady state's fast path: the entries of a RELEASE received while active
         (which leaves the state active), else None (use ``receive_frame``)."""
+        entries: list[tuple[int, int, int]] = []
+        return entries if self.release_frames((frame,), now, entries) else None
+
+    def release_frames(self, frames: Sequence[bytes], now: float, out: list[tuple[int, int, int]]) -> int:
+        """The steady path for a wake-up's frames, received at ``now``: while active,
+        appends the entries of the leading RELEASEs to ``out`` (``decode_releases``: one
+        call for the batch; a RELEASE leaves the state active) and returns how many frames
+        it took; the caller hands each of the rest to ``receive_frame``, in order."""
         if self.conv.state is not State.ACTIVE:
-            return None
-        entries = P.decode_release(frame, self.limits)
-        if entries is not None:
+            return 0
+        n = P.decode_releases(frames, self.limits, out)
+        if n:
             self.clock.last_recv = now
-        return entries
+        return n
 
     def receive_frame(self, frame: bytes, now: float) -> SessionEvent:
         try:

@@ -122,8 +122,10 @@ __all__ = [
     "decode_ready",
     "decode_readies",
     "decode_release",
+    "decode_releases",
     "python_decode_readies",
     "python_decode_release",
+    "python_decode_releases",
     "NativeDecoders",
     "NATIVE_DECODERS",
     "use_native_decoders",
@@ -877,30 +879,47 @@ def python_decode_readies(
 def python_decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
     """``decode_release`` in Python: the reference, and the fallback where the compiled
     decoder is not in use or does not parse ``frame``. Never raises."""
-    if len(frame) > limits.max_frame or not frame:
-        return None
-    try:
-        obj = _unpack(frame, limits)
-    except Exception:
-        return None
-    if type(obj) is not list or len(obj) != 2:
-        return None
-    kind, raw = obj
-    if type(kind) is not int or kind != _RELEASE or type(raw) is not list or len(raw) > limits.max_release_batch:
-        return None
-    entries = []
-    for e in raw:
-        if type(e) is not list or len(e) != 3:
-            return None
-        seq, slot, gen = e
-        if (
-            type(seq) is not int or not 0 <= seq <= _MAX_INT
-            or type(slot) is not int or not 0 <= slot <= _MAX_INT
-            or type(gen) is not int or not 0 <= gen <= _MAX_INT
-        ):
-            return None
-        entries.append((seq, slot, gen))
-    return entries
+    entries: list[tuple[int, int, int]] = []
+    return entries if python_decode_releases((frame,), limits, entries) else None
+
+
+def python_decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
+    """``decode_releases`` in Python, the reference and the fallback: ``decode_release``
+    of the leading frames of ``frames``, their entries appended to ``out`` (the whole of a
+    frame's, or none), how many frames taken returned. One call per batch, no Python call
+    per frame, no object built per entry (msgpack's arrays as tuples: each entry is the
+    ``(seq, slot, gen)`` appended). Never raises."""
+    max_frame, max_batch = limits.max_frame, limits.max_release_batch
+    unpackb, max_items = msgpack.unpackb, limits.max_items
+    n = 0
+    for frame in frames:
+        if len(frame) > max_frame or not frame:
+            return n
+        try:
+            obj = unpackb(  # as _unpack, but arrays as tuples
+                frame, raw=False, use_list=False, strict_map_key=True, ext_hook=_reject_ext, max_str_len=max_frame,
+                max_bin_len=max_frame, max_array_len=max_items, max_map_len=max_items, max_ext_len=0,
+            )
+        except Exception:
+            return n
+        if type(obj) is not tuple or len(obj) != 2:
+            return n
+        kind, raw = obj
+        if type(kind) is not int or kind != _RELEASE or type(raw) is not tuple or len(raw) > max_batch:
+            return n
+        for e in raw:
+            if type(e) is not tuple or len(e) != 3:
+                return n
+            seq, slot, gen = e
+            if (
+                type(seq) is not int or not 0 <= seq <= _MAX_INT
+                or type(slot) is not int or not 0 <= slot <= _MAX_INT
+                or type(gen) is not int or not 0 <= gen <= _MAX_INT
+            ):
+                return n
+        out += raw  # (the whole frame, or none of it)
+        n += 1
+    return n
 
 
 # The compiled decoders (ipcsync/_native.c), set by ``use_native_decoders`` (which
@@ -961,6 +980,26 @@ def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[
         if entries is not None:
             return entries
     return python_decode_release(frame, limits)
+
+
+def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
+    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
+    several at once): appends their entries to ``out``, in order, and returns how many
+    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
+    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
+    C call per frame where the compiled decoder is in use; the frame it does not parse and
+    the rest go to the Python reference. Never raises."""
+    native = NATIVE_DECODERS.release
+    if native is None:
+        return python_decode_releases(frames, limits, out)
+    n = 0
+    for frame in frames:
+        entries = native(frame, limits.max_frame, limits.max_items, limits.max_release_batch, _RELEASE, _MAX_INT)
+        if entries is None:  # (the reference decides this frame and takes the rest)
+            return n + python_decode_releases(list(islice(frames, n, None)), limits, out)
+        out += entries
+        n += 1
+    return n
 
 
 def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -73,6 +73,7 @@ _new_tuple = tuple.__new__
 @dataclass
 class _Consumer:
     credits: int
+    alone: frozenset[Hashable]  # {its id}: a slot's last holders when it is the only one (made once)
     held: set[int] = field(default_factory=set)
     suspended: bool = False  # gets no new items; what it holds stays held
 
@@ -243,7 +244,7 @@ class Ring:
             raise ValueError(f"consumer {cid!r} is already attached")
         if credits < 1:
             raise ValueError(f"a consumer needs at least one credit, got {credits}")
-        self._consumers[cid] = _Consumer(credits)
+        self._consumers[cid] = _Consumer(credits, frozenset((cid,)))
 
     def suspend(self, cid: Hashable) -> None:
         """Give ``cid`` no new items (its connection is gone but its process lives): what
@@ -302,7 +303,7 @@ class Ring:
             holders.discard(cid)
             consumer.held.discard(slot)
             last = self._last_holders[slot]
-            self._last_holders[slot] = last | {cid} if last else frozenset((cid,))
+            self._last_holders[slot] = last | consumer.alone if last else consumer.alone
             if not holders:  # (_free_slot, in the loop: once per item released)
                 state[slot] = _FREE
                 seqs[slot] = -1

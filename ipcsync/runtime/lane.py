@@ -53,7 +53,7 @@ import select
 import socket
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from ..core import protocol as P
 from ..core.ratelog import RateLog
@@ -61,7 +61,8 @@ from ..errors import ConfigError, ProtocolError
 from ..limits import DEFAULT_LANE, IPC_PATH_MAX
 from . import host
 
-__all__ = ["lane_enabled", "Lane", "LaneMux", "LaneHub", "LaneClosed", "LANE_PACKET_MAX", "connect_lane"]
+__all__ = ["lane_enabled", "Lane", "LaneMux", "LaneHub", "LaneClosed", "LANE_PACKET_MAX", "connect_lane", "polled_form",
+           "Batch"]
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,21 @@ def connect_lane(path: str, token: bytes, max_frame: int, producer_pid: int | No
         raise
 
 
+Batch = tuple[bytes, list[bytes], "tuple[str, Any] | None"]  # (identity, frames, end): LaneHub.read_lanes
+
+
+def polled_form(batches: Iterable[tuple[bytes, Sequence[bytes], tuple[str, Any] | None]]
+                ) -> list[tuple[str, bytes, Any]]:
+    """Lanes' ``(identity, frames, end)`` (``LaneHub.read_lanes``) in ``LaneHub.poll``'s
+    form, in order: each frame as ``("frame", identity, frame)``, then its lane's end."""
+    out: list[tuple[str, bytes, Any]] = []
+    for identity, frames, end in batches:
+        out.extend(("frame", identity, frame) for frame in frames)
+        if end is not None:
+            out.append((end[0], identity, end[1]))
+    return out
+
+
 class LaneHub:
     """The producer's side: the listening socket at ``path``, the offers made (token ->
     consumer identity and the pid its connection must come from), connections waiting
@@ -424,20 +440,8 @@ class LaneHub:
             got = self.reading.get(fd)
             if got is not None:
                 identity, lane = got
-                try:
-                    for _ in range(_PER_LANE):
-                        frame = lane.recv()
-                        if frame is None:
-                            break
-                        out.append(("frame", identity, frame))
-                except LaneClosed as exc:
-                    self.reading.pop(fd, None)
-                    self.mux.remove(fd)
-                    out.append(("closed", identity, f"its lane closed ({exc})"))
-                except ProtocolError as exc:
-                    self.reading.pop(fd, None)
-                    self.mux.remove(fd)
-                    out.append(("bad", identity, exc))
+                frames: list[bytes] = []
+                out += polled_form(((identity, frames, self._drain(fd, lane, frames)),))
             elif fd in self.bells:
                 try:
                     os.eventfd_read(fd)  # (what it rang for is read at every pump)
@@ -450,6 +454,42 @@ class LaneHub:
         if self.unauth:
             self._expire()
         return out
+
+    def read_lanes(self) -> list[Batch] | None:
+        """The producer's steady read: ``poll`` when only lanes being read have input.
+        For each such lane, ``(identity, its frames, end)``: ``end`` None, or what ended
+        the lane after those frames (``("closed", why)``, ``("bad", ProtocolError)``, as
+        ``poll`` reports them; the lane is no longer read). None, with nothing read, when
+        anything else needs ``poll``: the listener (a new lane, or watching it again after
+        EMFILE), a connection that has not sent its token (or must expire), a doorbell's
+        eventfd."""
+        if self.unauth or not self.listening:
+            return None
+        ready, reading = self.mux.ready(), self.reading
+        for fd, _ev in ready:
+            if fd not in reading:
+                return None
+        out: list[Batch] = []
+        for fd, _ev in ready:
+            identity, lane = reading[fd]
+            frames: list[bytes] = []
+            out.append((identity, frames, self._drain(fd, lane, frames)))
+        return out
+
+    def _drain(self, fd: int, lane: Lane, frames: list[bytes]) -> tuple[str, Any] | None:
+        """Append the frames that arrived on ``lane`` (read at ``fd``) to ``frames``, up to
+        _PER_LANE; at EOF or a bad packet (after the frames before it) stop reading it and
+        return ``("closed", why)`` or ``("bad", ProtocolError)``, else None."""
+        try:
+            lane.recv_into(frames, _PER_LANE)
+            return None
+        except LaneClosed as exc:
+            end: tuple[str, Any] = ("closed", f"its lane closed ({exc})")
+        except ProtocolError as exc:
+            end = ("bad", exc)
+        self.reading.pop(fd, None)
+        self.mux.remove(fd)
+        return end
 
     def watch_bell(self, fd: int) -> None:
         """Wake the channel's waits when a consumer rings our doorbell's eventfd ``fd``."""

@@ -7,7 +7,8 @@ ordering rule), ``runtime.peers`` + ``runtime.admission`` (the consumers, their
 sockets, their liveness; ``core.producer_session``: one connection's protocol, sans
 I/O), ``runtime.forwarder`` + ``core.forwarding`` (zero-copy forwarding). The port
 handles what arrives (the pump: monitor events, frames through each consumer's
-``ProducerSession``, the handshake, the liveness tick), and it is what other parts of
+``ProducerSession``, the handshake, the liveness tick; the steady pump, ``pump_steady``:
+only the lanes' RELEASEs, while nothing else needs a look), and it is what other parts of
 ipcsync use: ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
 producer pumps it while it waits), the entry of ``ipcsync.forward`` (``forward``) and of
 ``Producer.slot()`` blocks (``open_slot``/``close_slot``). Not user API. Used under its
@@ -44,6 +45,7 @@ from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
+from .lane import polled_form
 from .peers import Peer, PeerTable
 from .slots import Handoffs, SlotRecord, Waits
 
@@ -118,7 +120,7 @@ class ProducerPort(EndpointBase):
             ring=ring, slot_views=slot_views, ready_events=ready_events, slot_bytes=self.slot_bytes,
             peers=peers, ledger=ForwardLedger(self.slots), stats=self._stats, limits=limits,
             wait=waiting, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
-            waits=Waits(self.pump, self._wait_until, self._timeout_error, self._resolve_timeout))
+            waits=Waits(self.pump_steady, self._wait_until, self._timeout_error, self._resolve_timeout))
         self._plan_get: Callable[[Any], Any] = h.plans.get  # the plan cache's own get (hot path)
         self.forwarder = Forwarder(handoffs=h, peers=peers, backend=backend, device=self.device, lock=self._lock,
                                    enter=self._enter_send, touch=self._touch, default_stream=stream, name=name)
@@ -126,9 +128,14 @@ class ProducerPort(EndpointBase):
         self.attached_total = 0  # consumers that completed the handshake, ever
         self.pid = os.getpid()
         self.remote_hub: Any = None  # runtime.remote.RemoteHub, made at the first remote HELLO
+        # Every attached consumer's frames travel on its lane (its SWITCH received), and at
+        # least one is attached: set by each general pump (a consumer is added, and its
+        # SWITCH read, only there), read by the steady pump.
+        self.lanes_steady = False
         # Per-item notices through shared memory with consumers that opt in too (a lane edge).
         self.doorbell = self.ipc and chan.lanes is not None and chan.doorbell
         self._fds = chan.fds()
+        self._lanes_woken = [chan.lanes.fd] if chan.lanes is not None else [-1]  # (what _pump compares)
         self._closed = False
         self._start_service()
 
@@ -179,8 +186,58 @@ class ProducerPort(EndpointBase):
     _io_fds = io_fds  # (EndpointBase's hooks)
     _io_pending = io_pending
 
-    def pump(self) -> None:
-        """Handle everything that has arrived, without blocking. Lock held."""
+    def pump_steady(self) -> None:
+        """The steady pump (a send that found every slot taken; ``_slot_free``): read the
+        lanes that have frames and hand each consumer's RELEASEs to the handoffs in one
+        call per wake-up (``ProducerSession.release_frames``, then ``Handoffs.released``);
+        anything else goes to ``pump``, in order, losing nothing. Lock held.
+
+        Each condition below needs the general pump's look, for the reason beside it.
+        ZeroMQ is not read here: after a consumer's SWITCH only its monitor's events and
+        newcomers' handshakes come there, read by ``pump`` at the next tick, or in a wait
+        (``_wait_until``) as soon as ZeroMQ has input (``io_pending``)."""
+        peers = self.peers
+        if (not self.lanes_steady  # a consumer's frames come on ZeroMQ (no lane or no SWITCH yet), or none attached
+                or peers.bells  # doorbell RELEASE entries: taken in order with the lane frames (take_releases)
+                or self.forwarder.ledger.pending  # forwarded items wait for downstream release events: polled
+                or self.handoffs.kept_slots  # slot() tensors that outlived their block: polled
+                or self.remote_hub is not None  # remote edges: completed sends to confirm
+                or time.monotonic() >= self._next_tick):  # the tick: liveness, heartbeats, monitor, half-open
+            self.pump()
+            return
+        for peer in peers.by_id.values():
+            lane = peer.lane
+            # Frames queued for it (flush); its connection closed (the liveness rule waits
+            # for its process); no lane (gone meanwhile): the general pump.
+            if peer.outbox or peer.disconnected or lane is None or lane.tail:
+                self.pump()
+                return
+        lanes = self.chan.lanes
+        got = lanes.read_lanes() if lanes is not None else None
+        if got is None:  # the listener, a lane's token, a doorbell's eventfd: LaneHub.poll
+            self.pump()
+            return
+        now = time.monotonic()
+        h, peer_of = self.handoffs, peers.get
+        for i, (identity, frames, end) in enumerate(got):
+            reader, n = peer_of(identity), 0
+            if reader is not None:  # (else gone: pump ignores its frames)
+                entries: list[tuple[int, int, int]] = []
+                n = reader.session.release_frames(frames, now, entries)
+                if entries:
+                    h.released(reader, entries)  # (frees slots and credits: sends nothing)
+            if n < len(frames) or end is not None:
+                # Another frame kind, a bad frame, EOF: the rest of this lane and the
+                # lanes after it, in order, then everything else.
+                self.pump(polled_form([(identity, frames[n:], end), *got[i + 1:]]))
+                return
+        if h.ring.queued:
+            h.dispatch()  # a release gave back a credit a queued item waits for
+
+    def pump(self, taken: Sequence[tuple[str, bytes, Any]] = ()) -> None:
+        """Handle everything that has arrived, without blocking (``taken``: what the steady
+        pump read off the lanes and left, in ``LaneHub.poll``'s form, handled before what
+        the lanes have since). Lock held."""
         chan, peers = self.chan, self.peers
         peers.monitor(chan.events())
         recv, on_frame = chan.recv, self.on_frame
@@ -194,6 +251,8 @@ class ProducerPort(EndpointBase):
             # After the ZeroMQ frames: a consumer's SWITCH among them opened its lane for
             # reading, and its lane frames all follow that SWITCH (runtime.lane).
             polled = lanes.poll()
+            if taken:
+                polled[:0] = taken
             if peers.bells:
                 self.take_releases()
             for what, identity, data in polled:
@@ -212,12 +271,23 @@ class ProducerPort(EndpointBase):
         if self.remote_hub is not None:
             self.confirm_sends()
         peers.flush()
+        self.lanes_steady = lanes is not None and bool(peers.by_id) and all(
+            p.lane is not None and p.session.switch_received for p in peers.by_id.values())
         now = time.monotonic()
         if now >= self._next_tick:
             self._next_tick = now + self._tick
             peers.tick(now)
 
-    _pump = pump  # (EndpointBase's hook: no frame of its own)
+    def _pump(self) -> None:
+        """EndpointBase's hook (its waits, the service thread): the steady pump when the
+        last wait's select woke on the lanes' epoll alone, or on nothing (it timed out):
+        ``io_pending`` had found nothing queued on ZeroMQ before that select, and a ZeroMQ
+        fd that did not signal has nothing new behind it. The general pump otherwise."""
+        woken, self._woken = self._woken, None
+        if woken is not None and (not woken or woken == self._lanes_woken):
+            self.pump_steady()
+        else:
+            self.pump()
 
     # ------------------------------------------------------------------ remote edges
     def confirm_sends(self) -> None:
@@ -659,7 +729,7 @@ class ProducerPort(EndpointBase):
         with self._lock:
             self._enter_send()
             if self.ring.free_slots == 0:
-                self.pump()
+                self.pump_steady()
             return self.ring.free_slots > 0, None
 
     def _fill_poller(self, poller: Any) -> None:

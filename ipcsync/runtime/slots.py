@@ -72,7 +72,7 @@ MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
 class Waits(NamedTuple):
     """The endpoint's wait machinery, as the handoff steps use it (all: lock held)."""
 
-    pump: Callable[[], None]
+    pump: Callable[[], None]  # the steady pump (the port's ``pump_steady``: the general one when needed)
     wait_until: Callable[..., bool]  # EndpointBase's: (done, timeout, cause, stats_wait, ...)
     timeout_error: Callable[[str, float | None, str], IpcTimeoutError]
     resolve_timeout: Callable[[float | None], float | None]

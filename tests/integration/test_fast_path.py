@@ -8,14 +8,23 @@ branch; anything else takes the general one):
 - the ring is full (backpressure: the send waits, pumping releases);
 - close() while items are in flight (they are all delivered, then a clean end).
 
+And the producer's steady pump (``ProducerPort.pump_steady``: a send that found every slot
+taken reads the lanes and hands their RELEASEs over in one step) hands over to the general
+pump at each of its edges: a consumer joining while it runs (its HELLO comes on ZeroMQ, read
+at a tick), a consumer lost (its lane's EOF), a bad frame on a lane, and the liveness tick
+(a SIGSTOPped consumer is seen stalled while the others' releases are read steadily).
+
 Every consumer checks each item's contents and that its items come in order (a
 broadcast consumer: each seq once, none skipped).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -33,6 +42,50 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("handoff_path")]
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+class SteadyReads:
+    """Counts the producer's steady reads that found frames (``LaneHub.read_lanes`` through
+    ``ProducerPort.pump_steady``; none while a doorbell is up: its entries take the general
+    pump) and keeps what they read."""
+
+    def __init__(self, out: ipcsync.Producer, monkeypatch: pytest.MonkeyPatch) -> None:
+        lanes = out.port.chan.lanes
+        assert lanes is not None
+        real = lanes.read_lanes
+        self.count = 0
+        self.read: list[Any] = []
+
+        def counted() -> Any:
+            got = real()
+            if got:
+                self.count += 1
+                self.read.append(got)
+            return got
+
+        monkeypatch.setattr(lanes, "read_lanes", counted)
+
+
+def _sender(out: ipcsync.Producer, size: int) -> Callable[[Callable[[], bool]], int]:
+    """``send_until(done)``: send the next items (meta ``{"i": i, ...}``) until ``done()``
+    (looked at every 8 items); returns how many were sent in all."""
+    sent = 0
+
+    def send_until(done: Callable[[], bool]) -> int:
+        nonlocal sent
+        while sent % 8 or not done():
+            assert sent < 300_000, "the producer never got there"
+            out.send(expected(sent, size), meta={"i": sent, "tag": f"item-{sent}"}, timeout=30)
+            sent += 1
+        return sent
+
+    return send_until
+
+
+def steady(handoff_path: str) -> bool:
+    """The steady pump reads the lanes on this route (no doorbell: its entries take the
+    general pump)."""
+    return handoff_path.endswith("doorbell0")
 
 
 def _msg(i: int, kind: int, device: str) -> dict[str, Any]:
@@ -103,7 +156,11 @@ def test_a_consumer_joining_mid_stream(endpoints: Any, procs: Any, policy: str) 
     for i in range(n // 2, n):
         out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
     out.close()
-    a, b = first.result(), second.result()
+    _check_join(first.result(), second.result(), n, shard, n // 2)
+
+
+def _check_join(a: dict[str, Any], b: dict[str, Any], n: int, shard: bool, joined: int) -> None:
+    """Consumer ``a`` was there from the start, ``b`` joined by item ``joined``; ``n`` sent."""
     assert a["errors"] == [] and b["errors"] == [], (a, b)
     assert a["end"] == b["end"] == "stop"
     if shard:
@@ -111,27 +168,33 @@ def test_a_consumer_joining_mid_stream(endpoints: Any, procs: Any, policy: str) 
         assert b["received"] > 0  # the newcomer took part
     else:
         assert a["received"] == n and a["first"] == [0] and a["last"] == [n - 1]
-        assert b["last"] == [n - 1] and b["first"][0] <= n // 2  # every item since it joined
+        assert b["last"] == [n - 1] and b["first"][0] <= joined  # every item since it joined
 
 
-def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any) -> None:
-    """Broadcast to two consumers (the general dispatch); one SIGKILLs itself mid-stream;
-    the survivor, alone again (the fast path), gets every item, in order, intact."""
-    n, size = 150, 16
+def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
+                                    handoff_path: str) -> None:
+    """Broadcast to two consumers (the general dispatch); one SIGKILLs itself mid-stream,
+    holding slots, while the producer runs steady (its sends wait for releases, read off
+    the lanes): its lane's EOF goes to the general pump, which reclaims its slots; the
+    survivor, alone again (the fast path), gets every item, in order, intact."""
+    size = 16
     out = endpoints.producer("fp-lost", slots=4, slot_bytes=1 << 14, heartbeat=0.2, timeout=30,
                              policy="broadcast")
     survivor = procs.start("consume", module="peers.basic", endpoint="fp-lost", size=size, heartbeat=0.2)
     victim = procs.start("consume", module="peers.basic", endpoint="fp-lost", size=size, heartbeat=0.2,
                          kill_after=20)
     out.wait_for_consumers(2, timeout=30)
-    for i in range(n):
-        out.send(expected(i, size), meta={"i": i, "tag": f"item-{i}"})
+    reads = SteadyReads(out, monkeypatch)
+    send_until = _sender(out, size)
+    send_until(lambda: out.stats()["consumers_lost"] == 1)
+    lost_at = reads.count
+    n = send_until(lambda: reads.count > lost_at + 2 or not steady(handoff_path))  # steady again, alone
     victim.read_until(lambda line: line.get("event") == "dying", timeout=30)
     out.close()
     res = survivor.result()
     assert res["errors"] == [] and res["end"] == "stop", res
     assert res["received"] == n and res["first"] == [0] and res["last"] == [n - 1]
-    assert out.stats()["consumers_lost"] == 1
+    assert out.stats()["consumers_lost"] == 1 and out.consumers == 0
 
 
 def test_a_full_ring_waits_and_loses_nothing(endpoints: Any, procs: Any) -> None:
@@ -199,3 +262,123 @@ def test_close_lets_go_of_every_plan(endpoints: Any) -> None:
     (plan,) = out.port.handoffs.plans.plans.values()
     out.close()
     assert sys.getrefcount(plan) == 2  # ours, and getrefcount's argument: nobody else's
+
+
+@pytest.mark.parametrize("policy", ["broadcast", "shard"])
+def test_a_consumer_joins_while_the_producer_runs_steady(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
+                                                         handoff_path: str, policy: str) -> None:
+    """The producer sends without pause (its sends wait for slots, pumping steadily) while
+    a second consumer starts: its HELLO (on ZeroMQ, which the steady pump does not read)
+    is answered by the general pump at a tick, its handshake and SWITCH follow, and both
+    get items, in order, intact: broadcast, the first every item and the newcomer each
+    since it joined; shard, each item exactly once."""
+    size = 16
+    shard = policy == "shard"
+    out = endpoints.producer("fp-join-steady", slots=4, slot_bytes=1 << 14, heartbeat=0.5, timeout=30,
+                             policy=policy)
+    first = procs.start("consume", module="peers.basic", endpoint="fp-join-steady", size=size, sharded=shard)
+    out.wait_for_consumers(1, timeout=30)
+    reads = SteadyReads(out, monkeypatch)
+    send_until = _sender(out, size)
+    send_until(lambda: out.stats()["lanes"] == 1 and (reads.count > 2 or not steady(handoff_path)))
+    before = reads.count
+    second = procs.start("consume", module="peers.basic", endpoint="fp-join-steady", size=size, sharded=shard)
+    joined = send_until(lambda: out.consumers == 2)
+    assert reads.count > before or not steady(handoff_path)  # steady reads while it started
+    send_until(lambda: out.stats()["lanes"] == 2)
+    both = reads.count
+    n = send_until(lambda: reads.count > both + 2 or not steady(handoff_path))  # steady again, with both
+    out.close()
+    _check_join(first.result(), second.result(), n, shard, joined)
+
+
+BAD = b"\x92\x7f\x00"  # [127, 0]: no such message type
+
+
+def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatch: pytest.MonkeyPatch,
+                                                     handoff_path: str) -> None:
+    """Two consumers hold every slot; one releases its items, the other writes a frame of
+    an unknown type on its lane; the producer's steady pump reads both lanes: the bad frame
+    goes to the general pump, which drops its sender with the usual error (its slots
+    reclaimed); the other's releases stand and it goes on."""
+    out = endpoints.producer("fp-bad-lane", slots=4, slot_bytes=4096, heartbeat=None, timeout=10, policy="broadcast")
+    good = endpoints.consumer("fp-bad-lane", heartbeat=None, timeout=10, auto_release=False)
+    rogue = endpoints.consumer("fp-bad-lane", heartbeat=None, timeout=10, auto_release=False)
+    out.wait_for_consumers(2, timeout=10)
+    seq = 0
+    while out.stats()["lanes"] < 2 or not good.stats()["lane"] or not rogue.stats()["lane"]:
+        assert seq < 5000, "frames never moved to the lanes"
+        out.send({"x": torch.full((4,), seq)}, timeout=10)
+        for c in (good, rogue):
+            item = c.get(timeout=10)
+            assert item is not None and item.seq == seq
+            item.release()
+        seq += 1
+    first = seq
+    for _ in range(4):  # every slot taken by both
+        out.send({"x": torch.full((4,), seq)}, timeout=10)
+        seq += 1
+    held = {c: [c.get(timeout=10) for _ in range(4)] for c in (good, rogue)}
+    reads = SteadyReads(out, monkeypatch)
+    port = out.port
+    with port.lock:  # nobody else pumps the producer meanwhile
+        port.pump()  # the releases of the rounds above, and the lanes seen steady
+        for item in held[good]:
+            item.release()
+        endpoint = good._endpoint
+        with endpoint._lock:
+            endpoint._link.flush_releases()  # on good's lane now
+        endpoint = rogue._endpoint
+        with endpoint._lock:
+            lane = endpoint._link.chan.lane
+            assert lane is not None and lane.send(BAD)
+        port._next_tick = time.monotonic() + 3600  # no tick due: the steady branch is taken
+        try:
+            port.pump_steady()
+        finally:
+            port._next_tick = 0.0
+        assert len(port.peers) == 1 and port.ring.free_slots == 4
+    assert out.stats()["bad_frames"] == 1 and out.consumers == 1
+    if steady(handoff_path):
+        (read,) = reads.read  # one steady read found both lanes' frames
+        assert len(read) == 2 and any(BAD in frames for _who, frames, _end in read)
+    out.send({"x": torch.full((4,), seq)}, timeout=10)
+    item = good.get(timeout=10)
+    assert item is not None and item.seq == seq and int(item["x"][0]) == seq
+    with pytest.raises(ipcsync.IpcSyncError):
+        while True:  # its items, then the producer's error
+            got = rogue.get(timeout=10)
+            assert got is not None and got.seq < seq
+    assert [i.seq for i in held[good]] == list(range(first, first + 4))
+
+
+def test_the_tick_runs_while_the_producer_runs_steady(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
+                                                      handoff_path: str) -> None:
+    """One of two sharded consumers is SIGSTOPped holding its one credit's item; the
+    producer keeps sending to the other, pumping steadily: its liveness tick still runs
+    (the stopped one is seen stalled, and answering again once continued), and every item
+    arrives exactly once."""
+    size = 16
+    out = endpoints.producer("fp-tick", slots=4, slot_bytes=1 << 14, heartbeat=0.2, timeout=30)
+    busy = procs.start("consume", module="peers.basic", endpoint="fp-tick", size=size, sharded=True, heartbeat=0.2)
+    paused = procs.start("consume", module="peers.basic", endpoint="fp-tick", size=size, sharded=True, heartbeat=0.2,
+                         credits=1, progress=1)
+    out.wait_for_consumers(2, timeout=30)
+    reads = SteadyReads(out, monkeypatch)
+    send_until = _sender(out, size)
+    send_until(lambda: out.stats()["handoffs"] >= 32)  # (the paused one takes some)
+    paused.read_until(lambda line: line.get("event") == "received", timeout=30)
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        stopped_at = reads.count
+        send_until(lambda: out.stats()["consumers_stalled"] == 1)
+        assert reads.count > stopped_at or not steady(handoff_path)  # steady reads until the tick saw it
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    n = send_until(lambda: out.stats()["consumers_stalled"] == 0)
+    out.close()
+    a, b = busy.result(), paused.result()
+    assert a["errors"] == [] and b["errors"] == [], (a, b)
+    assert a["end"] == b["end"] == "stop"
+    assert a["received"] + b["received"] == n and a["distinct"] + b["distinct"] == n
+    assert out.stats()["consumers_stalled_total"] >= 1 and out.stats()["consumers_lost"] == 0

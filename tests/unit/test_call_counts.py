@@ -196,3 +196,50 @@ def test_a_steady_next_costs_at_most_6_python_calls_and_a_release_3(endpoints: A
     steady_release, _ = releases.most_common(1)[0]
     assert steady_round <= mode["next"] * BATCH, f"Python calls per round of {BATCH} next(): {sorted(nexts.items())}"
     assert steady_release <= mode["release"], f"Python calls per release(): {sorted(releases.items())}"
+
+
+# ------------------------------------------------------------------ the producer's steady pump
+STEADY_PUMP_MAX = 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_producers_steady_pump_makes_a_bounded_number_of_python_calls(endpoints: Any, device: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that found every slot taken pumps steadily (``ProducerPort.pump_steady``):
+    one wake-up reading a lane with RELEASE frames costs at most STEADY_PUMP_MAX Python
+    calls, however many frames and entries it reads (one batched decode, one ring call)."""
+    monkeypatch.setenv("IPCSYNC_DOORBELL", "0")
+    out = endpoints.producer("steady-pump", slots=SLOTS, slot_bytes=8192, device=device, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("steady-pump", device=device, heartbeat=None, timeout=10, auto_release=False)
+    out.wait_for_consumers(1, timeout=10)
+    src = torch.zeros(4096, dtype=torch.uint8, device=device)
+    for _ in range(1000):
+        if out.stats()["lanes"] and inp.stats()["lane"]:
+            break
+        _rounds(out, inp, lambda: out.send({"x": src}), 1)
+    else:
+        raise AssertionError("frames never moved to the lane")
+    port, link = out.port, inp._endpoint._link
+    counts = []
+    for frames in (1, 2, SLOTS):  # RELEASE frames waiting on the lane at the wake-up
+        for _ in range(SLOTS):
+            out.send({"x": src}, timeout=10)
+        items = [inp.get(timeout=10) for _ in range(SLOTS)]
+        with port.lock:  # (nobody else pumps the producer meanwhile)
+            port.pump()  # what is pending settled, the lanes seen steady
+            assert port.ring.free_slots == 0
+            for k, item in enumerate(items):
+                assert item is not None
+                item.release()
+                if (k + 1) % (SLOTS // frames) == 0:
+                    with inp._endpoint._lock:
+                        link.flush_releases()
+            del item, items
+            port._next_tick = float("inf")  # no tick due: the steady branch
+            try:
+                counts.append(python_calls(port.pump_steady))
+            finally:
+                port._next_tick = 0.0
+            assert port.ring.free_slots == SLOTS  # every RELEASE handled
+    worst = max(counts)
+    assert worst[0] <= STEADY_PUMP_MAX, f"the steady pump made {worst[0]} Python calls: {worst[1]}"

@@ -3,7 +3,8 @@
 - ``protocol.decode_ready`` / ``decode_release``: for every frame and limits, either None
   (the caller then uses ``decode``) or exactly the fields ``decode`` would return, so the
   wire format is validated exactly as strictly as by ``decode``; ``decode_readies`` (a
-  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None; each
+  wake-up's frames at once) is ``decode_ready`` of each frame up to the first None, and
+  ``decode_releases`` (the producer's) ``decode_release`` of each, the same way; each
   with the compiled decoders in use and without them (``decoder_route``; the compiled
   ones against the Python reference directly: tests/unit/test_native_decoders.py);
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
@@ -148,6 +149,25 @@ def test_decode_readies_is_decode_ready_of_each_frame_up_to_the_first_refused(fr
 
 
 @pytest.mark.usefixtures("decoder_route")
+@HYP
+@given(st.lists(st.one_of(_release_like, _release_like.map(lambda a: a[:-1]), _data).map(pack)
+                | st.binary(max_size=16), max_size=6),
+       st.sampled_from(LIMITS))
+def test_decode_releases_is_decode_release_of_each_frame_up_to_the_first_refused(frames: list[bytes],
+                                                                                 limits: Limits) -> None:
+    expected: list[Any] = []
+    taken = 0
+    for frame in frames:
+        one = P.decode_release(frame, limits)
+        if one is None:
+            break
+        expected += one
+        taken += 1
+    out: list[Any] = [("earlier",)]
+    assert P.decode_releases(frames, limits, out) == taken
+    assert out == [("earlier",), *expected]  # (appended: a refused frame adds none of its entries)
+
+
 @HYP
 @given(st.binary(max_size=64), st.sampled_from(LIMITS))
 def test_fast_decoders_agree_on_arbitrary_bytes(frame: bytes, limits: Limits) -> None:

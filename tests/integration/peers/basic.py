@@ -54,7 +54,7 @@ def consume(a: dict[str, Any]) -> None:
     t0 = time.monotonic()
     device = a.get("device", "cpu")
     inp = ipcsync.Consumer(a["endpoint"], heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0),
-                           device=device, wait=a.get("wait", "gpu"))
+                           device=device, wait=a.get("wait", "gpu"), credits=a.get("credits"))
     say(event="connected", pid=os.getpid(), producer=inp.producer_pid)
     try:
         for item in inp:
