@@ -284,8 +284,9 @@ def test_a_consumer_joins_while_the_producer_runs_steady(endpoints: Any, procs: 
     before = reads.count
     second = procs.start("consume", module="peers.basic", endpoint="fp-join-steady", size=size, sharded=shard)
     joined = send_until(lambda: out.consumers == 2)
-    assert reads.count > before or not steady(handoff_path)  # steady reads while it started
-    send_until(lambda: out.stats()["lanes"] == 2)
+    # Steady reads since it started (on a loaded machine perhaps only after its handshake:
+    # which pump sees a given frame is not forced, the outcome is what is checked).
+    send_until(lambda: out.stats()["lanes"] == 2 and (reads.count > before or not steady(handoff_path)))
     both = reads.count
     n = send_until(lambda: reads.count > both + 2 or not steady(handoff_path))  # steady again, with both
     out.close()
