@@ -83,11 +83,15 @@ def test_the_producers_bye_after_a_burst_ends_the_stream_cleanly_after_every_ite
     prod.read_until(lambda l: l.get("event") == "bound")
     c = endpoints.consumer("fp-bye", device="cpu", timeout=30)
     got = []
+    on_lane = False
     for item in c:  # ends (no exception) after the producer's BYE and its last item
         got.append(item.meta["i"])
         assert float(item["a"][1]) == 7 + item.meta["i"]
+        # (looked at during the stream: once the producer has gone its lane is closed, and
+        # whether the last pump saw that depends on when the producer exited)
+        on_lane = on_lane or c.stats()["lane"]
     assert got == list(range(n))
-    assert c.stats()["lane"]
+    assert on_lane
     prod.result()
 
 
