@@ -189,15 +189,15 @@ def test_a_consumer_exits_cleanly_when_its_closed_edge_breaks_during_interpreter
 @pytest.mark.timeout(180)
 def test_large_items_in_many_slots_do_not_silence_either_side(procs: Any) -> None:
     # Posting a gloo send or recv can block while the transfers already posted on the
-    # connection run (here 8 of 128 MiB: about a second on two cores). Done under the
-    # endpoint's lock, that silenced the heartbeats, and a remote peer silent past 3
-    # heartbeats is lost: a healthy consumer was dropped. Posts now go from a thread of
-    # their own. Heartbeats of 0.25 s (lost past 0.75 s, under the second a blocked post
-    # silenced them): at 0.1 s (0.3 s) a 2-core machine running other tests at once
-    # starved a healthy producer that long (5 of 8 runs with four copies of this test at
-    # once, peers forked; 0 of 8 at 0.25 s).
-    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 40, "nbytes": 128 << 20, "slots": 8,
-            "heartbeat": 0.25}
+    # connection run (8 of 128 MiB: about a second on two cores; here 12 in flight).
+    # Done under the endpoint's lock, that silenced the heartbeats, and a remote peer
+    # silent past 3 heartbeats is lost: a healthy consumer was dropped. Posts now go from
+    # a thread of their own. Heartbeats of 0.3 s (lost past 0.9 s, under what a
+    # blocked post silenced): a 2-core machine running other tests at once starved a
+    # healthy producer 0.3 s (5 of 8 runs with four copies of this test at once, peers
+    # forked, at 0.1 s heartbeats) and once 0.8 s (a fresh-clone run at 0.25 s).
+    args = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "n": 40, "nbytes": 128 << 20, "slots": 12,
+            "heartbeat": 0.3}
     p = procs.start("produce_large", module=MODULE, env=host("producer-host"), **args)
     p.read_until(lambda l: l.get("event") == "bound", 60)
     c = procs.start("consume_large", module=MODULE, env=host("consumer-host"), **args)
