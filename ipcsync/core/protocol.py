@@ -974,12 +974,8 @@ def decode_readies(
 def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
     """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
     would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
-    native = NATIVE_DECODERS.release
-    if native is not None:
-        entries = native(frame, limits.max_frame, limits.max_items, limits.max_release_batch, _RELEASE, _MAX_INT)
-        if entries is not None:
-            return entries
-    return python_decode_release(frame, limits)
+    entries: list[tuple[int, int, int]] = []
+    return entries if decode_releases((frame,), limits, entries) else None
 
 
 def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
