@@ -13,6 +13,9 @@ extension is not built.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import deque
 from typing import Any
 
@@ -230,3 +233,18 @@ def test_the_handoff_routes_turn_the_decoders_on_and_off(copy_path: str) -> None
     """The conformance and fast-path suites' routes (tests/conftest.py ``_use_copy``): the
     compiled decoders in the native route, the Python ones in the torch route."""
     assert native.decoders_in_use() is (copy_path == "native")
+
+
+@pytest.mark.skipif(not native.BUILT, reason="the compiled piece is not built here")
+def test_a_process_that_only_consumes_decodes_with_the_compiled_decoders() -> None:
+    # A consumer's process imports the consumer's runtime, not the producer's: the
+    # compiled decoders must be installed there too (its wake-ups decode the READYs).
+    code = ("import sys\n"
+            "from ipcsync.runtime import consumer_endpoint\n"
+            "from ipcsync.core import protocol\n"
+            "assert 'ipcsync.runtime.port' not in sys.modules\n"
+            "print(protocol.NATIVE_DECODERS.readies is not None)\n")
+    env = {k: v for k, v in os.environ.items() if k != "IPCSYNC_NATIVE"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "True"
