@@ -87,6 +87,49 @@ def bind_hot(facade: Any, name: str, bound: Callable[..., Any]) -> None:
 _open_endpoints: "weakref.WeakSet[EndpointBase]" = weakref.WeakSet()
 
 
+class _Reacquire:
+    """``with _Reacquire(lock):`` takes ``lock`` and leaves it taken. Its ``__enter__`` is
+    the lock's own ``acquire`` (a C call: the property hands it over uncalled), which the
+    with statement calls with no signal handler run between its return and the block's
+    first line; so the block runs exactly when the lock was taken."""
+
+    __slots__ = ("_acquire",)
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._acquire = lock.acquire
+
+    @property
+    def __enter__(self) -> Callable[[], bool]:
+        return self._acquire
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def reacquire(lock: threading.Lock) -> BaseException | None:
+    """Take ``lock`` back after a wait, whatever signals do meanwhile: a handler's exception
+    raised while the lock is awaited (it was not taken) makes it wait again; one raised
+    after it was taken (a signal handled at the call's return) leaves it taken. Returns
+    with the lock held, and the first such exception (KeyboardInterrupt, say) for the
+    caller to raise, else None.
+
+    A plain ``lock.acquire()`` retried on an exception cannot tell these apart: a Ctrl-C
+    handled as the acquire returns leaves the lock held, and the retry then waits for ever
+    on a lock its own thread holds (the endpoint wedged, no heartbeat, no error to its
+    peers). Here the held flag is set inside a with block that only a taken lock enters:
+    CPython runs no signal handler between a with statement's ``__enter__`` and its block
+    (3.10-3.13; 3.14 with CPython gh-148874's fix)."""
+    interrupted: BaseException | None = None
+    held = False
+    while not held:
+        try:
+            with _Reacquire(lock):
+                held = True
+        except BaseException as exc:  # a signal handler raised, before or after the lock was taken
+            interrupted = interrupted or exc
+    return interrupted
+
+
 class EndpointBase:
     """Base of the runtime endpoints: lock, service thread, closed state."""
 
@@ -248,13 +291,7 @@ class EndpointBase:
         try:
             return fn()
         finally:
-            interrupted: BaseException | None = None
-            while True:
-                try:
-                    self._lock.acquire()
-                    break
-                except BaseException as exc:  # a signal handler raised: retry, then re-raise
-                    interrupted = interrupted or exc
+            interrupted = reacquire(self._lock)
             self.blocked_calls -= 1
             self._last_call = time.monotonic()
             if self._closer is not None:
