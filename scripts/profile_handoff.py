@@ -10,6 +10,11 @@ top functions by own time. A development tool; scripts/bench.py is the benchmark
 runs it: the host time of each step on each side per round trip, and what is left for
 transport and wake-ups.
 
+``--split``: ``bench.py``'s handoff (a 4 KiB ``send`` with an int meta, the consumer
+touching one byte of each item) in two processes, timing the consumer's ``next``, touch and
+``release`` per item and the producer's ``send``: which side sets the pace, and how much of
+it is the library's (``--no-touch``: the same without the touch).
+
 ``--ops``: the host cost of each primitive the hot path is made of (torch ops, events,
 msgpack, a ZeroMQ send, a lock, a Python call), one at a time, on this host: the budget
 a handoff is built from.
@@ -482,6 +487,78 @@ def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
         print(got[role][2])
 
 
+def _split_producer(ep, n, slots, device, q, ready):
+    import ipcsync
+
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
+    src = torch.randint(0, 255, (4096,), dtype=torch.uint8, device=device)
+    with ipcsync.Producer(ep, slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out:
+        ready.set()
+        out.wait_for_consumers(1, timeout=60)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out.send({"x": src}, meta=time.monotonic_ns())  # (bench.py's handoff producer)
+        spent = time.perf_counter() - t0
+        waited = sum(out.stats()["waiting_s"].values())
+    q.put(("producer", {"send (waits included)": spent / n * 1e6, "  of it waiting for a slot": waited / n * 1e6}))
+
+
+def _split_consumer(ep, n, device, touch, q):
+    import ipcsync
+
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
+    clock = time.perf_counter
+    spent = {"next (waits included)": 0.0, "touch": 0.0, "release": 0.0}
+    with ipcsync.Consumer(ep, device=device, heartbeat=None, timeout=60) as inp:
+        it = iter(inp)
+        next(it).release()
+        t_start = clock()
+        for _ in range(n - 1):
+            t0 = clock()
+            item = next(it)
+            t1 = clock()
+            if touch:
+                _touch(item["x"])
+            t2 = clock()
+            item.release()
+            t3 = clock()
+            spent["next (waits included)"] += t1 - t0
+            spent["touch"] += t2 - t1
+            spent["release"] += t3 - t2
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        total = clock() - t_start
+        waited = sum(inp.stats()["waiting_s"].values())
+    row = {k: v / (n - 1) * 1e6 for k, v in spent.items()}
+    row["  of next: waiting for an item"] = waited / (n - 1) * 1e6
+    row["per item, all of it"] = total / (n - 1) * 1e6
+    q.put(("consumer", row))
+
+
+def split(n: int, slots: int, device: str, touch: bool) -> None:
+    """bench.py's handoff suite (``send`` with an int meta, 4 KiB, the consumer touching
+    one byte of each item), two processes, with the consumer's time per item split into
+    ``next``, the touch and ``release``, and the producer's ``send``: which side sets the
+    pace, and how much of it is the library's. No profiler."""
+    ctx = mp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    ep = f"split-{os.getpid()}"
+    ps = [ctx.Process(target=_split_producer, args=(ep, n, slots, device, q, ready))]
+    ps[0].start()
+    ready.wait(60)
+    ps.append(ctx.Process(target=_split_consumer, args=(ep, n, device, touch, q)))
+    ps[1].start()
+    got = dict(q.get(timeout=_HANG_S + 30) for _ in ps)
+    for p in ps:
+        p.join(60)
+    per_item = got["consumer"]["per item, all of it"]
+    print(f"split ({device}, 4 KiB send with an int meta, {n} items, {slots} slots, touch: {touch}): "
+          f"{1e6 / per_item:,.0f} items/s at the consumer")
+    for role in ("producer", "consumer"):
+        for name, us in got[role].items():
+            print(f"  {role:9s} {name:34s} {us:8.2f} us")
+
+
 def ops(n: int, device: str) -> None:
     import threading
 
@@ -575,12 +652,18 @@ def main() -> None:
                     help="request/reply, one in flight: host time of each step on each side")
     ap.add_argument("--read", action="store_true", help="--roundtrip: read the answer on the host")
     ap.add_argument("--profile", action="store_true", help="--roundtrip: also under cProfile, top functions")
+    ap.add_argument("--split", action="store_true",
+                    help="bench.py's handoff, two processes: the consumer's next/touch/release and the producer's "
+                         "send per item (with --no-touch: without the touch)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("IPCSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="ipcs-prof-", dir="/tmp"))
     if a.ops:
         torch.set_num_threads(1)
         ops(min(a.n, 5000), a.device)
+        return
+    if a.split:
+        split(a.n, a.slots, a.device, not a.no_touch)
         return
     if a.roundtrip:
         roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)
