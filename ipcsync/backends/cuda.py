@@ -33,6 +33,7 @@ import msgpack
 import torch
 
 from ..errors import BackendError, ConfigError, IpcTimeoutError
+from ..interrupts import wait_point
 from .base import Arena, Backend, Event
 
 __all__ = ["CudaBackend", "IpcEvent", "CudaArena", "current_stream", "export_tensor", "import_tensor"]
@@ -153,6 +154,7 @@ class IpcEvent(Event):
         raw = int(getattr(self.event, "cuda_event", 0) or 0)
         return (raw, self.device_index) if raw else None
 
+    @wait_point
     def synchronize(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-5

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..interrupts import wait_point
+
 __all__ = ["Job", "within"]
 
 
@@ -45,6 +47,7 @@ class Job:
         return self.value
 
 
+@wait_point
 def within(fn: Callable[[], Any], bound: float, name: str) -> Any:
     """``fn()``'s value (or exception), waited for at most ``bound`` seconds on a daemon
     thread called ``name``; TimeoutError past it."""

@@ -36,6 +36,7 @@ from typing import Any, Callable, Coroutine
 
 import torch
 
+from .. import interrupts
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
 # Imported for its import: it installs the compiled steady decoders where built, which this
@@ -508,6 +509,7 @@ class ConsumerEndpoint(EndpointBase):
             self._link.pump()
             self._link.tick(now)
             self._stats.settle()
+            interrupts.protect()  # (back in place if the program's framework put the default back)
         elif woken is not None and (not woken or woken == self._lane_woken):
             self._link.pump_lane()
         else:

@@ -44,9 +44,11 @@ from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from .. import interrupts
 from ..core.ratelog import RateLog
 from ..core.spin import AdaptiveSpin
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
+from ..interrupts import wait_point
 from ..logs import apply_env_level
 from .waiting import EVENT_SPIN_S, Poller, spin_seconds
 
@@ -221,10 +223,14 @@ class EndpointBase:
         )
         self._service.start()
         _open_endpoints.add(self)
+        interrupts.protect()  # (a Ctrl-C in the main thread lands where our state is whole)
 
+    @wait_point
     def _stop_service(self) -> None:
         self._stop.set()
         _open_endpoints.discard(self)
+        if not _open_endpoints:
+            interrupts.unprotect()
         t = self._service
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
@@ -256,6 +262,7 @@ class EndpointBase:
         if closer is not None and closer != threading.get_ident():
             raise ClosedError(f"this {self._role} was closed by another thread while this call waited")
 
+    @wait_point
     def _begin_close(self, timeout: float = 2.0) -> bool:
         """close(): mark it started, then wait (up to ``timeout``) until every call blocked
         in another thread has left; they raise ClosedError. False: the endpoint was closed
@@ -265,6 +272,7 @@ class EndpointBase:
             self._cond.wait_for(lambda: self.blocked_calls == 0, timeout)
         return not self._closed
 
+    @wait_point
     def _closing_elsewhere(self, timeout: float | None) -> bool:
         """close(): another thread's close() is under way. Wait until it ends (up to
         ``timeout``; it is bounded by its own) instead of starting a second one, whose
@@ -299,6 +307,7 @@ class EndpointBase:
             if interrupted is not None:
                 raise interrupted
 
+    @wait_point
     def _block(self, timeout: float) -> None:
         """Wait up to ``timeout`` for socket activity, without the lock. Lock held."""
         if self._io_pending():
@@ -322,6 +331,7 @@ class EndpointBase:
         t = self._timeout if timeout is None else check_timeout("timeout", timeout)
         return None if t is None or math.isinf(t) else t
 
+    @wait_point
     def _wait_until(
         self, done: Callable[[], bool], timeout: float | None, cause: str | None = None,
         stats_wait: Callable[[str, float], None] | None = None, poll_event: bool = False,

@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 import torch
 import zmq
 
+from .. import interrupts
 from .. import limits as L
 from ..backends import backend_for, resolve_device
 from ..core import protocol as P
@@ -277,6 +278,7 @@ class ProducerPort(EndpointBase):
         if now >= self._next_tick:
             self._next_tick = now + self._tick
             peers.tick(now)
+            interrupts.protect()  # (back in place if the program's framework put the default back)
 
     def _pump(self) -> None:
         """EndpointBase's hook (its waits, the service thread): the steady pump when the

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core import seal
+from ..interrupts import wait_point
 
 __all__ = ["SealedStore", "serve_store"]
 
@@ -85,6 +86,7 @@ class SealedStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return bool(self.inner.check([self._name(k) for k in keys]))
 
+    @wait_point
     def wait(self, keys: list[str], timeout: Any = None) -> None:
         limit = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self.limit
         deadline = time.monotonic() + limit

@@ -22,6 +22,7 @@ import select
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, TypeVar
 
 from ..limits import DEFAULT_SPIN_US, MAX_SPIN_US
+from ..interrupts import wait_point
 
 if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
     from .handover import Pumpable
@@ -86,6 +87,7 @@ class Poller:
         self.lent.append(other)
         return True
 
+    @wait_point
     def wait(self, timeout: float, unlocked: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         """Sleep until a socket has input or ``timeout`` passes, in ``unlocked`` (which
         runs the sleep with the caller's lock released) when given."""

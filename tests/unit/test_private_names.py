@@ -30,6 +30,8 @@ def _violations(path: Path) -> list[str]:
                 out.append(f"{rel}:{node.lineno}: imports from private module {node.module}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
+                if alias.name in STDLIB_LOW_LEVEL:
+                    continue
                 if any(p.startswith("_") and not p.startswith("__") for p in alias.name.split(".")):
                     out.append(f"{rel}:{node.lineno}: imports private module {alias.name}")
         elif isinstance(node, ast.Attribute):
@@ -56,6 +58,10 @@ THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "
                # torch's storage weak references (what torch.multiprocessing's
                # StorageWeakRef uses): the reference rule's fallback (backends/refs.py)
                "_weak_ref", "_expired", "_free_weak_ref"}
+
+# The standard library's documented low-level modules: _thread.interrupt_main (how a
+# deferred Ctrl-C is asked for again, ipcsync/interrupts.py) has no public counterpart.
+STDLIB_LOW_LEVEL = {"_thread"}
 
 # The compiled piece is private to its one wrapper (no other module imports it).
 COMPILED = {"ipcsync/backends/native.py": {"_native"}}

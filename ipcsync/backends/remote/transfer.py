@@ -28,6 +28,7 @@ import torch
 
 from ...core.remote_session import READY_PLACEHOLDER, RELEASE_PLACEHOLDER
 from ...errors import BackendError, IpcTimeoutError, PeerLostError
+from ...interrupts import wait_point
 from ..base import Arena, Event
 
 __all__ = ["TransferEvent", "SendEvent", "RecvEvent", "ReleaseEvent", "ReceiveArena", "slot_tensors", "staged",
@@ -78,6 +79,7 @@ class TransferEvent(Event):
             return
         self.synchronize(self.edge.timeout)
 
+    @wait_point
     def synchronize(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.query():
