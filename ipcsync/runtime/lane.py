@@ -53,7 +53,7 @@ import select
 import socket
 import time
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..core import protocol as P
 from ..core.ratelog import RateLog
@@ -88,6 +88,19 @@ def lane_enabled() -> bool:
     raise ConfigError(f"IPCSYNC_LANE must be 0 (off) or 1 (on), got {raw!r}")
 
 
+_RECEIVER: list[Callable[[int, list[bytes], int, int], int] | None] = []  # (resolved at first use)
+
+
+def _packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
+    """The compiled ``recv_packets`` (``backends.native.packet_receiver``), or None: asked
+    once, when the first lane is made (this module imports neither torch nor the backends)."""
+    if not _RECEIVER:
+        from ..backends import native  # noqa: PLC0415 (the backends import torch)
+
+        _RECEIVER.append(native.packet_receiver())
+    return _RECEIVER[0]
+
+
 class LaneClosed(Exception):
     """The other end closed the lane (EOF) or reset it."""
 
@@ -97,7 +110,7 @@ class Lane:
     and in (``recv``). Not thread-safe: used under its endpoint's lock."""
 
     __slots__ = ("sock", "fd", "max_packet", "max_frame", "tail", "parts", "need", "sent", "received", "want_fds",
-                 "fds")
+                 "fds", "many")
 
     def __init__(self, sock: socket.socket, max_frame: int) -> None:
         sock.setblocking(False)
@@ -126,6 +139,8 @@ class Lane:
         # other time the kernel drops them (a plain recv takes no ancillary data).
         self.want_fds = False
         self.fds: list[int] = []
+        # Packets many per system call (the compiled recv_packets), or None: one recv each.
+        self.many = _packet_receiver()
 
     def send(self, frame: bytes) -> bool:
         """Send one frame; False if the lane is full (nothing of it was sent: retry
@@ -214,15 +229,25 @@ class Lane:
 
     def recv_into(self, out: list[bytes], most: int) -> None:
         """Append to ``out`` the whole frames that have arrived, up to ``most`` (one call
-        per wake-up; a plain packet, the steady case, costs one ``recv`` and no Python
-        call). Raises as ``recv`` does, after the frames read before the EOF or the bad
-        packet are in ``out``: the caller handles them first."""
+        per wake-up: the packets come in as few system calls as the kernel allows, through
+        the compiled ``recv_packets`` where it is built and no descriptor is expected, else
+        one ``recv`` each; a plain packet, the steady case, costs no Python call). Raises as
+        ``recv`` does, after the frames read before the EOF or the bad packet are in
+        ``out``: the caller handles them first."""
         reset = False
-        recv, append = self.sock.recv, out.append
+        append = out.append
+        many = self.many if not self.want_fds else None
+        packets: list[bytes] = []
         got = 0
         while got < most:
+            packets.clear()
+            drained = False
             try:
-                data = recv(LANE_PACKET_MAX + 1) if not self.want_fds else self._recv_with_fds()
+                if many is not None:
+                    drained = many(self.fd, packets, most - got, LANE_PACKET_MAX + 1) < most - got
+                else:
+                    packets.append(self.sock.recv(LANE_PACKET_MAX + 1) if not self.want_fds
+                                   else self._recv_with_fds())
             except BlockingIOError:
                 return
             except ConnectionResetError as exc:
@@ -235,36 +260,47 @@ class Lane:
                 continue
             except OSError as exc:
                 raise LaneClosed(str(exc)) from None
-            if not data:  # no empty packet is ever sent: this is EOF
-                raise LaneClosed("end of file")
-            if len(data) > LANE_PACKET_MAX:
-                raise ProtocolError(f"lane packet over {LANE_PACKET_MAX} bytes")
+            for data in packets:
+                if not data:  # no empty packet is ever sent: this is EOF
+                    raise LaneClosed("end of file")
+                if self.need or data[0] == _FRAGMENT or len(data) > LANE_PACKET_MAX:
+                    frame = self._piece(data)
+                    if frame is None:
+                        continue
+                    data = frame
+                self.received += 1
+                got += 1
+                append(data)
+            if drained:  # (the kernel had no more: no second look)
+                return
+
+    def _piece(self, data: bytes) -> bytes | None:
+        """A packet that is not a whole frame by itself: part of a split frame (the frame
+        once its last part came, else None), or one that breaks the framing
+        (ProtocolError)."""
+        if len(data) > LANE_PACKET_MAX:
+            raise ProtocolError(f"lane packet over {LANE_PACKET_MAX} bytes")
+        if self.need:
+            self.need -= len(data)
+            if self.need < 0:
+                raise ProtocolError("lane packet runs past the end of its split frame")
+            self.parts.append(data)
             if self.need:
-                self.need -= len(data)
-                if self.need < 0:
-                    raise ProtocolError("lane packet runs past the end of its split frame")
-                self.parts.append(data)
-                if self.need:
-                    continue
-                frame = b"".join(self.parts)
-                self.parts = []
-            elif data[0] == _FRAGMENT:
-                if len(data) < 5:
-                    raise ProtocolError("split frame header of a lane packet is truncated")
-                total = int.from_bytes(data[1:5], "big")
-                head = data[5:]
-                if total > self.max_frame or len(head) > total:
-                    raise ProtocolError(f"split lane frame of {total} bytes (limit {self.max_frame})")
-                if len(head) < total:
-                    self.parts = [head]
-                    self.need = total - len(head)
-                    continue
-                frame = head
-            else:
-                frame = data
-            self.received += 1
-            got += 1
-            append(frame)
+                return None
+            frame = b"".join(self.parts)
+            self.parts = []
+            return frame
+        if len(data) < 5:
+            raise ProtocolError("split frame header of a lane packet is truncated")
+        total = int.from_bytes(data[1:5], "big")
+        head = data[5:]
+        if total > self.max_frame or len(head) > total:
+            raise ProtocolError(f"split lane frame of {total} bytes (limit {self.max_frame})")
+        if len(head) < total:
+            self.parts = [head]
+            self.need = total - len(head)
+            return None
+        return head
 
     def close(self) -> None:
         fd = self.take_fd()
