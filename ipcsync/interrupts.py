@@ -184,6 +184,7 @@ def protect() -> None:
         return
     try:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            _through()  # (worked out now, not in the handler: it may import)
             signal.signal(signal.SIGINT, _on_sigint)
     except (ValueError, OSError):  # (not the main interpreter, or signals unavailable)
         pass
