@@ -89,10 +89,16 @@ def wait_point(fn: _F) -> _F:
 
 
 def _through() -> tuple[str, ...]:
+    """The directories whose frames are looked through: the standard library's and the
+    dependencies' (those imported by now). Never raises."""
     global _through_dirs
     if _through_dirs is None:
-        paths = sysconfig.get_paths()
-        dirs = {paths["stdlib"], paths["platstdlib"], os.path.dirname(os.__file__)}
+        dirs = {os.path.dirname(os.path.abspath(threading.__file__))}
+        try:
+            paths = sysconfig.get_paths()
+            dirs.update((paths["stdlib"], paths["platstdlib"]))
+        except Exception:  # (seen: a process run as another user cannot import _sysconfigdata)
+            pass
         for name in _DEPENDENCIES:
             mod = sys.modules.get(name)
             file = getattr(mod, "__file__", None)
@@ -137,7 +143,11 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     rearm, _rearmed = _rearmed, False
     if rearm and _deferred_since is None:
         return  # (the helper's call for an interrupt raised since: not a Ctrl-C)
-    if in_protected_code(frame):
+    try:
+        protected = in_protected_code(frame)
+    except Exception:  # (never: but a handler that fails must still be Ctrl-C)
+        protected = False
+    if protected:
         now = time.monotonic()
         if _deferred_since is None:
             _deferred_since = now

@@ -240,3 +240,31 @@ def test_a_forked_child_defers_too() -> None:
             os._exit(0)
         os.waitpid(pid, 0)
     """) == ["child", "[1,", "2]", "<module>"]
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_cannot_read_the_interpreters_configuration_is_protected_all_the_same() -> None:
+    # Seen: a consumer run as another user (nobody) could not import _sysconfigdata, and
+    # working out the directories to look through failed its handshake.
+    assert _run("""
+        import sysconfig
+        def refuse():
+            raise ModuleNotFoundError("No module named '_sysconfigdata__linux_x86_64-linux-gnu'")
+        sysconfig.get_paths = refuse
+        ki.protect()
+        print(ki.installed())
+        f = ours('''
+            import functools
+            def transition(steps, ctrl_c):
+                functools.reduce(lambda a, b: (steps.append(b), ctrl_c() if b == 1 else None)[0], [0, 1, 2])
+                time.sleep(0.05)
+                steps.append("done")
+        ''')
+        steps = []
+        try:
+            f["transition"](steps, ctrl_c)
+            for _ in range(10_000_000):
+                pass
+        except KeyboardInterrupt as exc:
+            print(steps, landed(exc))
+    """) == ["True", "[1,", "2,", "'done']", "<module>"]
