@@ -152,8 +152,11 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
         if _deferred_since is None:
             _deferred_since = now
         if now - _deferred_since < ESCALATE_S:
-            _ask_again()
-            return
+            try:
+                _ask_again()
+                return
+            except Exception:  # (no thread to be had: an interrupt now rather than none)
+                pass
     _deferred_since = None
     raise KeyboardInterrupt
 
@@ -196,7 +199,7 @@ def protect() -> None:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _through()  # (worked out now, not in the handler: it may import)
             signal.signal(signal.SIGINT, _on_sigint)
-    except (ValueError, OSError):  # (not the main interpreter, or signals unavailable)
+    except Exception:  # (not the main interpreter, signals unavailable: unprotected, never failing)
         pass
 
 
@@ -210,5 +213,5 @@ def unprotect() -> None:
         if installed():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             _deferred_since = None
-    except (ValueError, OSError):
+    except Exception:
         pass
