@@ -44,6 +44,26 @@ _PRELUDE = textwrap.dedent(r"""
     def ctrl_c():
         os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled at this call's return
 
+    def transition_then_program():
+        # A protected transition of three steps, Ctrl-C'd after the first, then the
+        # program's own code: (its steps, where the KeyboardInterrupt landed).
+        f = ours('''
+            def transition(steps, ctrl_c):
+                steps.append(1)
+                ctrl_c()
+                steps.append(2)
+                time.sleep(0.05)  # (long enough for the helper thread to ask again)
+                steps.append(3)
+        ''')
+        steps = []
+        try:
+            f["transition"](steps, ctrl_c)
+            for _ in range(10_000_000):  # the program goes on: raised here
+                pass
+        except KeyboardInterrupt as exc:
+            return steps, landed(exc)
+        return steps, None
+
     def landed(exc):
         # The innermost frame of the traceback that is not the handler's: where it landed.
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.endswith("interrupts.py")]
@@ -89,30 +109,18 @@ def test_in_the_programs_code_it_raises_at_once() -> None:
 
 @pytest.mark.timeout(60)
 def test_in_protected_code_it_waits_for_the_transition_to_end_then_raises_once() -> None:
-    # A transition of three steps, Ctrl-C'd after the first: all three run, then the
-    # KeyboardInterrupt comes in the program's code, once.
+    # All three steps run, then the KeyboardInterrupt comes in the program's code, once
+    # (a second, stale signal would land in the sleep after).
     assert _run("""
         ki.protect()
-        f = ours('''
-            def transition(steps, ctrl_c):
-                steps.append(1)
-                ctrl_c()
-                steps.append(2)
-                time.sleep(0.05)  # (long enough for the helper thread to ask again)
-                steps.append(3)
-        ''')
-        steps = []
-        caught = 0
+        steps, where = transition_then_program()
+        caught = 1
         try:
-            f["transition"](steps, ctrl_c)
-            for _ in range(10_000_000):  # the program goes on: raised here
-                pass
-        except KeyboardInterrupt as exc:
+            time.sleep(0.2)
+        except KeyboardInterrupt:
             caught += 1
-            where = landed(exc)
-        time.sleep(0.2)  # (a second, stale signal would land here)
         print(steps, where, caught)
-    """) == ["[1,", "2,", "3]", "<module>", "1"]
+    """) == ["[1,", "2,", "3]", "transition_then_program", "1"]
 
 
 @pytest.mark.timeout(60)
@@ -160,27 +168,31 @@ def test_the_programs_callback_run_by_protected_code_is_interrupted_at_once() ->
     """) == ["dataset"]
 
 
+# A standard-library function that ipcsync calls (here: functools.reduce running a
+# protected lambda, interrupted in between) does not expose the transition.
+_LIBRARY_FRAME = """
+    ki.protect()
+    print(ki.installed())
+    f = ours('''
+        import functools
+        def transition(steps, ctrl_c):
+            functools.reduce(lambda a, b: (steps.append(b), ctrl_c() if b == 1 else None)[0], [0, 1, 2, 3])
+            time.sleep(0.05)
+            steps.append("done")
+    ''')
+    steps = []
+    try:
+        f["transition"](steps, ctrl_c)
+        for _ in range(10_000_000):
+            pass
+    except KeyboardInterrupt as exc:
+        print(steps, landed(exc))
+"""
+
+
 @pytest.mark.timeout(60)
 def test_a_library_frame_called_by_protected_code_is_protected() -> None:
-    # A standard-library function that ipcsync calls (here: functools.reduce running a
-    # protected lambda, interrupted in between) does not expose the transition.
-    assert _run("""
-        ki.protect()
-        f = ours('''
-            import functools
-            def transition(steps, ctrl_c):
-                functools.reduce(lambda a, b: (steps.append(b), ctrl_c() if b == 1 else None)[0], [0, 1, 2, 3])
-                time.sleep(0.05)
-                steps.append("done")
-        ''')
-        steps = []
-        try:
-            f["transition"](steps, ctrl_c)
-            for _ in range(10_000_000):
-                pass
-        except KeyboardInterrupt as exc:
-            print(steps, landed(exc))
-    """) == ["[1,", "2,", "3,", "'done']", "<module>"]
+    assert _run(_LIBRARY_FRAME) == ["True", "[1,", "2,", "3,", "'done']", "<module>"]
 
 
 @pytest.mark.timeout(60)
@@ -211,60 +223,26 @@ def test_a_call_stuck_in_protected_code_is_interrupted_by_a_second_ctrl_c() -> N
 
 @pytest.mark.timeout(60)
 def test_a_forked_child_defers_too() -> None:
+    # The parent's helper thread (started by its own deferral) is not the child's.
     assert _run("""
         ki.protect()
-        f = ours('''
-            def transition(steps, ctrl_c):
-                steps.append(1)
-                ctrl_c()
-                time.sleep(0.05)
-                steps.append(2)
-        ''')
-        ki._ask_again  # (the parent's helper thread, started below, is not the child's)
-        steps = []
-        try:
-            f["transition"](steps, ctrl_c)
-            for _ in range(10_000_000):
-                pass
-        except KeyboardInterrupt:
-            pass
+        transition_then_program()
         pid = os.fork()
         if pid == 0:
-            steps = []
-            try:
-                f["transition"](steps, ctrl_c)
-                for _ in range(10_000_000):
-                    pass
-            except KeyboardInterrupt as exc:
-                print("child", steps, landed(exc), flush=True)
+            print("child", *transition_then_program(), flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
-    """) == ["child", "[1,", "2]", "<module>"]
+    """) == ["child", "[1,", "2,", "3]", "transition_then_program"]
 
 
 @pytest.mark.timeout(60)
 def test_a_process_that_cannot_read_the_interpreters_configuration_is_protected_all_the_same() -> None:
     # Seen: a consumer run as another user (nobody) could not import _sysconfigdata, and
     # working out the directories to look through failed its handshake.
-    assert _run("""
-        import sysconfig
-        def refuse():
-            raise ModuleNotFoundError("No module named '_sysconfigdata__linux_x86_64-linux-gnu'")
-        sysconfig.get_paths = refuse
-        ki.protect()
-        print(ki.installed())
-        f = ours('''
-            import functools
-            def transition(steps, ctrl_c):
-                functools.reduce(lambda a, b: (steps.append(b), ctrl_c() if b == 1 else None)[0], [0, 1, 2])
-                time.sleep(0.05)
-                steps.append("done")
-        ''')
-        steps = []
-        try:
-            f["transition"](steps, ctrl_c)
-            for _ in range(10_000_000):
-                pass
-        except KeyboardInterrupt as exc:
-            print(steps, landed(exc))
-    """) == ["True", "[1,", "2,", "'done']", "<module>"]
+    refused = """
+    import sysconfig
+    def refuse():
+        raise ModuleNotFoundError("No module named '_sysconfigdata__linux_x86_64-linux-gnu'")
+    sysconfig.get_paths = refuse
+"""
+    assert _run(refused + _LIBRARY_FRAME) == ["True", "[1,", "2,", "3,", "'done']", "<module>"]
