@@ -490,10 +490,10 @@ def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
 
 def _one_recv_per_packet() -> None:
     """--recv one: this process's lanes read one recv per packet, as without the compiled
-    recv_packets (resolved when the first lane is made: before any endpoint)."""
-    import ipcsync.runtime.lane as lane
+    recv_packets (asked when a lane is made: before any endpoint)."""
+    from ipcsync.backends import native
 
-    lane._RECEIVER[:] = [None]
+    native.packet_receiver = lambda: None
 
 
 def _split_producer(ep, n, slots, device, q, ready, one_recv=False):

@@ -88,17 +88,12 @@ def lane_enabled() -> bool:
     raise ConfigError(f"IPCSYNC_LANE must be 0 (off) or 1 (on), got {raw!r}")
 
 
-_RECEIVER: list[Callable[[int, list[bytes], int, int], int] | None] = []  # (resolved at first use)
-
-
 def _packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
     """The compiled ``recv_packets`` (``backends.native.packet_receiver``), or None: asked
-    once, when the first lane is made (this module imports neither torch nor the backends)."""
-    if not _RECEIVER:
-        from ..backends import native  # noqa: PLC0415 (the backends import torch)
+    when a lane is made (this module imports neither torch nor the backends)."""
+    from ..backends import native  # noqa: PLC0415 (the backends import torch)
 
-        _RECEIVER.append(native.packet_receiver())
-    return _RECEIVER[0]
+    return native.packet_receiver()
 
 
 class LaneClosed(Exception):
