@@ -1047,7 +1047,10 @@ def infer_config(args: argparse.Namespace) -> dict[str, Any]:
 def _hardware(device: str) -> str:
     cpu = len(os.sched_getaffinity(0))
     if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(torch.device(device))}, {cpu} CPU cores"
+        from ipcsync.doctor import mps_state
+
+        mps = "MPS in use" if mps_state() else "no MPS"  # (processes time-slice the GPU without it)
+        return f"{torch.cuda.get_device_name(torch.device(device))}, {cpu} CPU cores, {mps}"
     return f"{cpu} CPU cores"
 
 

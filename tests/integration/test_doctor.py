@@ -404,6 +404,28 @@ def test_cuda_ipc_probe_failure_is_reported_with_the_fix(monkeypatch: pytest.Mon
     assert c.fix is not None and "--ipc=host" in c.fix
 
 
+def test_mps_in_use_is_a_warning_with_what_it_costs_and_the_fix() -> None:
+    """MPS trades the processes' fault isolation for cheaper waits between them: the
+    doctor says both and how to run without it, and it fails nothing."""
+    c = doctor.check_mps("CUDA_MPS_PIPE_DIRECTORY=/tmp/mps")
+    assert c.status == "WARN" and c.name == "mps", c
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps" in c.found and "can reach the others" in c.found, c
+    assert c.fix is not None and "nvidia-cuda-mps-control" in c.fix and "fix:" in c.text()
+    assert doctor.exit_status([c]) == 0
+
+
+def test_no_mps_passes_and_says_what_sharing_a_gpu_costs() -> None:
+    c = doctor.check_mps(None)
+    assert c.status == "PASS" and c.name == "mps" and "context switch" in c.found, c
+    assert "fix:" not in c.text()
+
+
+def test_mps_state_sees_the_pipe_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    state = doctor.mps_state()
+    assert state is not None and f"CUDA_MPS_PIPE_DIRECTORY={tmp_path}" in state
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(240)
 def test_cuda_checks_on_a_gpu_machine() -> None:
