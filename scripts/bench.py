@@ -18,6 +18,11 @@ handoff   For each message size a producer process sends N messages holding one 
                            fresh tensor (src.clone()), as a data loader makes a new batch
                            each step.
           - host copy:     dst.copy_(src) in one process: the floor of a copying handoff.
+          - bare loops, no ipcsync: two Python loops making the handoff's own torch and
+                           CUDA calls (copy into a slot, the events, the touch) with one
+                           AF_UNIX packet per notice and nothing else (scripts/bench_floor.py):
+                           what any Python implementation of a send gets on this host.
+                           --no-floor leaves it out.
 
           Throughput is handoffs/s at the consumer (first to last item). Latency is
           producer send to consumer receipt with the pipeline full, so it includes
@@ -25,7 +30,8 @@ handoff   For each message size a producer process sends N messages holding one 
 
 latency   Request/reply round trips, one request in flight (4K and 1M of the --sizes),
           with and without a host read of the answer, against two torch.multiprocessing
-          queues and a raw pyzmq+msgpack round trip; and the CPU cost of an idle endpoint.
+          queues, a raw pyzmq+msgpack round trip and the bare loops (the same calls, nothing
+          of ipcsync); and the CPU cost of an idle endpoint.
           See scripts/bench_latency.py.
 
 remote    Handoffs/s and GB/s over a remote edge (two processes counted as different hosts
@@ -1361,6 +1367,9 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv", "contention")
 
 
+FLOOR_LABEL = "bare loops, no ipcsync"  # scripts/bench_floor.py: the same calls, nothing else
+
+
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
     device = args.device
     waits = (args.waits or ("gpu,host" if device.startswith("cuda") else "gpu")).split(",")
@@ -1381,6 +1390,15 @@ def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
                     label = (f"ipcsync {mode}" + (f" wait={wait}" if device.startswith("cuda") else "")
                              + ("" if check else " refs-check=off"))
                     rows.append((name, label, rate, pct(lat, .5), pct(lat, .99), rate / mrate, host))
+        if args.floor:
+            import bench_floor
+
+            try:
+                fl = bench_floor.stream_rate(nbytes, n, args.slots, device, args.timeout, _progress)
+            except ProcsError as exc:
+                raise BenchError(str(exc)) from None
+            rows.append((name, FLOOR_LABEL, fl["rate"], pct(fl["lat"], .5), pct(fl["lat"], .99),
+                         fl["rate"] / mrate, host))
         rows.append((name, "torch.multiprocessing.Queue", mrate, pct(mlat, .5), pct(mlat, .99), 1.0, host))
     return rows
 
@@ -1414,6 +1432,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="how every process of a suite starts: spawn (default: a fresh interpreter each, "
                          "as a user's processes start) or forkserver (forks of one process that imported "
                          "torch once: a smoke run starts much faster; the suites' tests use it)")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="leave out the handoff and latency suites' 'bare loops, no ipcsync' rows "
+                         "(scripts/bench_floor.py: the same torch/CUDA calls with nothing of ipcsync)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds for one method of the train/infer/weightsync/gpupipe/kv suites (default 600)")
     h = ap.add_argument_group("handoff suite")
@@ -1541,7 +1562,7 @@ def main(argv: list[str] | None = None) -> int:
             lat_sizes = tuple(x for x in args.sizes.split(",") if x in bl.LAT_SIZES) or bl.LAT_SIZES
             try:
                 latency_res = bl.run_latency(device, lat_sizes, args.quick, SIZES, _progress,
-                                             trips=args.latency_trips, idle_s=args.latency_idle)
+                                             trips=args.latency_trips, idle_s=args.latency_idle, floor=args.floor)
             except bl.LatencyError as exc:
                 raise BenchError(str(exc)) from None
             bl.print_latency(latency_res, lambda: _header("latency", device, command))

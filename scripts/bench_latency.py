@@ -13,6 +13,9 @@ sync on CUDA, checked to be 1). Every method runs the same loop:
   (CUDA tensors through CUDA IPC, CPU tensors through shared memory).
 - raw pyzmq + msgpack: a DEALER/ROUTER pair over ``ipc://``, one msgpack frame each way,
   no tensor at all: the floor of any ZeroMQ control channel on this host.
+- bare loops, no ipcsync (``floor=True``): the same torch and CUDA calls in two bare Python
+  loops, one AF_UNIX packet per notice (scripts/bench_floor.py): the floor of any Python
+  implementation of this round trip on this host.
 
 Idle cost: a Producer and a connected Consumer with default settings, nothing sent, for a
 few seconds: the CPU time each process uses (every thread), as a share of one core.
@@ -28,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchprocs import context
+from benchprocs import ProcsError, context
 from bench import _touch  # the handoff suite's 1-byte touch: every suite reads its items alike
 
 LAT_SIZES = ("4K", "1M")
@@ -269,10 +272,10 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: dict[str, int],
                 progress: Callable[[str], None], timeout: float = 600.0, trips: int | None = None,
-                idle_s: float = IDLE_S) -> dict[str, Any]:
+                idle_s: float = IDLE_S, floor: bool = True) -> dict[str, Any]:
     """Rows ``(size, method, read, p50_us, p99_us)`` and the idle shares. ``trips``: timed
     round trips per variant (default 5000, 500 with ``quick``); ``idle_s``: how long an
-    idle endpoint is measured."""
+    idle endpoint is measured; ``floor``: also the bare loops' rows."""
     ctx = context()
     n, warm = (500, 50) if quick else (5000, 300)
     if trips is not None:
@@ -303,6 +306,17 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
             for read in READS:
                 lat = got["a"]["read" if read else "noread"]
                 rows.append((name, method, read, pct(lat, .5), pct(lat, .99)))
+        if floor:
+            import bench_floor
+            from bench import FLOOR_LABEL
+
+            for read in READS:
+                progress(f"latency {name}: {FLOOR_LABEL}, {n} round trips, host read: {read}")
+                try:
+                    lat = bench_floor.round_trips(nbytes, n, warm, device, read, timeout, progress)["lat"]
+                except ProcsError as exc:
+                    raise LatencyError(str(exc)) from None
+                rows.append((name, FLOOR_LABEL, read, pct(lat, .5), pct(lat, .99)))
         progress(f"latency {name}: torch.multiprocessing queues, {n} round trips per variant")
         qreq, qrep = ctx.Queue(1), ctx.Queue(1)  # (torch.multiprocessing's reducers: bench imports it)
         got = _pair(f"mp queues {name}",

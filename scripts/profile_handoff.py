@@ -16,14 +16,10 @@ touching one byte of each item) in two processes, timing the consumer's ``next``
 it is the library's (``--no-touch``: the same without the touch; ``--recv one``: lane
 packets read one ``recv`` each, as without the compiled ``recv_packets``).
 
-``--floor``: the handoff with nothing of ipcsync: two bare Python loops making the same
-torch and CUDA calls (copy, events, the touch; the round trip's add) with one AF_UNIX
-SOCK_SEQPACKET packet per notice, memory and events shared once, views made once per
-slot: the stream rate and round trip any Python implementation gets on this host.
-Diagnostics for its round trip: ``FLOOR_SPIN=1`` polls the socket instead of sleeping,
-``FLOOR_EVENTS=0`` leaves out the events (no GPU wait across processes; not a correct
-handoff), ``FLOOR_PROBE=1`` makes the responder wait on the host until its answer is done
-on the GPU and prints how long that took.
+``--floor``: the handoff with nothing of ipcsync (scripts/bench_floor.py: two bare Python
+loops making the same torch and CUDA calls): the stream rate and round trip any Python
+implementation gets on this host, and the round trip's split per step; its FLOOR_SPIN,
+FLOOR_EVENTS and FLOOR_PROBE diagnostics (see that file) apply.
 
 ``--ops``: the host cost of each primitive the hot path is made of (torch ops, events,
 msgpack, a ZeroMQ send, a lock, a Python call), one at a time, on this host: the budget
@@ -655,228 +651,25 @@ def ops(n: int, device: str) -> None:
     ctx.term()
 
 
-# --floor: the same torch and CUDA calls and one SOCK_SEQPACKET packet per notice, in a bare
-# Python loop with nothing of ipcsync: what any Python implementation of this handoff costs
-# on this host. Memory and events are shared once at start (torch.multiprocessing: the
-# script's own children), views and one-byte slices are made once per slot.
-
-_FLOOR_SLOTS = 16
-
-
-def _floor_sock(path: str, role: int):
-    import socket
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    if role == 0:
-        s.bind(path)
-        s.listen(1)
-        conn, _ = s.accept()
-        s.close()
-        return conn
-    for _ in range(3000):
-        try:
-            s.connect(path)
-            return s
-        except (FileNotFoundError, ConnectionRefusedError):
-            time.sleep(0.002)
-    raise TimeoutError(path)
-
-
-def _floor_events(device: str, n: int) -> list:
-    return [torch.cuda.Event(interprocess=True) for _ in range(n)] if device.startswith("cuda") else []
-
-
-def _floor_open(device: str, handles: list) -> list:
-    dev = torch.device(device)
-    return [torch.cuda.Event.from_ipc_handle(dev, h) for h in handles]
-
-
-def _floor_exchange(role: int, mine: tuple, qs) -> tuple:
-    qs[role].put(mine)
-    return qs[1 - role].get(timeout=60)
-
-
-def _floor_side(kind: str, role: int, path: str, n: int, device: str, read: bool, qs, out) -> None:
-    """kind 'stream': role 0 sends 4 KiB items into 16 slots as fast as releases allow, role 1
-    waits on each, touches one byte, releases. kind 'roundtrip': role 0 sends a request and
-    waits for the answer (role 1 adds 1 into one of its own slots), one in flight."""
-    import struct
-
-    faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    torch.set_num_threads(1)
-    cuda = device.startswith("cuda")
-    dev = torch.device(device)
-    slots = _FLOOR_SLOTS if kind == "stream" else 4
-    # Each side owns one buffer of slots it writes (the stream's consumer writes none) and
-    # the events it records: READY per own slot, RELEASE per the peer's slot.
-    writes = kind == "roundtrip" or role == 0
-    buf = torch.zeros(slots, 4096, dtype=torch.uint8, device=dev) if writes else None
-    ready, release = _floor_events(device, slots), _floor_events(device, slots)
-    peer = _floor_exchange(role, (buf, [e.ipc_handle() for e in ready], [e.ipc_handle() for e in release]), qs)
-    peer_buf, peer_ready, peer_release = peer[0], _floor_open(device, peer[1]) if cuda else [], \
-        _floor_open(device, peer[2]) if cuda else []
-    sock = _floor_sock(path, role)
-    stream = torch.cuda.current_stream(dev) if cuda else None
-    own_views = list(buf.unbind(0)) if buf is not None else []
-    peer_views = list(peer_buf.unbind(0)) if peer_buf is not None else []
-    peer_first = [v[:1] for v in peer_views]
-    sink = torch.empty(1, dtype=torch.uint8, device=dev)
-    src = torch.randint(0, 255, (4096,), dtype=torch.uint8, device=dev)
-    pack, unpack = struct.Struct("<BIq").pack, struct.Struct("<BIq").unpack
-    READY, RELEASE = 1, 2
-    # Diagnostics (round trip): FLOOR_SPIN=1 polls the socket instead of sleeping in recv (no
-    # wake-up, the core never idles); FLOOR_EVENTS=0 leaves out the events (no GPU-side
-    # ordering at all: not a correct handoff, a measure of what the events cost).
-    events = os.environ.get("FLOOR_EVENTS", "1") == "1"
-    probe, gpu_wait = os.environ.get("FLOOR_PROBE") == "1", 0
-    if os.environ.get("FLOOR_SPIN") == "1":
-        import socket as _socket
-
-        def recv() -> bytes:
-            while True:
-                try:
-                    return sock.recv(64, _socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    pass
-    else:
-        def recv() -> bytes:
-            return sock.recv(64)
-    warm = 200
-    total = n + warm
-    rt = []
-    t_start = 0.0
-    if kind == "stream" and role == 0:
-        released = 0
-        for k in range(total):
-            if k == warm:
-                t_start = time.perf_counter()
-            s = k % slots
-            while released <= k - slots:  # slot s is free once the consumer's RELEASE of item k - slots came
-                tag, _, _ = unpack(sock.recv(64))
-                released += tag == RELEASE
-            if cuda:
-                stream.wait_event(peer_release[s])  # the write after the reader's last use, on the GPU
-            own_views[s].copy_(src)
-            if cuda:
-                ready[s].record(stream)
-            sock.send(pack(READY, s, time.monotonic_ns()))
-        while released < total:
-            tag, _, _ = unpack(sock.recv(64))
-            released += tag == RELEASE
-        out.put(("producer", (time.perf_counter() - t_start) / n * 1e6))
-    elif kind == "stream":
-        for k in range(total):
-            if k == warm:
-                t_start = time.perf_counter()
-            _, s, _ = unpack(sock.recv(64))
-            if cuda:
-                stream.wait_event(peer_ready[s])
-                sink.copy_(peer_first[s])  # bench.py's touch
-            else:
-                int(peer_views[s][0])
-            if cuda:
-                release[s].record(stream)
-            sock.send(pack(RELEASE, s, 0))
-        if cuda:
-            torch.cuda.synchronize()
-        out.put(("consumer", (time.perf_counter() - t_start) / n * 1e6))
-    elif role == 0:  # roundtrip requester
-        clock = time.perf_counter_ns
-        steps = [0] * 5
-        for k in range(total):
-            s = k % slots
-            t0 = clock()
-            if cuda and events:
-                stream.wait_event(peer_release[s])
-            own_views[s].copy_(src)
-            if cuda and events:
-                ready[s].record(stream)
-            sock.send(pack(READY, s, 0))
-            t1 = clock()
-            while True:
-                tag, a, _ = unpack(recv())
-                if tag == READY:
-                    break
-            t2 = clock()
-            if cuda and events:
-                stream.wait_event(peer_ready[a])
-            t3 = clock()
-            if read or not cuda:
-                int(peer_views[a][0])
-            else:
-                sink.copy_(peer_first[a])
-            t4 = clock()
-            if cuda and events:
-                release[a].record(stream)
-            sock.send(pack(RELEASE, a, 0))
-            t5 = clock()
-            rt.append(t5 - t0)
-            if k >= warm:
-                for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                    steps[i] += dt
-        rt = sorted(rt[warm:])
-        out.put(("requester", (rt[len(rt) // 2] / 1e3, [v / n / 1e3 for v in steps])))
-    else:  # roundtrip responder
-        for k in range(total):
-            while True:
-                tag, s, _ = unpack(recv())
-                if tag == READY:
-                    break
-            o = k % slots
-            if cuda and events:
-                stream.wait_event(peer_ready[s])
-                stream.wait_event(peer_release[o])
-            torch.add(peer_views[s], 1, out=own_views[o])
-            if cuda and events:
-                ready[o].record(stream)
-                if probe:  # FLOOR_PROBE=1: the answer done on the GPU before its notice goes
-                    tp = time.perf_counter_ns()
-                    while not ready[o].query():
-                        pass
-                    if k >= warm:
-                        gpu_wait += time.perf_counter_ns() - tp
-            sock.send(pack(READY, o, 0))
-            if cuda and events:
-                release[s].record(stream)
-            sock.send(pack(RELEASE, s, 0))
-        sock.recv(64)  # the last RELEASE: the requester is done with every answer
-        if probe:
-            print(f"  (floor responder: its answer took {gpu_wait / n / 1e3:.1f} us on the GPU after its record, "
-                  f"mean, waited for by query() before the notice)", flush=True)
-    sock.close()
-    _floor_exchange(role, ("done",), qs)  # neither frees its memory while the other can reach it
-
 
 def floor(n: int, device: str, read: bool) -> None:
-    """The bare loops (see _floor_side): the stream rate and the round trip p50 any Python
-    implementation making these calls gets here, with nothing of ipcsync."""
-    import torch.multiprocessing as tmp
+    """scripts/bench_floor.py's bare loops: the stream rate and round trip any Python
+    implementation making the handoff's torch/CUDA calls gets here, with nothing of ipcsync,
+    and the round trip's split (its FLOOR_* diagnostics apply)."""
+    import bench_floor
 
-    ctx = tmp.get_context("spawn")
-    got = {}
-    for kind in ("stream", "roundtrip"):
-        qs, out = (ctx.Queue(), ctx.Queue()), ctx.Queue()
-        path = tempfile.mktemp(prefix="ipcs-floor-", dir="/tmp")
-        ps = [ctx.Process(target=_floor_side, args=(kind, r, path, n if kind == "stream" else min(n, 5000),
-                                                     device, read, qs, out)) for r in (0, 1)]
-        for p in ps:
-            p.start()
-        for _ in range(1 if kind == "roundtrip" else 2):
-            role, v = out.get(timeout=_HANG_S + 30)
-            got[(kind, role)] = v
-        for p in ps:
-            p.join(60)
-        if os.path.exists(path):
-            os.unlink(path)
-    per_item = max(got[("stream", "producer")], got[("stream", "consumer")])
-    p50, (write, wait, wait_event, touch, record) = got[("roundtrip", "requester")]
+    st = bench_floor.stream_rate(4096, n, 16, device, _HANG_S)
+    rt = bench_floor.round_trips(4096, min(n, 5000), 200, device, read, _HANG_S)
+    lat = sorted(rt["lat"])
+    steps = ", ".join(f"{name} {us:.1f}" for name, us in rt["steps"].items())
     print(f"floor ({device}, bare Python loops making the handoff's torch/CUDA calls, one SOCK_SEQPACKET "
-          f"packet per notice, views made once per slot): stream 4 KiB with the touch "
-          f"{1e6 / per_item:,.0f} items/s (producer {got[('stream', 'producer')]:.2f} us per item, consumer "
-          f"{got[('stream', 'consumer')]:.2f}); round trip 4 KiB, one in flight, host read: {read}: "
-          f"p50 {p50:.1f} us (requester, mean: write+record+send {write:.1f}, waiting for the answer {wait:.1f}, "
-          f"wait_event {wait_event:.1f}, touch/read {touch:.1f}, record+send {record:.1f})")
-
+          f"packet per notice, views made once per slot): stream 4 KiB with the touch, 16 slots "
+          f"{st['rate']:,.0f} items/s (producer {st['producer_us']:.2f} us per item, consumer "
+          f"{st['consumer_us']:.2f}); round trip 4 KiB, one in flight, host read: {read}: "
+          f"p50 {lat[len(lat) // 2]:.1f} us (requester, mean: {steps})")
+    if rt["answer_on_gpu_us"] is not None:
+        print(f"  (floor responder: its answer took {rt['answer_on_gpu_us']:.1f} us on the GPU after its record, "
+              f"mean, waited for by query() before the notice)")
 
 def main() -> None:
     ap = argparse.ArgumentParser()

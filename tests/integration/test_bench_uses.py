@@ -172,6 +172,7 @@ def test_size_options_real_quick_and_explicit() -> None:
     inf = bench.infer_config(bench.parse_args(["--suite", "all", "--device", "cpu"]))
     assert (inf["dim"], inf["layers"], inf["dtype"], inf["inflight"]) == (1024, 12, "float32", 2)
     assert bench.parse_args([]).suites == ("handoff",)  # the default: the handoff table alone
+    assert bench.parse_args([]).floor and not bench.parse_args(["--no-floor"]).floor  # the floor rows: on
     assert bench.parse_args([]).start_method == "spawn"  # a fresh interpreter per process, as users start them
     assert bench.parse_args(["--start-method", "forkserver"]).start_method == "forkserver"
     with pytest.raises(SystemExit):
@@ -294,6 +295,9 @@ def test_without_matplotlib_plot_is_refused_up_front_and_tables_still_print(tmp_
     assert rc == 0, dump
     assert re.search(rf"^4K\s+ipcsync slot\s+{NUM}\s", out, re.M), dump
     assert re.search(rf"^4K\s+torch\.multiprocessing\.Queue\s+{NUM}\s", out, re.M), dump
+    # The floor: the same calls in bare loops, with its rate, latencies and ratio to the Queue.
+    m = re.search(rf"^4K\s+bare loops, no ipcsync\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}x\s", out, re.M)
+    assert m and all(num(g) > 0 for g in m.groups()) and num(m.group(2)) <= num(m.group(3)), dump
 
 
 @pytest.mark.long
@@ -307,7 +311,7 @@ def test_latency_suite_prints_round_trips_against_both_baselines_and_the_idle_co
     assert re.search(r"^ipcsync bench: latency: device=cpu ", out, re.M), dump
     m = re.search(rf"^-\s+raw pyzmq\+msgpack\s+-\s+{NUM}\s+{NUM}\s+1\.00x\s+-$", out, re.M)
     assert m and 0 < num(m.group(1)) <= num(m.group(2)), dump
-    for method in ("ipcsync", "torch.multiprocessing queues"):
+    for method in ("ipcsync", "bare loops, no ipcsync", "torch.multiprocessing queues"):
         for read in ("no", "yes"):
             m = re.search(rf"^4K\s+{re.escape(method)}\s+{read}\s+{NUM}\s+{NUM}\s+{NUM}x\s+{NUM}x$", out, re.M)
             assert m, f"no row for {method}, host read {read}\n{dump}"
