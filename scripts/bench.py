@@ -1367,9 +1367,6 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv", "contention")
 
 
-FLOOR_LABEL = "bare loops, no ipcsync"  # scripts/bench_floor.py: the same calls, nothing else
-
-
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
     device = args.device
     waits = (args.waits or ("gpu,host" if device.startswith("cuda") else "gpu")).split(",")
@@ -1397,7 +1394,7 @@ def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
                 fl = bench_floor.stream_rate(nbytes, n, args.slots, device, args.timeout, _progress)
             except ProcsError as exc:
                 raise BenchError(str(exc)) from None
-            rows.append((name, FLOOR_LABEL, fl["rate"], pct(fl["lat"], .5), pct(fl["lat"], .99),
+            rows.append((name, bench_floor.LABEL, fl["rate"], pct(fl["lat"], .5), pct(fl["lat"], .99),
                          fl["rate"] / mrate, host))
         rows.append((name, "torch.multiprocessing.Queue", mrate, pct(mlat, .5), pct(mlat, .99), 1.0, host))
     return rows

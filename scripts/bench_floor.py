@@ -43,6 +43,7 @@ import torch
 
 from benchprocs import report, run_procs, spawn
 
+LABEL = "bare loops, no ipcsync"  # the rows' name in bench.py's handoff and latency tables
 _NOTICE = struct.Struct("<BIq")  # kind, slot, a stamp (as a handoff's meta)
 READY, RELEASE = 1, 2
 ROUNDTRIP_SLOTS = 4

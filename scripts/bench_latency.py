@@ -308,15 +308,14 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
                 rows.append((name, method, read, pct(lat, .5), pct(lat, .99)))
         if floor:
             import bench_floor
-            from bench import FLOOR_LABEL
 
             for read in READS:
-                progress(f"latency {name}: {FLOOR_LABEL}, {n} round trips, host read: {read}")
+                progress(f"latency {name}: {bench_floor.LABEL}, {n} round trips, host read: {read}")
                 try:
                     lat = bench_floor.round_trips(nbytes, n, warm, device, read, timeout, progress)["lat"]
                 except ProcsError as exc:
                     raise LatencyError(str(exc)) from None
-                rows.append((name, FLOOR_LABEL, read, pct(lat, .5), pct(lat, .99)))
+                rows.append((name, bench_floor.LABEL, read, pct(lat, .5), pct(lat, .99)))
         progress(f"latency {name}: torch.multiprocessing queues, {n} round trips per variant")
         qreq, qrep = ctx.Queue(1), ctx.Queue(1)  # (torch.multiprocessing's reducers: bench imports it)
         got = _pair(f"mp queues {name}",
