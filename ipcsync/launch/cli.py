@@ -326,7 +326,8 @@ def _observer(config: LaunchConfig) -> Observer:
             raise ConfigError(f"--stats-file {stats_file} is a symbolic link: ipcsync-run never writes through "
                               "one (in a shared directory another user may have planted it); give the "
                               "file's own path") from None
-        raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc})") from None
+        raise ConfigError(f"--stats-file {stats_file}: cannot open it for writing ({exc.strerror or exc}); "
+                          "ipcsync-run appends only to a regular file: give a new name or a regular file's") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ from typing import IO, Any, Iterable
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
 from ..runtime import files
 from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
-from .reports import INCOMPLETE, clean_report, read_incomplete
+from .reports import INCOMPLETE, MAX_REPORT, clean_report, read_incomplete
 
 __all__ = [
     "STATS_VERSION", "BOUND", "EdgeView", "Analysis", "analyze", "read_snapshots", "status_lines",
@@ -65,7 +65,8 @@ __all__ = [
 
 STATS_VERSION = 1
 BOUND = 0.2  # a side waiting at least this fraction of the time makes an edge bound
-_MAX_SNAPSHOT = 1 << 20
+_MAX_SNAPSHOT = MAX_REPORT
+_MAX_TRACE_BYTES = 1 << 28  # of one process's trace file
 _MAX_TRACE_EVENTS = 2_000_000  # merged, over all processes and attempts
 _PRODUCER_WAITS = ("slot", "release_event")
 
@@ -333,12 +334,12 @@ def read_snapshots(directory: str, skipped: list[str] | None = None) -> dict[tup
         if not name.endswith(".json"):
             continue
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                raw = f.read(_MAX_SNAPSHOT + 1)
-            if len(raw) > _MAX_SNAPSHOT:
-                continue
-            report = json.loads(raw)
-        except (OSError, ValueError, RecursionError):
+            report = files.read_json(os.path.join(directory, name), _MAX_SNAPSHOT)
+        except FileNotFoundError:  # its stage is replacing it right now
+            continue
+        except (OSError, ValueError) as exc:
+            if skipped is not None:
+                skipped.append(f"{name}: {files.why(exc)}")
             continue
         if isinstance(report, dict) and report.get("v") == SNAPSHOT_VERSION and _finite(report.get("mono")):
             report, problems = clean_report(report, name)
@@ -349,9 +350,12 @@ def read_snapshots(directory: str, skipped: list[str] | None = None) -> dict[tup
     return out
 
 
-def read_traces(directory: str, labels: dict[int, str], limit: int) -> list[ProcessTrace]:
-    """The per-process trace files of ``directory`` (``<pid>.jsonl``); unreadable ones
-    skipped. ``labels``: pid -> ``stage/replica`` for processes whose header lacks it."""
+def read_traces(directory: str, labels: dict[int, str], limit: int,
+                skipped: list[str] | None = None) -> list[ProcessTrace]:
+    """The per-process trace files of ``directory`` (``<pid>.jsonl``, regular files only,
+    at most _MAX_TRACE_BYTES read of each); unreadable ones skipped, with a line in
+    ``skipped`` (if given). ``labels``: pid -> ``stage/replica`` for processes whose
+    header lacks it."""
     traces: list[ProcessTrace] = []
     try:
         names = sorted(os.listdir(directory))
@@ -361,9 +365,10 @@ def read_traces(directory: str, labels: dict[int, str], limit: int) -> list[Proc
         if not name.endswith(".jsonl"):
             continue
         try:
-            with open(os.path.join(directory, name), "rb") as f:
-                t = parse_lines(f, limit=max(0, limit))
-        except OSError:
+            t = parse_lines(files.read_lines(os.path.join(directory, name), _MAX_TRACE_BYTES), limit=max(0, limit))
+        except OSError as exc:
+            if skipped is not None:
+                skipped.append(f"{name}: {files.why(exc)}")
             continue
         if t is None:
             continue
@@ -453,7 +458,11 @@ class Observer:
         self._prev = {}
         if self.trace_file:
             try:
-                traces = read_traces(os.path.join(run_dir, "trace"), labels, self._trace_budget)
+                unread: list[str] = []
+                traces = read_traces(os.path.join(run_dir, "trace"), labels, self._trace_budget, unread)
+                if unread:
+                    self._say(f"trace: skipped trace files that cannot be read: {'; '.join(unread[:4])}"
+                              + (f" and {len(unread) - 4} more" if len(unread) > 4 else ""))
                 for t in traces:
                     t.label = f"{t.label} run {run_id}" if len(self._traces) else t.label
                 self._trace_budget -= sum(len(t.events) for t in traces)
@@ -476,7 +485,7 @@ class Observer:
         cur = read_snapshots(os.path.join(run_dir, "telemetry"), skipped)
         if skipped and not self._skipped_said:
             self._skipped_said = True
-            self._say(f"monitor: skipping stage telemetry not of the expected shape: {skipped[0]}"
+            self._say(f"monitor: skipping stage telemetry that cannot be used: {skipped[0]}"
                       + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
         if not cur and not final:
             return

@@ -19,6 +19,11 @@ Fields not named here are kept as they are (readers check them where used).
 ``read_incomplete`` finds the stages whose telemetry could not be written (the markers
 ``runtime.telemetry.write_failed`` leaves, e.g. on a full runtime directory): the
 launcher says so once and marks the figures it prints and writes with ``INCOMPLETE``.
+
+Every file a stage leaves is read through ``runtime.files`` (regular files only, never
+blocking, size-capped): ``read_stats`` (exit stats) and ``failure_report`` (a stage's
+``.error`` report) skip a file that cannot be read or decoded, JSON nested too deeply
+included, and ``read_stats`` returns a line for each one it skipped.
 """
 
 from __future__ import annotations
@@ -27,12 +32,16 @@ import math
 import os
 from typing import Any
 
+from ..runtime import files
 from .plan import INCOMPLETE_SUFFIX
 
-__all__ = ["MAX_COUNT", "INCOMPLETE", "clean_report", "clean_reports", "read_incomplete", "incomplete_line"]
+__all__ = ["MAX_COUNT", "INCOMPLETE", "clean_report", "clean_reports", "read_incomplete", "incomplete_line",
+           "read_stats", "failure_report", "MAX_REPORT"]
 
 INCOMPLETE = "incomplete: telemetry could not be written"
 _MAX_REASON = 400
+MAX_REPORT = 1 << 20  # bytes of one exit stats file or snapshot, at most
+_MAX_FAILURE_REPORT = 4096
 
 MAX_COUNT = (1 << 63) - 1
 _COUNTS = ("handoffs", "bytes")
@@ -145,8 +154,7 @@ def read_incomplete(stats_dir: str) -> dict[str, str]:
         base = name[: -len(INCOMPLETE_SUFFIX)]
         stage, _, replica = base.rpartition(".")
         try:
-            with open(os.path.join(stats_dir, name), "rb") as f:
-                raw = f.read(_MAX_REASON)
+            raw = files.read_regular(os.path.join(stats_dir, name), _MAX_REASON)
         except OSError:
             raw = b""
         text = "".join(c for c in raw.decode(errors="replace") if c.isprintable()).strip()
@@ -161,3 +169,44 @@ def incomplete_line(incomplete: dict[str, str]) -> str:
     return (f"telemetry could not be written by {who}{more}: this run's figures (summary, monitor, "
             "--stats-file, trace) are incomplete; is the runtime directory full? Free space there or set "
             "IPCSYNC_RUNTIME_DIR to a directory with room")
+
+
+def read_stats(directory: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The per-process exit stats stages left in ``directory`` (JSON objects written by
+    ipcsync.stage at exit), and a line for each ``.json`` file skipped (unreadable, not a
+    regular file, too large, not JSON, nested too deeply, not an object)."""
+    reports: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return [], []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            report = files.read_json(os.path.join(directory, name), MAX_REPORT)
+        except (OSError, ValueError) as exc:
+            skipped.append(f"{name} ({files.why(exc)})")
+            continue
+        if isinstance(report, dict):
+            reports.append(report)
+        else:
+            skipped.append(f"{name} (not a JSON object)")
+    return reports, skipped
+
+
+def failure_report(stats_path: Any) -> dict[str, Any] | None:
+    """The failure report a stage left beside its exit stats ``stats_path`` (``.error``;
+    ipcsync.stage writes it from sys.excepthook), or None: JSON, size-capped and
+    type-checked, never anything else, and never a wait."""
+    if not isinstance(stats_path, str):
+        return None
+    path = (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
+    try:
+        report = files.read_json(path, _MAX_FAILURE_REPORT)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not isinstance(report.get("consequence"), bool):
+        return None
+    return report

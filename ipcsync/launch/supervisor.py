@@ -54,7 +54,7 @@ from ..errors import ConfigError
 from ..runtime import files, host
 from ..runtime.shm import ENV_RUN_ID, remove_run_segments
 from .plan import Instance, Plan
-from .reports import INCOMPLETE, clean_reports, incomplete_line, read_incomplete
+from .reports import INCOMPLETE, clean_reports, failure_report, incomplete_line, read_incomplete, read_stats
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
 
@@ -380,7 +380,10 @@ class Supervisor:
         unwritten = read_incomplete(stats_dir)
         if unwritten:
             self._say(incomplete_line(unwritten))  # once: before any figure it concerns
-        stats = _read_stats(stats_dir) if a.cause is None else []
+        stats, skipped = read_stats(stats_dir) if a.cause is None else ([], [])
+        if skipped:
+            self._say(f"skipped exit stats that cannot be read: {'; '.join(skipped[:4])}"
+                      + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
         if self._observer is not None and a.plan is not None:
             self._observer.finish(a.run_id, a.run_dir, [s.name for s in a.plan.spec.stages],
                                   {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
@@ -592,21 +595,8 @@ class Supervisor:
 
 # ---------------------------------------------------------------------------- helpers
 def _failure_report(inst: Instance) -> dict[str, Any] | None:
-    """The failure report a stage left (ipcsync.stage writes it from sys.excepthook), or
-    None. JSON, size-capped and type-checked: never anything else."""
-    path = inst.wiring.get("stats_path") if isinstance(inst.wiring, dict) else None
-    if not isinstance(path, str):
-        return None
-    path = (path[:-5] if path.endswith(".json") else path) + ".error"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
-        report = json.loads(raw)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(report, dict) or not isinstance(report.get("consequence"), bool):
-        return None
-    return report
+    """The failure report a stage left (``reports.failure_report``), or None."""
+    return failure_report(inst.wiring.get("stats_path") if isinstance(inst.wiring, dict) else None)
 
 
 def _reap(p: _Proc) -> bool:
@@ -828,8 +818,7 @@ def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list
             continue
         path = os.path.join(base, name)
         try:
-            with open(os.path.join(path, _OWNER), "rb") as f:
-                owner = json.loads(f.read(1 << 20))
+            owner = files.read_json(os.path.join(path, _OWNER), 1 << 20)
             pid, started = int(owner["pid"]), int(owner["start_time"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours, or being created right now
@@ -849,27 +838,6 @@ def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list
         _remove_run(path, run_id)
         removed.append(run_id)
     return removed
-
-
-def _read_stats(directory: str) -> list[dict[str, Any]]:
-    """The per-process reports stages left (JSON written by ipcsync.stage at exit)."""
-    reports = []
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    for name in names:
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(directory, name), "rb") as f:
-                raw = f.read(1 << 20)
-            report = json.loads(raw)
-        except (OSError, ValueError):
-            continue
-        if isinstance(report, dict):
-            reports.append(report)
-    return reports
 
 
 def summarize(reports: list[dict[str, Any]], incomplete: bool = False) -> list[str]:

@@ -1,6 +1,7 @@
-"""Writing files safely: the one way the library and the launcher write files (telemetry
-snapshots, trace files, exit stats, failure reports, the run's owner record, the merged
-trace, the ``--stats-file`` lines).
+"""Reading and writing files safely: the one way the library and the launcher write files
+(telemetry snapshots, trace files, exit stats, failure reports, the run's owner record,
+the merged trace, the ``--stats-file`` lines) and the one way the launcher reads what
+stages leave (``read_json``, ``read_regular``, ``open_regular``) and its secret file.
 
 Rules:
 
@@ -12,7 +13,14 @@ Rules:
   unpredictable name, then ``os.replace``\\ s it onto the target (a rename replaces a link
   planted at the target itself, never what it points to): a reader sees the old file or the
   new one. A failed write removes its temporary and raises the OSError (ENOSPC included).
-- **Appends never follow a link** (``O_NOFOLLOW``) at the file's own name.
+- **Appends never follow a link** (``O_NOFOLLOW``) at the file's own name, never block
+  (``O_NONBLOCK``: a FIFO planted at the name is refused, not waited on) and go to
+  regular files only.
+- **Reads are of regular files only, and never block.** A file is opened with
+  ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``-checked: a FIFO, a device, a directory or a
+  link at the name is an ``OSError`` naming what it is, at once. Reads are size-capped
+  (``EFBIG`` past the cap) and a JSON document that cannot be decoded, nested too deeply
+  included, is a ``ValueError``: the reader skips the file and says why (``why``).
 - **Every byte goes through ``write_all``**: the one seam a test replaces to simulate a
   full disk.
 
@@ -22,11 +30,14 @@ Imports neither torch nor zmq.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
-from typing import Iterable
+import stat
+from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["write_all", "create_new", "temp_name", "write_atomic", "open_append", "append", "PRIVATE", "SHARED"]
+__all__ = ["write_all", "create_new", "temp_name", "write_atomic", "open_append", "append", "PRIVATE", "SHARED",
+           "open_regular", "read_regular", "read_json", "read_lines", "why", "kind"]
 
 PRIVATE = 0o600  # run-internal files
 SHARED = 0o666  # files the user asked for (the umask applies, as with open())
@@ -34,7 +45,8 @@ _TRIES = 16  # temporary names tried before giving up
 _CHUNK = 1 << 20  # bytes gathered from an iterable before a write
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -103,9 +115,14 @@ def _write_pieces(fd: int, pieces: Iterable[str]) -> None:
 
 
 def open_append(path: str, mode: int = PRIVATE) -> int:
-    """``path`` opened for appending (created if missing), never through a symbolic link
-    at its own name (OSError ELOOP)."""
-    return os.open(path, _APPEND, mode)
+    """``path`` opened for appending (created if missing), a regular file only: OSError
+    for a symbolic link at its own name (never followed), a FIFO (never waited on), a
+    directory or a device, with ``strerror`` saying which."""
+    try:
+        fd = os.open(path, _APPEND, mode)
+    except OSError as exc:
+        raise _explained(exc, path) from None
+    return _regular(fd, path)[0]
 
 
 def append(path: str, data: bytes, mode: int = PRIVATE) -> None:
@@ -115,3 +132,119 @@ def append(path: str, data: bytes, mode: int = PRIVATE) -> None:
         write_all(fd, data)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------- reading
+def kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a FIFO", "a directory", ...)."""
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _explained(exc: OSError, path: str) -> OSError:
+    """``exc`` of an open with O_NOFOLLOW | O_NONBLOCK, saying what is at ``path`` when
+    that made it fail (a link: ELOOP; a FIFO without a reader or a socket: ENXIO)."""
+    if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+        try:
+            what = kind(os.lstat(path).st_mode)
+        except OSError:
+            return exc
+        return OSError(exc.errno, f"not a regular file ({what})", path)
+    return exc
+
+
+def _regular(fd: int, path: str) -> tuple[int, os.stat_result]:
+    """``fd`` and its stat if it is a regular file, its O_NONBLOCK cleared; else closed
+    and OSError."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({kind(st.st_mode)})", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``path`` opened for reading, and its ``fstat``, if it is a regular file. Never
+    blocks and never follows a link at its own name: anything else (a FIFO, a link, a
+    directory, a device) is an OSError whose ``strerror`` says what it is. The caller
+    closes the descriptor."""
+    try:
+        fd = os.open(path, _READ)
+    except OSError as exc:
+        raise _explained(exc, path) from None
+    return _regular(fd, path)
+
+
+def _read_fd(fd: int, limit: int, path: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = os.read(fd, min(_CHUNK, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", path)
+    return b"".join(chunks)
+
+
+def read_regular(path: str, limit: int, check: Callable[[os.stat_result], None] | None = None) -> bytes:
+    """The contents of regular file ``path`` (``open_regular``), at most ``limit`` bytes:
+    OSError (EFBIG) if it is larger. ``check`` (if given) is called with the open file's
+    ``fstat`` before anything is read (what it raises propagates): the file checked is
+    the file read."""
+    fd, st = open_regular(path)
+    try:
+        if check is not None:
+            check(st)
+        return _read_fd(fd, limit, path)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str, limit: int) -> Any:
+    """The JSON document in regular file ``path`` (``read_regular``). OSError if it cannot
+    be read; ValueError if it is not JSON (nested too deeply included: json raises
+    RecursionError for that)."""
+    raw = read_regular(path, limit)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def read_lines(path: str, limit: int, line_limit: int = 1 << 16) -> Iterator[bytes]:
+    """The lines of regular file ``path`` (``open_regular``; OSError before the first
+    line if it cannot be opened), up to ``limit`` bytes in all; a line longer than
+    ``line_limit`` comes in pieces."""
+    fd, _ = open_regular(path)
+    f = os.fdopen(fd, "rb")
+    return _lines(f, limit, line_limit)
+
+
+def _lines(f: Any, limit: int, line_limit: int) -> Iterator[bytes]:
+    with f:
+        left = limit
+        while left > 0:
+            line = f.readline(min(line_limit, left))
+            if not line:
+                return
+            left -= len(line)
+            yield line
+
+
+def why(exc: BaseException) -> str:
+    """A file read's failure, in a few words, for the line that says it was skipped."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]

@@ -8,6 +8,7 @@ marked incomplete."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,4 +95,54 @@ def test_stats_file_through_a_link_is_refused(launcher: cli.Launcher, tmp_path: 
     assert run.proc.returncode == EXIT_LAUNCHER_ERROR, run.dump()
     assert f"--stats-file {link} is a symbolic link" in run.err, run.dump()
     assert victim.read_text() == "precious\n"
+    launcher.assert_nothing_left()
+
+
+def test_stats_file_at_a_fifo_is_refused_at_once(launcher: cli.Launcher, tmp_path: Path) -> None:
+    # Before: open() of the FIFO for appending waited for a reader, for ever, before any
+    # stage started (another user's FIFO planted at the path held a root launcher).
+    fifo = tmp_path / "stats.jsonl"
+    os.mkfifo(fifo, 0o666)
+    run = launcher.run(two_stages(launcher, 3), "--stats-file", fifo, timeout=60)
+    assert run.proc.returncode == EXIT_LAUNCHER_ERROR, run.dump()
+    said = [line for line in run.err.splitlines() if line.startswith("ipcsync-run: error: ")]
+    assert said == [f"ipcsync-run: error: --stats-file {fifo}: cannot open it for writing (not a regular file "
+                    "(a FIFO)); ipcsync-run appends only to a regular file: give a new name or a regular file's"], \
+        run.dump()
+    assert "started" not in run.err, run.dump()
+    launcher.assert_nothing_left()
+
+
+def planter(launcher: cli.Launcher, what: str, code: int = 0) -> Path:
+    return launcher.spec_file(toml_spec(
+        {"planter": {"cmd": cli.stage("planter.py", what, "--code", code), "device": "cpu"}},
+        [], name="planted", stop_timeout=5,
+    ))
+
+
+@pytest.mark.parametrize("what, options, code, said", [
+    ("nested-stats", [], 0, "ipcsync-run: skipped exit stats that cannot be read: planted.json (JSON nested too "
+                            "deeply)"),
+    ("fifo-stats", [], 0, "ipcsync-run: skipped exit stats that cannot be read: planted.json (not a regular file "
+                          "(a FIFO))"),
+    ("fifo-telemetry", ["--monitor", "--monitor-interval", "0.1"], 0,
+     "ipcsync-run: monitor: skipping stage telemetry that cannot be used: planted.json: not a regular file (a FIFO)"),
+    ("fifo-trace", ["--trace", "TRACE"], 0,
+     "ipcsync-run: trace: skipped trace files that cannot be read: planted.jsonl: not a regular file (a FIFO)"),
+    ("fifo-error", [], 3, None),
+])
+def test_what_a_stage_plants_where_the_launcher_reads_is_skipped_and_said(
+        launcher: cli.Launcher, tmp_path: Path, what: str, options: list[str], code: int, said: str | None) -> None:
+    # Before: a report nested too deeply made "ipcsync-run: internal error", exit 125,
+    # after every stage exited 0 (json.loads raises RecursionError); a FIFO where the
+    # launcher reads a .json, .jsonl or .error file held it in open() for ever.
+    options = [str(tmp_path / "trace.json") if o == "TRACE" else o for o in options]
+    run = launcher.run(planter(launcher, what, code), *options, timeout=90)
+    assert run.proc.returncode == code, run.dump()  # the stages' code
+    assert "internal error" not in run.err and "Traceback" not in run.err, run.dump()
+    assert f"[planter/0] planted {what}" in run.out, run.dump()
+    if said is not None:
+        assert [line for line in run.err.splitlines() if line == said] == [said], run.dump()
+    else:
+        assert "root cause: stage planter/0 (pid " in run.err and "exited with code 3" in run.err, run.dump()
     launcher.assert_nothing_left()
