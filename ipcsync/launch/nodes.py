@@ -60,7 +60,7 @@ from ..envopts import env_seconds
 from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .config import check_rdzv_timeout, parse_endpoint
-from .plan import ClientKey, Nodes, RemoteEndpoint, place, remote_producers
+from .plan import SECRET_ENV, ClientKey, Nodes, RemoteEndpoint, place, remote_producers
 from .spec import PipelineSpec
 from .store import BoundedStore, Job, StoreUnresponsive, bounded
 
@@ -77,7 +77,6 @@ _POLL_ANSWER_S = 0.02  # poll() waits this long for the checks it just started
 _STORE_OP_S = 10.0  # one store call at most
 _MAX_VALUE = 1 << 20
 DONE = "done"
-SECRET_ENV = "IPCSYNC_RDZV_SECRET"
 _CHECK_KEY = "ipcsync/rdzv-check"  # node 0's proof of its secret (the one key stored by its own name)
 
 

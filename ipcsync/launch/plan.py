@@ -25,6 +25,10 @@ Commands. A command whose first word is ``python``, ``python3`` or ``python3.N``
 under the launcher's own interpreter (``python=``, ``sys.executable`` by default), as
 torchrun does: the stages see the same environment (virtualenv) as ``ipcsync-run``.
 
+Environment. A stage starts with the launcher's environment (``stage_environ``) less the
+variables that hold the launcher's own secrets (``WITHHELD_ENV``: the run's rendezvous
+secret), then its ``env`` and the wiring on top: stage code never sees the run's secret.
+
 Threads. Every stage gets ``OMP_NUM_THREADS=1`` unless its ``env`` sets it, or the caller
 says the launcher's environment does (``omp_default=False``): N stages each running one
 OpenMP thread per core would oversubscribe the machine.
@@ -46,7 +50,7 @@ from .spec import PipelineSpec, SpecError, StageSpec
 __all__ = [
     "Instance", "Plan", "resolve", "resolve_command", "is_python_word", "WIRING_VERSION", "ENV_WIRING",
     "IPC_PATH_MAX", "OMP_THREADS", "OMP_DEFAULT", "Nodes", "RemoteEndpoint", "ClientKey", "place",
-    "remote_producers", "INCOMPLETE_SUFFIX",
+    "remote_producers", "INCOMPLETE_SUFFIX", "SECRET_ENV", "WITHHELD_ENV", "stage_environ",
 ]
 
 WIRING_VERSION = 1
@@ -56,6 +60,8 @@ ENV_WIRING = "IPCSYNC_WIRING"
 INCOMPLETE_SUFFIX = ".incomplete"
 OMP_THREADS = "OMP_NUM_THREADS"
 OMP_DEFAULT = "1"
+SECRET_ENV = "IPCSYNC_RDZV_SECRET"  # the run's rendezvous secret (launch.nodes)
+WITHHELD_ENV = (SECRET_ENV,)  # the launcher's variables no stage inherits
 _PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
 
 
@@ -371,3 +377,12 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
         "outputs": outputs,
         "stats_path": os.path.join(run_dir, "stats", f"{stage.name}.{replica}.json"),
     }
+
+
+def stage_environ(launcher: Mapping[str, str], *overlays: Mapping[str, str]) -> dict[str, str]:
+    """A stage's environment: ``launcher``'s (``os.environ``) without ``WITHHELD_ENV``,
+    then each of ``overlays`` (the stage's ``env``, the observer's variables) on top."""
+    env = {k: v for k, v in launcher.items() if k not in WITHHELD_ENV}
+    for extra in overlays:
+        env.update(extra)
+    return env

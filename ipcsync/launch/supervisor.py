@@ -53,7 +53,7 @@ from typing import IO, Any, Callable
 from ..errors import ConfigError
 from ..runtime import files, host
 from ..runtime.shm import ENV_RUN_ID, remove_run_segments
-from .plan import Instance, Plan
+from .plan import Instance, Plan, stage_environ
 from .reports import INCOMPLETE, clean_reports, failure_report, incomplete_line, read_incomplete, read_stats
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
@@ -438,9 +438,7 @@ class Supervisor:
     def _spawn(self, inst: Instance) -> _Proc:
         """Start one process in its own session and process group (a _Proc with no popen
         and the reason in ``partial`` if it cannot start)."""
-        env = dict(os.environ)
-        env.update(inst.env)
-        env.update(self._extra_env)
+        env = stage_environ(os.environ, inst.env, self._extra_env)
         parent = os.getpid()
         try:
             popen = subprocess.Popen(

@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 import pytest
-from test_launch_nodes import Cluster, cluster, two_stage  # noqa: F401 (the fixture)
+from specfile import toml_spec
+from test_launch_nodes import PY, Cluster, cluster, two_stage  # noqa: F401 (the fixture)
 
 import ipcsync
 
@@ -155,3 +156,19 @@ def test_node_0_writes_its_secret_file_private_and_serves_only_the_given_address
     with socket.socket() as s:
         s.settimeout(5)
         assert s.connect_ex(("127.0.0.2", cluster.port)) != 0
+
+
+@pytest.mark.timeout(180)
+def test_stages_never_see_the_runs_secret(cluster: Cluster) -> None:
+    # Before: every stage inherited $IPCSYNC_RDZV_SECRET from its launcher's environment
+    # (the secret="env" one: the test token twice).
+    probe = [PY, "-c", "import os; s = os.environ['IPCSYNC_TEST_TOKEN'] * 2; "
+                       "print('sees the secret:', 'IPCSYNC_RDZV_SECRET' in os.environ, "
+                       "any(s in v for v in os.environ.values()))"]
+    spec = cluster.spec(toml_spec({"a": {"cmd": probe, "device": "cpu"},
+                                   "b": {"cmd": probe, "device": "cpu", "node": 1}}))
+    nodes = [cluster.start(spec, r, secret="env") for r in (0, 1)]
+    assert [n.wait() for n in nodes] == [0, 0], "".join(n.dump() for n in nodes)
+    for node, label in zip(nodes, ("a/0", "b/0")):
+        assert f"[{label}] sees the secret: False False" in node.out.splitlines(), node.dump()
+    assert cluster.leftovers() == []
