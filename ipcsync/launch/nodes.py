@@ -6,8 +6,8 @@ rendezvous endpoint (its address only), every other launcher is its client. Stor
 are JSON bytes written here (never pickle).
 
 Authentication. c10d's store lets anyone who reaches it read, write and list keys, so
-every launcher holds the run's secret (``load_secret``: ``$IPCSYNC_RDZV_SECRET`` or
-``--rdzv-secret-file``; node 0 makes it) and (``core.seal``) stores each key below under a
+every launcher holds the run's secret (``secretfile.load_secret``: ``$IPCSYNC_RDZV_SECRET``
+or ``--rdzv-secret-file``; node 0 makes it) and (``core.seal``) stores each key below under a
 name only the secret gives, each record signed with it. A process without the secret
 cannot claim a node rank (it cannot name the key before its holder writes it), and a
 record it writes or replaces is refused (``_forged``: the group fails, nothing it wrote
@@ -61,6 +61,7 @@ from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .config import check_rdzv_timeout, parse_endpoint
 from .plan import SECRET_ENV, ClientKey, Nodes, RemoteEndpoint, place, remote_producers
+from .secretfile import load_secret
 from .spec import PipelineSpec
 from .store import BoundedStore, Job, StoreUnresponsive, bounded
 
@@ -144,78 +145,6 @@ def _forged(what: str) -> GroupFailure:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-def _read_secret(path: str, what: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_mode & 0o077:
-            raise ConfigError(f"{what} {path} can be read by other users (mode {st.st_mode & 0o777:o}); "
-                              f"chmod 600 {path}")
-        text = f.read(4096).decode(errors="replace").strip()
-    return text
-
-
-def _write_secret(path: str) -> str:
-    """A fresh secret, written to a new file ``path`` (0600; never through a link, never
-    over an existing file)."""
-    text = _secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    return text
-
-
-def load_secret(rank: int, secret_file: str | None, insecure: bool, wait: float,
-                say: Callable[[str], None], default_dir: str) -> tuple[bytes | None, str | None]:
-    """The run's rendezvous secret, from ``$IPCSYNC_RDZV_SECRET``, else ``secret_file``
-    (node 0 writes a fresh one there if it does not exist; another node waits up to
-    ``wait`` seconds for it to appear), else node 0 writes a fresh one into
-    ``default_dir``; and the file written into ``default_dir`` (to remove at the end), if
-    any. None only under ``insecure`` without one. ConfigError otherwise."""
-    written = None
-    text = os.environ.get(SECRET_ENV)
-    where = f"${SECRET_ENV}"
-    if not text and secret_file:
-        where = f"--rdzv-secret-file {secret_file}"
-        if rank == 0 and not os.path.lexists(secret_file):
-            try:
-                text = _write_secret(secret_file)
-            except OSError as exc:
-                raise ConfigError(f"--rdzv-secret-file {secret_file}: cannot create it ({exc.strerror})") from None
-            say(f"wrote this run's rendezvous secret to {secret_file} (mode 600): give it to every other node "
-                f"(copy the file there and pass --rdzv-secret-file, or set ${SECRET_ENV} to its contents)")
-        else:
-            deadline = time.monotonic() + wait
-            said = False
-            while not os.path.lexists(secret_file) and rank > 0 and time.monotonic() < deadline:
-                if not said:
-                    say(f"waiting for the rendezvous secret file {secret_file} (node 0's ipcsync-run writes it; "
-                        "copy it here)")
-                    said = True
-                time.sleep(0.1)
-            text = _read_secret(secret_file, "--rdzv-secret-file")
-    elif not text and rank == 0 and not insecure:
-        path = written = os.path.join(default_dir, f"rdzv-secret-{os.getpid()}")
-        text = _write_secret(path)
-        say(f"wrote this run's rendezvous secret to {path} (mode 600): start every other node with "
-            f"${SECRET_ENV} set to its contents, or with the file copied and --rdzv-secret-file")
-    if not text:
-        if insecure:
-            return None, None
-        raise ConfigError(
-            f"node {rank}: no rendezvous secret: the launchers of a run prove to each other that they belong "
-            f"to it with a secret node 0's ipcsync-run makes; set ${SECRET_ENV} to it or pass "
-            "--rdzv-secret-file PATH (a copy of node 0's file); --insecure runs without one, on a network "
-            "you trust"
-        )
-    if len(text) < seal.MIN_SECRET_CHARS:
-        raise ConfigError(f"{where}: the rendezvous secret has {len(text)} characters, fewer than "
-                          f"{seal.MIN_SECRET_CHARS}; use the one node 0's ipcsync-run writes (64 hex digits)")
-    return text.encode(), written
 
 
 class NodeGroup:

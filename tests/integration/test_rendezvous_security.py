@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
 import time
 from typing import Any
@@ -172,3 +173,15 @@ def test_stages_never_see_the_runs_secret(cluster: Cluster) -> None:
     for node, label in zip(nodes, ("a/0", "b/0")):
         assert f"[{label}] sees the secret: False False" in node.out.splitlines(), node.dump()
     assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_at_node_1s_secret_file_is_refused_within_the_rendezvous_timeout(cluster: Cluster) -> None:
+    # Before: node 1's launcher waited in open() of the FIFO for ever, past --rdzv-timeout.
+    os.mkfifo(cluster.secret_file, 0o600)
+    n1 = cluster.start(cluster.spec(two_stage(n=4)), 1, 2, "--rdzv-timeout", "5")
+    assert n1.wait(60) == 125, n1.dump()
+    said = [line for line in n1.err.splitlines() if line.startswith("ipcsync-run: error: ")]
+    assert said == [f"ipcsync-run: error: --rdzv-secret-file {cluster.secret_file}: cannot read it (not a regular "
+                    "file (a FIFO)); give a regular file of your own, mode 600 (node 0's ipcsync-run writes one)"], \
+        n1.dump()
