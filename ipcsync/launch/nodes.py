@@ -7,15 +7,19 @@ are JSON bytes written here (never pickle).
 
 Authentication. c10d's store lets anyone who reaches it read, write and list keys, so
 every launcher holds the run's secret (``secretfile.load_secret``: ``$IPCSYNC_RDZV_SECRET``
-or ``--rdzv-secret-file``; node 0 makes it) and (``core.seal``) stores each key below under a
-name only the secret gives, each record signed with it. A process without the secret
-cannot claim a node rank (it cannot name the key before its holder writes it), and a
-record it writes or replaces is refused (``_forged``: the group fails, nothing it wrote
-is used). Node 0 stores ``ipcsync/rdzv-check`` (a salted MAC of the secret) so that a node
-given another secret, or none, is refused with the reason. Records hold public
-information only: no secret key is ever stored. Without a secret (``--insecure`` only)
-keys are stored by their own names, unsigned. Keys, per attempt ``n`` (a group restart is
-a new attempt):
+or ``--rdzv-secret-file``; node 0 makes it) and (``core.seal``) stores each key below under
+a name only the secret gives, each record signed with it. Every key is bound to the run
+(``runbind``): node 0 draws a fresh run nonce, the other nodes learn it from node 0's
+signed answer to a fresh challenge of their own (the hello), and each key's name and its
+record's MAC cover that nonce, the attempt, the node rank and the content, so a record
+copied from another run (even one with the same secret) is never read. A process without
+the secret cannot claim a node rank (it cannot name the key before its holder writes
+it), and a record it writes or replaces is refused (``_forged``: the group fails,
+nothing it wrote is used). Node 0 states which secret the run uses (``runbind``: a salted MAC of it) so that
+a node given another secret, or none, is refused with the reason.
+Records hold public information only: no secret key is ever stored. Without a secret
+(``--insecure`` only) keys are stored by their own names, unsigned. Keys, per attempt
+``n`` (a group restart is a new attempt):
 
 - ``a<n>/node/<r>``: node r's address, host identity, spec digest, its CURVE client
   public key (its consumers' key; each producer admits only the client keys of the
@@ -27,7 +31,8 @@ a new attempt):
   written once (``compare_set``: the first failure wins) by the node where it happened;
 - ``a<n>/done/<r>``: node r's stages all exited 0; ``a<n>/exit/<r>``: node r is done with
   the attempt (node 0 keeps the store up until every node said so, or the node timeout);
-- ``hb/<r>``: a counter node r's launcher increments every ``HEARTBEAT_S`` seconds.
+- ``hb/<r>``: a counter node r's launcher increments every ``HEARTBEAT_S`` seconds
+  (node 0's heartbeat thread also answers the hellos).
 
 Invariants: every wait on the store is bounded (``node_timeout`` for each call, through
 ``store.BoundedStore``: a paused node 0 answers none; ``rdzv_timeout`` for the
@@ -60,6 +65,7 @@ from ..envopts import env_seconds
 from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .config import check_rdzv_timeout, parse_endpoint
+from . import runbind
 from .plan import SECRET_ENV, ClientKey, Nodes, RemoteEndpoint, place, remote_producers
 from .secretfile import load_secret
 from .spec import PipelineSpec
@@ -78,7 +84,6 @@ _POLL_ANSWER_S = 0.02  # poll() waits this long for the checks it just started
 _STORE_OP_S = 10.0  # one store call at most
 _MAX_VALUE = 1 << 20
 DONE = "done"
-_CHECK_KEY = "ipcsync/rdzv-check"  # node 0's proof of its secret (the one key stored by its own name)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,15 @@ def _forged(what: str) -> GroupFailure:
                         "the run stops rather than use it", 125, False)
 
 
+def _plain(raw: bytes) -> dict[str, Any] | None:
+    """An unsigned record (JSON object), None for anything else (nested too deeply too)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
@@ -174,7 +188,9 @@ class NodeGroup:
         self._secret_written: str | None = None  # the file node 0 made in the runtime dir
         self._store: BoundedStore | None = None
         self._poll_job: Job | None = None
-        self._nonce = _secrets.token_hex(8)  # tells this launcher's rank claim from another's
+        self._nonce = ""  # tells this launcher's rank claim from another's (fresh each attempt)
+        self._run = ""  # the run nonce (runbind): node 0 draws it, the others learn it in the hello
+        self._answerer: runbind.Answerer | None = None  # node 0: answers the other nodes' hellos
         self._claimed = False  # this launcher holds its rank in the current attempt
         self._hb_store: Any = None
         self._hb_stop = threading.Event()
@@ -225,7 +241,11 @@ class NodeGroup:
             self._store = BoundedStore(raw, self.node_timeout,
                                        f"node 0's rendezvous store at {self.rdzv_host}:{self.rdzv_port}")
             self._hb_store = self._connect(_STORE_OP_S)
-            self._check_secret()
+            # Which secret, then the run nonce every key is bound to (node 0 answers
+            # the others' hellos from now on, on the heartbeat thread).
+            self._run, self._answerer = runbind.bind(self.store.call, self.secret, self.rank, self.nnodes,
+                                                     self.node_timeout, self.rdzv_timeout,
+                                                     f"{self.rdzv_host}:{self.rdzv_port}")
         except StoreUnresponsive as exc:
             raise ConfigError(
                 f"node {self.rank}: {exc} (--rdzv-timeout, then ${NODE_TIMEOUT_ENV}); is the port node 0's "
@@ -248,46 +268,27 @@ class NodeGroup:
                          "rendezvous store can join the run as a node or change what it says")
                       + ". Use it only on a network you trust")
 
-    def _check_secret(self) -> None:
-        """Node 0 states which secret the run uses (a salted HMAC of it, or none); every
-        other node compares its own: a node given another secret, or none, is refused
-        here, with the reason, rather than waiting for records it cannot read."""
-        if self.rank == 0:
-            salt = _secrets.token_hex(16)
-            proof = {"salt": salt, "tag": seal.name(self.secret, salt)} if self.secret else {"open": True}
-            self.store.set(_CHECK_KEY, json.dumps(proof).encode())
-            return
-        deadline = time.monotonic() + self.node_timeout
-        while not self.store.check([_CHECK_KEY]):
-            if time.monotonic() >= deadline:
-                raise ConfigError(f"node {self.rank}: the rendezvous store at {self.rdzv_host}:{self.rdzv_port} "
-                                  "does not say which secret the run uses; is it node 0's ipcsync-run of the "
-                                  "same version?")
-            time.sleep(0.05)
-        proof = self._get(_CHECK_KEY, signed=False) or {}
-        fix = ("give every node the secret node 0's ipcsync-run wrote (the same --rdzv-secret-file contents "
-               f"or ${SECRET_ENV})")
-        if proof.get("open") is True:
-            if self.secret is not None:
-                raise ConfigError(f"node {self.rank}: node 0 runs without a rendezvous secret (--insecure), this "
-                                  "node has one: start every node with the same secret, or every node with "
-                                  "--insecure and none")
-            return
-        if self.secret is None:
-            raise ConfigError(f"node {self.rank}: node 0's rendezvous needs the run's secret and this node has "
-                              f"none; {fix}")
-        their_salt, tag = proof.get("salt"), proof.get("tag")
-        if not isinstance(their_salt, str) or not isinstance(tag, str) or seal.name(self.secret, their_salt) != tag:
-            raise ConfigError(f"node {self.rank}: this node's rendezvous secret is not the run's (node 0's at "
-                              f"{self.rdzv_host}:{self.rdzv_port}); {fix}")
-
     def _key(self, key: str) -> str:
-        """The stored name of logical key ``key`` (core.seal 1; as is without a secret)."""
-        return key if self.secret is None else "k/" + seal.name(self.secret, key)
+        """The stored name of logical key ``key`` of this run (core.seal 1, runbind; as is
+        without a secret)."""
+        return key if self.secret is None else "k/" + seal.name(self.secret, runbind.bound(self._run, key))
 
     def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S: this node's heartbeat; on node 0, every runbind.ANSWER_S:
+        the answers to the other nodes' hellos."""
         name = self._key(f"hb/{self.rank}")
-        while not self._hb_stop.wait(HEARTBEAT_S):
+        tick = runbind.ANSWER_S if self._answerer is not None else HEARTBEAT_S
+        beat = time.monotonic() + HEARTBEAT_S
+        while not self._hb_stop.wait(tick):
+            if self._answerer is not None:
+                try:
+                    self._answerer.tick(self._hb_store)
+                except Exception as exc:  # the store is gone (the heartbeat stops below), or a value was odd
+                    log.debug("answering the hellos: %s", exc)
+            now = time.monotonic()
+            if now < beat:
+                continue
+            beat = beat + HEARTBEAT_S if beat + HEARTBEAT_S > now else now + HEARTBEAT_S
             try:
                 self._hb_store.add(name, 1)
             except Exception:  # the store is gone: poll() says so
@@ -312,8 +313,11 @@ class NodeGroup:
         return self._store
 
     def _record(self, key: str, value: dict[str, Any]) -> bytes:
-        """``value`` as stored under logical ``key``: signed with the secret (core.seal 2)."""
-        return json.dumps(value).encode() if self.secret is None else seal.sign(self.secret, key, value)
+        """``value`` as stored under logical ``key`` of this run: signed with the secret
+        over the run nonce, the key (attempt and rank) and the content (core.seal 2)."""
+        if self.secret is None:
+            return json.dumps(value).encode()
+        return seal.sign(self.secret, runbind.bound(self._run, key), value)
 
     def _read(self, key: str, raw: bytes) -> dict[str, Any] | None:
         """The record stored under logical ``key``; None if malformed or not signed with
@@ -321,21 +325,10 @@ class NodeGroup:
         if len(raw) > _MAX_VALUE:
             return None
         if self.secret is not None:
-            return seal.verify(self.secret, key, raw)
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) else None
+            return seal.verify(self.secret, runbind.bound(self._run, key), raw)
+        return _plain(raw)
 
-    def _get(self, key: str, store: Any = None, signed: bool = True) -> dict[str, Any] | None:
-        if not signed:  # the secret check itself
-            raw = (store or self.store).get(key)
-            try:
-                value = json.loads(raw) if len(raw) <= _MAX_VALUE else None
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
+    def _get(self, key: str, store: Any = None) -> dict[str, Any] | None:
         return self._read(key, (store or self.store).get(self._key(key)))
 
     def _failure(self, store: Any = None) -> GroupFailure | None:
@@ -359,6 +352,7 @@ class NodeGroup:
         self._done_said = False
         self._poll_job = None  # a check of the attempt before: its answer no longer counts
         self._claimed = False
+        self._nonce = _secrets.token_hex(8)
         mine = {k for k in remote_producers(self.spec, self.placement) if self.placement[(k[0], k[1])] == self.rank}
         secrets: dict[tuple[str, int, str], tuple[str, str]] = {}
         producers = {}

@@ -5,7 +5,8 @@ the producers admitted any CURVE client): the outsider took the cross-node edge'
 took node 1's place, or had node 1 wired to a producer of its choosing.
 
 The launchers get the run's secret as docs/remote.md documents (node 0 writes
-``--rdzv-secret-file``, node 1 reads it); see test_launch_nodes.py for the cluster.
+``--rdzv-secret-file``, node 1 reads it); see test_launch_nodes.py for the cluster. A
+later run reuses the file: the outsider then also holds a copy of an earlier run's store.
 """
 
 from __future__ import annotations
@@ -159,6 +160,68 @@ def test_node_0_writes_its_secret_file_private_and_serves_only_the_given_address
         assert s.connect_ex(("127.0.0.2", cluster.port)) != 0
 
 
+def copy_store(cluster: Cluster, node: Any) -> dict[str, bytes]:
+    """Every key and value of the run's store once both nodes published their records
+    (whoever reaches the port can list and read it)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert node.proc.poll() is None, node.dump()
+        assert time.monotonic() < deadline, node.dump()
+        try:
+            store = outsider_store(cluster.port)
+            if len(records(store)) >= 2:
+                return {key: bytes(store.get(key)) for key in store.list_keys()}
+        except RuntimeError:
+            pass
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_of_an_earlier_runs_store_replayed_into_a_later_run_is_refused(cluster: Cluster) -> None:
+    # Before: keys were named and records signed with nothing of the run, and node 0
+    # reuses the secret file: node 1's record copied from run 1 and replayed into run 2
+    # before the real node 1 took its rank (node 1: "already joined ... as --node-rank 1",
+    # exit 125; node 0 ran with the copy and failed).
+    spec = cluster.spec(two_stage(n=40))
+    n0, n1 = cluster.start(spec, 0), cluster.start(spec, 1)
+    copied = copy_store(cluster, n0)
+    assert (n0.wait(), n1.wait()) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
+    secret = cluster.secret_file.read_bytes()
+    # Run 2: the same secret file, the same endpoint. Once node 0 is in its rendezvous,
+    # the outsider writes every key of run 1 that run 2 lacks (node 1's record among
+    # them) and puts back run 1's values of the keys stored by their own names.
+    n0 = cluster.start(spec, 0)
+    store, _key, _rec = node0_record(cluster, n0)
+    present = set(store.list_keys())
+    replayed = 0
+    for key, value in copied.items():
+        if key not in present:
+            store.compare_set(key, b"", value)
+            replayed += 1
+        elif key.startswith("ipcsync/"):
+            store.set(key, value)
+    assert replayed >= 2, sorted(copied)
+    n1 = cluster.start(spec, 1)
+    assert (n0.wait(), n1.wait()) == (0, 0), n0.dump() + "\n=== node 1:\n" + n1.dump()
+    assert "already joined" not in n1.err, n1.dump()
+    got = n1.result("sink/0")
+    assert got["errors"] == [] and got["counts"] == {"src/0": 40} and got["contiguous"] == {"src/0": True}
+    assert cluster.secret_file.read_bytes() == secret  # one secret for both runs
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_at_node_1s_secret_file_is_refused_within_the_rendezvous_timeout(cluster: Cluster) -> None:
+    # Before: node 1's launcher waited in open() of the FIFO for ever, past --rdzv-timeout.
+    os.mkfifo(cluster.secret_file, 0o600)
+    n1 = cluster.start(cluster.spec(two_stage(n=4)), 1, 2, "--rdzv-timeout", "5")
+    assert n1.wait(60) == 125, n1.dump()
+    said = [line for line in n1.err.splitlines() if line.startswith("ipcsync-run: error: ")]
+    assert said == [f"ipcsync-run: error: --rdzv-secret-file {cluster.secret_file}: cannot read it (not a regular "
+                    "file (a FIFO)); give a regular file of your own, mode 600 (node 0's ipcsync-run writes one)"], \
+        n1.dump()
+
+
 @pytest.mark.timeout(180)
 def test_stages_never_see_the_runs_secret(cluster: Cluster) -> None:
     # Before: every stage inherited $IPCSYNC_RDZV_SECRET from its launcher's environment
@@ -173,15 +236,3 @@ def test_stages_never_see_the_runs_secret(cluster: Cluster) -> None:
     for node, label in zip(nodes, ("a/0", "b/0")):
         assert f"[{label}] sees the secret: False False" in node.out.splitlines(), node.dump()
     assert cluster.leftovers() == []
-
-
-@pytest.mark.timeout(120)
-def test_a_fifo_at_node_1s_secret_file_is_refused_within_the_rendezvous_timeout(cluster: Cluster) -> None:
-    # Before: node 1's launcher waited in open() of the FIFO for ever, past --rdzv-timeout.
-    os.mkfifo(cluster.secret_file, 0o600)
-    n1 = cluster.start(cluster.spec(two_stage(n=4)), 1, 2, "--rdzv-timeout", "5")
-    assert n1.wait(60) == 125, n1.dump()
-    said = [line for line in n1.err.splitlines() if line.startswith("ipcsync-run: error: ")]
-    assert said == [f"ipcsync-run: error: --rdzv-secret-file {cluster.secret_file}: cannot read it (not a regular "
-                    "file (a FIFO)); give a regular file of your own, mode 600 (node 0's ipcsync-run writes one)"], \
-        n1.dump()
