@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -99,29 +101,38 @@ class Cluster:
         """``secret``: how the launcher gets the run's rendezvous secret, as documented:
         "file" (``--rdzv-secret-file``: node 0 writes it, the others read it), "env"
         (``$IPCSYNC_RDZV_SECRET``), or None (none)."""
-        e = dict(os.environ)
-        for k in ("IPCSYNC_WIRING", "IPCSYNC_RUN_ID", "IPCSYNC_STAGE", "IPCSYNC_REPLICA", "IPCSYNC_DEVICE"):
-            e.pop(k, None)
-        e.update({
-            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TEST_STAGE_DIR": str(self.state),
-            "IPCSYNC_TEST_TOKEN": self.token, "IPCSYNC_RUNTIME_DIR": str(self.runtime_dir),
-            "IPCSYNC_HOST_ID": f"test-node-{rank}", "IPCSYNC_NODE_TIMEOUT": NODE_TIMEOUT,
-            "IPCSYNC_REMOTE_TIMEOUT": "30",
-            "PYTHONPATH": str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else ""),
-        })
-        e.pop("IPCSYNC_RDZV_SECRET", None)
+        e = self.environ()
+        e["IPCSYNC_HOST_ID"] = f"test-node-{rank}"
         if secret == "env":
             e["IPCSYNC_RDZV_SECRET"] = self.token * 2
         e.update(env or {})
         if secret == "file":
             extra = ("--rdzv-secret-file", str(self.secret_file), *extra)
-        n = len(self.nodes)
-        out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
         args = [str(spec), "--nnodes", str(nnodes), "--node-rank", str(rank),
                 "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-timeout", "60", *extra]
+        return self.popen([PY, "-m", "ipcsync.launch", *args], e)
+
+    def environ(self) -> dict[str, str]:
+        """A launcher's environment (no host id, no secret)."""
+        e = dict(os.environ)
+        for k in ("IPCSYNC_WIRING", "IPCSYNC_RUN_ID", "IPCSYNC_STAGE", "IPCSYNC_REPLICA", "IPCSYNC_DEVICE",
+                  "IPCSYNC_RDZV_SECRET", "IPCSYNC_HOST_ID"):
+            e.pop(k, None)
+        e.update({
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TEST_STAGE_DIR": str(self.state),
+            "IPCSYNC_TEST_TOKEN": self.token, "IPCSYNC_RUNTIME_DIR": str(self.runtime_dir),
+            "IPCSYNC_NODE_TIMEOUT": NODE_TIMEOUT, "IPCSYNC_REMOTE_TIMEOUT": "30",
+            "PYTHONPATH": str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else ""),
+        })
+        return e
+
+    def popen(self, argv: list[str], env: dict[str, str]) -> Node:
+        """Start ``argv`` in its own session (killed at teardown), output to files."""
+        n = len(self.nodes)
+        out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen([PY, "-m", "ipcsync.launch", *args], stdin=subprocess.DEVNULL, stdout=fo,
-                                    stderr=fe, cwd=str(ROOT), env=e, start_new_session=True)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, cwd=str(ROOT), env=env,
+                                    start_new_session=True)
         node = Node(proc, out, err)
         self.nodes.append(node)
         return node
@@ -494,6 +505,33 @@ def test_dataloader_example_over_two_nodes(cluster: Cluster) -> None:
     assert "[loader/" in n0.out and "[train/" not in n0.out
     for node in (n0, n1):
         assert "ipcsync-run:   loader -> train: 64 items, " in node.err, node.dump()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_readme_one_machine_two_node_example_runs_as_written(cluster: Cluster, tmp_path: Path) -> None:
+    # The README's block, run by bash with `ipcsync-run` on PATH; only the port differs
+    # (a free one). Before, its secret path came from `mktemp -u` in /tmp: a name any
+    # user could create first, and node 1 would have read that user's file.
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    (block,) = [b for b in blocks if "--rdzv-secret-file" in b and "mktemp" in b]
+    assert "mktemp -u" not in block
+    script = block.replace("127.0.0.1:29400", f"127.0.0.1:{cluster.port}")
+    bin_dir, tmp = tmp_path / "bin", tmp_path / "mktemp"
+    bin_dir.mkdir()
+    tmp.mkdir(mode=0o700)
+    shim = bin_dir / "ipcsync-run"
+    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(PY)} -m ipcsync.launch \"$@\"\n")
+    shim.chmod(0o755)
+    env = cluster.environ()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", TMPDIR=str(tmp))
+    run = cluster.popen(["bash", "-euc", script], env)
+    assert run.wait() == 0, run.dump()
+    assert any(line.startswith("[train/0] train: done, 64 batches") for line in run.out.splitlines()), run.dump()
+    assert run.err.count("ipcsync-run:   loader -> train: 64 items, ") == 2, run.dump()
+    assert "wrote this run's rendezvous secret to " in run.err, run.dump()
+    assert list(tmp.glob("tmp.*")) == []  # its private directory (mktemp's), secret included, removed
     assert cluster.leftovers() == []
 
 
