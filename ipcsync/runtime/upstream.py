@@ -91,12 +91,13 @@ class RingMemory:
     (``Event.bound_record``). ``complete_on_record``: every one of those events is
     complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "ready_done", "release_events", "record_release",
+    __slots__ = ("arenas", "stores", "views", "ready_events", "ready_done", "release_events", "record_release",
                  "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
+        self.views: list[torch.Tensor] = []
         self.ready_events: list[Event] = []
         self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
@@ -123,12 +124,18 @@ class RingMemory:
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
+        self.views = views
         self.stores = [SlotStore(v) for v in views]
+
+    def renew(self, slot: int) -> SlotStore:
+        """A fresh store for ``slot``, whose store's storage was moved (``SlotStore.moved``)."""
+        store = self.stores[slot] = SlotStore(self.views[slot])
+        return store
 
     def let_go(self) -> None:
         """Drop the slot views and close the arena imports (tensors the user still holds
         keep their memory mapped until they go)."""
-        self.stores = []
+        self.stores, self.views = [], []
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
@@ -263,24 +270,20 @@ class ProducerLink:
             s.queue_release((item.seq, item.slot, item.gen))
 
     def check_stall(self) -> None:
-        """Nothing is buffered and the slots this consumer holds (kept by the program's
-        tensors, or held) are all it may hold (the ring's slots, or its credits): report
-        at once what holds them, after a garbage collection (a view may be held by a cycle
-        only). Once per set of items. (When several consumers share a ring, kept slots
-        can stall it before that: the producer's wait and a timeout's message show it.)"""
+        """A wait found nothing buffered while this consumer keeps or holds items: kept
+        items whose ring would stall move out of it, and what still stalls it is reported
+        (``Kept.check``); their slots go back."""
         setup = self.session.setup
-        if setup is None:
-            return
-        most = min(len(setup.slots), self.credits)
-        if len(self.kept) + self.lender.held_count() < most or self.kept.reported == frozenset(self.kept.items):
-            return
-        self.release_kept(collect=True)
-        if self.kept and len(self.kept) + self.lender.held_count() >= most and self.kept.new_stall():
-            log.warning("ipcsync consumer %r: the ring is stalled: %s", self.endpoint.name, self.kept.describe())
+        if setup is not None:
+            back = self.kept.check(self.endpoint.name, self.lender.held_count(),
+                                   min(len(setup.slots), self.credits), time.monotonic(),
+                                   self.memory.ready_events, self.stream)
+            if back:
+                self.queue_releases(back)
 
     def stall_text(self) -> str:
-        """For a timeout's message: what the program keeps, if anything."""
-        return f"; {self.kept.describe()}" if self.kept else ""
+        """For a timeout's message: what the program keeps or holds, if anything."""
+        return self.kept.stall_text(self.lender.held_count() if self.lender is not None else 0)
 
     def give_up_kept(self) -> None:
         """close(): give every kept slot back; warn if the producer may still write them."""
@@ -419,7 +422,7 @@ class ProducerLink:
                 self.closed_after_bye = True
         if s.error is None:
             if not s.ready:
-                if self.kept:
+                if self.kept or self.lender.held:
                     self.check_stall()
                 self.flush_releases()
             elif len(s.pending) >= s.release_batch:

@@ -32,12 +32,22 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture
+def unmovable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that cannot point a storage at other memory (no ``_swap_data_ptr_``): kept
+    items cannot be moved out of the ring, so the kept views hold their slots (where it
+    can, tests/integration/test_kept_items.py shows the ring going on)."""
+    from ipcsync.backends import refs
+
+    monkeypatch.setattr(refs, "SWAP", None)
+
+
 def value(i: int, device: str = "cpu") -> torch.Tensor:
     return torch.full((SIZE,), float(i), device=device)
 
 
 # --------------------------------------------------------------------------- case 1
-def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, caplog: Any) -> None:
+def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, caplog: Any, unmovable: None) -> None:
     out = endpoints.producer("keep1", slots=4, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
     inp = endpoints.consumer("keep1", heartbeat=None, timeout=5, device=device)
     out.wait_for_consumers(1, timeout=5)
@@ -112,7 +122,8 @@ def test_views_kept_when_the_stream_ends_are_released_not_reclaimed(endpoints: A
     del x
 
 
-def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any) -> None:
+def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any,
+                                                               unmovable: None) -> None:
     """A torch without ``_storage_Use_Count`` (older CPU builds): each item (and slot()
     block) gets a storage of its own, watched through a weak reference."""
     from ipcsync.backends import refs
@@ -275,7 +286,7 @@ def test_a_slot_tensor_kept_after_its_block_is_refused(endpoints: Any, device: s
 
 
 # --------------------------------------------------------------------------- storage objects
-def test_a_storage_object_kept_past_release_keeps_its_slot(endpoints: Any, device: str) -> None:
+def test_a_storage_object_kept_past_release_keeps_its_slot(endpoints: Any, device: str, unmovable: None) -> None:
     # Before: torch keeps one Python object per storage, and the library held that very
     # object (its probe), so a program's x.untyped_storage() added no use count: the slot
     # went back while the program could still read (and later view) it through the object.
