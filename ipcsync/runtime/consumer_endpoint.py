@@ -208,6 +208,7 @@ class ConsumerEndpoint(EndpointBase):
                         store = mem.stores[slot]
                         if store.ptr() != store.addr:  # its storage was moved: not the slot's any more
                             store = mem.renew(slot)
+                        mem.seqs[slot] = seq  # (what a write fault in the slot names)
                         item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
                                     recipe.nbytes, store, recipe.extent)
                         lender.hold(seq, item)
@@ -413,6 +414,7 @@ class ConsumerEndpoint(EndpointBase):
             store = self._memory.stores[slot]
             if store.moved():
                 store = self._memory.renew(slot)
+            self._memory.seqs[slot] = seq  # (what a write fault in the slot names)
         if self._per_item:
             store = store.for_item()
         item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store,

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import zmq
 
+from .. import writefaults
 from ..backends import Arena, Backend, Event
 from ..backends.refs import SlotStore
 from ..backends.cpu import reclaim_dead_segments
@@ -91,25 +93,33 @@ class RingMemory:
     (``Event.bound_record``). ``complete_on_record``: every one of those events is
     complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "views", "ready_events", "ready_done", "release_events", "record_release",
-                 "complete_on_record")
+    __slots__ = ("arenas", "stores", "views", "seqs", "watched", "ready_events", "ready_done", "release_events",
+                 "record_release", "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
         self.views: list[torch.Tensor] = []
+        # The seq of the item last built in each slot (what a write fault there names:
+        # ipcsync.writefaults), and the read-only slots watched.
+        self.seqs = array("q")
+        self.watched: list[int | None] = []
         self.ready_events: list[Event] = []
         self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
         self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
 
-    def open(self, backend: Any, s: P.Setup, where: Any) -> None:
-        """Open what SETUP ``s`` exports (``where``: the device its memory lies on).
-        BackendError if it cannot be."""
+    def open(self, backend: Any, s: P.Setup, where: Any, name: str = "") -> None:
+        """Open what SETUP ``s`` exports (``where``: the device its memory lies on) from the
+        producer on ``name``. BackendError if it cannot be."""
         try:
             self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
+            cells = self.seqs.buffer_info()[0]
+            self.watched = [writefaults.watch(v.data_ptr(), v.numel(), f"slot {i} of the producer on {name!r} "
+                                              f"(pid {s.pid})", cells + i * self.seqs.itemsize)
+                            for i, v in enumerate(self.views) if self.arenas[s.slots[i][0]].readonly]
             self.set_events([backend.open_event(h) for h in s.ready_events],
                             [backend.create_event() for _ in s.slots])
         except IpcSyncError as exc:
@@ -126,6 +136,7 @@ class RingMemory:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
         self.views = views
         self.stores = [SlotStore(v) for v in views]
+        self.seqs = array("q", [-1]) * len(views)
 
     def renew(self, slot: int) -> SlotStore:
         """A fresh store for ``slot``, whose store's storage was moved (``SlotStore.moved``)."""
@@ -136,6 +147,9 @@ class RingMemory:
         """Drop the slot views and close the arena imports (tensors the user still holds
         keep their memory mapped until they go)."""
         self.stores, self.views = [], []
+        for token in self.watched:
+            writefaults.unwatch(token)
+        self.watched = []
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
@@ -653,7 +667,7 @@ class ProducerLink:
             self.fail(exc, ErrorCode.DEVICE)
             return
         try:
-            self.memory.open(self.backend, s, where)
+            self.memory.open(self.backend, s, where, self.endpoint.name)
         except BackendError as exc:
             self.fail(exc, ErrorCode.BACKEND)
             return
