@@ -300,8 +300,12 @@ class ProducerLink:
         return self.kept.stall_text(self.lender.held_count() if self.lender is not None else 0)
 
     def give_up_kept(self) -> None:
-        """close(): give every kept slot back; warn if the producer may still write them."""
+        """close(): give every kept slot back, the kept items' bytes moved out of the ring
+        first while the producer may still write (``Kept.move_out``); warn of any that
+        could not be."""
         s = self.session
+        if self.kept and not s.bye_received and s.error is None:
+            self.queue_releases(self.kept.move_out(self.memory.ready_events, self.stream, self.endpoint.name))
         if self.kept and not s.bye_received and s.error is None:
             log.warning("ipcsync consumer %r closing: %s; they are given back now and may change",
                         self.endpoint.name, self.kept.describe())
