@@ -48,7 +48,7 @@ try:
 except ImportError:  # not built: the ctypes stand-in
     _compiled = None  # type: ignore[assignment]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (unwatch may run from a finalizer inside watch: a collection)
 _which: str | None = None  # the handler installed: "compiled", "ctypes", or None (not yet / cannot)
 _tried = False
 

@@ -136,10 +136,17 @@ class SlotStore:
     they differ once the storage was moved (``moved()``; the module docstring), and the
     store then views its region no more."""
 
-    __slots__ = ("base", "nbytes", "views", "count", "own", "pyrefs", "own_py", "ptr", "addr", "_probe", "_cdata")
+    __slots__ = ("base", "nbytes", "views", "count", "own", "pyrefs", "own_py", "ptr", "addr", "successor",
+                 "_probe", "_cdata")
 
-    def __init__(self, region: torch.Tensor) -> None:
-        self.base = own_storage(region)
+    def __init__(self, region: torch.Tensor, successor: torch.Tensor | None = None) -> None:
+        """``successor``: a tensor over ``region`` whose storage is its own already (what
+        ``move_out`` leaves: the storage it swapped with), used instead of a new one."""
+        if successor is not None and successor.data_ptr() == region.data_ptr() and successor.numel() == region.numel():
+            self.base = successor
+        else:
+            self.base = own_storage(region)
+        self.successor: torch.Tensor | None = None
         self.nbytes = self.base.numel()
         # The storage's Python object: its _cdata is the StorageImpl the count is read
         # from (making one per check would add a reference of its own).
@@ -199,10 +206,12 @@ class SlotStore:
             if not _copy_done(copy):
                 return None
         SWAP(storage, copy.untyped_storage())
-        # ``copy``'s storage now holds the region's data pointer, dropped with it; the
-        # library's views of this store follow the move too, so nothing of it views the
-        # region any more.
+        # ``copy``'s storage now holds the region's data pointer: a storage of its own over
+        # the region, which the region's next store can take (``successor``: no new one to
+        # make). The library's views of this store followed the move: nothing of it views
+        # the region any more.
         self.views = {}
+        self.successor = copy
         return extent
 
     def for_item(self) -> "SlotStore":
@@ -232,6 +241,7 @@ class ItemStore(SlotStore):
         self.count = self._alive
         self.own = 0
         self.pyrefs, self.own_py = _no_count, 0  # (a kept storage object keeps the storage alive: in_use)
+        self.successor = None
         self._probe = self.base.untyped_storage()
         self.ptr = self._pointer
         self.addr = self.ptr()

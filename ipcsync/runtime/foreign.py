@@ -60,7 +60,8 @@ class ForeignArena:
             if len(self.stores) >= _MAX_REGIONS:
                 self.stores.clear()
             assert self.arena is not None
-            store = self.stores[key] = SlotStore(self.arena.tensor[offset : offset + nbytes])
+            store = self.stores[key] = SlotStore(self.arena.tensor[offset : offset + nbytes],
+                                                 store.successor if store is not None else None)
         return store
 
 

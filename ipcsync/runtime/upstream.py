@@ -139,8 +139,9 @@ class RingMemory:
         self.seqs = array("q", [-1]) * len(views)
 
     def renew(self, slot: int) -> SlotStore:
-        """A fresh store for ``slot``, whose store's storage was moved (``SlotStore.moved``)."""
-        store = self.stores[slot] = SlotStore(self.views[slot])
+        """A fresh store for ``slot``, whose store's storage was moved (``SlotStore.moved``;
+        after ``move_out`` its ``successor`` is one already)."""
+        store = self.stores[slot] = SlotStore(self.views[slot], self.stores[slot].successor)
         return store
 
     def let_go(self) -> None:

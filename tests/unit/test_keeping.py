@@ -111,5 +111,7 @@ def test_move_out_points_every_view_at_a_copy_and_frees_the_region() -> None:
     arena[4096:].fill_(0)  # the region's next item
     assert view.tolist() == [3.0] * 3 and view.data_ptr() != region.data_ptr() + 4
     assert store.move_out(16) is None  # moved already: nothing to do
-    fresh = SlotStore(region)
-    assert not fresh.moved() and fresh.typed(torch.uint8)[:4].tolist() == [0] * 4
+    for fresh in (SlotStore(region), SlotStore(region, store.successor)):  # (the latter: no new storage made)
+        assert not fresh.moved() and fresh.typed(torch.uint8)[:4].tolist() == [0] * 4
+        assert not fresh.in_use() and fresh.ptr() == region.data_ptr()
+    assert SlotStore(region, store.successor).base is store.successor
