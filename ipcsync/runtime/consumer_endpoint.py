@@ -345,10 +345,7 @@ class ConsumerEndpoint(EndpointBase):
                              timeout, "producer", self._stats.waited, pumped=pumped)
             if not s.ready and not s.bye_received and kept.stuck(limit):
                 self._raise_if_broken()
-                raise IpcTimeoutError(
-                    f"no item can come from the producer on {self.endpoint.name!r}: for {limit} s (this "
-                    f"consumer's timeout) the ring has been full of items this program holds or keeps"
-                    f"{self._link.stall_text()}")
+                raise self._stuck_error()
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -367,11 +364,22 @@ class ConsumerEndpoint(EndpointBase):
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
             f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
 
+    def _stuck_error(self) -> IpcTimeoutError:
+        """The ring has been full of this program's own items for the consumer's timeout
+        (``Kept.stuck``): no item can come."""
+        return IpcTimeoutError(
+            f"no item can come from the producer on {self.endpoint.name!r}: for {self._timeout} s (this "
+            f"consumer's timeout) the ring has been full of items this program holds or keeps"
+            f"{self._link.stall_text()}")
+
     def _poll(self) -> tuple[bool, Item | None]:
         """``port.poll``: see SourcePort."""
         with self._call():
             self._pump()
             self._raise_if_broken()
+            s = self.session
+            if not s.ready and not s.bye_received and self._link.kept.stuck(self._timeout):
+                raise self._stuck_error()  # (FanIn, asyncio: as next_item)
             if self.session.ready:
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among

@@ -275,6 +275,28 @@ def test_items_held_without_release_fail_within_the_consumers_timeout(endpoints:
 
 
 @pytest.mark.timeout(60)
+def test_async_iteration_over_items_held_without_release_fails_within_the_timeout(endpoints: Any) -> None:
+    """The same through ``async for`` (and so FanIn, which polls alike): it raises once the
+    ring was full of held items for the consumer's ``timeout``."""
+    import asyncio
+
+    out = endpoints.producer("stuck-aheld", slots=2, slot_bytes=4096, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("stuck-aheld", heartbeat=None, timeout=1.0, idle_timeout=30, auto_release=False)
+    out.wait_for_consumers(1, timeout=10)
+    for i in range(2):
+        out.send({"x": value(i)}, timeout=10)
+    held: list[Any] = []
+
+    async def take() -> None:
+        async for item in inp:
+            held.append(item)
+
+    with pytest.raises(ipcsync.IpcTimeoutError, match=r"2 items are held by your program"):
+        asyncio.run(asyncio.wait_for(take(), 20))
+    assert len(held) == 2
+
+
+@pytest.mark.timeout(60)
 def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: Any) -> None:
     """A send that began waiting before any consumer attached, then a consumer attached
