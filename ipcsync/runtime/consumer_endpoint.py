@@ -340,10 +340,11 @@ class ConsumerEndpoint(EndpointBase):
         if not s.ready and not s.bye_received and s.error is None:
             # A ring stalled by this program's own items (held, or kept and not movable)
             # can bring nothing: past the consumer's timeout that is an error, never a hang.
-            kept, limit = self._link.kept, self._timeout
-            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None or kept.stuck(limit),
+            link, limit = self._link, self._timeout
+            link.kept.stuck_since = None  # (measured within this call)
+            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None or link.stuck(limit),
                              timeout, "producer", self._stats.waited, pumped=pumped)
-            if not s.ready and not s.bye_received and kept.stuck(limit):
+            if not s.ready and not s.bye_received and link.kept.stuck(limit):
                 self._raise_if_broken()
                 raise self._stuck_error()
         self._raise_if_broken()
@@ -378,7 +379,7 @@ class ConsumerEndpoint(EndpointBase):
             self._pump()
             self._raise_if_broken()
             s = self.session
-            if not s.ready and not s.bye_received and self._link.kept.stuck(self._timeout):
+            if not s.ready and not s.bye_received and self._link.stuck(self._timeout):
                 raise self._stuck_error()  # (FanIn, asyncio: as next_item)
             if self.session.ready:
                 # A gloo remote item whose transfer is still running is not waited for here:

@@ -101,11 +101,13 @@ class Kept:
 
     # ------------------------------------------------------------------ a stalled ring
     def check(self, name: str, held: int, most: int, now: float, ready_events: Sequence[Any],
-              stream: Any) -> list[Any]:
-        """A wait of consumer ``name`` found nothing to take; it holds ``held`` items and
+              stream: Any, waiting: bool = False) -> list[Any]:
+        """A pump of consumer ``name`` found nothing to take; it holds ``held`` items and
         may hold ``most``. Moves the kept items out of the ring once it would stall on
         them (``due``), reports what still stalls it (after a garbage collection, once per
-        set of items) and keeps ``stuck_since``. Returns the items whose slots go back."""
+        set of items) and keeps ``stuck_since``. Items held and not released stall it only
+        for a call that waits for one (``waiting``): a program working on the items it
+        holds is no stall. Returns the items whose slots go back."""
         full = len(self.items) + held >= most
         back: list[Any] = []
         if self.items and self.due(full, now):
@@ -114,6 +116,8 @@ class Kept:
         if not full:
             self.stuck_since = None
             self.held_said = False
+            return back
+        if not self.items and not waiting:
             return back
         if self.stuck_since is None:
             self.stuck_since = now

@@ -284,17 +284,26 @@ class ProducerLink:
                 self.memory.release_events[item.slot].record(self.stream)
             s.queue_release((item.seq, item.slot, item.gen))
 
-    def check_stall(self) -> None:
-        """A wait found nothing buffered while this consumer keeps or holds items: kept
+    def check_stall(self, waiting: bool = False) -> None:
+        """A pump found nothing buffered while this consumer keeps items (``waiting``: a
+        call of the program waits for an item, which may be kept or held ones): kept
         items whose ring would stall move out of it, and what still stalls it is reported
         (``Kept.check``); their slots go back."""
         setup = self.session.setup
         if setup is not None:
             back = self.kept.check(self.endpoint.name, self.lender.held_count(),
                                    min(len(setup.slots), self.credits), time.monotonic(),
-                                   self.memory.ready_events, self.stream)
+                                   self.memory.ready_events, self.stream, waiting)
             if back:
                 self.queue_releases(back)
+
+    def stuck(self, limit: float | None) -> bool:
+        """Asked by a call waiting for an item: the ring has been full of this program's
+        own items (kept, or held and not released) for ``limit`` seconds, so no item can
+        come (``Kept.stuck``)."""
+        if self.kept or self.lender.held:
+            self.check_stall(waiting=True)
+        return self.kept.stuck(limit)
 
     def stall_text(self) -> str:
         """For a timeout's message: what the program keeps or holds, if anything."""
@@ -441,7 +450,7 @@ class ProducerLink:
                 self.closed_after_bye = True
         if s.error is None:
             if not s.ready:
-                if self.kept or self.lender.held:
+                if self.kept:
                     self.check_stall()
                 self.flush_releases()
             elif len(s.pending) >= s.release_batch:

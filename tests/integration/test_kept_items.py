@@ -275,6 +275,23 @@ def test_items_held_without_release_fail_within_the_consumers_timeout(endpoints:
 
 
 @pytest.mark.timeout(60)
+def test_a_program_working_on_the_items_it_holds_is_no_stall(endpoints: Any, caplog: Any) -> None:
+    """Every slot held while the program works on it (the consumer's service thread pumps
+    meanwhile): nothing is reported, and the next get() waits its own timeout only."""
+    caplog.set_level(logging.WARNING, logger="ipcsync")
+    out = endpoints.producer("held-busy", slots=1, slot_bytes=4096, heartbeat=None, timeout=10)
+    inp = endpoints.consumer("held-busy", heartbeat=None, timeout=30)
+    out.wait_for_consumers(1, timeout=10)
+    out.send({"x": value(1)}, timeout=10)
+    item = inp.get(timeout=10)
+    assert not wait_until(lambda: any("stalled" in r.getMessage() for r in caplog.records), 1.0)
+    assert item["x"][0].item() == 1.0
+    item.release()
+    out.send({"x": value(2)}, timeout=10)
+    assert inp.get(timeout=10)["x"][0].item() == 2.0
+
+
+@pytest.mark.timeout(60)
 def test_async_iteration_over_items_held_without_release_fails_within_the_timeout(endpoints: Any) -> None:
     """The same through ``async for`` (and so FanIn, which polls alike): it raises once the
     ring was full of held items for the consumer's ``timeout``."""
