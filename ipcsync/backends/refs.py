@@ -199,7 +199,10 @@ class SlotStore:
             return None
         extent = max(0, min(extent, self.nbytes))
         device = self.base.device
-        with torch.cuda.stream(stream) if stream is not None and device.type == "cuda" else _nothing():
+        on: Any = _nothing()
+        if device.type == "cuda":  # (the copy and its wait on the same stream of the region's device)
+            on = torch.cuda.stream(stream) if stream is not None else torch.cuda.device(device)
+        with on:
             copy = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             if extent:
                 copy[:extent].copy_(self.base[:extent])

@@ -148,6 +148,26 @@ def test_a_moved_item_is_not_forwarded_without_a_copy(endpoints: Any) -> None:
     assert sink.get(timeout=5)["x"].tolist() == [7.0] * SIZE
 
 
+@pytest.mark.timeout(60)
+def test_verify_does_not_blame_a_write_into_a_moved_items_own_copy(endpoints: Any) -> None:
+    """``verify=True``: a tensor moved by ``share_memory_()`` reads a copy of its own, so a
+    write into it changes no reader's slot; the next items are checked as ever. Before:
+    ItemWrittenError for item 0."""
+    out = endpoints.producer("swap-verify", slots=2, slot_bytes=4096, heartbeat=None, timeout=5)
+    inp = endpoints.consumer("swap-verify", heartbeat=None, timeout=5, verify=True)
+    out.wait_for_consumers(1, timeout=5)
+    for i in range(4):
+        out.send({"x": value(i)}, timeout=5)
+        item = inp.get(timeout=5)
+        if i == 0:
+            x = item["x"]
+            x.share_memory_()
+            x.add_(1)  # its own copy now: writable
+            del x
+        assert item["x"][0].item() == float(i) + (1.0 if i == 0 else 0.0)
+        item.release()
+
+
 # --------------------------------------------------------------------------- kept tensors
 def _produce(out: Any, n: int, device: str, errors: list[BaseException]) -> threading.Thread:
     def run() -> None:
