@@ -6,4 +6,6 @@ installs and runs on its pure-Python (torch) path."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("ipcsync._native", ["ipcsync/_native.c"], optional=True,
+                             extra_compile_args=["-O2", "-std=c99"]),
+                   Extension("ipcsync._fault", ["ipcsync/_fault.c"], optional=True,
                              extra_compile_args=["-O2", "-std=c99"])])

@@ -34,7 +34,10 @@ class Consumer:
         wait: ``"gpu"`` (the stream waits on the producer's event at once) or ``"host"``
             (poll until complete: never wedges if the producer dies).
         timeout: default for blocking calls (``get``, ``close``'s wait for forwarded
-            items); None (the default) or inf: as long as the producer lives.
+            items); None (the default) or inf: as long as the producer lives. Also how
+            long a ring full of items this program holds (not released, or kept views
+            that cannot be moved out) may last before ``get`` and iteration raise
+            ``IpcTimeoutError`` naming them: no item can come then.
         connect_timeout: how long the handshake waits for a producer to appear and answer
             (seconds; None or inf: forever). Default: ``timeout`` when that is given,
             else 30 s.
@@ -48,9 +51,11 @@ class Consumer:
         auto_release: release the previous item at the next iteration.
         keep_refs_check: the reference rule (default True): a released item's slot goes
             back to the producer only once no tensor of this program views it any more
-            (one C call per release); a ring stalled by kept views is reported at once,
-            naming the items. False: a slot goes back at ``release()``, and a view kept
-            past it may show a later item's data (for programs that never keep views).
+            (one C call per release); once views kept past release would stall the ring,
+            their items' bytes are copied out of it into memory of their own (the views
+            stay valid; a warning says once that ``clone()`` avoids the copy). False: a
+            slot goes back at ``release()``, and a view kept past it may show a later
+            item's data (for programs that never keep views).
         verify: check that no item is changed while this consumer holds it (an in-place
             op on a received tensor writes into memory other readers share): a checksum
             of the item's bytes when received and when released; a difference raises

@@ -103,20 +103,23 @@ class Item:
     it any more (the reference rule): a view kept past release() keeps the slot, so keep
     clones of what you keep, or the ring stalls (reported at once, naming the items).
     ``store``: the slot's own storage (``backends.refs.SlotStore``) whose use count tells
-    (not asked when the consumer was made with ``keep_refs_check=False``).
+    (not asked when the consumer was made with ``keep_refs_check=False``); ``extent``:
+    the bytes from the slot's start that the item's tensors reach (what is copied if the
+    item's kept views are moved out of the ring).
     """
 
     __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin", "store",
-                 "sums")
+                 "sums", "extent")
 
     def __init__(self, origin: "Lender", source: str, seq: int, slot: int, gen: int, meta: Any,
-                 tensors: Any, nbytes: int, store: Any = None) -> None:
+                 tensors: Any, nbytes: int, store: Any = None, extent: int = 0) -> None:
         self.tensors = tensors
         self.meta = meta
         self.seq = seq
         self.slot = slot
         self.gen = gen
         self.nbytes = nbytes
+        self.extent = extent
         self.released = False
         self.source = source
         self.origin = origin

@@ -298,13 +298,17 @@ def _event_get(ev: Any) -> Callable[[float], Any]:
 
 
 def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str,
-                refs_check: bool = True) -> tuple[float, list[float]]:
+                refs_check: bool = True, keep: int = 0) -> tuple[float, list[float]]:
+    """``keep``: the consumer keeps the views of its last ``keep`` items (scripts/bench_kept.py)."""
+    import bench_kept
+
     ctx = context()
-    endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}-{int(refs_check)}"
+    endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}-{int(refs_check)}-{keep}"
     results, ready = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready),
                     name="ipcsync producer")
-    c = ctx.Process(target=_ipc_consumer, args=(endpoint, n, device, wait, results, refs_check),
+    c = ctx.Process(target=bench_kept.kept_consumer if keep else _ipc_consumer,
+                    args=(endpoint, n, device, wait, results, refs_check, *((keep,) if keep else ())),
                     name="ipcsync consumer")
     try:
         p.start()
@@ -1380,12 +1384,13 @@ def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
         host = run_host_copy(nbytes, n, device)
         mrate, mlat = run_mpq(nbytes, n, args.slots, device)
         checks = {"on": (True,), "off": (False,), "both": (True, False)}[args.refs_check]
+        keeps = {"off": (0,), "on": (args.slots,), "both": (0, args.slots)}[args.keep]
         for mode in modes:
             for wait in waits:
-                for check in checks:  # ("both": one after the other, so they share the machine's state)
-                    rate, lat = run_ipcsync(nbytes, n, args.slots, mode, device, wait, check)
+                for check, keep in ((c, k) for c in checks for k in keeps):  # (one after the other)
+                    rate, lat = run_ipcsync(nbytes, n, args.slots, mode, device, wait, check, keep)
                     label = (f"ipcsync {mode}" + (f" wait={wait}" if device.startswith("cuda") else "")
-                             + ("" if check else " refs-check=off"))
+                             + ("" if check else " refs-check=off") + (" keeps views" if keep else ""))
                     rows.append((name, label, rate, pct(lat, .5), pct(lat, .99), rate / mrate, host))
         if args.floor:
             import bench_floor
@@ -1441,6 +1446,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     h.add_argument("--refs-check", choices=("on", "off", "both"), default="on",
                    help="the consumer's reference check (Consumer keep_refs_check=): on (the default), "
                         "off, or both (each ipcsync row twice, to compare its cost)")
+    h.add_argument("--keep", choices=("on", "off", "both"), default="off",
+                   help="the consumer keeps the views of its last --slots items without clone(): on, off "
+                        "(the default), or both (scripts/bench_kept.py)")
     lt = ap.add_argument_group("latency suite (defaults: real size / with --quick)")
     lt.add_argument("--latency-trips", type=int, help="timed round trips per variant (5000 / 500)")
     lt.add_argument("--latency-idle", type=float, default=5.0, metavar="SECONDS",

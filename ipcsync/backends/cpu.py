@@ -22,7 +22,8 @@ Arena lifetime:
   ``PROT_READ``): an in-place op on a received tensor faults (SIGSEGV) in the consumer
   that did it instead of changing what other readers of the item see (a broadcast edge,
   forwarded items); consumers enable ``faulthandler`` so that fault shows where it
-  happened. A mapping stays valid after the producer unlinks the name, so items already
+  happened, and each read-only mapping is watched (``ipcsync.writefaults``) so that the
+  process says why before it dies. A mapping stays valid after the producer unlinks the name, so items already
   delivered remain readable;
 - ``close()`` on the producer unlinks the name. Mappings are dropped when the last tensor
   viewing them is freed (torch keeps the mmap alive), so closing can never pull memory
@@ -41,12 +42,14 @@ import re
 import secrets
 import stat
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import torch
 
 from ..runtime import host
 from ..runtime.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
+from .. import writefaults
 from ..errors import BackendError, ConfigError, IpcTimeoutError
 from .base import Arena, Backend, Event
 
@@ -159,6 +162,13 @@ class CpuArena(Arena):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
             self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        if not owner:
+            # A write into it faults: say why (ipcsync.writefaults), while it is mapped.
+            who = segment_owner(name)
+            token = writefaults.watch(self.tensor.data_ptr(), nbytes, "shared memory of the producer with pid "
+                                      f"{who.pid if who is not None else '?'} ({self.path})")
+            if token is not None:
+                weakref.finalize(mm, writefaults.unwatch, token)
         self._closed = False
 
     def _unlink(self) -> None:

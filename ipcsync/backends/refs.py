@@ -15,6 +15,18 @@ says whether any tensor of the program still views that slot.
 numpy's buffer (``torch.from_numpy``), on CUDA through ``__cuda_array_interface__``; both
 make a new ``StorageImpl`` whose deleter keeps the region (so the arena it lies in) alive.
 
+A store's storage is the slot's only while its data pointer is the region's (``moved()``:
+one C call): torch can move a storage's bytes elsewhere (``share_memory_()``, which
+``torch.multiprocessing``'s pickler calls on every CPU tensor put on a queue, moves them
+into a new shared segment; ``_swap_data_ptr_``), and every tensor of that storage follows.
+A moved store no longer views its slot: its owner makes the slot a fresh one
+(``SlotStore(region)``) before anything else is built there, so nothing a program does to
+one item's tensors changes what a later item reads. ``move_out`` is the same move done on
+purpose: the bytes of an item the program kept past its release are copied into memory of
+their own and the storage (so every kept view of it) is pointed there
+(``UntypedStorage._swap_data_ptr_``, ``SWAP``; None on a torch without it), which frees
+the slot.
+
 ``USE_COUNT`` is ``torch._C._storage_Use_Count``. Torch builds that lack it (CPU-only
 builds before it moved out of the CUDA module) get the fallback, ``ItemStore``: a storage
 of its own per item (``SlotStore.for_item``), held only weakly once the item is built
@@ -25,6 +37,8 @@ costs a storage per item instead of one per slot.
 from __future__ import annotations
 
 import sys
+import time
+from contextlib import nullcontext as _nothing
 from functools import partial
 from typing import Any, Callable
 
@@ -32,9 +46,13 @@ import torch
 
 from ..errors import BackendError
 
-__all__ = ["USE_COUNT", "checks_references", "own_storage", "SlotStore", "ItemStore"]
+__all__ = ["USE_COUNT", "SWAP", "checks_references", "can_move_out", "own_storage", "SlotStore", "ItemStore"]
 
 USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+# Swaps two storages' data (pointer, size, allocator): every tensor of either follows.
+SWAP: Callable[[Any, Any], None] | None = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+MOVE_COPY_WAIT_S = 5.0  # how long move_out waits for its device copy before giving up (kept as is)
 
 
 def checks_references() -> bool:
@@ -69,8 +87,30 @@ def own_storage(region: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def can_move_out() -> bool:
+    """Whether this torch can point a storage (and every tensor of it) at other memory."""
+    return SWAP is not None
+
+
 def _no_count() -> int:
     return 0
+
+
+def _copy_done(copy: torch.Tensor) -> bool:
+    """Wait (bounded: ``MOVE_COPY_WAIT_S``, polling, never a blocking synchronize) for the
+    copy just queued into ``copy`` on the current stream of its device. True once done."""
+    if copy.device.type != "cuda":
+        return True
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + MOVE_COPY_WAIT_S
+    pause = 1e-5
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
 
 
 class SlotStore:
@@ -90,19 +130,32 @@ class SlotStore:
     torch keeps one Python object per storage (``x.untyped_storage()`` of every view
     returns it) and that object adds nothing to the use count once made; the library
     holds it (``_probe``), so a program that keeps ``x.untyped_storage()`` holds a
-    reference to that very object: its Python reference count says so."""
+    reference to that very object: its Python reference count says so.
 
-    __slots__ = ("base", "nbytes", "views", "count", "own", "pyrefs", "own_py", "_probe", "_cdata")
+    ``ptr()`` (one C call) is the storage's data pointer now and ``addr`` the region's:
+    they differ once the storage was moved (``moved()``; the module docstring), and the
+    store then views its region no more."""
 
-    def __init__(self, region: torch.Tensor) -> None:
-        self.base = own_storage(region)
+    __slots__ = ("base", "nbytes", "views", "count", "own", "pyrefs", "own_py", "ptr", "addr", "successor",
+                 "_probe", "_cdata")
+
+    def __init__(self, region: torch.Tensor, successor: torch.Tensor | None = None) -> None:
+        """``successor``: a tensor over ``region`` whose storage is its own already (what
+        ``move_out`` leaves: the storage it swapped with), used instead of a new one."""
+        if successor is not None and successor.data_ptr() == region.data_ptr() and successor.numel() == region.numel():
+            self.base = successor
+        else:
+            self.base = own_storage(region)
+        self.successor: torch.Tensor | None = None
         self.nbytes = self.base.numel()
         # The storage's Python object: its _cdata is the StorageImpl the count is read
         # from (making one per check would add a reference of its own).
-        self._probe = self.base.untyped_storage()
+        self._probe: Any = self.base.untyped_storage()
         self._cdata = self._probe._cdata
         self.count: Callable[[], int] = partial(USE_COUNT, self._cdata) if USE_COUNT is not None else _no_count
         self.own = self.count()
+        self.ptr: Callable[[], int] = self._probe.data_ptr  # (holds the object: before own_py is measured)
+        self.addr = self.ptr()
         self.pyrefs: Callable[[], int] = partial(sys.getrefcount, self._probe)
         self.own_py = self.pyrefs()
         self.views: dict[torch.dtype, torch.Tensor] = {}
@@ -123,6 +176,46 @@ class SlotStore:
         """A tensor (or array, or storage object) of the program still references this
         region. False where torch cannot tell (``checks_references()``)."""
         return USE_COUNT is not None and (USE_COUNT(self._cdata) > self.own or self.pyrefs() > self.own_py)
+
+    def moved(self) -> bool:
+        """The storage no longer points at this store's region (``share_memory_()``, a
+        swap, ``move_out``): no tensor of it views the region any more, and nothing may be
+        built from this store."""
+        return bool(self.ptr() != self.addr)
+
+    def storage(self) -> Any:
+        """The storage's one Python object (what ``move_out`` moves)."""
+        return self._probe
+
+    def move_out(self, extent: int, stream: Any = None) -> int | None:
+        """Copy the region's first ``extent`` bytes into memory of their own and point
+        this store's storage there, so every tensor that views it (the program's kept
+        views) reads that copy from now on and the region is free. On CUDA the copy is
+        queued on ``stream`` (None: the current one) and waited for (bounded, polled)
+        before the move. Returns the bytes copied; None if it cannot be done (no ``SWAP``,
+        moved already, or the device copy did not finish in time: nothing changed)."""
+        storage = self.storage()
+        if SWAP is None or storage is None or self.moved():
+            return None
+        extent = max(0, min(extent, self.nbytes))
+        device = self.base.device
+        on: Any = _nothing()
+        if device.type == "cuda":  # (the copy and its wait on the same stream of the region's device)
+            on = torch.cuda.stream(stream) if stream is not None else torch.cuda.device(device)
+        with on:
+            copy = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            if extent:
+                copy[:extent].copy_(self.base[:extent])
+            if not _copy_done(copy):
+                return None
+        SWAP(storage, copy.untyped_storage())
+        # ``copy``'s storage now holds the region's data pointer: a storage of its own over
+        # the region, which the region's next store can take (``successor``: no new one to
+        # make). The library's views of this store followed the move: nothing of it views
+        # the region any more.
+        self.views = {}
+        self.successor = copy
+        return extent
 
     def for_item(self) -> "SlotStore":
         """What one item is built from: this store, or where torch cannot count
@@ -151,11 +244,38 @@ class ItemStore(SlotStore):
         self.count = self._alive
         self.own = 0
         self.pyrefs, self.own_py = _no_count, 0  # (a kept storage object keeps the storage alive: in_use)
+        self.successor = None
+        self._probe = self.base.untyped_storage()
+        self.ptr = self._pointer
+        self.addr = self.ptr()
 
     def seal(self) -> None:
         storage = self.base.untyped_storage()
         self._weak = storage._weak_ref()
-        self.base, self.views = self.slot.base, {}
+        self.base, self.views, self._probe = self.slot.base, {}, None
+
+    def storage(self) -> Any:
+        if self._probe is not None:
+            return self._probe
+        if self._weak is None or torch.UntypedStorage._expired(self._weak):
+            return None
+        return torch.UntypedStorage._new_with_weak_ptr(self._weak)
+
+    def _pointer(self) -> int:
+        storage = self.storage()
+        return self.addr if storage is None else int(storage.data_ptr())
+
+    def move_out(self, extent: int, stream: Any = None) -> int | None:
+        if self._probe is None:  # sealed: ``base`` is the slot's; copy from the item's own storage
+            storage = self.storage()
+            if storage is None:
+                return None
+            self.base = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            try:
+                return super().move_out(extent, stream)
+            finally:
+                self.base = self.slot.base
+        return super().move_out(extent, stream)
 
     def in_use(self) -> bool:
         return self._weak is not None and not torch.UntypedStorage._expired(self._weak)

@@ -206,8 +206,11 @@ class ConsumerEndpoint(EndpointBase):
                     if (self._flat and recipe.__class__ is Recipe
                             and (mem.complete_on_record or mem.ready_done[slot]())):
                         store = mem.stores[slot]
+                        if store.ptr() != store.addr:  # its storage was moved: not the slot's any more
+                            store = mem.renew(slot)
+                        mem.seqs[slot] = seq  # (what a write fault in the slot names)
                         item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
-                                    recipe.nbytes, store)
+                                    recipe.nbytes, store, recipe.extent)
                         lender.hold(seq, item)
                         self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
                     else:
@@ -266,7 +269,8 @@ class ConsumerEndpoint(EndpointBase):
             clock = self.session.clock
             return self._stats.snapshot(
                 role="consumer", held=self._lender.held_count(), buffered=self.session.buffered(),
-                kept=len(self._link.kept), forwarded_out=len(self._lender.forwarded),
+                kept=len(self._link.kept), kept_moved=self._link.kept.moved,
+                kept_moved_bytes=self._link.kept.moved_bytes, forwarded_out=len(self._lender.forwarded),
                 forwarded_lost=self._link.downstream.lost, producer_stalled=clock.stalled,
                 producer_stalled_total=clock.stalls, lane=self._chan.lane_used, doorbell=self._link.bell_up,
             )
@@ -334,8 +338,15 @@ class ConsumerEndpoint(EndpointBase):
         s = self.session
         deadline = None if timeout is None else time.monotonic() + timeout
         if not s.ready and not s.bye_received and s.error is None:
-            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None,
+            # A ring stalled by this program's own items (held, or kept and not movable)
+            # can bring nothing: past the consumer's timeout that is an error, never a hang.
+            link, limit = self._link, self._timeout
+            link.kept.stuck_since = None  # (measured within this call)
+            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None or link.stuck(limit),
                              timeout, "producer", self._stats.waited, pumped=pumped)
+            if not s.ready and not s.bye_received and link.kept.stuck(limit):
+                self._raise_if_broken()
+                raise self._stuck_error()
         self._raise_if_broken()
         if s.ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -354,11 +365,22 @@ class ConsumerEndpoint(EndpointBase):
             f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
             f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
 
+    def _stuck_error(self) -> IpcTimeoutError:
+        """The ring has been full of this program's own items for the consumer's timeout
+        (``Kept.stuck``): no item can come."""
+        return IpcTimeoutError(
+            f"no item can come from the producer on {self.endpoint.name!r}: for {self._timeout} s (this "
+            f"consumer's timeout) the ring has been full of items this program holds or keeps"
+            f"{self._link.stall_text()}")
+
     def _poll(self) -> tuple[bool, Item | None]:
         """``port.poll``: see SourcePort."""
         with self._call():
             self._pump()
             self._raise_if_broken()
+            s = self.session
+            if not s.ready and not s.bye_received and self._link.stuck(self._timeout):
+                raise self._stuck_error()  # (FanIn, asyncio: as next_item)
             if self.session.ready:
                 # A gloo remote item whose transfer is still running is not waited for here:
                 # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
@@ -393,10 +415,19 @@ class ConsumerEndpoint(EndpointBase):
         seq, slot, gen, sent_ns, meta, recipe = entry
         # Built from the slot's own storage (a forwarded item: its region's), whose use
         # count tells at release whether the program still views it (the reference rule).
-        store = recipe.store if type(recipe) is ForeignUse else self._memory.stores[slot]
+        # A store whose storage was moved (``share_memory_()`` on an earlier item's tensor,
+        # a kept item moved out of the ring) views its region no more: a fresh one.
+        if type(recipe) is ForeignUse:
+            store = recipe.store if not recipe.store.moved() else recipe.renew()
+        else:
+            store = self._memory.stores[slot]
+            if store.moved():
+                store = self._memory.renew(slot)
+            self._memory.seqs[slot] = seq  # (what a write fault in the slot names)
         if self._per_item:
             store = store.for_item()
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store)
+        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store,
+                    recipe.extent)
         if self._per_item:
             store.seal()
         # Held before any wait below: a host-mode wait pumps, and a pump that saw the

@@ -56,11 +56,12 @@ class ForeignArena:
         """The region's store (made at its first item; an item keeps its own reference)."""
         key = (offset, nbytes)
         store = self.stores.get(key)
-        if store is None:
+        if store is None or store.moved():  # (moved: its storage views the region no more)
             if len(self.stores) >= _MAX_REGIONS:
                 self.stores.clear()
             assert self.arena is not None
-            store = self.stores[key] = SlotStore(self.arena.tensor[offset : offset + nbytes])
+            store = self.stores[key] = SlotStore(self.arena.tensor[offset : offset + nbytes],
+                                                 store.successor if store is not None else None)
         return store
 
 
@@ -83,6 +84,12 @@ class ForeignUse:
 
     def build_in(self, store: SlotStore) -> Any:
         return self.recipe.build_in(store)
+
+    def renew(self) -> SlotStore:
+        """``store`` was moved (``SlotStore.moved``): the region's store now, fresh."""
+        self.store = self.entry.store(self.offset, self.region_bytes)
+        self.view = self.store.base
+        return self.store
 
 
 class Downstream:
@@ -233,6 +240,10 @@ class Lender:
                 raise CannotForward(f"its producer is gone or broke the protocol ({s.error})")
             if item.released or item.seq not in self.held or self.held[item.seq] is not item:
                 raise CannotForward(f"item {item.seq} is not held by its consumer")
+            if item.store is not None and item.store.moved():
+                raise CannotForward(f"the storage of item {item.seq}'s tensors was moved out of the producer's "
+                                    "memory (share_memory_(), or pickled for a multiprocessing queue): they may "
+                                    "read other bytes than the slot holds")
             setup = s.setup
             uses = self.link.downstream.uses
             use = uses.get(item.seq) if uses else None

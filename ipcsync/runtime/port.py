@@ -39,7 +39,7 @@ from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
-from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
+from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
 from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .bellwire import Offer, geometry_for, join, release_bounds
@@ -618,17 +618,9 @@ class ProducerPort(EndpointBase):
         h = self.handoffs
         slot = ticket.rec.slot
         with self._lock:
-            if ticket.store.in_use():
-                # A tensor of the block outlived it: a write through it would change the
-                # item after it was sent. Not sent; the slot waits until it is gone.
-                h.kept_slots[slot] = ticket.store
-                if ok:
-                    raise SlotKeptError(
-                        f"a tensor taken from this Producer.slot() block on {self.name!r} is "
-                        "still referenced after the block ended, so the item was not sent (a write through "
-                        "it would change an item already sent); keep no reference to s[name] past the "
-                        "block: del it before the block ends, or use s[name] without naming it")
-                return
+            store = ticket.store
+            if (store.ptr() != store.addr or store.in_use()) and h.unsendable(store, slot, ok):
+                return  # moved, or a tensor of the block outlived it: not sent
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return

@@ -52,7 +52,7 @@ from ..core.ratelog import RateLog
 from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
-from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError
+from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
@@ -181,16 +181,46 @@ class Handoffs:
 
     # ------------------------------------------------------------------ slot() blocks
     def slot_store(self, slot: int) -> SlotStore:
+        """The slot's store, made at its first block, and again after its storage was
+        moved (``SlotStore.moved``: a program's ``share_memory_()`` on a view kept from an
+        earlier block), so no block writes anywhere but into the slot."""
         store = self.stores[slot]
-        if store is None:
+        if store is None or store.ptr() != store.addr:
             store = self.stores[slot] = SlotStore(self.slot_views[slot])
         return store
 
+    def unsendable(self, store: SlotStore, slot: int, ok: bool) -> bool:
+        """At a ``slot()`` block's end (``ok``: it did not raise): True if its item must
+        not be sent. Its store was moved (``share_memory_()`` on a tensor of the block:
+        what the block wrote after that is not in the slot): the slot is given back, and
+        a ConfigError says so. A tensor of the block outlived it (a write through it would
+        change the item after it was sent): the slot stays out, in ``kept_slots``, until
+        that tensor is gone, and a SlotKeptError says so."""
+        if store.moved():
+            self.ring.abort(slot)
+            if ok:
+                raise ConfigError(
+                    f"a tensor of this Producer.slot() block on {self.name!r} was moved out of its slot "
+                    "(share_memory_(), or pickling it for a multiprocessing queue, moves a tensor's bytes into "
+                    "new memory), so what the block wrote is not in the slot and the item was not sent; "
+                    "write into s[name] in place and send the item through this producer")
+            return True
+        if not store.in_use():
+            return False
+        self.kept_slots[slot] = store
+        if ok:
+            raise SlotKeptError(
+                f"a tensor taken from this Producer.slot() block on {self.name!r} is "
+                "still referenced after the block ended, so the item was not sent (a write through "
+                "it would change an item already sent); keep no reference to s[name] past the "
+                "block: del it before the block ends, or use s[name] without naming it")
+        return True
+
     def free_kept_slots(self, all_of_them: bool = False) -> None:
-        """Give back each kept slot nothing references any more (``all_of_them``: every
-        one, at close: nothing is sent after it)."""
+        """Give back each kept slot nothing references (or views: a moved store) any more
+        (``all_of_them``: every one, at close: nothing is sent after it)."""
         for slot, store in list(self.kept_slots.items()):
-            if all_of_them or not store.in_use():
+            if all_of_them or store.moved() or not store.in_use():
                 del self.kept_slots[slot]
                 self.ring.abort(slot)
 
@@ -385,9 +415,7 @@ class Handoffs:
             # for a consumer as long as it takes, as mp.Queue.put waits for a reader).
             ok = w.wait_until(done, NAG_S, cause, waited, pumped=True)
             if not ok:
-                log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
-                            "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
-                            "pass timeout= to give up", self.name, self.slots, self.name)
+                self._nag_no_slot()
                 ok = w.wait_until(done, None if t is None else t - NAG_S, cause, waited)
         else:
             ok = w.wait_until(done, t, cause, waited, pumped=True)
@@ -396,6 +424,21 @@ class Handoffs:
         acq = self.ring.acquire()
         assert acq is not None
         return acq
+
+    def _nag_no_slot(self) -> None:
+        """A send has waited ``NAG_S`` for a slot: say who holds them, as things are now
+        (a consumer may have connected during the wait)."""
+        holders = len(self.ring.consumers())
+        if not holders:
+            log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
+                        "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
+                        "pass timeout= to give up", self.name, self.slots, self.name)
+        else:
+            log.warning("ipcsync producer %r: send() has waited %.0f s for a free slot: all %d slots are "
+                        "held (%s) by %d connected consumer(s) that have not released them; a consumer must "
+                        "release its items (one whose program holds or keeps them says so in its own log), "
+                        "or pass timeout= to give up", self.name, NAG_S, self.slots,
+                        ", ".join(f"{k} {v}" for k, v in self.ring.occupancy().items() if v), holders)
 
     def no_slot_error(self, timeout: float | None) -> IpcTimeoutError:
         """No slot freed within ``timeout``, the wait the user asked for (an asyncio call

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import zmq
 
+from .. import writefaults
 from ..backends import Arena, Backend, Event
 from ..backends.refs import SlotStore
 from ..backends.cpu import reclaim_dead_segments
@@ -91,24 +93,33 @@ class RingMemory:
     (``Event.bound_record``). ``complete_on_record``: every one of those events is
     complete once recorded (the CPU backend's): the steady path skips them."""
 
-    __slots__ = ("arenas", "stores", "ready_events", "ready_done", "release_events", "record_release",
-                 "complete_on_record")
+    __slots__ = ("arenas", "stores", "views", "seqs", "watched", "ready_events", "ready_done", "release_events",
+                 "record_release", "complete_on_record")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self.stores: list[SlotStore] = []
+        self.views: list[torch.Tensor] = []
+        # The seq of the item last built in each slot (what a write fault there names:
+        # ipcsync.writefaults), and the read-only slots watched.
+        self.seqs = array("q")
+        self.watched: list[int | None] = []
         self.ready_events: list[Event] = []
         self.ready_done: list[Callable[[], bool]] = []
         self.release_events: list[Event] = []
         self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
 
-    def open(self, backend: Any, s: P.Setup, where: Any) -> None:
-        """Open what SETUP ``s`` exports (``where``: the device its memory lies on).
-        BackendError if it cannot be."""
+    def open(self, backend: Any, s: P.Setup, where: Any, name: str = "") -> None:
+        """Open what SETUP ``s`` exports (``where``: the device its memory lies on) from the
+        producer on ``name``. BackendError if it cannot be."""
         try:
             self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
+            cells = self.seqs.buffer_info()[0]
+            self.watched = [writefaults.watch(v.data_ptr(), v.numel(), f"slot {i} of the producer on {name!r} "
+                                              f"(pid {s.pid})", cells + i * self.seqs.itemsize)
+                            for i, v in enumerate(self.views) if self.arenas[s.slots[i][0]].readonly]
             self.set_events([backend.open_event(h) for h in s.ready_events],
                             [backend.create_event() for _ in s.slots])
         except IpcSyncError as exc:
@@ -123,12 +134,23 @@ class RingMemory:
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
+        self.views = views
         self.stores = [SlotStore(v) for v in views]
+        self.seqs = array("q", [-1]) * len(views)
+
+    def renew(self, slot: int) -> SlotStore:
+        """A fresh store for ``slot``, whose store's storage was moved (``SlotStore.moved``;
+        after ``move_out`` its ``successor`` is one already)."""
+        store = self.stores[slot] = SlotStore(self.views[slot], self.stores[slot].successor)
+        return store
 
     def let_go(self) -> None:
         """Drop the slot views and close the arena imports (tensors the user still holds
         keep their memory mapped until they go)."""
-        self.stores = []
+        self.stores, self.views = [], []
+        for token in self.watched:
+            writefaults.unwatch(token)
+        self.watched = []
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
@@ -262,29 +284,38 @@ class ProducerLink:
                 self.memory.release_events[item.slot].record(self.stream)
             s.queue_release((item.seq, item.slot, item.gen))
 
-    def check_stall(self) -> None:
-        """Nothing is buffered and the slots this consumer holds (kept by the program's
-        tensors, or held) are all it may hold (the ring's slots, or its credits): report
-        at once what holds them, after a garbage collection (a view may be held by a cycle
-        only). Once per set of items. (When several consumers share a ring, kept slots
-        can stall it before that: the producer's wait and a timeout's message show it.)"""
+    def check_stall(self, waiting: bool = False) -> None:
+        """A pump found nothing buffered while this consumer keeps items (``waiting``: a
+        call of the program waits for an item, which may be kept or held ones): kept
+        items whose ring would stall move out of it, and what still stalls it is reported
+        (``Kept.check``); their slots go back."""
         setup = self.session.setup
-        if setup is None:
-            return
-        most = min(len(setup.slots), self.credits)
-        if len(self.kept) + self.lender.held_count() < most or self.kept.reported == frozenset(self.kept.items):
-            return
-        self.release_kept(collect=True)
-        if self.kept and len(self.kept) + self.lender.held_count() >= most and self.kept.new_stall():
-            log.warning("ipcsync consumer %r: the ring is stalled: %s", self.endpoint.name, self.kept.describe())
+        if setup is not None:
+            back = self.kept.check(self.endpoint.name, self.lender.held_count(),
+                                   min(len(setup.slots), self.credits), time.monotonic(),
+                                   self.memory.ready_events, self.stream, waiting)
+            if back:
+                self.queue_releases(back)
+
+    def stuck(self, limit: float | None) -> bool:
+        """Asked by a call waiting for an item: the ring has been full of this program's
+        own items (kept, or held and not released) for ``limit`` seconds, so no item can
+        come (``Kept.stuck``)."""
+        if self.kept or self.lender.held:
+            self.check_stall(waiting=True)
+        return self.kept.stuck(limit)
 
     def stall_text(self) -> str:
-        """For a timeout's message: what the program keeps, if anything."""
-        return f"; {self.kept.describe()}" if self.kept else ""
+        """For a timeout's message: what the program keeps or holds, if anything."""
+        return self.kept.stall_text(self.lender.held_count() if self.lender is not None else 0)
 
     def give_up_kept(self) -> None:
-        """close(): give every kept slot back; warn if the producer may still write them."""
+        """close(): give every kept slot back, the kept items' bytes moved out of the ring
+        first while the producer may still write (``Kept.move_out``); warn of any that
+        could not be."""
         s = self.session
+        if self.kept and not s.bye_received and s.error is None:
+            self.queue_releases(self.kept.move_out(self.memory.ready_events, self.stream, self.endpoint.name))
         if self.kept and not s.bye_received and s.error is None:
             log.warning("ipcsync consumer %r closing: %s; they are given back now and may change",
                         self.endpoint.name, self.kept.describe())
@@ -650,7 +681,7 @@ class ProducerLink:
             self.fail(exc, ErrorCode.DEVICE)
             return
         try:
-            self.memory.open(self.backend, s, where)
+            self.memory.open(self.backend, s, where, self.endpoint.name)
         except BackendError as exc:
             self.fail(exc, ErrorCode.BACKEND)
             return

@@ -211,6 +211,17 @@ def test_handoff_runner_reports_a_crashed_child_at_once(runtime_dir: Path) -> No
         bench.run_ipcsync(4096, 10, 4, "send", "meta", "gpu")
 
 
+@pytest.mark.timeout(180)
+def test_handoff_rows_with_a_consumer_that_keeps_views(runtime_dir: Path) -> None:
+    """``--keep``'s consumer (scripts/bench_kept.py) keeps the views of its last 4 items:
+    the ring goes on (its items moved out of the ring: the consumer checks they were),
+    for send() and slot() alike; ``--keep both`` labels the kept rows."""
+    for mode in ("send", "slot"):
+        rate, lat = bench.run_ipcsync(4096, 24, 4, mode, "cpu", "gpu", True, keep=4)
+        assert rate > 0 and len(lat) == 24
+    assert bench.parse_args(["--keep", "both"]).keep == "both" and bench.parse_args([]).keep == "off"
+
+
 def test_plot_panels_from_synthetic_results(tmp_path: Path) -> None:
     """Every suite's panel builder on results shaped like its runner's, drawn in one chart."""
     rows = [(size, label, rate, 1e-4, 3e-4, rate / 100.0, 1e6) for size in ("4K", "64M")

@@ -14,6 +14,7 @@ received item cannot be changed under another reader (docs/architecture.md secti
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Any
 
@@ -32,12 +33,22 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture
+def unmovable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that cannot point a storage at other memory (no ``_swap_data_ptr_``): kept
+    items cannot be moved out of the ring, so the kept views hold their slots (where it
+    can, tests/integration/test_kept_items.py shows the ring going on)."""
+    from ipcsync.backends import refs
+
+    monkeypatch.setattr(refs, "SWAP", None)
+
+
 def value(i: int, device: str = "cpu") -> torch.Tensor:
     return torch.full((SIZE,), float(i), device=device)
 
 
 # --------------------------------------------------------------------------- case 1
-def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, caplog: Any) -> None:
+def test_a_view_kept_past_release_keeps_its_slot(endpoints: Any, device: str, caplog: Any, unmovable: None) -> None:
     out = endpoints.producer("keep1", slots=4, slot_bytes=4096, heartbeat=None, timeout=5, device=device)
     inp = endpoints.consumer("keep1", heartbeat=None, timeout=5, device=device)
     out.wait_for_consumers(1, timeout=5)
@@ -112,7 +123,8 @@ def test_views_kept_when_the_stream_ends_are_released_not_reclaimed(endpoints: A
     del x
 
 
-def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any) -> None:
+def test_without_a_use_count_a_storage_per_item_keeps_the_rule(endpoints: Any, monkeypatch: Any,
+                                                               unmovable: None) -> None:
     """A torch without ``_storage_Use_Count`` (older CPU builds): each item (and slot()
     block) gets a storage of its own, watched through a weak reference."""
     from ipcsync.backends import refs
@@ -192,6 +204,37 @@ def test_in_place_op_on_a_broadcast_item_faults_in_that_consumer(endpoints: Any,
     assert writer.proc.wait(timeout=60) == -signal.SIGSEGV
     err = writer.stderr()
     assert "Segmentation fault" in err and "inplace_consume" in err, err[-2000:]
+    assert "ipcsync: this process wrote into memory it received read-only (item 0, slot 0 of the producer on " \
+           "'bcast-w'" in err and "clone()" in err, err[-2000:]
+    assert not any(line.get("event") == "wrote" for line in writer.lines)
+
+
+@pytest.mark.parametrize("how", ["item", "kept"])
+@pytest.mark.parametrize("handler", ["compiled", "ctypes"])
+def test_a_write_into_a_received_item_says_why_before_the_process_dies(endpoints: Any, procs: Any, how: str,
+                                                                      handler: str) -> None:
+    """Outside ipcsync-run too: an in-place op on a received tensor (``how="item"``), or on a
+    view kept from it after ``release()`` (``"kept"``), kills the consumer with SIGSEGV,
+    and its stderr says what it wrote into (the item, the producer) and the fix
+    (``clone()``) before faulthandler's traceback. ``ctypes``: the stand-in used where the
+    compiled handler is not built (``IPCSYNC_NATIVE=0``). Before: only "Fatal Python
+    error: Segmentation fault" and the traceback."""
+    from ipcsync import writefaults
+
+    if handler == "compiled" and not writefaults.compiled():
+        pytest.skip("ipcsync._fault is not built")
+    name = f"wfault-{how}-{handler[0]}"
+    out = endpoints.producer(name, slots=2, slot_bytes=4096, heartbeat=0.5, timeout=30)
+    writer = procs.start("write_one", module="peers.refs", endpoint=name, how=how,
+                         env={"IPCSYNC_NATIVE": "0"} if handler == "ctypes" else {})
+    out.wait_for_consumers(1, timeout=30)
+    out.send(expected(7, SIZE), meta={"i": 7}, timeout=30)
+    assert writer.proc.wait(timeout=60) == -signal.SIGSEGV
+    err = writer.stderr()
+    assert f"ipcsync: this process wrote into memory it received read-only (item 0, slot 0 of the producer on " \
+           f"{name!r} (pid {os.getpid()})): received tensors are zero-copy views" in err, err[-3000:]
+    assert 'clone() a received tensor before changing it in place: x = item["x"].clone()' in err, err[-3000:]
+    assert "Segmentation fault" in err and "write_one" in err, err[-3000:]  # faulthandler's traceback after it
     assert not any(line.get("event") == "wrote" for line in writer.lines)
 
 
@@ -275,7 +318,7 @@ def test_a_slot_tensor_kept_after_its_block_is_refused(endpoints: Any, device: s
 
 
 # --------------------------------------------------------------------------- storage objects
-def test_a_storage_object_kept_past_release_keeps_its_slot(endpoints: Any, device: str) -> None:
+def test_a_storage_object_kept_past_release_keeps_its_slot(endpoints: Any, device: str, unmovable: None) -> None:
     # Before: torch keeps one Python object per storage, and the library held that very
     # object (its probe), so a program's x.untyped_storage() added no use count: the slot
     # went back while the program could still read (and later view) it through the object.

@@ -64,7 +64,7 @@ THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "
 STDLIB_LOW_LEVEL = {"_thread"}
 
 # The compiled piece is private to its one wrapper (no other module imports it).
-COMPILED = {"ipcsync/backends/native.py": {"_native"}}
+COMPILED = {"ipcsync/backends/native.py": {"_native"}, "ipcsync/writefaults.py": {"_fault"}}
 
 # Private attributes of a module's own classes used on other objects of that module
 # (e.g. a helper class reading its owner's state): allowed only within that module.

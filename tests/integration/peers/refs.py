@@ -29,3 +29,19 @@ def inplace_consume(a: dict[str, Any]) -> None:
         except ipcsync.ItemWrittenError as exc:
             say(event="caught", message=str(exc), n=n)
     say(event="done", wrote=n)
+
+
+def write_one(a: dict[str, Any]) -> None:
+    """Receive one item from ``endpoint`` and write into it: ``how="item"``:
+    ``item["a"].add_(1)``; ``how="kept"``: a view kept from it, after ``release()``. On the
+    CPU backend the write faults; the process must say why before it dies."""
+    with ipcsync.Consumer(a["endpoint"], timeout=30, heartbeat=1.0) as inp:
+        item = inp.get(timeout=30)
+        say(event="got", seq=item.seq)
+        if a["how"] == "item":
+            item["a"].add_(1)  # the bug under test
+        else:
+            view = item["a"][1:]
+            item.release()
+            view.add_(1)  # the bug under test, after release()
+        say(event="wrote")
