@@ -7,7 +7,6 @@
  *       cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream), then
  *       cudaEventRecord(event, stream): the record follows the copy on the same stream.
  *   cuda_available() -> bool, cuda_reason() -> str | None   (resolves the runtime once)
- *   recv_packets(fd, out, most, cap)                        a lane's packets, many per recvmmsg
  *
  * Integers in, None out. The pointers are the caller's own (a slot of its own arena and
  * the user's tensor): nothing here reads memory a peer wrote, and no address is computed
@@ -21,13 +20,8 @@
  * raises RuntimeError naming the error (cudaGetErrorName) and its code.
  */
 #define PY_SSIZE_T_CLEAN
-#define _GNU_SOURCE /* recvmmsg */
 #include <Python.h>
 #include <dlfcn.h>
-#include <errno.h>
-#ifdef __linux__
-#include <sys/socket.h>
-#endif
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -520,85 +514,6 @@ static PyObject *native_decode_release(PyObject *self, PyObject *const *args, Py
     return out;
 }
 
-/* ------------------------------------------------------------------ lane packets, many per call
- *
- * recv_packets(fd, out, most, cap): what `most` calls of sock.recv(cap) on a non-blocking
- * SOCK_SEQPACKET socket would give, in as few system calls as the kernel allows
- * (recvmmsg, up to RECV_BATCH packets each): each packet received is appended to the list
- * `out` as bytes (one longer than cap arrives cut to cap bytes, as recv gives it); returns
- * how many were appended, stopping when nothing more has arrived. At the end of the stream
- * it appends b"" (recv's EOF) and stops. An error before anything was received in this call
- * raises OSError as recv would (ECONNRESET included); one after some packets returns those
- * (the kernel reports it to the next call). Nothing is read from the packets here: the
- * caller (runtime.lane.Lane.recv_into) takes them apart as it takes recv's. */
-
-#define RECV_BATCH 32
-
-#ifdef __linux__
-static PyObject *native_recv_packets(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    static __thread char *buf = NULL;   /* RECV_BATCH * cap bytes, per thread, kept */
-    static __thread size_t buf_size = 0;
-    struct mmsghdr msgs[RECV_BATCH];
-    struct iovec iov[RECV_BATCH];
-    long fd, most, cap;
-    Py_ssize_t appended = 0;
-    PyObject *out;
-    if (nargs != 4 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "recv_packets(fd, out: list, most, cap) takes 4 arguments");
-        return NULL;
-    }
-    out = args[1];
-    fd = PyLong_AsLong(args[0]);
-    most = fd == -1 && PyErr_Occurred() ? -1 : PyLong_AsLong(args[2]);
-    cap = most == -1 && PyErr_Occurred() ? -1 : PyLong_AsLong(args[3]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (fd < 0 || most < 0 || cap < 1 || cap > (1L << 24)) {
-        PyErr_SetString(PyExc_ValueError, "recv_packets: fd >= 0, most >= 0 and 0 < cap <= 16 MiB");
-        return NULL;
-    }
-    if (buf_size < (size_t)cap * RECV_BATCH) {
-        char *grown = PyMem_RawRealloc(buf, (size_t)cap * RECV_BATCH);
-        if (grown == NULL)
-            return PyErr_NoMemory();
-        buf = grown, buf_size = (size_t)cap * RECV_BATCH;
-    }
-    while (appended < most) {
-        int want = (int)(most - appended < RECV_BATCH ? most - appended : RECV_BATCH), n;
-        for (int i = 0; i < want; i++) {
-            iov[i].iov_base = buf + (size_t)i * cap;
-            iov[i].iov_len = (size_t)cap;
-            memset(&msgs[i].msg_hdr, 0, sizeof msgs[i].msg_hdr);
-            msgs[i].msg_hdr.msg_iov = &iov[i];
-            msgs[i].msg_hdr.msg_iovlen = 1;
-            msgs[i].msg_len = 0;
-        }
-        do
-            n = recvmmsg((int)fd, msgs, (unsigned)want, MSG_DONTWAIT, NULL);
-        while (n < 0 && errno == EINTR);
-        if (n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || appended > 0)
-                break;
-            return PyErr_SetFromErrno(PyExc_OSError);  /* (its errno picks the subclass) */
-        }
-        for (int i = 0; i < n; i++) {
-            PyObject *packet = PyBytes_FromStringAndSize(buf + (size_t)i * cap, (Py_ssize_t)msgs[i].msg_len);
-            if (packet == NULL || PyList_Append(out, packet) < 0) {
-                Py_XDECREF(packet);
-                return NULL;
-            }
-            Py_DECREF(packet);
-            appended++;
-            if (msgs[i].msg_len == 0)  /* the end of the stream: recv's b"" */
-                return PyLong_FromSsize_t(appended);
-        }
-        if (n < want)
-            break;  /* nothing more has arrived */
-    }
-    return PyLong_FromSsize_t(appended);
-}
-#endif
-
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))native_copy, METH_FASTCALL,
      "copy(dst_ptr, src_ptr, nbytes): copy nbytes host bytes (the GIL is released for large copies)."},
@@ -612,11 +527,6 @@ static PyMethodDef methods[] = {
      "decode_readies(frames, max_frame, max_items, ready_kind, max_int): the leading steady READY frames "
      "(layout nil; meta nil, bool, int or float64) as (seq, slot, gen, sent_ns, layout_id, meta) tuples, "
      "up to the first frame this parser does not take."},
-#ifdef __linux__
-    {"recv_packets", (PyCFunction)(void (*)(void))native_recv_packets, METH_FASTCALL,
-     "recv_packets(fd, out, most, cap): what up to `most` recv(cap) calls on a non-blocking SEQPACKET socket "
-     "give, appended to the list `out`, in as few system calls as recvmmsg allows; returns how many."},
-#endif
     {"decode_release", (PyCFunction)(void (*)(void))native_decode_release, METH_FASTCALL,
      "decode_release(frame, max_frame, max_items, max_batch, release_kind, max_int): a RELEASE frame's "
      "[(seq, slot, gen), ...], or None where this parser does not take it."},

@@ -13,8 +13,7 @@ transport and wake-ups.
 ``--split``: ``bench.py``'s handoff (a 4 KiB ``send`` with an int meta, the consumer
 touching one byte of each item) in two processes, timing the consumer's ``next``, touch and
 ``release`` per item and the producer's ``send``: which side sets the pace, and how much of
-it is the library's (``--no-touch``: the same without the touch; ``--recv one``: lane
-packets read one ``recv`` each, as without the compiled ``recv_packets``).
+it is the library's (``--no-touch``: the same without the touch).
 
 ``--floor``: the handoff with nothing of ipcsync (scripts/bench_floor.py: two bare Python
 loops making the same torch and CUDA calls): the stream rate and round trip any Python
@@ -493,20 +492,10 @@ def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
         print(got[role][2])
 
 
-def _one_recv_per_packet() -> None:
-    """--recv one: this process's lanes read one recv per packet, as without the compiled
-    recv_packets (asked when a lane is made: before any endpoint)."""
-    from ipcsync.backends import native
-
-    native.packet_receiver = lambda: None
-
-
-def _split_producer(ep, n, slots, device, q, ready, one_recv=False):
+def _split_producer(ep, n, slots, device, q, ready):
     import ipcsync
 
     faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    if one_recv:
-        _one_recv_per_packet()
     src = torch.randint(0, 255, (4096,), dtype=torch.uint8, device=device)
     with ipcsync.Producer(ep, slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out:
         ready.set()
@@ -519,12 +508,10 @@ def _split_producer(ep, n, slots, device, q, ready, one_recv=False):
     q.put(("producer", {"send (waits included)": spent / n * 1e6, "  of it waiting for a slot": waited / n * 1e6}))
 
 
-def _split_consumer(ep, n, device, touch, q, one_recv=False):
+def _split_consumer(ep, n, device, touch, q):
     import ipcsync
 
     faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    if one_recv:
-        _one_recv_per_packet()
     clock = time.perf_counter
     spent = {"next (waits included)": 0.0, "touch": 0.0, "release": 0.0}
     with ipcsync.Consumer(ep, device=device, heartbeat=None, timeout=60) as inp:
@@ -553,7 +540,7 @@ def _split_consumer(ep, n, device, touch, q, one_recv=False):
     q.put(("consumer", row))
 
 
-def split(n: int, slots: int, device: str, touch: bool, one_recv: bool = False) -> None:
+def split(n: int, slots: int, device: str, touch: bool) -> None:
     """bench.py's handoff suite (``send`` with an int meta, 4 KiB, the consumer touching
     one byte of each item), two processes, with the consumer's time per item split into
     ``next``, the touch and ``release``, and the producer's ``send``: which side sets the
@@ -561,17 +548,16 @@ def split(n: int, slots: int, device: str, touch: bool, one_recv: bool = False) 
     ctx = mp.get_context("spawn")
     q, ready = ctx.Queue(), ctx.Event()
     ep = f"split-{os.getpid()}"
-    ps = [ctx.Process(target=_split_producer, args=(ep, n, slots, device, q, ready, one_recv))]
+    ps = [ctx.Process(target=_split_producer, args=(ep, n, slots, device, q, ready))]
     ps[0].start()
     ready.wait(60)
-    ps.append(ctx.Process(target=_split_consumer, args=(ep, n, device, touch, q, one_recv)))
+    ps.append(ctx.Process(target=_split_consumer, args=(ep, n, device, touch, q)))
     ps[1].start()
     got = dict(q.get(timeout=_HANG_S + 30) for _ in ps)
     for p in ps:
         p.join(60)
     per_item = got["consumer"]["per item, all of it"]
-    print(f"split ({device}, 4 KiB send with an int meta, {n} items, {slots} slots, touch: {touch}, "
-          f"lane reads: {'one recv per packet' if one_recv else 'recv_packets where built'}): "
+    print(f"split ({device}, 4 KiB send with an int meta, {n} items, {slots} slots, touch: {touch}): "
           f"{1e6 / per_item:,.0f} items/s at the consumer")
     for role in ("producer", "consumer"):
         for name, us in got[role].items():
@@ -694,9 +680,6 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="bench.py's handoff, two processes: the consumer's next/touch/release and the producer's "
                          "send per item (with --no-touch: without the touch)")
-    ap.add_argument("--recv", choices=("batch", "one"), default="batch",
-                    help="--split: lane packets read many per system call where the compiled piece is built "
-                         "(batch), or one recv each (one), for a before/after")
     ap.add_argument("--floor", action="store_true",
                     help="the same torch/CUDA calls in bare Python loops with nothing of ipcsync: the stream "
                          "rate and round trip any Python implementation gets on this host")
@@ -711,7 +694,7 @@ def main() -> None:
         floor(a.n, a.device, a.read)
         return
     if a.split:
-        split(a.n, a.slots, a.device, not a.no_touch, a.recv == "one")
+        split(a.n, a.slots, a.device, not a.no_touch)
         return
     if a.roundtrip:
         roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)

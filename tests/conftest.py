@@ -282,7 +282,6 @@ def _use_copy(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("IPCSYNC_NATIVE", "0")
         monkeypatch.setattr(native, "host_copy", lambda: None)
         monkeypatch.setattr(native, "cuda_copy_record", lambda: None)
-        monkeypatch.setattr(native, "packet_receiver", lambda: None)  # (lanes made from now on)
         native.install_decoders(False)
 
 

@@ -31,7 +31,7 @@ from typing import Callable
 from ..core import protocol
 from ..errors import ConfigError
 
-__all__ = ["ENABLED", "BUILT", "reason", "host_copy", "cuda_copy_record", "packet_receiver", "decoders_in_use",
+__all__ = ["ENABLED", "BUILT", "reason", "host_copy", "cuda_copy_record", "decoders_in_use",
            "install_decoders"]
 
 _BUILD_HINT = ("build it with `pip install -e .` or `python setup.py build_ext --inplace` "
@@ -99,14 +99,6 @@ def cuda_copy_record() -> Callable[[int, int, int, int, int, int], None] | None:
     if not ENABLED or _native is None or not _native.cuda_available():
         return None
     return _native.cuda_copy_record
-
-
-def packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
-    """``recv_packets(fd, out, most, cap)``: what up to ``most`` ``recv(cap)`` calls on a
-    non-blocking SOCK_SEQPACKET socket give, appended to ``out``, in as few system calls as
-    ``recvmmsg`` allows (a lane's packets; ``runtime.lane.Lane.recv_into``); returns how
-    many. None where the compiled piece is off, not built (or older), or not on Linux."""
-    return getattr(_native, "recv_packets", None) if ENABLED else None
 
 
 def cuda_reason() -> str | None:

@@ -53,7 +53,7 @@ import select
 import socket
 import time
 from collections import deque
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..core import protocol as P
 from ..core.ratelog import RateLog
@@ -88,14 +88,6 @@ def lane_enabled() -> bool:
     raise ConfigError(f"IPCSYNC_LANE must be 0 (off) or 1 (on), got {raw!r}")
 
 
-def _packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
-    """The compiled ``recv_packets`` (``backends.native.packet_receiver``), or None: asked
-    when a lane is made (this module imports neither torch nor the backends)."""
-    from ..backends import native  # noqa: PLC0415 (the backends import torch)
-
-    return native.packet_receiver()
-
-
 class LaneClosed(Exception):
     """The other end closed the lane (EOF) or reset it."""
 
@@ -105,7 +97,7 @@ class Lane:
     and in (``recv``). Not thread-safe: used under its endpoint's lock."""
 
     __slots__ = ("sock", "fd", "max_packet", "max_frame", "tail", "parts", "need", "sent", "received", "want_fds",
-                 "fds", "many")
+                 "fds")
 
     def __init__(self, sock: socket.socket, max_frame: int) -> None:
         sock.setblocking(False)
@@ -134,8 +126,6 @@ class Lane:
         # other time the kernel drops them (a plain recv takes no ancillary data).
         self.want_fds = False
         self.fds: list[int] = []
-        # Packets many per system call (the compiled recv_packets), or None: one recv each.
-        self.many = _packet_receiver()
 
     def send(self, frame: bytes) -> bool:
         """Send one frame; False if the lane is full (nothing of it was sent: retry
@@ -224,25 +214,16 @@ class Lane:
 
     def recv_into(self, out: list[bytes], most: int) -> None:
         """Append to ``out`` the whole frames that have arrived, up to ``most`` (one call
-        per wake-up: the packets come in as few system calls as the kernel allows, through
-        the compiled ``recv_packets`` where it is built and no descriptor is expected, else
-        one ``recv`` each; a plain packet, the steady case, costs no Python call). Raises as
-        ``recv`` does, after the frames read before the EOF or the bad packet are in
-        ``out``: the caller handles them first."""
+        per wake-up: one ``recv`` per packet; a plain packet, the steady case, costs no
+        Python call). Raises as ``recv`` does, after the frames read before the EOF or the
+        bad packet are in ``out``: the caller handles them first."""
         reset = False
         append = out.append
-        many = self.many if not self.want_fds else None
-        packets: list[bytes] = []
+        recv = self.sock.recv if not self.want_fds else None
         got = 0
         while got < most:
-            packets.clear()
-            drained = False
             try:
-                if many is not None:
-                    drained = many(self.fd, packets, most - got, LANE_PACKET_MAX + 1) < most - got
-                else:
-                    packets.append(self.sock.recv(LANE_PACKET_MAX + 1) if not self.want_fds
-                                   else self._recv_with_fds())
+                data = recv(LANE_PACKET_MAX + 1) if recv is not None else self._recv_with_fds()
             except BlockingIOError:
                 return
             except ConnectionResetError as exc:
@@ -255,19 +236,16 @@ class Lane:
                 continue
             except OSError as exc:
                 raise LaneClosed(str(exc)) from None
-            for data in packets:
-                if not data:  # no empty packet is ever sent: this is EOF
-                    raise LaneClosed("end of file")
-                if self.need or data[0] == _FRAGMENT or len(data) > LANE_PACKET_MAX:
-                    frame = self._piece(data)
-                    if frame is None:
-                        continue
-                    data = frame
-                self.received += 1
-                got += 1
-                append(data)
-            if drained:  # (the kernel had no more: no second look)
-                return
+            if not data:  # no empty packet is ever sent: this is EOF
+                raise LaneClosed("end of file")
+            if self.need or data[0] == _FRAGMENT or len(data) > LANE_PACKET_MAX:
+                frame = self._piece(data)
+                if frame is None:
+                    continue
+                data = frame
+            self.received += 1
+            got += 1
+            append(data)
 
     def _piece(self, data: bytes) -> bytes | None:
         """A packet that is not a whole frame by itself: part of a split frame (the frame
