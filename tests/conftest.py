@@ -263,26 +263,18 @@ def endpoints() -> Iterator[Endpoints]:
 
 
 def _use_copy(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make steady sends copy, and steady frames decode, by ``route``: "native", the
-    compiled copy and decoders (the test skipped where they are not built, with the
-    reason), "torch", the pure-Python fallback (endpoints made in this test and the
-    processes it starts: IPCSYNC_NATIVE=0), or "default"."""
+    """Make steady sends copy by ``route``: "native", the compiled copy (the test skipped
+    where it is not built, with the reason), "torch", the pure-Python fallback (endpoints
+    made in this test and the processes it starts: IPCSYNC_NATIVE=0), or "default"."""
     from ipcsync.backends import native
-    from ipcsync.core import protocol
 
-    # (the decoders in use now are put back at teardown)
-    monkeypatch.setattr(protocol.NATIVE_DECODERS, "readies", protocol.NATIVE_DECODERS.readies)
-    monkeypatch.setattr(protocol.NATIVE_DECODERS, "release", protocol.NATIVE_DECODERS.release)
     if route == "native":
         if native.reason() is not None:
             pytest.skip(f"the compiled copy is not in use: {native.reason()}")
-        native.install_decoders(True)
-        assert native.decoders_in_use(), "the compiled piece is built without its decoders: rebuild it"
     elif route == "torch":
         monkeypatch.setenv("IPCSYNC_NATIVE", "0")
         monkeypatch.setattr(native, "host_copy", lambda: None)
         monkeypatch.setattr(native, "cuda_copy_record", lambda: None)
-        native.install_decoders(False)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -291,24 +283,6 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     pure-Python fallback (see ``_use_copy``)."""
     _use_copy(str(request.param), monkeypatch)
     return str(request.param)
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def decoder_route(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Steady READY / RELEASE frames decoded in this process by the compiled decoders (the
-    test skipped where they are not built or IPCSYNC_NATIVE=0), then by the Python ones.
-    Module-scoped, so Hypothesis tests can use it."""
-    from ipcsync.backends import native
-    from ipcsync.core import protocol
-
-    before = (protocol.NATIVE_DECODERS.readies, protocol.NATIVE_DECODERS.release)
-    native.install_decoders(request.param == "native")
-    try:
-        if request.param == "native" and not native.decoders_in_use():
-            pytest.skip(f"the compiled decoders are not in use: {native.reason() or 'a build without them'}")
-        yield str(request.param)
-    finally:
-        protocol.use_native_decoders(*before)
 
 
 @pytest.fixture(params=[("native", "0"), ("torch", "0"), ("default", "1")], ids=["native", "torch", "doorbell"])

@@ -68,7 +68,6 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from itertools import islice
 from typing import Any, Callable, ClassVar, Final, Sequence, Union
 
 import msgpack
@@ -123,12 +122,6 @@ __all__ = [
     "decode_readies",
     "decode_release",
     "decode_releases",
-    "python_decode_readies",
-    "python_decode_release",
-    "python_decode_releases",
-    "NativeDecoders",
-    "NATIVE_DECODERS",
-    "use_native_decoders",
     "Encoder",
     "Conversation",
     "VersionMismatch",
@@ -830,11 +823,13 @@ def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, in
     return got[0] if got else None
 
 
-def python_decode_readies(
+def decode_readies(
     frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS
 ) -> list[tuple[int, int, int, int, int, Any]]:
-    """``decode_readies`` in Python: the reference, and the fallback where the compiled
-    decoder is not in use or stops at a frame it does not parse. Never raises."""
+    """``decode_ready`` of the leading frames of ``frames`` (a consumer's wake-up reads
+    several at once): the decoded READYs without a layout, in order, up to the first
+    frame that is not one (that frame and the rest are left to ``decode``). One call per
+    batch, no Python call per frame on the steady path. Never raises."""
     out: list[tuple[int, int, int, int, int, Any]] = []
     max_frame = limits.max_frame
     if limits.max_depth < 1:  # depth: see check_meta
@@ -876,19 +871,20 @@ def python_decode_readies(
     return out
 
 
-def python_decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
-    """``decode_release`` in Python: the reference, and the fallback where the compiled
-    decoder is not in use or does not parse ``frame``. Never raises."""
+def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
+    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
+    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
     entries: list[tuple[int, int, int]] = []
-    return entries if python_decode_releases((frame,), limits, entries) else None
+    return entries if decode_releases((frame,), limits, entries) else None
 
 
-def python_decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
-    """``decode_releases`` in Python, the reference and the fallback: ``decode_release``
-    of the leading frames of ``frames``, their entries appended to ``out`` (the whole of a
-    frame's, or none), how many frames taken returned. One call per batch, no Python call
-    per frame, no object built per entry (msgpack's arrays as tuples: each entry is the
-    ``(seq, slot, gen)`` appended). Never raises."""
+def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
+    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
+    several at once): appends their entries to ``out``, in order, and returns how many
+    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
+    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
+    call per batch, no Python call per frame, no object built per entry (msgpack's arrays
+    as tuples: each entry is the ``(seq, slot, gen)`` appended). Never raises."""
     max_frame, max_batch = limits.max_frame, limits.max_release_batch
     unpackb, max_items = msgpack.unpackb, limits.max_items
     n = 0
@@ -918,82 +914,6 @@ def python_decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tu
             ):
                 return n
         out += raw  # (the whole frame, or none of it)
-        n += 1
-    return n
-
-
-# The compiled decoders (ipcsync/_native.c), set by ``use_native_decoders`` (which
-# ``backends.native`` calls at its import where the piece is built and IPCSYNC_NATIVE is
-# not 0); this module never imports them. Their contract, which the fuzz tests check
-# against the Python reference: readies(frames, max_frame, max_items, READY_TYPE,
-# max_int) returns a prefix of what ``python_decode_readies`` returns for the same limits
-# (it stops at any frame it does not parse: str/float32/container metas, unusual
-# encodings, ...), and release(frame, max_frame, max_items, max_release_batch,
-# RELEASE type, max_int) returns ``python_decode_release``'s entries or None. So the
-# dispatchers below hand what they stop at to the Python reference and the results are
-# the reference's, including where a batch stops.
-ReadiesDecoder = Callable[[Sequence[bytes], int, int, int, int], list[tuple[int, int, int, int, int, Any]]]
-ReleaseDecoder = Callable[[bytes, int, int, int, int, int], Union[list[tuple[int, int, int]], None]]
-
-
-@dataclass(slots=True)
-class NativeDecoders:
-    """The compiled steady-frame decoders in use (None: the Python reference only)."""
-
-    readies: ReadiesDecoder | None = None
-    release: ReleaseDecoder | None = None
-
-
-NATIVE_DECODERS: Final = NativeDecoders()
-
-
-def use_native_decoders(readies: ReadiesDecoder | None, release: ReleaseDecoder | None) -> None:
-    """Decode steady READY / RELEASE frames with these (see ``NativeDecoders``); None: in
-    Python."""
-    NATIVE_DECODERS.readies, NATIVE_DECODERS.release = readies, release
-
-
-def decode_readies(
-    frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS
-) -> list[tuple[int, int, int, int, int, Any]]:
-    """``decode_ready`` of the leading frames of ``frames`` (a consumer's wake-up reads
-    several at once): the decoded READYs without a layout, in order, up to the first
-    frame that is not one (that frame and the rest are left to ``decode``). One call per
-    batch, no Python call per frame on the steady path (one C call where the compiled
-    decoder is in use). Never raises."""
-    native = NATIVE_DECODERS.readies
-    if native is None or limits.max_depth < 1:
-        return python_decode_readies(frames, limits)
-    out = native(frames, limits.max_frame, limits.max_items, _READY, _MAX_INT)
-    n = len(out)
-    if n < len(frames):  # (stopped: the reference decides this frame and takes the rest)
-        out += python_decode_readies(list(islice(frames, n, None)), limits)  # (any Sequence: a deque too)
-    return out
-
-
-def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
-    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
-    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
-    entries: list[tuple[int, int, int]] = []
-    return entries if decode_releases((frame,), limits, entries) else None
-
-
-def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
-    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
-    several at once): appends their entries to ``out``, in order, and returns how many
-    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
-    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
-    C call per frame where the compiled decoder is in use; the frame it does not parse and
-    the rest go to the Python reference. Never raises."""
-    native = NATIVE_DECODERS.release
-    if native is None:
-        return python_decode_releases(frames, limits, out)
-    n = 0
-    for frame in frames:
-        entries = native(frame, limits.max_frame, limits.max_items, limits.max_release_batch, _RELEASE, _MAX_INT)
-        if entries is None:  # (the reference decides this frame and takes the rest)
-            return n + python_decode_releases(list(islice(frames, n, None)), limits, out)
-        out += entries
         n += 1
     return n
 

@@ -39,10 +39,6 @@ import torch
 from .. import interrupts
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
-# Imported for its import: it installs the compiled steady decoders where built, which this
-# process's wake-ups decode READYs with (a consumer's process need not import the producer's
-# runtime, which imports it for the compiled copy).
-from ..backends import native  # noqa: F401
 from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession

@@ -54,8 +54,7 @@ def test_the_extension_builds_and_imports_here(tmp_path: Path) -> None:
              "print(sorted(n for n in dir(m) if not n.startswith('_')))")
     out = subprocess.run([sys.executable, "-c", probe, str(so)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ("['copy', 'cuda_available', 'cuda_copy_record', 'cuda_reason', 'decode_readies', "
-                                  "'decode_release']")
+    assert out.stdout.strip() == "['copy', 'cuda_available', 'cuda_copy_record', 'cuda_reason']"
 
 
 @needs_module
@@ -140,9 +139,8 @@ def test_ipcsync_native_0_turns_it_off_and_a_bad_value_is_refused(procs: Any) ->
     def state(value: str) -> Any:
         return procs.start("native_state", module="peers.basic", env={"IPCSYNC_NATIVE": value})
 
-    assert state("0").result() == {"event": "done", "enabled": False, "host_copy": False, "decoders": False}
-    assert state("1").result() == {"event": "done", "enabled": True, "host_copy": native.BUILT,
-                                   "decoders": native.BUILT}
+    assert state("0").result() == {"event": "done", "enabled": False, "host_copy": False}
+    assert state("1").result() == {"event": "done", "enabled": True, "host_copy": native.BUILT}
     bad = state("yes")
     assert bad.proc.wait(timeout=120) != 0
     err = bad.stderr()
