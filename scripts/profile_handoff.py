@@ -29,11 +29,6 @@ consumer in one process, in rounds of ``--batch`` sends (or ``slot()`` blocks), 
 ``next()``, then as many ``release()``, each phase timed apart with the sockets settled
 between phases, so no phase waits on the other side. Prints microseconds per call.
 
-``--doorbell``: the floor the shared-memory doorbell (``runtime.doorbell``, not wired into
-the endpoints yet) gives a request/reply: two processes ping-pong one entry each way,
-waiting by a spin of ``IPCSYNC_SPIN_US`` (``os.sched_yield`` between looks) then parked
-on the eventfd; against the same ping-pong over an AF_UNIX SOCK_SEQPACKET pair (a lane).
-
 ``--c-costs``: the same phases, timing every C function (torch op, event call, socket
 call, msgpack) each operation enters: where a hot call's host time goes.
 
@@ -292,94 +287,6 @@ def c_costs(n: int, batch: int, slots: int, device: str, mode: str) -> None:
               f"{calls_c:.1f} C calls taking {total_c:.2f} us")
         for name, (t, k) in sorted(net.items(), key=lambda r: -r[1][0])[:20]:
             print(f"   {t / n / 1e3:7.2f} us  {k / n:5.2f}x  {name}")
-
-
-def _db_wait(bell, spin_s: float) -> None:
-    """Wait until the peer's ring has an entry: spin, then park on our eventfd."""
-    import select
-
-    end = time.perf_counter() + spin_s
-    while time.perf_counter() < end:
-        if bell.pending():
-            return
-        os.sched_yield()
-    while not bell.pending():
-        if bell.park():
-            select.select([bell.fd], [], [], 0.05)  # a missed ring costs this at most
-            bell.unpark()
-
-
-def _db_side(role: int, names, sock, n: int, spin_s: float, out) -> None:
-    from ipcsync.core.doorbell import Geometry
-    from ipcsync.runtime import doorbell as R
-
-    geom = Geometry(64, 2)
-    own, bell = R.OwnSegment(geom), R.Bell()
-    names[role] = own.name
-    R.send_bell(sock, bell)
-    peer_bell = R.receive_bell(sock, "peer")
-    while names[1 - role] == "":
-        time.sleep(0.001)
-    db = R.Doorbell(own, R.PeerSegment(names[1 - role], geom, "peer"), bell, peer_bell, "peer", [0, 0], 0)
-    sock.send(b"up")
-    sock.recv(8)
-    own.unlink()
-    rt = []
-    for k in range(n + 200):
-        if role == 0:
-            t0 = time.perf_counter_ns()
-            db.post([(k, 0)])
-            _db_wait(db, spin_s)
-            db.take()
-            rt.append(time.perf_counter_ns() - t0)
-        else:
-            _db_wait(db, spin_s)
-            db.take()
-            db.post([(k, 0)])
-    if role == 0:
-        rt = sorted(rt[200:])
-        out.put(rt[len(rt) // 2] / 1e3)
-    sock.recv(8) if role == 1 else sock.send(b"end")
-    db.close()
-
-
-def _seq_side(role: int, sock, n: int, out) -> None:
-    rt = []
-    for k in range(n + 200):
-        if role == 0:
-            t0 = time.perf_counter_ns()
-            sock.send(b"x" * 16)
-            sock.recv(64)
-            rt.append(time.perf_counter_ns() - t0)
-        else:
-            sock.send(sock.recv(64))
-    if role == 0:
-        rt = sorted(rt[200:])
-        out.put(rt[len(rt) // 2] / 1e3)
-
-
-def doorbell(n: int) -> None:
-    import socket
-
-    ctx = mp.get_context("fork")  # (the socket pair is inherited; nothing else is open yet)
-    spin_s = int(os.environ.get("IPCSYNC_SPIN_US", "0")) / 1e6
-    out = ctx.Queue()
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ps = [ctx.Process(target=_seq_side, args=(r, s, n, out)) for r, s in ((0, a), (1, b))]
-    for p in ps:
-        p.start()
-    seq = out.get(timeout=_HANG_S)
-    for p in ps:
-        p.join(60)
-    names = ctx.Manager().list(["", ""])
-    ps = [ctx.Process(target=_db_side, args=(r, names, s, n, spin_s, out)) for r, s in ((0, a), (1, b))]
-    for p in ps:
-        p.start()
-    db = out.get(timeout=_HANG_S)
-    for p in ps:
-        p.join(60)
-    print(f"round trip, one entry each way, {n} after 200 warm-up: AF_UNIX SOCK_SEQPACKET p50 {seq:.1f} us; "
-          f"doorbell (spin {spin_s * 1e6:.0f} us, then eventfd) p50 {db:.1f} us")
 
 
 _HANG_S = float(os.environ.get("PROFILE_HANG_S", "120"))  # a round-trip role this long: dump stacks, exit
@@ -665,8 +572,6 @@ def main() -> None:
     ap.add_argument("--mode", default="send")
     ap.add_argument("--no-touch", action="store_true")
     ap.add_argument("--per-call", action="store_true", help="time each hot call alone, in one process")
-    ap.add_argument("--doorbell", action="store_true",
-                    help="request/reply floor over the shared-memory doorbell against a raw AF_UNIX lane")
     ap.add_argument("--calls", action="store_true",
                     help="count Python and C calls per send/next/release on the steady path, in one process")
     ap.add_argument("--c-costs", action="store_true",
@@ -698,9 +603,6 @@ def main() -> None:
         return
     if a.roundtrip:
         roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)
-        return
-    if a.doorbell:
-        doorbell(min(a.n, 20000))
         return
     if a.calls:
         torch.set_num_threads(1)

@@ -174,14 +174,6 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(params=["0", "1"], ids=["doorbell0", "doorbell1"])
-def doorbell_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test with ``IPCSYNC_DOORBELL`` off and on (its child processes inherit it):
-    per-item notices on the lane, then through the shared-memory doorbell."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", request.param)
-    return str(request.param)
-
-
 def shm_segments(pid: int) -> list[str]:
     """ipcsync shared-memory segments created by process ``pid``."""
     prefix = f"ipcsync-{pid}-"
@@ -264,8 +256,8 @@ def endpoints() -> Iterator[Endpoints]:
 
 def _use_copy(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make steady sends copy by ``route``: "native", the compiled copy (the test skipped
-    where it is not built, with the reason), "torch", the pure-Python fallback (endpoints
-    made in this test and the processes it starts: IPCSYNC_NATIVE=0), or "default"."""
+    where it is not built, with the reason), or "torch", the pure-Python fallback
+    (endpoints made in this test and the processes it starts: IPCSYNC_NATIVE=0)."""
     from ipcsync.backends import native
 
     if route == "native":
@@ -283,17 +275,6 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     pure-Python fallback (see ``_use_copy``)."""
     _use_copy(str(request.param), monkeypatch)
     return str(request.param)
-
-
-@pytest.fixture(params=[("native", "0"), ("torch", "0"), ("default", "1")], ids=["native", "torch", "doorbell"])
-def handoff_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The routes a steady handoff can take, each test three times: the compiled copy and
-    torch's copy with per-item notices on the lane, then notices through the shared-memory
-    doorbell (IPCSYNC_DOORBELL=1) with the default copy."""
-    route, bell = request.param
-    _use_copy(route, monkeypatch)
-    monkeypatch.setenv("IPCSYNC_DOORBELL", bell)
-    return f"{route}-doorbell{bell}"
 
 
 class Sockets:

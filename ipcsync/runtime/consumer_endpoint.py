@@ -127,7 +127,7 @@ class ConsumerEndpoint(EndpointBase):
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat, link.doorbell)))
+                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
@@ -264,7 +264,7 @@ class ConsumerEndpoint(EndpointBase):
                 role="consumer", held=self._lender.held_count(), buffered=self.session.buffered(),
                 kept=len(self._link.kept), forwarded_out=len(self._lender.forwarded),
                 forwarded_lost=self._link.downstream.lost, producer_stalled=clock.stalled,
-                producer_stalled_total=clock.stalls, lane=self._chan.lane_used, doorbell=self._link.bell_up,
+                producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
 
     def source_port(self) -> SourcePort[Item]:
@@ -521,7 +521,7 @@ class ConsumerEndpoint(EndpointBase):
         return self._fds if wake is None else [*self._fds, wake.fd]
 
     def _io_pending(self) -> bool:
-        return self._chan.pending() or (self._link.bell is not None and self._link.notices_pending())
+        return self._chan.pending()
 
     def _raise_if_broken(self) -> None:
         if (error := self.session.error) is not None:
