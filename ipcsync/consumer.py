@@ -179,7 +179,7 @@ class Consumer:
         """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
         waiting by cause, items held and buffered, items released but still viewed by the
         program's tensors (``kept``: their slots are not given back yet), whether frames
-        travel on a lane (``lane``) and steady notices through the doorbell (``doorbell``)."""
+        travel on a lane (``lane``)."""
         return self._endpoint.stats()
 
     @property

@@ -23,8 +23,6 @@ __all__ = [
     "DEFAULT_HEARTBEAT",
     "IPC_PATH_MAX",
     "POLICIES",
-    "DEFAULT_SPIN_US",
-    "MAX_SPIN_US",
     "DEFAULT_LANE",
 ]
 
@@ -37,15 +35,6 @@ DEFAULT_CONNECT_TIMEOUT = 30.0  # the handshake: how long to wait for a peer to 
 DEFAULT_HEARTBEAT = 1.0  # seconds between liveness messages of an idle endpoint
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers
-# How long a blocking call polls its sockets before it sleeps in select (microseconds).
-# A peer that answers within this window is seen without a sleep and a wake-up. Off by
-# default: on an H100 host, 200 us against 0 in two sets of three interleaved 4 KiB CUDA
-# request/reply runs gave p50 285 vs 353 us in one set and 430 vs 478 us in the other,
-# inside that host's run-to-run noise (30-50%), and a spin burns CPU on every wait.
-# IPCSYNC_SPIN_US turns it on: at most this long per wait, only while the peer is active,
-# backing off when spinning finds nothing (core.spin).
-DEFAULT_SPIN_US = 0
-MAX_SPIN_US = 10_000
 
 # Same-host ipc edges carry their per-item frames on a direct unix-socket lane once the
 # handshake is done (runtime/lane.py); IPCSYNC_LANE=0 keeps every frame on ZeroMQ.

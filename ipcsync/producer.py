@@ -198,8 +198,7 @@ class Producer:
     def stats(self) -> dict[str, Any]:
         """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
         by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``) and those of them
-        with a doorbell (``doorbells``)."""
+        but alive), rejected frames, consumers on a lane now (``lanes``)."""
         return self.port.stats()
 
     def close(self, timeout: float | None = None) -> None:

@@ -103,14 +103,6 @@ kv        KV-cache handoff, a prefill process -> a decode process (examples/kv_h
           a torch.multiprocessing.Queue: requests/s, time to first token p50/p99, KV GB/s.
           Sizes: --kv-*. See scripts/bench_kv.py.
 
-contention
-          Spinning on a small, busy host: 4 producer -> consumer pairs (8 processes)
-          streaming 4 KiB send()s at once, every thread pinned to 2 CPUs, with the spin
-          before a wait parks off (IPCSYNC_SPIN_US unset) and on (IPCSYNC_SPIN_US=200),
-          interleaved per round: aggregate handoffs/s, CPU time per handoff, spins per
-          handoff; and the CPU share of an idle pair with the spin on. Sizes:
-          --contention-*. See scripts/bench_contention.py.
-
 Every process (spawned by this script with the spawn method; DataLoader workers are forked
 by their trainer, the default of a training script on Linux) runs with OMP_NUM_THREADS=1.
 ``--start-method forkserver`` forks every process instead from one server process that
@@ -1305,44 +1297,6 @@ def kv_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
             benchchart.Panel("KV handoff: time to first token", "ms", False, [benchchart.Group("", ttft)])]
 
 
-CONTENTION_SIZES = {  # option: (real size, --quick)
-    "pairs": (4, 4), "rounds": (2, 1), "count": (20_000, 500), "idle": (5.0, 1.0),
-}
-
-
-def contention_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The contention suite's sizes, CPUs and settings (scripts/bench_contention.py)."""
-    import bench_contention as bc
-
-    cfg = _sizes(args, "contention", CONTENTION_SIZES)
-    try:
-        cfg["cores"] = bc.parse_cores(args.contention_cores)
-    except ValueError as exc:
-        raise SystemExit(f"bench.py: {exc}") from None
-    cfg["settings"] = [x.strip() for x in args.contention_settings.split(",") if x.strip()]
-    if not cfg["settings"] or not set(cfg["settings"]) <= set(bc.SETTINGS):
-        raise SystemExit(f"bench.py: --contention-settings: a comma-separated list of {', '.join(bc.SETTINGS)}")
-    if min(cfg["pairs"], cfg["rounds"], cfg["count"]) < 1 or cfg["idle"] <= 0 or args.contention_spin_us < 1:
-        raise SystemExit("bench.py: --contention-pairs, -rounds, -count, -idle and -spin-us must be positive")
-    cfg.update(device=args.device, spin_us=args.contention_spin_us, slots=args.slots, timeout=args.timeout)
-    return cfg
-
-
-def contention_panels(res: dict[str, Any] | None) -> list[benchchart.Panel]:
-    """The contention suite: aggregate handoffs/s per setting, one group per round."""
-    if not res:
-        return []
-    import bench_contention as bc
-
-    cfg = res["cfg"]
-    groups: dict[int, benchchart.Group] = {}
-    for r in res["busy"]:
-        groups.setdefault(r["round"], benchchart.Group(f"round {r['round']}")).bars.append(
-            benchchart.Bar("ipcsync " + bc.setting_label(r["setting"], cfg["spin_us"]), r["rate"]))
-    return [benchchart.Panel(f"{cfg['pairs']} busy pairs on {len(cfg['cores'])} CPUs: spin off / on", "handoffs/s",
-                             True, list(groups.values()), group_axis="round")]
-
-
 def plot_problem(path: str | None) -> str | None:
     """Why ``--plot path`` cannot be drawn (checked before the bench runs), or None."""
     if path is None:
@@ -1368,7 +1322,7 @@ def save_plot(path: str, device: str, command: str, panels: list[benchchart.Pane
 
 
 # ================================================================== main
-SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv", "contention")
+SUITES = ("handoff", "latency", "remote", "train", "infer", "weightsync", "gpupipe", "kv")
 
 
 def run_handoff(args: argparse.Namespace) -> list[tuple[Any, ...]]:
@@ -1419,8 +1373,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="handoff",
                     help="comma-separated: handoff, latency, remote, train, infer, weightsync, gpupipe, kv, "
-                         "contention, or all "
-                         "(default: handoff)")
+                         "or all (default: handoff)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: fewer handoff messages, tiny train/infer sizes")
@@ -1501,17 +1454,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     k.add_argument("--kv-max-seq", type=int, help="the longest prompt; prompts vary from a quarter of it (2048 / 64)")
     k.add_argument("--kv-requests", type=int, help="requests per method (200 / 24)")
     k.add_argument("--kv-warmup", type=int, help="first requests not timed (20 / 4)")
-    c = ap.add_argument_group("contention suite (defaults: real size / with --quick)")
-    c.add_argument("--contention-pairs", type=int, help="producer->consumer pairs run at once (4 / 4)")
-    c.add_argument("--contention-cores", help="CPUs every process is pinned to, e.g. 0,1 or 0-3 "
-                                              "(default: the first 2 this process may use)")
-    c.add_argument("--contention-rounds", type=int, help="rounds, each setting once per round, interleaved (2 / 1)")
-    c.add_argument("--contention-count", type=int, help="timed 4 KiB sends per pair (20000 / 500)")
-    c.add_argument("--contention-idle", type=float, help="seconds the idle pair waits for nothing (5 / 1)")
-    c.add_argument("--contention-spin-us", type=int, default=200, help="IPCSYNC_SPIN_US of the spin settings (200)")
-    c.add_argument("--contention-settings", default="off,on",
-                   help="comma-separated, run in this order each round: off, on, on-nobackoff (the spin with "
-                        "core.spin's backoff disabled) (default off,on)")
     args = ap.parse_args(argv)
     suites = SUITES if args.suite == "all" else tuple(s.strip() for s in args.suite.split(",") if s.strip())
     bad = [s for s in suites if s not in SUITES]
@@ -1546,8 +1488,6 @@ def main(argv: list[str] | None = None) -> int:
     pipe_res: dict[str, Any] | None = None
     kv_cfg = kv_config(args) if "kv" in args.suites else None
     kv_res: dict[str, Any] | None = None
-    cont_cfg = contention_config(args) if "contention" in args.suites else None
-    cont_res: dict[str, Any] | None = None
     handoff_rows = None
     latency_res: dict[str, Any] | None = None
     remote_res: dict[str, Any] | None = None
@@ -1606,11 +1546,6 @@ def main(argv: list[str] | None = None) -> int:
 
             kv_res = bk.run_kv(device, kv_cfg, _progress)
             bk.print_kv(kv_res, lambda: _header("kv", device, command))
-        if cont_cfg is not None:
-            import bench_contention as bc
-
-            cont_res = bc.run_contention(cont_cfg, _progress)
-            bc.print_contention(cont_res, lambda: _header("contention", device, command))
         sys.stdout.flush()
         if args.plot:
             save_plot(args.plot, device, command, [*handoff_panels(handoff_rows),
@@ -1620,9 +1555,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    *infer_panels(infer_res, infer_cfg),
                                                    *weightsync_panels(ws_res),
                                                    *gpupipe_panels(pipe_res),
-                                                   *kv_panels(kv_res),
-                                                   *contention_panels(cont_res)])
-    except (BenchError, ProcsError) as exc:  # ProcsError: the weightsync, gpupipe, kv and contention suites'
+                                                   *kv_panels(kv_res)])
+    except (BenchError, ProcsError) as exc:  # ProcsError: the weightsync, gpupipe and kv suites'
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 1
     finally:

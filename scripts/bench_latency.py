@@ -38,7 +38,6 @@ LAT_SIZES = ("4K", "1M")
 READS = (False, True)
 IDLE_WARM = 50  # items handed over before an idle endpoint is measured
 IDLE_S = 5.0  # seconds an idle endpoint is measured
-SPIN_US = 200  # the spin of the "ipcsync spin" rows and idle line (IPCSYNC_SPIN_US)
 
 
 def _entry(results: Any, role: str, fn: Callable[..., Any], kwargs: dict[str, Any], env: dict[str, str]) -> None:
@@ -195,7 +194,7 @@ def idle_producer(base: str, seconds: float, device: str, done: Any) -> float:
     dev = child_device(device)
     with ipcsync.Producer(f"{base}-idle", slots=4, slot_bytes=4096, device=dev) as out:
         out.wait_for_consumers(1, timeout=120)
-        for i in range(IDLE_WARM):  # active first: a spin that follows activity must stop when it ends
+        for i in range(IDLE_WARM):  # active first: what activity leaves behind must stop when it ends
             out.send({"x": torch.full((4,), i, device=dev)})
         out.flush(timeout=120)
         time.sleep(1.0)  # handshake settled
@@ -296,16 +295,15 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
     rows.append(("-", "raw pyzmq+msgpack", False, pct(lat, .5), pct(lat, .99)))
     for name in sizes:
         nbytes = size_bytes[name]
-        for method, env in (("ipcsync", {}), (f"ipcsync spin {SPIN_US} us", {"IPCSYNC_SPIN_US": str(SPIN_US)})):
-            progress(f"latency {name}: {method}, {n} round trips per variant")
-            got = _pair(f"{method} {name}",
-                        (_ipc_requester, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
-                                          "device": device}),
-                        (_ipc_responder, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
-                                          "device": device}), ctx, timeout, env)
-            for read in READS:
-                lat = got["a"]["read" if read else "noread"]
-                rows.append((name, method, read, pct(lat, .5), pct(lat, .99)))
+        progress(f"latency {name}: ipcsync, {n} round trips per variant")
+        got = _pair(f"ipcsync {name}",
+                    (_ipc_requester, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
+                                      "device": device}),
+                    (_ipc_responder, {"base": f"{tag}-{name}", "nbytes": nbytes, "n": n, "warm": warm,
+                                      "device": device}), ctx, timeout)
+        for read in READS:
+            lat = got["a"]["read" if read else "noread"]
+            rows.append((name, "ipcsync", read, pct(lat, .5), pct(lat, .99)))
         if floor:
             import bench_floor
 
@@ -325,15 +323,11 @@ def run_latency(device: str, sizes: tuple[str, ...], quick: bool, size_bytes: di
         for read in READS:
             lat = got["a"]["read" if read else "noread"]
             rows.append((name, "torch.multiprocessing queues", read, pct(lat, .5), pct(lat, .99)))
-    idle = {}
-    for spin in (0, SPIN_US):
-        progress(f"latency: idle cost, spin {spin} us, {idle_s:g} s")
-        done = ctx.Event()
-        idle_kw = {"base": f"{tag}-{spin}", "seconds": idle_s, "device": device, "done": done}
-        got = _pair("idle", (idle_producer, idle_kw), (idle_consumer, idle_kw), ctx, timeout,
-                    {"IPCSYNC_SPIN_US": str(spin)})
-        idle[spin] = {"producer": got["a"], "consumer": got["b"]}
-    return {"rows": rows, "idle": idle, "idle_s": idle_s}
+    progress(f"latency: idle cost, {idle_s:g} s")
+    done = ctx.Event()
+    idle_kw = {"base": tag, "seconds": idle_s, "device": device, "done": done}
+    got = _pair("idle", (idle_producer, idle_kw), (idle_consumer, idle_kw), ctx, timeout)
+    return {"rows": rows, "idle": {"producer": got["a"], "consumer": got["b"]}, "idle_s": idle_s}
 
 
 def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
@@ -358,8 +352,7 @@ def print_latency(res: dict[str, Any], header: Callable[[], None]) -> None:
         ratio = f"{p50 / base[3]:.2f}x" if base else "-"
         print(row((size, method, "yes" if read else "no", f"{p50:,.0f}", f"{p99:,.0f}", f"{p50 / raw[3]:.2f}x",
                    ratio)))
-    for spin, idle in res["idle"].items():
-        print(f"idle cost (IPCSYNC_SPIN_US={spin}, {IDLE_WARM} items handed over, then nothing for "
-              f"{res.get('idle_s', IDLE_S):g} s): "
-              f"producer process {100 * idle['producer']:.2f}% of a core, "
-              f"consumer process {100 * idle['consumer']:.2f}% of a core")
+    idle = res["idle"]
+    print(f"idle cost ({IDLE_WARM} items handed over, then nothing for {res.get('idle_s', IDLE_S):g} s): "
+          f"producer process {100 * idle['producer']:.2f}% of a core, "
+          f"consumer process {100 * idle['consumer']:.2f}% of a core")

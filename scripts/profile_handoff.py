@@ -13,8 +13,7 @@ transport and wake-ups.
 ``--split``: ``bench.py``'s handoff (a 4 KiB ``send`` with an int meta, the consumer
 touching one byte of each item) in two processes, timing the consumer's ``next``, touch and
 ``release`` per item and the producer's ``send``: which side sets the pace, and how much of
-it is the library's (``--no-touch``: the same without the touch; ``--recv one``: lane
-packets read one ``recv`` each, as without the compiled ``recv_packets``).
+it is the library's (``--no-touch``: the same without the touch).
 
 ``--floor``: the handoff with nothing of ipcsync (scripts/bench_floor.py: two bare Python
 loops making the same torch and CUDA calls): the stream rate and round trip any Python
@@ -29,11 +28,6 @@ a handoff is built from.
 consumer in one process, in rounds of ``--batch`` sends (or ``slot()`` blocks), then as many
 ``next()``, then as many ``release()``, each phase timed apart with the sockets settled
 between phases, so no phase waits on the other side. Prints microseconds per call.
-
-``--doorbell``: the floor the shared-memory doorbell (``runtime.doorbell``, not wired into
-the endpoints yet) gives a request/reply: two processes ping-pong one entry each way,
-waiting by a spin of ``IPCSYNC_SPIN_US`` (``os.sched_yield`` between looks) then parked
-on the eventfd; against the same ping-pong over an AF_UNIX SOCK_SEQPACKET pair (a lane).
 
 ``--c-costs``: the same phases, timing every C function (torch op, event call, socket
 call, msgpack) each operation enters: where a hot call's host time goes.
@@ -295,94 +289,6 @@ def c_costs(n: int, batch: int, slots: int, device: str, mode: str) -> None:
             print(f"   {t / n / 1e3:7.2f} us  {k / n:5.2f}x  {name}")
 
 
-def _db_wait(bell, spin_s: float) -> None:
-    """Wait until the peer's ring has an entry: spin, then park on our eventfd."""
-    import select
-
-    end = time.perf_counter() + spin_s
-    while time.perf_counter() < end:
-        if bell.pending():
-            return
-        os.sched_yield()
-    while not bell.pending():
-        if bell.park():
-            select.select([bell.fd], [], [], 0.05)  # a missed ring costs this at most
-            bell.unpark()
-
-
-def _db_side(role: int, names, sock, n: int, spin_s: float, out) -> None:
-    from ipcsync.core.doorbell import Geometry
-    from ipcsync.runtime import doorbell as R
-
-    geom = Geometry(64, 2)
-    own, bell = R.OwnSegment(geom), R.Bell()
-    names[role] = own.name
-    R.send_bell(sock, bell)
-    peer_bell = R.receive_bell(sock, "peer")
-    while names[1 - role] == "":
-        time.sleep(0.001)
-    db = R.Doorbell(own, R.PeerSegment(names[1 - role], geom, "peer"), bell, peer_bell, "peer", [0, 0], 0)
-    sock.send(b"up")
-    sock.recv(8)
-    own.unlink()
-    rt = []
-    for k in range(n + 200):
-        if role == 0:
-            t0 = time.perf_counter_ns()
-            db.post([(k, 0)])
-            _db_wait(db, spin_s)
-            db.take()
-            rt.append(time.perf_counter_ns() - t0)
-        else:
-            _db_wait(db, spin_s)
-            db.take()
-            db.post([(k, 0)])
-    if role == 0:
-        rt = sorted(rt[200:])
-        out.put(rt[len(rt) // 2] / 1e3)
-    sock.recv(8) if role == 1 else sock.send(b"end")
-    db.close()
-
-
-def _seq_side(role: int, sock, n: int, out) -> None:
-    rt = []
-    for k in range(n + 200):
-        if role == 0:
-            t0 = time.perf_counter_ns()
-            sock.send(b"x" * 16)
-            sock.recv(64)
-            rt.append(time.perf_counter_ns() - t0)
-        else:
-            sock.send(sock.recv(64))
-    if role == 0:
-        rt = sorted(rt[200:])
-        out.put(rt[len(rt) // 2] / 1e3)
-
-
-def doorbell(n: int) -> None:
-    import socket
-
-    ctx = mp.get_context("fork")  # (the socket pair is inherited; nothing else is open yet)
-    spin_s = int(os.environ.get("IPCSYNC_SPIN_US", "0")) / 1e6
-    out = ctx.Queue()
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ps = [ctx.Process(target=_seq_side, args=(r, s, n, out)) for r, s in ((0, a), (1, b))]
-    for p in ps:
-        p.start()
-    seq = out.get(timeout=_HANG_S)
-    for p in ps:
-        p.join(60)
-    names = ctx.Manager().list(["", ""])
-    ps = [ctx.Process(target=_db_side, args=(r, names, s, n, spin_s, out)) for r, s in ((0, a), (1, b))]
-    for p in ps:
-        p.start()
-    db = out.get(timeout=_HANG_S)
-    for p in ps:
-        p.join(60)
-    print(f"round trip, one entry each way, {n} after 200 warm-up: AF_UNIX SOCK_SEQPACKET p50 {seq:.1f} us; "
-          f"doorbell (spin {spin_s * 1e6:.0f} us, then eventfd) p50 {db:.1f} us")
-
-
 _HANG_S = float(os.environ.get("PROFILE_HANG_S", "120"))  # a round-trip role this long: dump stacks, exit
 
 
@@ -493,20 +399,10 @@ def roundtrip(n: int, device: str, read: bool, profile: bool = False) -> None:
         print(got[role][2])
 
 
-def _one_recv_per_packet() -> None:
-    """--recv one: this process's lanes read one recv per packet, as without the compiled
-    recv_packets (asked when a lane is made: before any endpoint)."""
-    from ipcsync.backends import native
-
-    native.packet_receiver = lambda: None
-
-
-def _split_producer(ep, n, slots, device, q, ready, one_recv=False):
+def _split_producer(ep, n, slots, device, q, ready):
     import ipcsync
 
     faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    if one_recv:
-        _one_recv_per_packet()
     src = torch.randint(0, 255, (4096,), dtype=torch.uint8, device=device)
     with ipcsync.Producer(ep, slots=slots, slot_bytes=8192, device=device, heartbeat=None, timeout=60) as out:
         ready.set()
@@ -519,12 +415,10 @@ def _split_producer(ep, n, slots, device, q, ready, one_recv=False):
     q.put(("producer", {"send (waits included)": spent / n * 1e6, "  of it waiting for a slot": waited / n * 1e6}))
 
 
-def _split_consumer(ep, n, device, touch, q, one_recv=False):
+def _split_consumer(ep, n, device, touch, q):
     import ipcsync
 
     faulthandler.dump_traceback_later(_HANG_S, exit=True)
-    if one_recv:
-        _one_recv_per_packet()
     clock = time.perf_counter
     spent = {"next (waits included)": 0.0, "touch": 0.0, "release": 0.0}
     with ipcsync.Consumer(ep, device=device, heartbeat=None, timeout=60) as inp:
@@ -553,7 +447,7 @@ def _split_consumer(ep, n, device, touch, q, one_recv=False):
     q.put(("consumer", row))
 
 
-def split(n: int, slots: int, device: str, touch: bool, one_recv: bool = False) -> None:
+def split(n: int, slots: int, device: str, touch: bool) -> None:
     """bench.py's handoff suite (``send`` with an int meta, 4 KiB, the consumer touching
     one byte of each item), two processes, with the consumer's time per item split into
     ``next``, the touch and ``release``, and the producer's ``send``: which side sets the
@@ -561,17 +455,16 @@ def split(n: int, slots: int, device: str, touch: bool, one_recv: bool = False) 
     ctx = mp.get_context("spawn")
     q, ready = ctx.Queue(), ctx.Event()
     ep = f"split-{os.getpid()}"
-    ps = [ctx.Process(target=_split_producer, args=(ep, n, slots, device, q, ready, one_recv))]
+    ps = [ctx.Process(target=_split_producer, args=(ep, n, slots, device, q, ready))]
     ps[0].start()
     ready.wait(60)
-    ps.append(ctx.Process(target=_split_consumer, args=(ep, n, device, touch, q, one_recv)))
+    ps.append(ctx.Process(target=_split_consumer, args=(ep, n, device, touch, q)))
     ps[1].start()
     got = dict(q.get(timeout=_HANG_S + 30) for _ in ps)
     for p in ps:
         p.join(60)
     per_item = got["consumer"]["per item, all of it"]
-    print(f"split ({device}, 4 KiB send with an int meta, {n} items, {slots} slots, touch: {touch}, "
-          f"lane reads: {'one recv per packet' if one_recv else 'recv_packets where built'}): "
+    print(f"split ({device}, 4 KiB send with an int meta, {n} items, {slots} slots, touch: {touch}): "
           f"{1e6 / per_item:,.0f} items/s at the consumer")
     for role in ("producer", "consumer"):
         for name, us in got[role].items():
@@ -679,8 +572,6 @@ def main() -> None:
     ap.add_argument("--mode", default="send")
     ap.add_argument("--no-touch", action="store_true")
     ap.add_argument("--per-call", action="store_true", help="time each hot call alone, in one process")
-    ap.add_argument("--doorbell", action="store_true",
-                    help="request/reply floor over the shared-memory doorbell against a raw AF_UNIX lane")
     ap.add_argument("--calls", action="store_true",
                     help="count Python and C calls per send/next/release on the steady path, in one process")
     ap.add_argument("--c-costs", action="store_true",
@@ -694,9 +585,6 @@ def main() -> None:
     ap.add_argument("--split", action="store_true",
                     help="bench.py's handoff, two processes: the consumer's next/touch/release and the producer's "
                          "send per item (with --no-touch: without the touch)")
-    ap.add_argument("--recv", choices=("batch", "one"), default="batch",
-                    help="--split: lane packets read many per system call where the compiled piece is built "
-                         "(batch), or one recv each (one), for a before/after")
     ap.add_argument("--floor", action="store_true",
                     help="the same torch/CUDA calls in bare Python loops with nothing of ipcsync: the stream "
                          "rate and round trip any Python implementation gets on this host")
@@ -711,13 +599,10 @@ def main() -> None:
         floor(a.n, a.device, a.read)
         return
     if a.split:
-        split(a.n, a.slots, a.device, not a.no_touch, a.recv == "one")
+        split(a.n, a.slots, a.device, not a.no_touch)
         return
     if a.roundtrip:
         roundtrip(min(a.n, 5000), a.device, a.read, PROFILE and a.profile)
-        return
-    if a.doorbell:
-        doorbell(min(a.n, 20000))
         return
     if a.calls:
         torch.set_num_threads(1)

@@ -174,14 +174,6 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(params=["0", "1"], ids=["doorbell0", "doorbell1"])
-def doorbell_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test with ``IPCSYNC_DOORBELL`` off and on (its child processes inherit it):
-    per-item notices on the lane, then through the shared-memory doorbell."""
-    monkeypatch.setenv("IPCSYNC_DOORBELL", request.param)
-    return str(request.param)
-
-
 def shm_segments(pid: int) -> list[str]:
     """ipcsync shared-memory segments created by process ``pid``."""
     prefix = f"ipcsync-{pid}-"
@@ -263,27 +255,18 @@ def endpoints() -> Iterator[Endpoints]:
 
 
 def _use_copy(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make steady sends copy, and steady frames decode, by ``route``: "native", the
-    compiled copy and decoders (the test skipped where they are not built, with the
-    reason), "torch", the pure-Python fallback (endpoints made in this test and the
-    processes it starts: IPCSYNC_NATIVE=0), or "default"."""
+    """Make steady sends copy by ``route``: "native", the compiled copy (the test skipped
+    where it is not built, with the reason), or "torch", the pure-Python fallback
+    (endpoints made in this test and the processes it starts: IPCSYNC_NATIVE=0)."""
     from ipcsync.backends import native
-    from ipcsync.core import protocol
 
-    # (the decoders in use now are put back at teardown)
-    monkeypatch.setattr(protocol.NATIVE_DECODERS, "readies", protocol.NATIVE_DECODERS.readies)
-    monkeypatch.setattr(protocol.NATIVE_DECODERS, "release", protocol.NATIVE_DECODERS.release)
     if route == "native":
         if native.reason() is not None:
             pytest.skip(f"the compiled copy is not in use: {native.reason()}")
-        native.install_decoders(True)
-        assert native.decoders_in_use(), "the compiled piece is built without its decoders: rebuild it"
     elif route == "torch":
         monkeypatch.setenv("IPCSYNC_NATIVE", "0")
         monkeypatch.setattr(native, "host_copy", lambda: None)
         monkeypatch.setattr(native, "cuda_copy_record", lambda: None)
-        monkeypatch.setattr(native, "packet_receiver", lambda: None)  # (lanes made from now on)
-        native.install_decoders(False)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -292,35 +275,6 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     pure-Python fallback (see ``_use_copy``)."""
     _use_copy(str(request.param), monkeypatch)
     return str(request.param)
-
-
-@pytest.fixture(scope="module", params=["native", "python"])
-def decoder_route(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Steady READY / RELEASE frames decoded in this process by the compiled decoders (the
-    test skipped where they are not built or IPCSYNC_NATIVE=0), then by the Python ones.
-    Module-scoped, so Hypothesis tests can use it."""
-    from ipcsync.backends import native
-    from ipcsync.core import protocol
-
-    before = (protocol.NATIVE_DECODERS.readies, protocol.NATIVE_DECODERS.release)
-    native.install_decoders(request.param == "native")
-    try:
-        if request.param == "native" and not native.decoders_in_use():
-            pytest.skip(f"the compiled decoders are not in use: {native.reason() or 'a build without them'}")
-        yield str(request.param)
-    finally:
-        protocol.use_native_decoders(*before)
-
-
-@pytest.fixture(params=[("native", "0"), ("torch", "0"), ("default", "1")], ids=["native", "torch", "doorbell"])
-def handoff_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The routes a steady handoff can take, each test three times: the compiled copy and
-    torch's copy with per-item notices on the lane, then notices through the shared-memory
-    doorbell (IPCSYNC_DOORBELL=1) with the default copy."""
-    route, bell = request.param
-    _use_copy(route, monkeypatch)
-    monkeypatch.setenv("IPCSYNC_DOORBELL", bell)
-    return f"{route}-doorbell{bell}"
 
 
 class Sockets:

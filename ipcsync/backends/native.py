@@ -14,13 +14,8 @@ to resolve (no conj/neg bit, no grad; ``core.layout.Plan.flat``):
 Everything else (several tensors, other strides, dtypes converted, another device, an
 explicit ``stream=``) stays on torch. The bytes are the same either way.
 
-It also decodes the steady frames: at import, where built and on, it hands the compiled
-``decode_readies`` / ``decode_release`` to ``core.protocol.use_native_decoders`` (a
-wake-up's steady READYs and a RELEASE parsed by hand in C; whatever they do not parse goes
-to the Python decoders, the reference, so the results are the same either way).
-
 ``IPCSYNC_NATIVE=0`` turns it off (read once, at import; unset or ``1``: on where built).
-Loaded by the runtime only: it imports nothing above ``ipcsync.core.protocol``.
+Loaded by the runtime only: it imports nothing of ipcsync but ``ipcsync.errors``.
 """
 
 from __future__ import annotations
@@ -28,11 +23,9 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ..core import protocol
 from ..errors import ConfigError
 
-__all__ = ["ENABLED", "BUILT", "reason", "host_copy", "cuda_copy_record", "packet_receiver", "decoders_in_use",
-           "install_decoders"]
+__all__ = ["ENABLED", "BUILT", "reason", "host_copy", "cuda_copy_record"]
 
 _BUILD_HINT = ("build it with `pip install -e .` or `python setup.py build_ext --inplace` "
                "in the checkout (needs a C compiler and the Python headers)")
@@ -59,24 +52,6 @@ ENABLED = _enabled()  # (read once: the choice holds for the process)
 BUILT = _native is not None
 
 
-def install_decoders(on: bool = True) -> None:
-    """Decode steady frames with the compiled decoders (``on`` and they are available:
-    built, IPCSYNC_NATIVE not 0), else with ``core.protocol``'s Python ones."""
-    readies = getattr(_native, "decode_readies", None)  # (None: a build older than the decoders)
-    if on and ENABLED and readies is not None:
-        protocol.use_native_decoders(readies, _native.decode_release)
-    else:
-        protocol.use_native_decoders(None, None)
-
-
-def decoders_in_use() -> bool:
-    """Whether steady frames are decoded by the compiled decoders in this process."""
-    return protocol.NATIVE_DECODERS.readies is not None
-
-
-install_decoders()
-
-
 def reason() -> str | None:
     """Why the compiled copy is not in use at all, or None when it is (for a CPU slot; a
     CUDA slot also needs the runtime: ``cuda_copy_record``)."""
@@ -99,14 +74,6 @@ def cuda_copy_record() -> Callable[[int, int, int, int, int, int], None] | None:
     if not ENABLED or _native is None or not _native.cuda_available():
         return None
     return _native.cuda_copy_record
-
-
-def packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
-    """``recv_packets(fd, out, most, cap)``: what up to ``most`` ``recv(cap)`` calls on a
-    non-blocking SOCK_SEQPACKET socket give, appended to ``out``, in as few system calls as
-    ``recvmmsg`` allows (a lane's packets; ``runtime.lane.Lane.recv_into``); returns how
-    many. None where the compiled piece is off, not built (or older), or not on Linux."""
-    return getattr(_native, "recv_packets", None) if ENABLED else None
 
 
 def cuda_reason() -> str | None:

@@ -7,6 +7,5 @@ producer_session / consumer_session (one connection's rules, frames in, events a
 out), ring (slot state machine), layout (how a message lies in a slot; plan, layout-id
 and recipe caches), liveness (the liveness rule as data), forwarding (the forwarding
 ledger and foreign-arena registry), waits (the wait strategy of each ``wait=`` mode),
-spin (when a wait spins before it parks), doorbell
-(the shared-memory doorbell's ring and counter rules), stats and ratelog.
+stats and ratelog.
 """

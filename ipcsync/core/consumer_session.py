@@ -37,9 +37,7 @@ Rules kept here, once:
   producer's SWITCH only after a LANE, once (``SwitchReceived``: read the lane from now
   on and answer with ``switch()``, our last ZeroMQ frame): ``protocol.LANE_TRANSITIONS``;
 - a producer of an older version refusing our HELLO's version: HELLO again one version
-  lower (``HelloAgain``), down to ``OLDEST_VERSION`` (5 -> 4: no doorbell; 4 -> 3: no lane);
-- the doorbell (version 5, see ``protocol``): our DOORBELL only while active on the
-  switched lane (``doorbell_offer``); the producer's answer is ``DoorbellOffered``.
+  lower (``HelloAgain``), down to ``OLDEST_VERSION`` (4 -> 3: no lane).
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from .protocol import ErrorCode, LanePhase, MsgType, State
 from .remote_session import is_remote_handle
 
 __all__ = ["ConsumerSession", "REFUSALS", "SETUP_REFUSALS", "SetupReceived", "ForeignReceived", "ForwardedReceived",
-           "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "DoorbellOffered", "ReadyEntry",
+           "SentReceived", "LaneOffered", "SwitchReceived", "HelloAgain", "ReadyEntry",
            "release_batch_for"]
 
 # ERROR from the producer -> the exception this consumer raises (any other code:
@@ -127,13 +125,6 @@ class SwitchReceived(NamedTuple):
     frame: bytes
 
 
-class DoorbellOffered(NamedTuple):
-    """The producer's DOORBELL answered ours: map its segment, take its eventfd from the
-    lane packet that carried this frame (``runtime.bellwire``)."""
-
-    msg: P.DoorbellOffer
-
-
 class HelloAgain(NamedTuple):
     """A producer of an older protocol version refused our HELLO's version: send
     ``frame``, a HELLO one version lower (see the module docstring)."""
@@ -142,7 +133,7 @@ class HelloAgain(NamedTuple):
 
 
 Event = Union[SetupReceived, ForeignReceived, ForwardedReceived, SentReceived, LaneOffered, SwitchReceived,
-              HelloAgain, DoorbellOffered]
+              HelloAgain]
 
 _ACTIVE = State.ACTIVE
 # Handshake done, not ended: releases, BYE and its ack may still travel.
@@ -329,12 +320,6 @@ class ConsumerSession:
         send that did not go out gives them back: ``unsend_releases``), or None: nothing
         queued, or no longer exchanging. ``now``: when it goes out (the clock's last
         send: heartbeats are due only after silence)."""
-        entries = self.take_releases(now)
-        return None if entries is None else (self.enc.release(entries), entries)
-
-    def take_releases(self, now: float | None = None) -> list[tuple[int, int, int]] | None:
-        """``release_frame``'s entries, taken off the queue, without the frame (they go as
-        doorbell entries: ``runtime.bellwire``), or None."""
         pending = self.pending
         if not pending or self.error is not None or self.conv.state not in _RELEASING:
             return None
@@ -343,7 +328,7 @@ class ConsumerSession:
         del pending[:n]
         if now is not None:
             self.clock.last_send = now
-        return entries
+        return self.enc.release(entries), entries
 
     def unsend_releases(self, entries: list[tuple[int, int, int]]) -> None:
         """The RELEASE of ``release_frame`` could not go out (the connection is full):
@@ -439,8 +424,7 @@ class ConsumerSession:
             msg = P.decode(frames[0], self.limits)
             if (type(msg) is P.Error and msg.code == ErrorCode.VERSION.value and self.conv.state is State.AWAIT_SETUP
                     and self._hello is not None and self._hello.version > P.OLDEST_VERSION):
-                # A producer of an older version: one version lower (5 -> 4: a lane without
-                # a doorbell; 4 -> 3: no lane).
+                # A producer of an older version: one version lower (4 -> 3: no lane).
                 return HelloAgain(self.hello(dataclasses.replace(self._hello, version=self._hello.version - 1)))
             self.conv.receive(msg)
         except ProtocolError as exc:
@@ -469,8 +453,6 @@ class ConsumerSession:
                 return self._on_lane(msg)
             case P.Switch():
                 return self._on_switch()
-            case P.DoorbellOffer():  # (the table checked: on the switched lane)
-                return None if self.bye_sent else DoorbellOffered(msg)
         return None
 
     def receive_frames(self, frames: list[bytes], now: float) -> int:
@@ -493,31 +475,6 @@ class ConsumerSession:
             n += 1
         return n
 
-    def ready_entries(self, entries: list[tuple[int, ...]], now: float) -> None:
-        """Steady READYs that came as doorbell entries ``(seq, slot, gen, layout id,
-        sent_ns, _)`` (their bounds checked by ``core.doorbell``), in order, received at
-        ``now``. Each goes through a READY frame's rules: the state must allow a READY
-        (after our BYE it is dropped, as a frame is), and its slot and layout id must be
-        ones this consumer has; else the session fails (the producer broke the protocol)."""
-        if self.error is not None or not entries:
-            return
-        self.clock.last_recv = now
-        state = self.conv.state
-        if state is not _ACTIVE:
-            if state is not State.BYE_SENT:
-                self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: a READY entry in its "
-                                        f"doorbell in state {state.value!r}"), ErrorCode.PROTOCOL)
-            return
-        recipe_of, append, nslots = self.recipes.get, self.ready.append, len(self.slot_bytes)
-        for seq, slot, gen, layout_id, sent_ns, *_rest in entries:
-            recipe = recipe_of(layout_id) if slot < nslots else None
-            if recipe is None:
-                self.fail(ProtocolError(f"producer on {self.name!r} broke the protocol: a READY entry in its "
-                                        f"doorbell names slot {slot} and layout id {layout_id}, which this "
-                                        "consumer does not have"), ErrorCode.PROTOCOL)
-                return
-            append((seq, slot, gen, sent_ns, None, recipe))
-
     def _on_lane(self, m: P.LaneOffer) -> LaneOffered | None:
         if self.setup is None or (self._hello is not None and self._hello.version < P.LANE_VERSION):
             self.fail(ProtocolError(f"producer on {self.name!r} offered a lane it may not offer now"),
@@ -529,14 +486,6 @@ class ConsumerSession:
     def _on_switch(self) -> SwitchReceived:
         # (The table checked that a LANE came first and that this is the first SWITCH.)
         return SwitchReceived(self.switch())
-
-    def doorbell_offer(self, offer: P.DoorbellOffer) -> bytes | None:
-        """Our DOORBELL (on the switched lane, while items flow), or None if it may not
-        go now (then the edge stays on the lane)."""
-        if self.conv.state is not _ACTIVE or not self.conv.may_send(MsgType.DOORBELL_OFFER):
-            return None
-        self.conv.send(MsgType.DOORBELL_OFFER)
-        return P.encode(offer)
 
     def switch(self) -> bytes:
         """Our SWITCH, answering the producer's: ``protocol.SWITCH_FRAME`` itself."""

@@ -51,7 +51,6 @@ class Kind(Enum):
     PEER_ERROR = "peer_error"  # data: the consumer's ERROR. Drop the peer.
     BAD_FRAME = "bad_frame"  # data: the ProtocolError; reply: our ERROR. Drop the peer.
     SWITCHED = "switched"  # the consumer's SWITCH: read its lane from now on
-    DOORBELL = "doorbell"  # data: the consumer's DoorbellOffer (answer it, or stay on the lane)
 
 
 @dataclass(frozen=True)
@@ -166,8 +165,6 @@ class ProducerSession:
             return SessionEvent(Kind.PEER_ERROR, msg)
         if kind is P.Switch:  # (the table checked that it answers ours)
             return SessionEvent(Kind.SWITCHED)
-        if kind is P.DoorbellOffer:  # (the table checked: on a switched lane)
-            return SessionEvent(Kind.DOORBELL, msg)
         return _NOTHING
 
     def bad_frame(self, exc: ProtocolError) -> SessionEvent:
@@ -208,10 +205,6 @@ class ProducerSession:
         if not self.lane_capable:
             raise ProtocolError(f"a LANE may not go to {self.label} (version {self.hello.version})")
         return self._frame(P.LaneOffer(path, token))
-
-    def doorbell_offer(self, offer: P.DoorbellOffer) -> bytes:
-        """DOORBELL answering the consumer's (our segment and geometry)."""
-        return self._frame(offer)
 
     def switch(self) -> bytes:
         """Our SWITCH (once, after LANE): ``protocol.SWITCH_FRAME`` itself, which the

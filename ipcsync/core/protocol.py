@@ -33,14 +33,6 @@ may offer a direct AF_UNIX SOCK_SEQPACKET connection that carries the rest of th
     SWITCH                     ->                             (the consumer's last ZeroMQ frame)
     ... every later frame of that direction travels on the lane ...
 
-Doorbell (version 5, only between sides that opted in; ``runtime.bellwire``): on a
-switched lane the consumer may offer its shared-memory doorbell segment::
-
-    DOORBELL{name, capacity, words} + its eventfd ->         (on the lane)
-                               <-    DOORBELL{...} + its eventfd   (or nothing: stay on the lane)
-    ... steady READYs as entries of the producer's ring, RELEASEs as entries of the
-        consumer's; everything else still travels on the lane ...
-
 The ordering rule: SWITCH is the last frame a side sends on ZeroMQ, and a receiver reads
 the lane only after it has handled the peer's SWITCH, so every frame sent before the
 switch is handled before every frame sent after it, in both directions. A side sends its
@@ -68,7 +60,6 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from itertools import islice
 from typing import Any, Callable, ClassVar, Final, Sequence, Union
 
 import msgpack
@@ -107,12 +98,10 @@ __all__ = [
     "Sent",
     "LaneOffer",
     "Switch",
-    "DoorbellOffer",
     "SWITCH_FRAME",
     "OLDEST_VERSION",
     "LANE_VERSION",
     "SENT_VERSION",
-    "DOORBELL_VERSION",
     "HIGHEST_VERSION",
     "LANE_TOKEN_BYTES",
     "Message",
@@ -123,12 +112,6 @@ __all__ = [
     "decode_readies",
     "decode_release",
     "decode_releases",
-    "python_decode_readies",
-    "python_decode_release",
-    "python_decode_releases",
-    "NativeDecoders",
-    "NATIVE_DECODERS",
-    "use_native_decoders",
     "Encoder",
     "Conversation",
     "VersionMismatch",
@@ -153,12 +136,9 @@ PROTOCOL_VERSION: Final = 4
 OLDEST_VERSION: Final = 3  # the oldest version this process still speaks
 LANE_VERSION: Final = 4  # the first version with lanes
 SENT_VERSION: Final = 4  # the first version with SENT (a remote edge needs it at both ends)
-# 5: DOORBELL (per-item notices through shared memory on a lane edge). Spoken only by a
-# side that opted in (IPCSYNC_DOORBELL=1): otherwise HELLO and SETUP say PROTOCOL_VERSION,
-# byte for byte as before. A version-4 producer refuses a version-5 HELLO; the consumer
-# then says HELLO again one version lower (4: a lane, no doorbell).
-DOORBELL_VERSION: Final = 5
-HIGHEST_VERSION: Final = 5  # the newest version this process understands
+# A HELLO of a later version gets a version error, and a consumer that said it says HELLO
+# again one version lower (version 5, an opt-in shared-memory doorbell, is not spoken).
+HIGHEST_VERSION: Final = 4  # the newest version this process understands
 LANE_TOKEN_BYTES: Final = 16  # a lane token: random bytes, the first packet on the lane
 _LANE_PATH_MAX: Final = 107  # sockaddr_un.sun_path minus its NUL (limits.IPC_PATH_MAX)
 
@@ -196,7 +176,6 @@ class MsgType(IntEnum):
     SENT = 12
     LANE_OFFER = 13
     SWITCH = 14
-    DOORBELL_OFFER = 15
 
 
 # Plain ints for the hot paths (packing an IntEnum member takes msgpack's slower path).
@@ -648,23 +627,8 @@ class Switch:
     TYPE: ClassVar[int] = MsgType.SWITCH
 
 
-@dataclass(frozen=True, slots=True)
-class DoorbellOffer:
-    """Either way (DOORBELL), on a switched lane only, between peers of
-    ``DOORBELL_VERSION``: the sender's doorbell segment (``name`` in /dev/shm, ``capacity``
-    entries of ``words`` u64 words; see ``core.doorbell``). The lane packet carrying it
-    also carries the sender's eventfd (SCM_RIGHTS). The consumer offers; the producer
-    answers with its own once it mapped the consumer's, or not at all (the edge then
-    stays on the lane). Whoever maps a segment removes its name."""
-
-    TYPE: ClassVar[int] = MsgType.DOORBELL_OFFER
-    name: str
-    capacity: int
-    words: int
-
-
 Message = Union[Hello, Setup, Attach, Ready, Release, Heartbeat, Bye, Error, Foreign, ForwardReady, Sent,
-                LaneOffer, Switch, DoorbellOffer]
+                LaneOffer, Switch]
 
 # The schema of each message type, as data: field validators in wire order.
 SCHEMAS: Final[dict[type[Message], tuple[Validator, ...]]] = {
@@ -693,7 +657,6 @@ SCHEMAS: Final[dict[type[Message], tuple[Validator, ...]]] = {
     Sent: (_uint,),
     LaneOffer: (_lane_path, _lane_token),
     Switch: (),
-    DoorbellOffer: (_text, _uint, _uint),
 }
 _BY_TYPE: Final[dict[int, type[Message]]] = {cls.TYPE: cls for cls in SCHEMAS}
 _FIELDS: Final[dict[type[Message], tuple[str, ...]]] = {
@@ -830,11 +793,13 @@ def decode_ready(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[int, in
     return got[0] if got else None
 
 
-def python_decode_readies(
+def decode_readies(
     frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS
 ) -> list[tuple[int, int, int, int, int, Any]]:
-    """``decode_readies`` in Python: the reference, and the fallback where the compiled
-    decoder is not in use or stops at a frame it does not parse. Never raises."""
+    """``decode_ready`` of the leading frames of ``frames`` (a consumer's wake-up reads
+    several at once): the decoded READYs without a layout, in order, up to the first
+    frame that is not one (that frame and the rest are left to ``decode``). One call per
+    batch, no Python call per frame on the steady path. Never raises."""
     out: list[tuple[int, int, int, int, int, Any]] = []
     max_frame = limits.max_frame
     if limits.max_depth < 1:  # depth: see check_meta
@@ -876,19 +841,20 @@ def python_decode_readies(
     return out
 
 
-def python_decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
-    """``decode_release`` in Python: the reference, and the fallback where the compiled
-    decoder is not in use or does not parse ``frame``. Never raises."""
+def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
+    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
+    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
     entries: list[tuple[int, int, int]] = []
-    return entries if python_decode_releases((frame,), limits, entries) else None
+    return entries if decode_releases((frame,), limits, entries) else None
 
 
-def python_decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
-    """``decode_releases`` in Python, the reference and the fallback: ``decode_release``
-    of the leading frames of ``frames``, their entries appended to ``out`` (the whole of a
-    frame's, or none), how many frames taken returned. One call per batch, no Python call
-    per frame, no object built per entry (msgpack's arrays as tuples: each entry is the
-    ``(seq, slot, gen)`` appended). Never raises."""
+def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
+    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
+    several at once): appends their entries to ``out``, in order, and returns how many
+    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
+    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
+    call per batch, no Python call per frame, no object built per entry (msgpack's arrays
+    as tuples: each entry is the ``(seq, slot, gen)`` appended). Never raises."""
     max_frame, max_batch = limits.max_frame, limits.max_release_batch
     unpackb, max_items = msgpack.unpackb, limits.max_items
     n = 0
@@ -918,82 +884,6 @@ def python_decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tu
             ):
                 return n
         out += raw  # (the whole frame, or none of it)
-        n += 1
-    return n
-
-
-# The compiled decoders (ipcsync/_native.c), set by ``use_native_decoders`` (which
-# ``backends.native`` calls at its import where the piece is built and IPCSYNC_NATIVE is
-# not 0); this module never imports them. Their contract, which the fuzz tests check
-# against the Python reference: readies(frames, max_frame, max_items, READY_TYPE,
-# max_int) returns a prefix of what ``python_decode_readies`` returns for the same limits
-# (it stops at any frame it does not parse: str/float32/container metas, unusual
-# encodings, ...), and release(frame, max_frame, max_items, max_release_batch,
-# RELEASE type, max_int) returns ``python_decode_release``'s entries or None. So the
-# dispatchers below hand what they stop at to the Python reference and the results are
-# the reference's, including where a batch stops.
-ReadiesDecoder = Callable[[Sequence[bytes], int, int, int, int], list[tuple[int, int, int, int, int, Any]]]
-ReleaseDecoder = Callable[[bytes, int, int, int, int, int], Union[list[tuple[int, int, int]], None]]
-
-
-@dataclass(slots=True)
-class NativeDecoders:
-    """The compiled steady-frame decoders in use (None: the Python reference only)."""
-
-    readies: ReadiesDecoder | None = None
-    release: ReleaseDecoder | None = None
-
-
-NATIVE_DECODERS: Final = NativeDecoders()
-
-
-def use_native_decoders(readies: ReadiesDecoder | None, release: ReleaseDecoder | None) -> None:
-    """Decode steady READY / RELEASE frames with these (see ``NativeDecoders``); None: in
-    Python."""
-    NATIVE_DECODERS.readies, NATIVE_DECODERS.release = readies, release
-
-
-def decode_readies(
-    frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS
-) -> list[tuple[int, int, int, int, int, Any]]:
-    """``decode_ready`` of the leading frames of ``frames`` (a consumer's wake-up reads
-    several at once): the decoded READYs without a layout, in order, up to the first
-    frame that is not one (that frame and the rest are left to ``decode``). One call per
-    batch, no Python call per frame on the steady path (one C call where the compiled
-    decoder is in use). Never raises."""
-    native = NATIVE_DECODERS.readies
-    if native is None or limits.max_depth < 1:
-        return python_decode_readies(frames, limits)
-    out = native(frames, limits.max_frame, limits.max_items, _READY, _MAX_INT)
-    n = len(out)
-    if n < len(frames):  # (stopped: the reference decides this frame and takes the rest)
-        out += python_decode_readies(list(islice(frames, n, None)), limits)  # (any Sequence: a deque too)
-    return out
-
-
-def decode_release(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> list[tuple[int, int, int]] | None:
-    """The fast path of ``decode`` for RELEASE: its entries when ``decode(frame, limits)``
-    would return a Release, else None (then ``decode`` says what is wrong). Never raises."""
-    entries: list[tuple[int, int, int]] = []
-    return entries if decode_releases((frame,), limits, entries) else None
-
-
-def decode_releases(frames: Sequence[bytes], limits: Limits, out: list[tuple[int, int, int]]) -> int:
-    """``decode_release`` of the leading frames of ``frames`` (a producer's wake-up reads
-    several at once): appends their entries to ``out``, in order, and returns how many
-    frames it took, up to the first that is not a RELEASE ``decode`` would accept (that
-    frame and the rest are left to ``decode``; none of its entries are in ``out``). One
-    C call per frame where the compiled decoder is in use; the frame it does not parse and
-    the rest go to the Python reference. Never raises."""
-    native = NATIVE_DECODERS.release
-    if native is None:
-        return python_decode_releases(frames, limits, out)
-    n = 0
-    for frame in frames:
-        entries = native(frame, limits.max_frame, limits.max_items, limits.max_release_batch, _RELEASE, _MAX_INT)
-        if entries is None:  # (the reference decides this frame and takes the rest)
-            return n + python_decode_releases(list(islice(frames, n, None)), limits, out)
-        out += entries
         n += 1
     return n
 
@@ -1068,17 +958,15 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
                 (p, m.BYE): st.BYE_SENT, (p, m.ERROR): st.ERROR,
             },
             st.ACTIVE: {
-                **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH, m.DOORBELL_OFFER),
+                **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH),
                 (c, m.BYE): st.ACK_DUE, (c, m.ERROR): st.ERROR,
-                **_events(p, st.ACTIVE, m.READY, m.FOREIGN, m.FORWARD_READY, m.SWITCH, m.HEARTBEAT, m.SENT,
-                          m.DOORBELL_OFFER),
+                **_events(p, st.ACTIVE, m.READY, m.FOREIGN, m.FORWARD_READY, m.SWITCH, m.HEARTBEAT, m.SENT),
                 (p, m.BYE): st.BYE_SENT, (p, m.ERROR): st.ERROR,
             },
             # (A consumer still handshaking may ATTACH after our BYE; SENT confirms the last
             # sends of a remote edge after it.)
             st.BYE_SENT: {
-                # (A consumer's DOORBELL sent before it read our BYE: not answered.)
-                **_events(c, st.BYE_SENT, m.ATTACH, m.RELEASE, m.HEARTBEAT, m.SWITCH, m.DOORBELL_OFFER),
+                **_events(c, st.BYE_SENT, m.ATTACH, m.RELEASE, m.HEARTBEAT, m.SWITCH),
                 (c, m.BYE): st.ACK_DUE, (c, m.ERROR): st.ERROR,
                 **_events(p, st.BYE_SENT, m.SWITCH, m.HEARTBEAT, m.SENT), (p, m.ERROR): st.ERROR,
             },
@@ -1097,9 +985,9 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
             st.ATTACH_DUE: {(c, m.ATTACH): st.ACTIVE, (c, m.ERROR): st.ERROR},
             st.ACTIVE: {
                 **_events(p, st.ACTIVE, m.READY, m.FOREIGN, m.FORWARD_READY, m.HEARTBEAT, m.SENT, m.LANE_OFFER,
-                          m.SWITCH, m.DOORBELL_OFFER),
+                          m.SWITCH),
                 (p, m.BYE): st.ENDING, (p, m.ERROR): st.ERROR,
-                **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH, m.DOORBELL_OFFER),
+                **_events(c, st.ACTIVE, m.RELEASE, m.HEARTBEAT, m.SWITCH),
                 (c, m.BYE): st.BYE_SENT, (c, m.ERROR): st.ERROR,
             },
             # (SENT after BYE: the producer's last items are confirmed once their sends complete.)
@@ -1112,7 +1000,7 @@ def _table() -> dict[Role, dict[State, dict[Event, State]]]:
             # reads the BYE); a SWITCH is still answered, since the ack may come on the lane.
             st.BYE_SENT: {
                 **_events(p, st.BYE_SENT, m.READY, m.FOREIGN, m.FORWARD_READY, m.HEARTBEAT, m.SENT,
-                          m.LANE_OFFER, m.SWITCH, m.DOORBELL_OFFER),
+                          m.LANE_OFFER, m.SWITCH),
                 (p, m.BYE): st.CLOSED, (p, m.ERROR): st.ERROR,
                 (c, m.SWITCH): st.BYE_SENT, (c, m.ERROR): st.ERROR,
             },
@@ -1134,13 +1022,11 @@ _LANE: Final[dict[LanePhase, dict[Event, LanePhase]]] = {
     LanePhase.NONE: {(_PRODUCER, MsgType.LANE_OFFER): LanePhase.OFFERED},
     LanePhase.OFFERED: {(_PRODUCER, MsgType.SWITCH): LanePhase.SWITCHING},
     LanePhase.SWITCHING: {(_CONSUMER, MsgType.SWITCH): LanePhase.SWITCHED},
-    # DOORBELL either way, on the switched lane only (runtime.bellwire).
-    LanePhase.SWITCHED: {(_CONSUMER, MsgType.DOORBELL_OFFER): LanePhase.SWITCHED,
-                         (_PRODUCER, MsgType.DOORBELL_OFFER): LanePhase.SWITCHED},
+    LanePhase.SWITCHED: {},
 }
 LANE_TRANSITIONS: Final[dict[Role, dict[LanePhase, dict[Event, LanePhase]]]] = {
     _PRODUCER: _LANE, _CONSUMER: _LANE}
-LANE_TYPES: Final = frozenset({MsgType.LANE_OFFER, MsgType.SWITCH, MsgType.DOORBELL_OFFER})
+LANE_TYPES: Final = frozenset({MsgType.LANE_OFFER, MsgType.SWITCH})
 INITIAL: Final[dict[Role, State]] = {_PRODUCER: State.AWAIT_HELLO, _CONSUMER: State.AWAIT_SETUP}
 ENDED: Final = frozenset({State.CLOSED, State.ERROR})  # nothing more is read or said
 # States, and lane phases, whose next event is a frame of our own, said before anything more

@@ -19,8 +19,7 @@
   ``<path>.lane`` (SOCK_SEQPACKET, 0600, removed with the socket and the lock, stale ones
   too), and each channel has one more wait descriptor (its ``LaneMux``) in ``fds()``, so
   every wait wakes on lane input too. The consumer's channel sends and receives through
-  its lane once switched (see the ordering rule in ``runtime.lane``). ``doorbell``:
-  ``IPCSYNC_DOORBELL`` as this channel's endpoint read it (``runtime.bellwire``).
+  its lane once switched (see the ordering rule in ``runtime.lane``).
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from ..core import protocol as P
 from ..core.ratelog import RateLog
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
-from .bellwire import doorbell_enabled
 from .lane import Lane, LaneClosed, LaneHub, LaneMux, connect_lane, lane_enabled
 from .paths import runtime_dir
 
@@ -615,7 +613,6 @@ class ProducerChannel(_Channel):
 
     def __init__(self, endpoint: Endpoint, max_frame: int, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
-        self.doorbell = doorbell_enabled()  # (first: a bad value leaves nothing behind)
         limit = raise_fd_limit()
         self.half_open_max = max(8, min(_HALF_OPEN_MAX, limit // 8))
         self.half_open: dict[int, tuple[float, int]] = {}  # fd -> (accepted at, inode), oldest first
@@ -768,7 +765,6 @@ class ConsumerChannel(_Channel):
                  curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.max_frame = max_frame
-        self.doorbell = doorbell_enabled()  # (first: a bad value leaves nothing behind)
         raise_fd_limit()
         self.sock = _context().socket(zmq.DEALER)
         try:
@@ -909,17 +905,14 @@ class ConsumerChannel(_Channel):
             self.mux.remove(lane.fd)
 
     def read_lane(self, out: list[bytes], most: int) -> None:
-        """The steady path's read (``steady_lane`` set; also the doorbell's, which reads
-        a lane it can no longer send on): append the frames that arrived on the lane, up
-        to ``most``. A closed lane is marked lost (``lane_lost``) once the
+        """The steady path's read (``steady_lane`` set): append the frames that arrived on
+        the lane, up to ``most``. A closed lane is marked lost (``lane_lost``) once the
         frames read before its EOF are in ``out``. ZeroMQ is not looked at: after the
         producer's SWITCH it sends nothing more there (``runtime.lane``'s order rule),
         so only its monitor events can come, read at the next general pump."""
         lane = self.steady_lane
         if lane is None:  # (lost since the caller looked, or a send found it closed)
-            lane = self.lane if self.lane_in and not self.lane_lost else None
-            if lane is None:
-                return
+            return
         try:
             lane.recv_into(out, most)
         except LaneClosed:
@@ -936,10 +929,6 @@ class ConsumerChannel(_Channel):
                 return [frame]
         # (After the switch a producer sends nothing more on ZeroMQ; anything that still
         # comes is handled after the lane's frames.)
-        return self._recv_parts(True)
-
-    def recv_zmq(self) -> list[bytes] | None:
-        """One message from ZeroMQ alone (the lane is read by ``read_lane``)."""
         return self._recv_parts(True)
 
     def send(self, frame: bytes) -> bool:

@@ -39,10 +39,6 @@ import torch
 from .. import interrupts
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
-# Imported for its import: it installs the compiled steady decoders where built, which this
-# process's wake-ups decode READYs with (a consumer's process need not import the producer's
-# runtime, which imports it for the compiled copy).
-from ..backends import native  # noqa: F401
 from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession
@@ -131,7 +127,7 @@ class ConsumerEndpoint(EndpointBase):
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat, link.doorbell)))
+                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
                 t = None if connect is None or math.isinf(connect) else connect
                 if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
                     raise unanswered_error(self.endpoint, t)
@@ -272,7 +268,7 @@ class ConsumerEndpoint(EndpointBase):
                 kept=len(self._link.kept), kept_moved=self._link.kept.moved,
                 kept_moved_bytes=self._link.kept.moved_bytes, forwarded_out=len(self._lender.forwarded),
                 forwarded_lost=self._link.downstream.lost, producer_stalled=clock.stalled,
-                producer_stalled_total=clock.stalls, lane=self._chan.lane_used, doorbell=self._link.bell_up,
+                producer_stalled_total=clock.stalls, lane=self._chan.lane_used,
             )
 
     def source_port(self) -> SourcePort[Item]:
@@ -556,7 +552,7 @@ class ConsumerEndpoint(EndpointBase):
         return self._fds if wake is None else [*self._fds, wake.fd]
 
     def _io_pending(self) -> bool:
-        return self._chan.pending() or (self._link.bell is not None and self._link.notices_pending())
+        return self._chan.pending()
 
     def _raise_if_broken(self) -> None:
         if (error := self.session.error) is not None:

@@ -46,11 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .. import interrupts
 from ..core.ratelog import RateLog
-from ..core.spin import AdaptiveSpin
 from ..errors import ClosedError, ConfigError, IpcTimeoutError
 from ..interrupts import wait_point
 from ..logs import apply_env_level
-from .waiting import EVENT_SPIN_S, Poller, spin_seconds
+from .waiting import EVENT_SPIN_S, Poller
 
 if TYPE_CHECKING:
     from .handover import Pumpable
@@ -160,11 +159,6 @@ class EndpointBase:
         # The fds the last wait's select found readable (``_block``), for the next
         # ``_pump`` to read only what signalled; None: unknown (pump everything).
         self._woken: list[int] | None = None
-        try:
-            # When a wait spins before it parks (core.spin: only while the peer is active).
-            self._spin = AdaptiveSpin(spin_seconds())
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
 
     # ------------------------------------------------------------------ to implement
     # Handle everything that has arrived, without blocking. Lock held. A method, or an
@@ -357,28 +351,7 @@ class EndpointBase:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         backoff = 1e-5
-        spin = self._spin
-        parked: float | None = None  # when the wait began to park (after any spin)
-        answered = False
         try:
-            spin_s = 0.0 if poll_event else spin.plan(timeout)
-            if spin_s:
-                # A bounded spin before the first park: an answer that comes within it
-                # costs no sleep and no wake-up. The endpoint's lock stays held (another
-                # thread's call waits at most this long); the CPU (and with it the GIL)
-                # is offered to other threads at every turn: sched_yield costs ~1 us,
-                # where sleep(0) costs a timer slack (~60-100 us).
-                spin_end = time.perf_counter() + spin_s
-                pending, yield_cpu = self._io_pending, os.sched_yield
-                while time.perf_counter() < spin_end:
-                    if pending():
-                        self._pump()
-                        if done():
-                            spin.hit()
-                            return True
-                    yield_cpu()
-                spin.missed()
-            parked = time.monotonic()
             if poll_event:
                 spin_end = time.perf_counter() + (EVENT_SPIN_S if timeout is None else min(EVENT_SPIN_S, timeout))
                 while time.perf_counter() < spin_end:
@@ -402,11 +375,8 @@ class EndpointBase:
                     raise ClosedError(f"this {self._role} was closed while this call waited")
                 self._pump()
                 if done():
-                    answered = True
                     return True
         finally:
-            if parked is not None and not poll_event:
-                spin.parked(time.monotonic() - parked, answered)
             if stats_wait is not None and cause is not None:
                 stats_wait(cause, time.monotonic() - start)
 

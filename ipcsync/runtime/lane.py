@@ -32,11 +32,8 @@ Rules:
   it reads (and, on the producer, the listener and unauthenticated connections); it is
   one of the channel's ``fds()``, so every wait on the channel (select, FanIn, asyncio's
   ``add_reader`` on a duplicate, lent producers) wakes on lane input too.
-- **Descriptors.** A packet may carry one descriptor (a doorbell's eventfd,
-  ``runtime.bellwire``): ``send_fd``; the receiver keeps it only while it expects one
-  (``want_fds``, until ``take_fd``), else the kernel drops it with the packet's plain
-  ``recv``. ``sent``/``received`` count frames alike on both ends (a doorbell entry says
-  how many lane frames went before it).
+- **Descriptors.** None is ever passed on a lane: one that comes with a packet is dropped
+  by the kernel with the packet's plain ``recv``.
 - **Fork.** Sockets are close-on-exec; a forked child's endpoints are the parent's and
   are never used (``runtime.endpoint``), so no child reads or writes a parent's lane.
 
@@ -53,7 +50,7 @@ import select
 import socket
 import time
 from collections import deque
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..core import protocol as P
 from ..core.ratelog import RateLog
@@ -74,7 +71,6 @@ _UNAUTH_S = 10.0  # seconds a connection may take to send its token
 _WITHDRAWN_KEPT = 64  # tokens of departed consumers remembered (a late lane closed quietly)
 _RETRY_ACCEPT_S = 1.0  # after EMFILE on accept: listen again this much later
 _PER_LANE = 256  # frames read from one lane per pump (a flood cannot starve the caller)
-_FDS_KEPT = 1  # descriptors kept from a lane's packets while it wants one (a doorbell's eventfd)
 
 
 def lane_enabled() -> bool:
@@ -88,14 +84,6 @@ def lane_enabled() -> bool:
     raise ConfigError(f"IPCSYNC_LANE must be 0 (off) or 1 (on), got {raw!r}")
 
 
-def _packet_receiver() -> Callable[[int, list[bytes], int, int], int] | None:
-    """The compiled ``recv_packets`` (``backends.native.packet_receiver``), or None: asked
-    when a lane is made (this module imports neither torch nor the backends)."""
-    from ..backends import native  # noqa: PLC0415 (the backends import torch)
-
-    return native.packet_receiver()
-
-
 class LaneClosed(Exception):
     """The other end closed the lane (EOF) or reset it."""
 
@@ -104,8 +92,7 @@ class Lane:
     """One connected, non-blocking SOCK_SEQPACKET socket: frames out (``send``, ``flush``)
     and in (``recv``). Not thread-safe: used under its endpoint's lock."""
 
-    __slots__ = ("sock", "fd", "max_packet", "max_frame", "tail", "parts", "need", "sent", "received", "want_fds",
-                 "fds", "many")
+    __slots__ = ("sock", "fd", "max_packet", "max_frame", "tail", "parts", "need")
 
     def __init__(self, sock: socket.socket, max_frame: int) -> None:
         sock.setblocking(False)
@@ -125,17 +112,6 @@ class Lane:
         self.tail: deque[bytes] = deque()  # the rest of a split frame whose first packet went out
         self.parts: list[bytes] = []  # a split frame being received
         self.need = 0  # its bytes still to come
-        # Frames sent and received on this lane, ever: counted alike on both ends (a split
-        # frame once), so a doorbell entry can say how many lane frames went before it.
-        self.sent = 0
-        self.received = 0
-        # Descriptors passed with a packet (SCM_RIGHTS: a doorbell's eventfd) are kept only
-        # while ``want_fds``, at most _FDS_KEPT, in ``fds`` (the taker closes them); at any
-        # other time the kernel drops them (a plain recv takes no ancillary data).
-        self.want_fds = False
-        self.fds: list[int] = []
-        # Packets many per system call (the compiled recv_packets), or None: one recv each.
-        self.many = _packet_receiver()
 
     def send(self, frame: bytes) -> bool:
         """Send one frame; False if the lane is full (nothing of it was sent: retry
@@ -153,41 +129,8 @@ class Lane:
                     raise
                 self.max_packet = max(512, min(n, self.max_packet) // 2)  # split it below
             else:
-                self.sent += 1
                 return True
         return self._send_split(frame)
-
-    def send_fd(self, frame: bytes, fd: int) -> bool:
-        """Send one small frame (one packet) carrying descriptor ``fd``; False if the lane
-        is full or a split frame is still going out (nothing sent). OSError if broken."""
-        if self.tail and not self.flush():
-            return False
-        if not 0 < len(frame) <= self.max_packet or frame[0] == _FRAGMENT:
-            raise ValueError(f"a frame with a descriptor is one packet, not {len(frame)} bytes")
-        try:
-            socket.send_fds(self.sock, [frame], [fd])
-        except BlockingIOError:
-            return False
-        self.sent += 1
-        return True
-
-    def take_fd(self) -> int | None:
-        """The descriptor that came with a packet (the first kept), or None; the caller
-        owns it. Stops keeping descriptors and closes any other that came."""
-        fds, self.fds, self.want_fds = self.fds, [], False
-        for extra in fds[1:]:
-            os.close(extra)
-        return fds[0] if fds else None
-
-    def _recv_with_fds(self) -> bytes:
-        """One packet, keeping the descriptors passed with it (``want_fds``)."""
-        data, fds, _flags, _addr = socket.recv_fds(self.sock, LANE_PACKET_MAX + 1, _FDS_KEPT)
-        for fd in fds:
-            if len(self.fds) < _FDS_KEPT:
-                self.fds.append(fd)
-            else:
-                os.close(fd)
-        return data
 
     def _send_split(self, frame: bytes) -> bool:
         size = self.max_packet
@@ -198,7 +141,6 @@ class Lane:
             return False
         rest = frame[size - 5:]
         self.tail.extend(rest[i:i + size] for i in range(0, len(rest), size))
-        self.sent += 1
         self.flush()
         return True
 
@@ -224,25 +166,16 @@ class Lane:
 
     def recv_into(self, out: list[bytes], most: int) -> None:
         """Append to ``out`` the whole frames that have arrived, up to ``most`` (one call
-        per wake-up: the packets come in as few system calls as the kernel allows, through
-        the compiled ``recv_packets`` where it is built and no descriptor is expected, else
-        one ``recv`` each; a plain packet, the steady case, costs no Python call). Raises as
-        ``recv`` does, after the frames read before the EOF or the bad packet are in
-        ``out``: the caller handles them first."""
+        per wake-up: one ``recv`` per packet; a plain packet, the steady case, costs no
+        Python call). Raises as ``recv`` does, after the frames read before the EOF or the
+        bad packet are in ``out``: the caller handles them first."""
         reset = False
         append = out.append
-        many = self.many if not self.want_fds else None
-        packets: list[bytes] = []
+        recv = self.sock.recv
         got = 0
         while got < most:
-            packets.clear()
-            drained = False
             try:
-                if many is not None:
-                    drained = many(self.fd, packets, most - got, LANE_PACKET_MAX + 1) < most - got
-                else:
-                    packets.append(self.sock.recv(LANE_PACKET_MAX + 1) if not self.want_fds
-                                   else self._recv_with_fds())
+                data = recv(LANE_PACKET_MAX + 1)
             except BlockingIOError:
                 return
             except ConnectionResetError as exc:
@@ -255,19 +188,15 @@ class Lane:
                 continue
             except OSError as exc:
                 raise LaneClosed(str(exc)) from None
-            for data in packets:
-                if not data:  # no empty packet is ever sent: this is EOF
-                    raise LaneClosed("end of file")
-                if self.need or data[0] == _FRAGMENT or len(data) > LANE_PACKET_MAX:
-                    frame = self._piece(data)
-                    if frame is None:
-                        continue
-                    data = frame
-                self.received += 1
-                got += 1
-                append(data)
-            if drained:  # (the kernel had no more: no second look)
-                return
+            if not data:  # no empty packet is ever sent: this is EOF
+                raise LaneClosed("end of file")
+            if self.need or data[0] == _FRAGMENT or len(data) > LANE_PACKET_MAX:
+                frame = self._piece(data)
+                if frame is None:
+                    continue
+                data = frame
+            got += 1
+            append(data)
 
     def _piece(self, data: bytes) -> bytes | None:
         """A packet that is not a whole frame by itself: part of a split frame (the frame
@@ -298,9 +227,6 @@ class Lane:
         return head
 
     def close(self) -> None:
-        fd = self.take_fd()
-        if fd is not None:
-            os.close(fd)
         try:
             self.sock.close()
         except OSError:
@@ -419,7 +345,6 @@ class LaneHub:
         self.unauth: dict[int, tuple[socket.socket, float]] = {}  # fd -> (socket, accepted at)
         self.bound: dict[bytes, Lane] = {}  # identity -> its lane (token checked)
         self.reading: dict[int, tuple[bytes, Lane]] = {}  # fd -> (identity, lane): SWITCH received
-        self.bells: set[int] = set()  # our doorbells' eventfds (runtime.bellwire): cleared when readable
         self.refused = 0  # lane connections refused (wrong token, credentials, framing)
 
     @property
@@ -473,11 +398,6 @@ class LaneHub:
                 identity, lane = got
                 frames: list[bytes] = []
                 out += polled_form(((identity, frames, self._drain(fd, lane, frames)),))
-            elif fd in self.bells:
-                try:
-                    os.eventfd_read(fd)  # (what it rang for is read at every pump)
-                except OSError:
-                    pass
             elif self.listener is not None and fd == self.listener.fileno():
                 self._accept()
             elif fd in self.unauth:
@@ -492,8 +412,7 @@ class LaneHub:
         the lane after those frames (``("closed", why)``, ``("bad", ProtocolError)``, as
         ``poll`` reports them; the lane is no longer read). None, with nothing read, when
         anything else needs ``poll``: the listener (a new lane, or watching it again after
-        EMFILE), a connection that has not sent its token (or must expire), a doorbell's
-        eventfd."""
+        EMFILE), a connection that has not sent its token (or must expire)."""
         if self.unauth or not self.listening:
             return None
         ready, reading = self.mux.ready(), self.reading
@@ -521,16 +440,6 @@ class LaneHub:
         self.reading.pop(fd, None)
         self.mux.remove(fd)
         return end
-
-    def watch_bell(self, fd: int) -> None:
-        """Wake the channel's waits when a consumer rings our doorbell's eventfd ``fd``."""
-        self.bells.add(fd)
-        self.mux.add(fd)
-
-    def forget_bell(self, fd: int) -> None:
-        if fd in self.bells:
-            self.bells.discard(fd)
-            self.mux.remove(fd)
 
     def _accept(self) -> None:
         assert self.listener is not None

@@ -23,7 +23,6 @@ from ..core.ring import Ring
 from ..errors import ProtocolError
 from .channel import ProducerChannel
 from .host import ProcessWatch
-from .doorbell import Doorbell
 from .lane import Lane
 
 if TYPE_CHECKING:  # (runtime.remote is loaded only where a remote edge is: see endpoint)
@@ -38,7 +37,7 @@ class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
     __slots__ = ("identity", "session", "fd", "watch", "release_events", "release_done", "outbox",
-                 "disconnected", "remote", "lane", "lane_ready", "spoke", "bell")
+                 "disconnected", "remote", "lane", "lane_ready", "spoke")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
@@ -65,9 +64,6 @@ class Peer:
         # A frame went out to it since the last tick, which tells the session
         # (``session.spoke``): one flag per send, no call, on the hot path.
         self.spoke = False
-        # Its doorbell (runtime.bellwire), once joined: steady READYs go there as entries,
-        # its RELEASEs come from there; None: every notice is a frame.
-        self.bell: Doorbell | None = None
 
     @property
     def label(self) -> str:
@@ -95,7 +91,6 @@ class PeerTable:
         self.ratelog = ratelog
         self.on_gone = on_gone
         self.by_id: dict[bytes, Peer] = {}
-        self.bells: dict[bytes, Peer] = {}  # the peers with a doorbell (runtime.bellwire)
         self.get = self.by_id.get  # (the dict's own get: no Python frame on the hot paths)
         self.fd_peer: dict[int, bytes] = {}
         self.disconnected: list[bytes] = []  # identities whose connection closed
@@ -153,37 +148,6 @@ class PeerTable:
         elif queue:
             peer.outbox.append(frame)
         return ok
-
-    def post_ready(self, peer: Peer, seq: int, slot: int, gen: int, layout_id: int, sent_ns: int) -> bool:
-        """A steady READY as an entry of ``peer``'s doorbell (it has one); False if it must
-        go as a frame: something of ours is still queued or going out for it (an entry
-        may never overtake a frame: see runtime.bellwire), or its ring is full. A peer
-        whose counters are garbage is dropped (True: nothing reaches it any more)."""
-        lane, bell = peer.lane, peer.bell
-        if peer.outbox or peer.disconnected or lane is None or lane.tail or bell is None:
-            return False
-        try:
-            # (Doorbell.post's two steps, without its call: the entry is bellwire's READY.)
-            if not bell.writer.publish(((seq, slot, gen, layout_id, sent_ns, lane.sent),)):
-                return False
-            if bell.reader.peer_parked():
-                bell.peer_bell.ring()
-        except ProtocolError as exc:  # its read counter of our ring is garbage: drop it
-            bad = peer.session.bad_frame(exc)
-            self.bad_frame(peer.identity, peer, bad.data, bad.reply)
-            return True  # (as a send to a peer now gone: its holds were reclaimed)
-        peer.spoke = True
-        return True
-
-    def end_bell(self, peer: Peer) -> None:
-        """``peer``'s doorbell is done with (it left): unmapped, its eventfds closed."""
-        bell, peer.bell = peer.bell, None
-        self.bells.pop(peer.identity, None)
-        if bell is not None:
-            lanes = self.chan.lanes
-            if lanes is not None:
-                lanes.forget_bell(bell.fd)
-            bell.close()
 
     def send_raw(self, identity: bytes, frame: bytes) -> None:
         """A last word to a connection that is (or will be) no peer of ours; never raises.
@@ -256,7 +220,6 @@ class PeerTable:
             del self.fd_peer[peer.fd]
         peer.session.close()
         self.bad_by_peer.pop(peer.identity, None)
-        self.end_bell(peer)
         self.on_gone(peer)  # never waits on the departed peer's events: it is out of the table
         peer.set_release_events([])
         if peer.watch is not None:
@@ -350,7 +313,6 @@ class PeerTable:
     def close(self) -> None:
         """Teardown: forget every peer without a word."""
         for peer in self.by_id.values():
-            self.end_bell(peer)
             if peer.watch is not None:
                 peer.watch.close()
         self.by_id.clear()

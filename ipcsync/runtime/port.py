@@ -42,7 +42,6 @@ from ..core.waits import wait_strategy
 from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
 from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
-from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
@@ -133,8 +132,6 @@ class ProducerPort(EndpointBase):
         # least one is attached: set by each general pump (a consumer is added, and its
         # SWITCH read, only there), read by the steady pump.
         self.lanes_steady = False
-        # Per-item notices through shared memory with consumers that opt in too (a lane edge).
-        self.doorbell = self.ipc and chan.lanes is not None and chan.doorbell
         self._fds = chan.fds()
         self._lanes_woken = [chan.lanes.fd] if chan.lanes is not None else [-1]  # (what _pump compares)
         self._closed = False
@@ -149,40 +146,7 @@ class ProducerPort(EndpointBase):
         return self._fds
 
     def io_pending(self) -> bool:
-        return self.chan.pending() or (bool(self.peers.bells) and self.releases_pending())
-
-    def releases_pending(self) -> bool:
-        """A consumer's doorbell holds RELEASE entries not taken yet (a ring that came
-        without a ring of the eventfd, or while we pumped)."""
-        for peer in self.peers.bells.values():
-            bell = peer.bell
-            try:
-                if bell is not None and bell.pending():
-                    return True
-            except ProtocolError:
-                return True  # (its pump says so, and drops it)
-        return False
-
-    def take_releases(self) -> None:
-        """The RELEASE entries of each consumer's doorbell, as its RELEASE frames would be
-        handled (the state must allow a RELEASE; each entry the ring's rules): taken before
-        the lane frames read with them, which followed them."""
-        now = time.monotonic()
-        for peer in list(self.peers.bells.values()):
-            bell = peer.bell
-            if bell is None:
-                continue
-            try:
-                got = bell.take()
-                if got and not peer.session.may_hold:
-                    raise ProtocolError(f"RELEASE entries in its doorbell in state {peer.session.state.value!r}")
-            except ProtocolError as exc:
-                bad = peer.session.bad_frame(exc)
-                self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
-                continue
-            if got:
-                peer.session.clock.heard(now)
-                self.handoffs.released(peer, [(e[0], e[1], e[2]) for e in got])
+        return self.chan.pending()
 
     _io_fds = io_fds  # (EndpointBase's hooks)
     _io_pending = io_pending
@@ -199,7 +163,6 @@ class ProducerPort(EndpointBase):
         (``_wait_until``) as soon as ZeroMQ has input (``io_pending``)."""
         peers = self.peers
         if (not self.lanes_steady  # a consumer's frames come on ZeroMQ (no lane or no SWITCH yet), or none attached
-                or peers.bells  # doorbell RELEASE entries: taken in order with the lane frames (take_releases)
                 or self.forwarder.ledger.pending  # forwarded items wait for downstream release events: polled
                 or self.handoffs.kept_slots  # slot() tensors that outlived their block: polled
                 or self.remote_hub is not None  # remote edges: completed sends to confirm
@@ -215,7 +178,7 @@ class ProducerPort(EndpointBase):
                 return
         lanes = self.chan.lanes
         got = lanes.read_lanes() if lanes is not None else None
-        if got is None:  # the listener, a lane's token, a doorbell's eventfd: LaneHub.poll
+        if got is None:  # the listener, a lane's token: LaneHub.poll
             self.pump()
             return
         now = time.monotonic()
@@ -254,8 +217,6 @@ class ProducerPort(EndpointBase):
             polled = lanes.poll()
             if taken:
                 polled[:0] = taken
-            if peers.bells:
-                self.take_releases()
             for what, identity, data in polled:
                 if what == "frame":
                     if identity in peers.by_id:
@@ -357,55 +318,11 @@ class ProducerPort(EndpointBase):
             self.peers.drop(peer)
         elif kind is Kind.BAD_FRAME:
             self.peers.bad_frame(identity, peer, ev.data, ev.reply)
-        elif kind is Kind.DOORBELL:
-            self.on_doorbell(peer, ev.data)
         elif kind is Kind.SWITCHED:
             lanes = self.chan.lanes
             if lanes is None or lanes.read(identity) is None:
                 bad = peer.session.bad_frame(ProtocolError("SWITCH, but this consumer's lane is gone"))
                 self.peers.bad_frame(identity, peer, bad.data, bad.reply)
-
-    def on_doorbell(self, peer: Peer, msg: P.DoorbellOffer) -> None:
-        """The consumer offered its doorbell (runtime.bellwire): map it, answer with ours
-        and its eventfd on the lane, and from then on send steady READYs as entries.
-        Anything that fails leaves the edge on the lane (logged once): never an error,
-        except a doorbell the consumer broke (it broke the protocol)."""
-        lane = peer.lane
-        fd = lane.take_fd() if lane is not None else None
-        if (not self.doorbell or peer.session.hello.version < P.DOORBELL_VERSION or lane is None
-                or peer.session.state is not P.State.ACTIVE or peer.bell is not None):
-            if fd is not None:
-                os.close(fd)
-            return  # (not ours to answer: the edge stays on the lane)
-        offer = None
-        try:
-            offer = Offer(geometry_for(self.handoffs.slots))
-            bell = join(offer, msg, fd, peer.label, release_bounds(self.handoffs.slots))
-        except ProtocolError as exc:
-            if offer is not None:
-                offer.close()
-            bad = peer.session.bad_frame(exc)
-            self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
-            return
-        except OSError as exc:
-            if offer is not None:
-                offer.close()
-            self.peers.ratelog.log(logging.INFO, "doorbell", "ipcsync producer %r: no doorbell with %s (%s); "
-                                   "its notices stay on the lane", self.name, peer.label, exc)
-            return
-        frame = peer.session.doorbell_offer(offer.message())
-        try:
-            sent = not peer.outbox and offer.bell.fd is not None and lane.send_fd(frame, offer.bell.fd)
-        except OSError as exc:  # (its lane broke: the closed lane is handled at the next poll)
-            log.debug("ipcsync producer %r: the doorbell answer to %s failed: %s", self.name, peer.label, exc)
-            sent = False
-        if not sent:
-            bell.close()
-            return
-        peer.bell = bell
-        self.peers.bells[peer.identity] = peer
-        assert self.chan.lanes is not None
-        self.chan.lanes.watch_bell(bell.fd)
 
     def on_lane(self, what: str, identity: bytes, data: Any) -> None:
         """What the lane hub reported besides frames (see ``LaneHub.poll``)."""
@@ -421,8 +338,6 @@ class ProducerPort(EndpointBase):
             if peer.disconnected or peer.session.state in P.ENDED or peer.session.switch_sent:
                 return
             peer.lane_ready = data
-            if self.doorbell and peer.session.hello.version >= P.DOORBELL_VERSION:
-                data.want_fds = True  # its DOORBELL brings its eventfd (runtime.bellwire)
             self.peers.send(peer, peer.session.switch())
         elif what == "closed":
             self.peers.on_disconnect(peer, data)  # as a closed ZeroMQ connection
@@ -457,9 +372,7 @@ class ProducerPort(EndpointBase):
         self.peers.add(peer)
         h = self.handoffs
         setup = P.Setup(
-            # The consumer's, up to ours: an older one gets its version's SETUP (no lane
-            # before 4, no doorbell before 5); ours is 5 only with the doorbell on.
-            version=min(hello.version, P.DOORBELL_VERSION if self.doorbell else P.PROTOCOL_VERSION),
+            version=hello.version,  # the consumer's: an older one gets its version's SETUP (no lane)
             pid=self.pid,
             start_time=host.start_time(self.pid),
             pid_ns=host.pid_namespace(),
@@ -796,7 +709,7 @@ class ProducerPort(EndpointBase):
                 consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
                 consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
                 bad_frames=peers.bad_frames, forwarded=fwd.forwarded_total, forwarded_held=fwd.ledger.count(),
-                layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used, doorbells=len(peers.bells),
+                layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used,
             )
 
     def close(self, timeout: float | None = None) -> None:

@@ -656,9 +656,6 @@ class Handoffs:
             self.layouts_inline += 1
         if self.trace is not None:  # (before the send: the consumer may stamp its receipt at once)
             self.trace.ready(rec.seq, peer.label)
-        if (peer.bell is not None and frame is short and fwd is None and rec.meta is None
-                and peers.post_ready(peer, rec.seq, rec.slot, rec.gen, lid, rec.sent_ns)):
-            return  # a doorbell entry (runtime.bellwire); anything else is a frame
         peers.send(peer, frame)
         if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
             peer.remote.send(rec.slot, rec.layout, rec.seq)

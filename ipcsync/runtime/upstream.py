@@ -10,7 +10,6 @@ import logging
 import os
 import time
 from array import array
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -21,8 +20,8 @@ from ..backends import Arena, Backend, Event
 from ..backends.refs import SlotStore
 from ..backends.cpu import reclaim_dead_segments
 from ..core import protocol as P
-from ..core.consumer_session import (ConsumerSession, DoorbellOffered, ForeignReceived, HelloAgain, LaneOffered,
-                                     SentReceived, SetupReceived, SwitchReceived)
+from ..core.consumer_session import (ConsumerSession, ForeignReceived, HelloAgain, LaneOffered, SentReceived,
+                                     SetupReceived, SwitchReceived)
 from ..core.liveness import Verdict
 from ..core.protocol import ErrorCode
 from ..core.remote_session import LOSS_HEARTBEATS, RELEASE_PLACEHOLDER, is_remote_handle
@@ -31,9 +30,7 @@ from ..errors import (
     BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
 )
 from . import host
-from .bellwire import Offer, geometry_for, join, ready_bounds, release_entries
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
-from .doorbell import Doorbell
 from .foreign import Downstream
 from .keeping import Kept
 
@@ -48,13 +45,11 @@ log = logging.getLogger(__name__)
 _FRAMES_PER_PUMP = 256  # frames the steady pump reads at most (a flood cannot starve the caller)
 
 
-def make_hello(backend: Any, credits: int, heartbeat: float, doorbell: bool = False) -> P.Hello:
-    """HELLO: who this consumer is (process identity, host) and where it runs; the
-    doorbell's version only if this consumer offers one (``runtime.bellwire``)."""
+def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
+    """HELLO: who this consumer is (process identity, host) and where it runs."""
     pid = os.getpid()
     return P.Hello(
-        version=P.DOORBELL_VERSION if doorbell else P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid),
-        boot_id=host.host_identity(),
+        version=P.PROTOCOL_VERSION, pid=pid, start_time=host.start_time(pid), boot_id=host.host_identity(),
         pid_ns=host.pid_namespace(), backend=backend.name, device=backend.device_identity(),
         credits=credits, heartbeat_ms=int(heartbeat * 1000),
     )
@@ -208,13 +203,6 @@ class ProducerLink:
         self.kept = Kept()
         self.credits = 1 << 20  # the most items we may hold (the consumer's credits=)
         self.check_refs = True  # the consumer's keep_refs_check (and torch can count)
-        # The doorbell (runtime.bellwire): offered once the lane carries everything, if
-        # IPCSYNC_DOORBELL=1 here and the producer's SETUP says it can; ``notices``: READY
-        # entries taken from its ring, each waiting for the lane frames sent before it.
-        self.doorbell = chan.mux is not None and chan.doorbell
-        self.bell_offer: Offer | None = None
-        self.bell: Doorbell | None = None
-        self.notices: deque[tuple[int, ...]] = deque()
 
     # ------------------------------------------------------------------ sends
     def send(self, frame: bytes) -> bool:
@@ -238,22 +226,8 @@ class ProducerLink:
         self.send_errors()
 
     def flush_releases(self) -> None:
-        """Send the queued releases (one RELEASE; once per batch, not per item): as
-        entries of our doorbell while it has room, else as a frame."""
+        """Send the queued releases (one RELEASE; once per batch, not per item)."""
         s = self.session
-        bell = self.bell
-        if bell is not None and s.pending:
-            entries = s.take_releases(time.monotonic())
-            if entries:
-                try:
-                    n = bell.post(release_entries(entries))
-                except ProtocolError as exc:  # its read counter of our ring is garbage
-                    s.unsend_releases(entries)
-                    self.fail(exc, ErrorCode.PROTOCOL)
-                    return
-                if n == len(entries):
-                    return
-                s.unsend_releases(entries[n:])
         out = s.release_frame(time.monotonic())
         if out is not None and not self.chan.send(out[0]):
             s.unsend_releases(out[1])
@@ -361,19 +335,6 @@ class ProducerLink:
             return
         frames: list[bytes] = []
         chan.read_lane(frames, _FRAMES_PER_PUMP)
-        bell = self.bell
-        if bell is not None:  # the doorbell's steady pump: its entries, no lane frame
-            if frames or chan.steady_lane is None:
-                self.pump(frames)
-                return
-            bell.bell.drain()
-            self.take_notices()
-            self.deliver_notices()
-            if s.outbox:  # (an entry broke the protocol: the producer is told)
-                self.send_errors()
-            elif s.pending and not s.ready:
-                self.flush_releases()
-            return
         n = s.receive_frames(frames, time.monotonic())
         if n < len(frames) or chan.steady_lane is None:
             self.pump(frames[n:])  # the rest in order, then everything else
@@ -403,29 +364,22 @@ class ProducerLink:
                 frame = s.connected()
                 if frame is not None:
                     self.send(frame)
-        receive = s.receive
-        if self.bell is not None:  # lane frames and doorbell entries, in the producer's order
-            heard = self.pump_notices(taken)
-        else:
-            if not taken and chan.steady_lane is not None:  # the lane's steady READYs: in one call
-                got: list[bytes] = []
-                chan.read_lane(got, _FRAMES_PER_PUMP)
-                taken = got[s.receive_frames(got, time.monotonic()):]
-            heard = bool(taken)
-            for i, frame in enumerate(taken):
-                if s.error is not None:
-                    break
-                event = receive([frame])
-                if event is not None:
-                    self.on_event(event)
-                    if self.bell_up:  # it came up: the rest in order with its entries
-                        self.pump_notices(taken[i + 1:])
-                        break
+        recv, receive = self.chan.recv, s.receive
+        if not taken and chan.steady_lane is not None:  # the lane's steady READYs: in one call
+            got: list[bytes] = []
+            chan.read_lane(got, _FRAMES_PER_PUMP)
+            taken = got[s.receive_frames(got, time.monotonic()):]
+        heard = bool(taken)
+        for frame in taken:
+            if s.error is not None:
+                break
+            event = receive([frame])
+            if event is not None:
+                self.on_event(event)
         for _ in range(10_000):
             if s.error is not None:
                 break
-            # (With a doorbell the lane is read only beside its entries: pump_notices.)
-            frames = chan.recv() if self.bell is None else chan.recv_zmq()
+            frames = recv()
             if frames is None:
                 break
             heard = True
@@ -458,157 +412,6 @@ class ProducerLink:
             if s.bye_received and s.finished(lender.holding()):
                 self.say_bye()
 
-    # ------------------------------------------------------------------ the doorbell
-    def pump_notices(self, taken: Sequence[bytes]) -> bool:
-        """Lane frames (``taken``: read just now, the newest the lane gave) and the
-        doorbell's READY entries, merged in the producer's order: an entry saying ``b``
-        lane frames went before it is handed over after the ``b``-th and before the next
-        (``runtime.bellwire``). True if anything came."""
-        chan, s, bell = self.chan, self.session, self.bell
-        lane = chan.lane
-        assert bell is not None and lane is not None
-        bell.bell.drain()
-        heard = False
-        batch = list(taken)
-        if not batch:
-            chan.read_lane(batch, _FRAMES_PER_PUMP)
-        for _ in range(64):  # bounded, so a flood cannot starve the caller
-            first = lane.received - len(batch) + 1  # the lane index of batch[0]
-            self.take_notices()  # (after the read: every entry a frame of it follows is in)
-            for i, frame in enumerate(batch):
-                heard = self.deliver_notices(first + i - 1) or heard
-                if s.error is not None:
-                    return True
-                heard = True
-                event = s.receive([frame])
-                if event is not None:
-                    self.on_event(event)
-            if not batch:
-                break
-            batch = []
-            chan.read_lane(batch, _FRAMES_PER_PUMP)
-            if not batch:
-                break
-        self.take_notices()
-        return self.deliver_notices() or heard
-
-    def take_notices(self) -> None:
-        """The READY entries published since the last look, checked (``core.doorbell``),
-        kept in ``notices`` for ``deliver_notices``."""
-        bell = self.bell
-        if bell is None or self.session.error is not None:
-            return
-        try:
-            got = bell.take()
-            if got:
-                self.notices.extend(got)
-                if len(self.notices) > bell.writer.geom.capacity:
-                    raise ProtocolError(f"its doorbell holds {len(self.notices)} READY entries waiting for lane "
-                                        "frames, more than its ring")
-        except ProtocolError as exc:  # (its message names the producer and what it broke)
-            self.fail(exc, ErrorCode.PROTOCOL)
-
-    def deliver_notices(self, upto: int | None = None) -> bool:
-        """Hand the session the kept entries that follow at most ``upto`` lane frames (None:
-        every lane frame read so far); True if any went."""
-        q = self.notices
-        if not q:
-            return False
-        if upto is None:
-            lane = self.chan.lane
-            upto = lane.received if lane is not None else 0
-        if q[0][5] > upto:
-            return False
-        out = []
-        while q and q[0][5] <= upto:
-            out.append(q.popleft())
-        self.session.ready_entries(out, time.monotonic())
-        return True
-
-    @property
-    def bell_up(self) -> bool:
-        return self.bell is not None
-
-    def notices_pending(self) -> bool:
-        """Entries wait in our ring (published without a ring, or while we pumped)."""
-        bell = self.bell
-        try:
-            return bell is not None and bell.pending()
-        except ProtocolError:
-            return True  # (the pump reads it and says so)
-
-    def offer_doorbell(self) -> None:
-        """Our DOORBELL and eventfd on the lane, once it carries everything both ways,
-        if the producer's SETUP says it can answer. Anything that fails leaves the edge
-        on the lane (logged)."""
-        chan, s = self.chan, self.session
-        lane = chan.steady_lane
-        setup = s.setup
-        if (not self.doorbell or lane is None or setup is None or setup.version < P.DOORBELL_VERSION
-                or self.remote is not None or self.bell_offer is not None or self.bell is not None):
-            return
-        try:
-            offer = Offer(geometry_for(len(setup.slots)))
-        except OSError as exc:
-            log.info("ipcsync consumer %r: no doorbell (%s); notices stay on the lane", self.endpoint.name, exc)
-            return
-        frame = s.doorbell_offer(offer.message())
-        try:
-            sent = frame is not None and offer.bell.fd is not None and lane.send_fd(frame, offer.bell.fd)
-        except OSError:
-            sent = False  # (a broken lane: its EOF is read as a closed connection)
-        if not sent:
-            offer.close()
-            log.info("ipcsync consumer %r: no doorbell (the lane took no offer now); notices stay on the lane",
-                     self.endpoint.name)
-            return
-        s.spoke(time.monotonic())
-        lane.want_fds = True  # the answer brings the producer's eventfd
-        self.bell_offer = offer
-
-    def on_doorbell(self, msg: P.DoorbellOffer) -> None:
-        """The producer answered our DOORBELL: map its segment; from now on its steady
-        READYs come as entries. It mapped ours already and sends entries from now on, so
-        a failure here ends the session (an error, never a silent loss)."""
-        offer, self.bell_offer = self.bell_offer, None
-        lane = self.chan.lane
-        fd = lane.take_fd() if lane is not None else None
-        if offer is None or self.chan.mux is None:
-            if fd is not None:
-                os.close(fd)
-            self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: a DOORBELL "
-                                    "answering none of ours"), ErrorCode.PROTOCOL)
-            return
-        setup = self.session.setup
-        assert setup is not None
-        try:
-            bell = join(offer, msg, fd, f"producer on {self.endpoint.name!r}", ready_bounds(len(setup.slots)))
-        except ProtocolError as exc:
-            offer.close()
-            self.fail(ProtocolError(f"producer on {self.endpoint.name!r} broke the protocol: {exc}"),
-                      ErrorCode.PROTOCOL)
-            return
-        except OSError as exc:
-            offer.close()
-            self.fail(BackendError(f"cannot map the doorbell of the producer on {self.endpoint.name!r}: {exc}; "
-                                   "run without IPCSYNC_DOORBELL=1, or free descriptors / shared memory"),
-                      ErrorCode.BACKEND)
-            return
-        self.bell = bell
-        self.chan.mux.add(bell.fd)
-
-    def close_doorbell(self) -> None:
-        offer, self.bell_offer = self.bell_offer, None
-        bell, self.bell = self.bell, None
-        self.notices.clear()
-        if offer is not None:
-            offer.close()
-        if bell is not None:
-            mux = self.chan.mux
-            if mux is not None:
-                mux.remove(bell.fd)
-            bell.close()
-
     def on_event(self, event: Any) -> None:
         kind = type(event)
         if kind is SetupReceived:
@@ -640,12 +443,9 @@ class ProducerLink:
                 log.info("ipcsync consumer %r: no lane (%s); staying on ZeroMQ", self.endpoint.name, why)
         elif kind is SwitchReceived:
             self.chan.switch_in(event.frame)  # from the next frame on, read the lane
-            self.offer_doorbell()
-        elif kind is DoorbellOffered:
-            self.on_doorbell(event.msg)
         elif kind is HelloAgain:
-            log.info("ipcsync consumer %r: the producer speaks an older protocol version; saying HELLO "
-                     "again one version lower", self.endpoint.name)
+            log.info("ipcsync consumer %r: the producer speaks protocol version %d; no lane",
+                     self.endpoint.name, P.OLDEST_VERSION)
             self.send(event.frame)
         else:  # ForwardedReceived
             m = event.msg
@@ -778,4 +578,4 @@ class ProducerLink:
         if self.remote is not None:
             best_effort("consumer teardown", self.remote.close)
         self.memory.drop_events()
-        best_effort("consumer teardown", self.close_doorbell, self.chan.close, self.backend.collect)
+        best_effort("consumer teardown", self.chan.close, self.backend.collect)

@@ -21,37 +21,18 @@ import logging
 import select
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, TypeVar
 
-from ..limits import DEFAULT_SPIN_US, MAX_SPIN_US
 from ..interrupts import wait_point
 
 if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
     from .handover import Pumpable
 
-__all__ = ["EVENT_SPIN_S", "Poller", "SourcePort", "spin_seconds"]
+__all__ = ["EVENT_SPIN_S", "Poller", "SourcePort"]
 
 log = logging.getLogger(__name__)
 
 # How long a wait on a GPU event polls it without sleeping first: such an event is usually
 # complete within microseconds, and the shortest sleep lasts ~60 us (timer slack).
 EVENT_SPIN_S = 50e-6
-
-
-def spin_seconds() -> float:
-    """How long a blocking wait polls its sockets before it sleeps: ``IPCSYNC_SPIN_US``
-    (microseconds, 0 to MAX_SPIN_US) or ``limits.DEFAULT_SPIN_US``, in seconds. ValueError
-    for anything else."""
-    import os
-
-    raw = os.environ.get("IPCSYNC_SPIN_US")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_SPIN_US / 1e6
-    try:
-        us = int(raw)
-    except ValueError:
-        raise ValueError(f"IPCSYNC_SPIN_US must be an integer number of microseconds, got {raw!r}") from None
-    if not 0 <= us <= MAX_SPIN_US:
-        raise ValueError(f"IPCSYNC_SPIN_US must be from 0 to {MAX_SPIN_US}, got {us}")
-    return us / 1e6
 
 
 class Poller:

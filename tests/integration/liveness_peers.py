@@ -77,17 +77,13 @@ def produce(a: dict[str, Any]) -> None:
         for i in range(n):
             if a.get("fail_at") == i:
                 raise ValueError(f"loader broke at item {i}")
-            if a.get("plain"):  # no meta: steady items (doorbell entries where one is up)
-                out.send({"x": content(i, elems, dev)})
-            else:
-                out.send({"x": content(i, elems, dev)}, meta=i)
+            out.send({"x": content(i, elems, dev)}, meta=i)
             if a.get("every"):
                 time.sleep(a["every"])
             if a.get("progress") and (i + 1) % a["progress"] == 0:
                 say(event="sent", n=i + 1)
         stats = out.stats()
-        say(event="sent-all", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"],
-            doorbells=stats["doorbells"])
+        say(event="sent-all", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"])
     say(event="done", lost=stats["consumers_lost"], stalled=stats["consumers_stalled_total"])
 
 
@@ -106,9 +102,8 @@ def consume(a: dict[str, Any]) -> None:
             say_once("peer-stalled", lambda: stalled_after(a["stalled_after"], inp, "producer_stalled"))
         try:
             for item in inp:
+                i = item.meta
                 x = item["x"]
-                # (A plain item says which it is by its content: content(i)[0] == i * 1000.)
-                i = item.meta if item.meta is not None else round(float(x[0]) / 1000.0)
                 if i == a.get("hold"):
                     # The hold counts from before "holding": the test stops this process as
                     # soon as it reads that line, so a deadline taken after it could start
@@ -133,8 +128,7 @@ def consume(a: dict[str, Any]) -> None:
         except ipcsync.IpcSyncError as exc:
             error = f"{type(exc).__name__}: {exc}"
         stats = inp.stats()
-    say(event="done", received=got, bad=bad[:10], error=error, stalled=stats["producer_stalled_total"],
-        doorbell=stats["doorbell"])
+    say(event="done", received=got, bad=bad[:10], error=error, stalled=stats["producer_stalled_total"])
 
 
 def consume_fanin(a: dict[str, Any]) -> None:

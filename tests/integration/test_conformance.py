@@ -20,9 +20,8 @@ import ipcsync
 from ipcsync.core import protocol as P
 from ipcsync.runtime.channel import resolve_endpoint
 
-# Each test three times: the steady write step copying natively and with torch, then
-# per-item notices through the doorbell (IPCSYNC_DOORBELL) (conftest's handoff_path).
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("handoff_path")]
+# Each test twice: the steady write step copying natively and with torch (conftest's copy_path).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("copy_path")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

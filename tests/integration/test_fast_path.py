@@ -34,9 +34,8 @@ from ipcsync.runtime import slots as slots_module
 
 from peers.common import check, expected
 
-# Each test three times: the steady write step copying natively and with torch, then
-# per-item notices through the doorbell (IPCSYNC_DOORBELL) (conftest's handoff_path).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("handoff_path")]
+# Each test twice: the steady write step copying natively and with torch (conftest's copy_path).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("copy_path")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -46,8 +45,7 @@ def device(request: pytest.FixtureRequest) -> str:
 
 class SteadyReads:
     """Counts the producer's steady reads that found frames (``LaneHub.read_lanes`` through
-    ``ProducerPort.pump_steady``; none while a doorbell is up: its entries take the general
-    pump) and keeps what they read."""
+    ``ProducerPort.pump_steady``) and keeps what they read."""
 
     def __init__(self, out: ipcsync.Producer, monkeypatch: pytest.MonkeyPatch) -> None:
         lanes = out.port.chan.lanes
@@ -80,12 +78,6 @@ def _sender(out: ipcsync.Producer, size: int) -> Callable[[Callable[[], bool]], 
         return sent
 
     return send_until
-
-
-def steady(handoff_path: str) -> bool:
-    """The steady pump reads the lanes on this route (no doorbell: its entries take the
-    general pump)."""
-    return handoff_path.endswith("doorbell0")
 
 
 def _msg(i: int, kind: int, device: str) -> dict[str, Any]:
@@ -171,8 +163,7 @@ def _check_join(a: dict[str, Any], b: dict[str, Any], n: int, shard: bool, joine
         assert b["last"] == [n - 1] and b["first"][0] <= joined  # every item since it joined
 
 
-def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
-                                    handoff_path: str) -> None:
+def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Broadcast to two consumers (the general dispatch); one SIGKILLs itself mid-stream,
     holding slots, while the producer runs steady (its sends wait for releases, read off
     the lanes): its lane's EOF goes to the general pump, which reclaims its slots; the
@@ -188,7 +179,7 @@ def test_a_consumer_lost_mid_stream(endpoints: Any, procs: Any, monkeypatch: pyt
     send_until = _sender(out, size)
     send_until(lambda: out.stats()["consumers_lost"] == 1)
     lost_at = reads.count
-    n = send_until(lambda: reads.count > lost_at + 2 or not steady(handoff_path))  # steady again, alone
+    n = send_until(lambda: reads.count > lost_at + 2)  # steady again, alone
     victim.read_until(lambda line: line.get("event") == "dying", timeout=30)
     out.close()
     res = survivor.result()
@@ -266,7 +257,7 @@ def test_close_lets_go_of_every_plan(endpoints: Any) -> None:
 
 @pytest.mark.parametrize("policy", ["broadcast", "shard"])
 def test_a_consumer_joins_while_the_producer_runs_steady(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
-                                                         handoff_path: str, policy: str) -> None:
+                                                         policy: str) -> None:
     """The producer sends without pause (its sends wait for slots, pumping steadily) while
     a second consumer starts: its HELLO (on ZeroMQ, which the steady pump does not read)
     is answered by the general pump at a tick, its handshake and SWITCH follow, and both
@@ -280,15 +271,15 @@ def test_a_consumer_joins_while_the_producer_runs_steady(endpoints: Any, procs: 
     out.wait_for_consumers(1, timeout=30)
     reads = SteadyReads(out, monkeypatch)
     send_until = _sender(out, size)
-    send_until(lambda: out.stats()["lanes"] == 1 and (reads.count > 2 or not steady(handoff_path)))
+    send_until(lambda: out.stats()["lanes"] == 1 and reads.count > 2)
     before = reads.count
     second = procs.start("consume", module="peers.basic", endpoint="fp-join-steady", size=size, sharded=shard)
     joined = send_until(lambda: out.consumers == 2)
     # Steady reads since it started (on a loaded machine perhaps only after its handshake:
     # which pump sees a given frame is not forced, the outcome is what is checked).
-    send_until(lambda: out.stats()["lanes"] == 2 and (reads.count > before or not steady(handoff_path)))
+    send_until(lambda: out.stats()["lanes"] == 2 and reads.count > before)
     both = reads.count
-    n = send_until(lambda: reads.count > both + 2 or not steady(handoff_path))  # steady again, with both
+    n = send_until(lambda: reads.count > both + 2)  # steady again, with both
     out.close()
     _check_join(first.result(), second.result(), n, shard, joined)
 
@@ -296,8 +287,7 @@ def test_a_consumer_joins_while_the_producer_runs_steady(endpoints: Any, procs: 
 BAD = b"\x92\x7f\x00"  # [127, 0]: no such message type
 
 
-def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatch: pytest.MonkeyPatch,
-                                                     handoff_path: str) -> None:
+def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two consumers hold every slot; one releases its items, the other writes a frame of
     an unknown type on its lane; the producer's steady pump reads both lanes: the bad frame
     goes to the general pump, which drops its sender with the usual error (its slots
@@ -340,9 +330,8 @@ def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatc
             port._next_tick = 0.0
         assert len(port.peers) == 1 and port.ring.free_slots == 4
     assert out.stats()["bad_frames"] == 1 and out.consumers == 1
-    if steady(handoff_path):
-        (read,) = reads.read  # one steady read found both lanes' frames
-        assert len(read) == 2 and any(BAD in frames for _who, frames, _end in read)
+    (read,) = reads.read  # one steady read found both lanes' frames
+    assert len(read) == 2 and any(BAD in frames for _who, frames, _end in read)
     out.send({"x": torch.full((4,), seq)}, timeout=10)
     item = good.get(timeout=10)
     assert item is not None and item.seq == seq and int(item["x"][0]) == seq
@@ -353,8 +342,8 @@ def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatc
     assert [i.seq for i in held[good]] == list(range(first, first + 4))
 
 
-def test_the_tick_runs_while_the_producer_runs_steady(endpoints: Any, procs: Any, monkeypatch: pytest.MonkeyPatch,
-                                                      handoff_path: str) -> None:
+def test_the_tick_runs_while_the_producer_runs_steady(endpoints: Any, procs: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """One of two sharded consumers is SIGSTOPped holding its one credit's item; the
     producer keeps sending to the other, pumping steadily: its liveness tick still runs
     (the stopped one is seen stalled, and answering again once continued), and every item
@@ -375,8 +364,7 @@ def test_the_tick_runs_while_the_producer_runs_steady(endpoints: Any, procs: Any
         # Both, in either order (a loaded machine may see the stall before the first steady
         # read): the producer reads steadily while one consumer is stopped, and the tick
         # still sees that one stalled.
-        send_until(lambda: out.stats()["consumers_stalled"] == 1
-                   and (reads.count > stopped_at or not steady(handoff_path)))
+        send_until(lambda: out.stats()["consumers_stalled"] == 1 and reads.count > stopped_at)
         assert out.stats()["consumers_stalled"] == 1  # (still: the consumer is stopped)
     finally:
         os.kill(paused.pid, signal.SIGCONT)

@@ -20,8 +20,7 @@ import torch
 import ipcsync
 from polling import in_call, wait_until
 
-# Every test twice: notices on the lane, then through the doorbell (IPCSYNC_DOORBELL).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("doorbell_env")]
+pytestmark = pytest.mark.timeout(120)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -169,6 +169,22 @@ def test_a_consumer_with_lanes_off_is_served_by_a_producer_with_them(endpoints: 
     assert p.stats()["lanes"] == 0 and c.stats()["lane"] is False
 
 
+@pytest.mark.timeout(60)
+def test_a_consumer_of_a_later_version_says_hello_again_as_this_one_and_gets_a_lane(
+        endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The highest version spoken is 4: a consumer whose HELLO says 5 is refused for its
+    version, says HELLO again one version lower, and is served on a lane."""
+    assert P.HIGHEST_VERSION == P.PROTOCOL_VERSION == P.LANE_VERSION == 4
+    p = endpoints.producer("lane-later", slots=4, slot_bytes=4096, device="cpu")
+    monkeypatch.setattr(P, "PROTOCOL_VERSION", 5)  # (what the consumer's first HELLO says)
+    c = endpoints.consumer("lane-later", device="cpu", timeout=10)
+    p.wait_for_consumers(1, timeout=10)
+    assert _stream(p, c, 100) == list(range(100))
+    assert wait_until(lambda: p.stats()["lanes"] == 1 and c.stats()["lane"], 10)
+    setup = c._endpoint.session.setup
+    assert setup is not None and setup.version == 4
+
+
 def test_ipcsync_lane_must_be_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IPCSYNC_LANE", "yes")
     with pytest.raises(ipcsync.ConfigError, match="IPCSYNC_LANE must be 0"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ipcsync.core import protocol as P
-from ipcsync.core.consumer_session import (ConsumerSession, ForeignReceived, ForwardedReceived,
+from ipcsync.core.consumer_session import (ConsumerSession, ForeignReceived, ForwardedReceived, HelloAgain,
                                            SetupReceived)
 from ipcsync.core.layout import RecipeCache, plan_message
 from ipcsync.core.liveness import Verdict
@@ -190,6 +190,17 @@ def test_version_mismatch_and_out_of_state_messages_answer_with_their_code() -> 
     s3 = active()
     s3.receive([b"a", b"b"])
     assert "2 frames" in str(s3.error)
+
+
+def test_a_producer_refusing_our_version_is_asked_again_one_version_lower_down_to_the_oldest() -> None:
+    s = ConsumerSession("ep", "cpu", 1.0)
+    s.hello(dataclasses.replace(hello(), version=P.HIGHEST_VERSION + 1))
+    for version in range(P.HIGHEST_VERSION, P.OLDEST_VERSION - 1, -1):
+        ev = s.receive(frame(P.Error("version", "another version")))
+        assert isinstance(ev, HelloAgain) and P.decode(ev.frame).version == version, ev
+        assert s.state is State.AWAIT_SETUP and s.error is None
+    s.receive(frame(P.Error("version", "another version")))  # (none older than OLDEST_VERSION)
+    assert isinstance(s.error, ProtocolError) and "(version)" in str(s.error)
 
 
 def test_setup_validation() -> None:

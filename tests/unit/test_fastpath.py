@@ -4,9 +4,7 @@
   (the caller then uses ``decode``) or exactly the fields ``decode`` would return, so the
   wire format is validated exactly as strictly as by ``decode``; ``decode_readies`` (a
   wake-up's frames at once) is ``decode_ready`` of each frame up to the first None, and
-  ``decode_releases`` (the producer's) ``decode_release`` of each, the same way; each
-  with the compiled decoders in use and without them (``decoder_route``; the compiled
-  ones against the Python reference directly: tests/unit/test_native_decoders.py);
+  ``decode_releases`` (the producer's) ``decode_release`` of each, the same way;
 - ``protocol.Encoder``: the same bytes as ``encode_ready`` / ``encode(Release(...))``, also
   after a frame failed to pack;
 - ``layout.signature``'s unrolled dict case: the key of the general ``_sig``;
@@ -117,7 +115,6 @@ _release_like = st.builds(
 )
 
 
-@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.one_of(_ready_like, _ready_like.map(lambda a: a[:-1]), _ready_like.map(lambda a: a + [0]), _data),
        st.sampled_from(LIMITS))
@@ -125,14 +122,12 @@ def test_decode_ready_agrees_with_decode(obj: Any, limits: Limits) -> None:
     check_ready(pack(obj), limits)
 
 
-@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.one_of(_release_like, _release_like.map(lambda a: a + [0]), _data), st.sampled_from(LIMITS))
 def test_decode_release_agrees_with_decode(obj: Any, limits: Limits) -> None:
     check_release(pack(obj), limits)
 
 
-@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.lists(st.one_of(_ready_like, _ready_like.map(lambda a: a[:-1]), _data).map(pack) | st.binary(max_size=16),
                 max_size=6),
@@ -148,7 +143,6 @@ def test_decode_readies_is_decode_ready_of_each_frame_up_to_the_first_refused(fr
     assert same(P.decode_readies(frames, limits), expected)
 
 
-@pytest.mark.usefixtures("decoder_route")
 @HYP
 @given(st.lists(st.one_of(_release_like, _release_like.map(lambda a: a[:-1]), _data).map(pack)
                 | st.binary(max_size=16), max_size=6),
@@ -175,7 +169,6 @@ def test_fast_decoders_agree_on_arbitrary_bytes(frame: bytes, limits: Limits) ->
     check_release(frame, limits)
 
 
-@pytest.mark.usefixtures("decoder_route")
 @pytest.mark.parametrize("limits", LIMITS)
 @pytest.mark.parametrize(
     "frame",

@@ -54,8 +54,7 @@ def test_the_extension_builds_and_imports_here(tmp_path: Path) -> None:
              "print(sorted(n for n in dir(m) if not n.startswith('_')))")
     out = subprocess.run([sys.executable, "-c", probe, str(so)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ("['copy', 'cuda_available', 'cuda_copy_record', 'cuda_reason', 'decode_readies', "
-                                  "'decode_release', 'recv_packets']")
+    assert out.stdout.strip() == "['copy', 'cuda_available', 'cuda_copy_record', 'cuda_reason']"
 
 
 @needs_module
@@ -140,9 +139,8 @@ def test_ipcsync_native_0_turns_it_off_and_a_bad_value_is_refused(procs: Any) ->
     def state(value: str) -> Any:
         return procs.start("native_state", module="peers.basic", env={"IPCSYNC_NATIVE": value})
 
-    assert state("0").result() == {"event": "done", "enabled": False, "host_copy": False, "decoders": False}
-    assert state("1").result() == {"event": "done", "enabled": True, "host_copy": native.BUILT,
-                                   "decoders": native.BUILT}
+    assert state("0").result() == {"event": "done", "enabled": False, "host_copy": False}
+    assert state("1").result() == {"event": "done", "enabled": True, "host_copy": native.BUILT}
     bad = state("yes")
     assert bad.proc.wait(timeout=120) != 0
     err = bad.stderr()
@@ -185,100 +183,3 @@ def test_a_steady_one_tensor_send_copies_natively_and_others_with_torch(
             assert torch.equal(item[k].detach(), v.detach().resolve_conj()), k
         item.release()
         assert (len(calls) > before) is natively, msg
-
-
-# --------------------------------------------------------------------------- lane packets
-needs_receiver = pytest.mark.skipif(native.packet_receiver() is None, reason="recv_packets is not built here")
-
-
-def _pair() -> tuple[Any, Any]:
-    import socket
-
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    a.setblocking(False)
-    b.setblocking(False)
-    return a, b
-
-
-def _by_recv(sock: Any, most: int, cap: int) -> list[bytes] | str:
-    """What ``most`` plain ``recv(cap)`` calls give (the reference), or the error's name."""
-    out: list[bytes] = []
-    while len(out) < most:
-        try:
-            data = sock.recv(cap)
-        except BlockingIOError:
-            break
-        except OSError as exc:
-            return out or type(exc).__name__  # type: ignore[return-value]
-        out.append(data)
-        if not data:
-            break
-    return out
-
-
-def _by_batch(sock: Any, most: int, cap: int) -> list[bytes] | str:
-    out: list[bytes] = []
-    try:
-        n = native.packet_receiver()(sock.fileno(), out, most, cap)  # type: ignore[misc]
-    except OSError as exc:
-        return out or type(exc).__name__
-    assert n == len(out)
-    return out
-
-
-@needs_receiver
-@settings(max_examples=150, deadline=None)
-@given(sizes=st.lists(st.integers(1, 1000), max_size=80), most=st.integers(0, 90), cap=st.integers(1, 2048),
-       close=st.booleans())
-def test_recv_packets_gives_what_recv_gives(sizes: list[int], most: int, cap: int, close: bool) -> None:
-    """The same packets (cut to cap as recv cuts them), the same stop (nothing more, EOF
-    as b"", ``most``), in batches of up to 32 per system call, on two identical streams."""
-    got = []
-    for reader in (_by_recv, _by_batch):
-        a, b = _pair()
-        try:
-            for i, size in enumerate(sizes):
-                a.send(bytes([i % 251]) * size)
-            if close:
-                a.close()
-            first = reader(b, most, cap)
-            rest = reader(b, 1000, cap)  # what is left after the first read
-            got.append((first, rest))
-        finally:
-            a.close()
-            b.close()
-    assert got[0] == got[1]
-
-
-@needs_receiver
-def test_recv_packets_reports_a_reset_before_the_last_frames_as_recv_does() -> None:
-    # A peer that closes with frames of ours unread: ECONNRESET once, then its last frames,
-    # then EOF (runtime.lane reads on past the reset).
-    for reader in (_by_recv, _by_batch):
-        a, b = _pair()
-        b.send(b"unread by a")
-        a.send(b"last words")
-        a.close()
-        assert reader(b, 10, 100) == "ConnectionResetError"
-        assert reader(b, 10, 100) == [b"last words", b""]
-        b.close()
-
-
-@needs_receiver
-@pytest.mark.parametrize("args, error", [
-    ((-1, [], 1, 10), ValueError), ((0, [], -1, 10), ValueError), ((0, [], 1, 0), ValueError),
-    ((0, (), 1, 10), TypeError), (("x", [], 1, 10), TypeError), ((0, [], 1), TypeError),
-])
-def test_bad_arguments_to_recv_packets_raise(args: tuple[Any, ...], error: type[Exception]) -> None:
-    with pytest.raises(error):
-        native.packet_receiver()(*args)  # type: ignore[misc]
-
-
-@needs_receiver
-def test_recv_packets_on_a_closed_descriptor_raises() -> None:
-    a, b = _pair()
-    fd = b.fileno()
-    a.close()
-    b.close()
-    with pytest.raises(OSError):
-        native.packet_receiver()(fd, [], 4, 10)  # type: ignore[misc]

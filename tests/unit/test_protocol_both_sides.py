@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ipcsync.core import protocol as P
-from ipcsync.core.consumer_session import (ConsumerSession, DoorbellOffered, ForeignReceived, ForwardedReceived,
-                                           LaneOffered, SentReceived, SetupReceived, SwitchReceived)
+from ipcsync.core.consumer_session import (ConsumerSession, ForeignReceived, ForwardedReceived, LaneOffered,
+                                           SentReceived, SetupReceived, SwitchReceived)
 from ipcsync.core.layout import plan_message
 from ipcsync.core.producer_session import Kind, ProducerSession
 from ipcsync.core.protocol import LanePhase, MsgType, Role, State
@@ -192,7 +192,6 @@ SAMPLE: dict[MsgType, P.Message] = {
     MsgType.SENT: P.Sent(0),
     MsgType.LANE_OFFER: P.LaneOffer("/tmp/ipcsync-test.lane", b"t" * P.LANE_TOKEN_BYTES),
     MsgType.SWITCH: P.Switch(),
-    MsgType.DOORBELL_OFFER: P.DoorbellOffer("ipcsync-1-0123456789abcdef", 16, 6),
 }
 
 
@@ -257,8 +256,6 @@ class Wire:
             return [P.encode(FOREIGN), P.encode(P.ForwardReady(self.seq, 0, self.seq, 0, 0, LAYOUT, None, 3, 0, 256))]
         if t is MsgType.SENT:
             return [p.sent(self.seq)]
-        if t is MsgType.DOORBELL_OFFER:
-            return [p.doorbell_offer(P.DoorbellOffer("ipcsync-1-0123456789abcdef", 16, 6))]
         if t is MsgType.BYE:
             if self.ack is not None:
                 frame, self.ack = self.ack, None
@@ -297,10 +294,6 @@ class Wire:
         if t is MsgType.SWITCH:
             assert self.answer is not None
             frame, self.answer = self.answer, None
-            return [frame]
-        if t is MsgType.DOORBELL_OFFER:
-            frame = c.doorbell_offer(P.DoorbellOffer("ipcsync-1-0123456789abcdef", 16, 6))
-            assert frame is not None
             return [frame]
         if t is MsgType.BYE:
             frame = c.bye()
@@ -347,7 +340,7 @@ class Wire:
                 assert ev is None or ev.kind is not Kind.BAD_FRAME, ev.data
             else:
                 assert isinstance(ev, (type(None), SetupReceived, SwitchReceived, LaneOffered, SentReceived,
-                                       ForeignReceived, ForwardedReceived, DoorbellOffered)), ev
+                                       ForeignReceived, ForwardedReceived)), ev
                 if P.decode(frame).TYPE != MsgType.ERROR:
                     assert self.c.error is None, self.c.error
 

@@ -146,5 +146,4 @@ def native_state(a: dict[str, Any]) -> None:
     """What ``ipcsync.backends.native`` made of ``IPCSYNC_NATIVE`` at its import here."""
     from ipcsync.backends import native  # noqa: PLC0415 - the import is what is tested
 
-    say(event="done", enabled=native.ENABLED, host_copy=native.host_copy() is not None,
-        decoders=native.decoders_in_use())
+    say(event="done", enabled=native.ENABLED, host_copy=native.host_copy() is not None)
