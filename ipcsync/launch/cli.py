@@ -55,7 +55,8 @@ exit status:
   0        every stage exited 0
   N        the first failing stage's own exit code
   125      ipcsync-run itself failed: bad arguments, bad spec, --dry-run check
-           failed, or an internal error (no stage ran, or none is to blame)
+           failed, --mps on without an MPS daemon, or an internal error (no
+           stage ran, or none is to blame)
   127      a stage's command could not be started
   128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
            signal N (130 for Ctrl-C)
