@@ -165,8 +165,9 @@ def user_daemon(environ: Mapping[str, str] | None = None) -> tuple[str | None, b
 
 
 def host_decision(mode: str, plan: Plan) -> MpsDecision:
-    """``decide`` with this host's facts: the control program on PATH, the user's daemon."""
-    pipe, up = user_daemon()
+    """``decide`` with this host's facts: the control program on PATH, the user's daemon
+    (not looked for under ``"off"``)."""
+    pipe, up = user_daemon() if mode != "off" else (None, False)
     return decide(mode, plan, control=shutil.which(CONTROL), user_pipe=pipe, user_listens=up,
                   visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 

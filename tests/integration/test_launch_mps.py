@@ -309,14 +309,16 @@ def test_private_mps_stops_through_its_watchdog(tmp_path: Path, fake: Path, daem
     said: list[str] = []
     mps = mps_daemon.PrivateMps(str(fake), str(runtime_dir), say=said.append)
     mps.start()
-    assert mps.root is not None and mps.daemon is not None and mps.watchdog is not None
-    daemons.append(mps.root)
-    DAEMONS[mps.root] = mps.daemon
-    root, daemon, watchdog = mps.root, mps.daemon, mps.watchdog
-    assert oct(os.stat(root).st_mode & 0o777) == "0o700"
-    assert os.getppid() != watchdog and _ppid(watchdog) != os.getpid()  # out of this process's tree
-    assert clients(mps.pipe, str(fake)) == {}  # answers; no server before a client
-    mps.stop()
+    try:
+        assert mps.root is not None and mps.daemon is not None and mps.watchdog is not None
+        daemons.append(mps.root)
+        DAEMONS[mps.root] = mps.daemon
+        root, daemon, watchdog = mps.root, mps.daemon, mps.watchdog
+        assert oct(os.stat(root).st_mode & 0o777) == "0o700"
+        assert _ppid(watchdog) != os.getpid()  # out of this process's tree
+        assert clients(mps.pipe, str(fake)) == {}  # answers; no server before a client
+    finally:
+        mps.stop()
     assert not os.path.exists(root) and not pid_alive(daemon[0], daemon[1]) and said == []
     wait_until(lambda: not pid_alive(watchdog), 10, "the watchdog's exit")
     mps.stop()  # twice: nothing
