@@ -153,8 +153,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
     """The validated spec, from a spec file or ``--stage``/``--edge``, with ``--replicas``,
-    ``--device``, ``--edge-option``, ``--restart`` and ``--stop-timeout`` applied
-    (SpecError if anything is wrong). ``--mps`` too."""
+    ``--device``, ``--edge-option``, ``--restart``, ``--stop-timeout`` and ``--mps``
+    applied (SpecError if anything is wrong)."""
     if args.spec and args.stage:
         raise SpecError("<command line>: give a spec file or --stage options, not both")
     if args.spec:
