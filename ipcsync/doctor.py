@@ -452,43 +452,27 @@ def _compute_modes(n: int) -> list[str | None]:
 
 
 def mps_state() -> str | None:
-    """How an NVIDIA MPS daemon shows itself on this host (its pipe directory in the
-    environment, its processes, its default control pipe), or None where none does."""
+    """How an NVIDIA MPS daemon shows itself on this host (CUDA_MPS_PIPE_DIRECTORY, any
+    user's daemon and server processes, the default control socket), or None."""
+    from .launch.mps import DEFAULT_PIPE
+    from .launch.mps_daemon import running_daemons
+
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
-    found = []
-    if pipe:
-        found.append(f"CUDA_MPS_PIPE_DIRECTORY={pipe}")
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        pids = []
-    for p in pids:
-        comm = _comm(p)
-        if comm in ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"):
-            found.append(f"{comm} running (pid {p})")
-    if not found and os.path.exists("/tmp/nvidia-mps/control"):
-        found.append("/tmp/nvidia-mps/control exists")
+    found = [f"CUDA_MPS_PIPE_DIRECTORY={pipe}"] if pipe else []
+    found += [f"{name} running (pid {pid})" for pid, name in running_daemons()]
+    if not found and os.path.exists(os.path.join(DEFAULT_PIPE, "control")):
+        found.append(f"{DEFAULT_PIPE}/control exists")
     return "; ".join(found) or None
 
 
-_MPS_DOC = "docs/performance.md, 'The floor of a handoff on one GPU'"
-
-
 def check_mps(state: str | None) -> Check:
-    """What MPS (found as ``state``, from ``mps_state()``) means for ipcsync's edges. Without
-    it, processes sharing a GPU time-slice it, and a GPU-side wait on another process's
-    work waits for a context switch; with it the waits are cheap, but a fatal GPU error in
-    one client can reach the others, and ipcsync is not yet tested under it: a WARN."""
-    if state is None:
-        return Check(PASS, "mps", "not in use: processes sharing a GPU time-slice it, so each GPU-side wait on "
-                     "another process's work waits for a context switch (about 0.2 ms of a round trip on an "
-                     f"H200 host; {_MPS_DOC})")
-    return Check(WARN, "mps", f"in use ({state}): every process becomes an MPS client. Waits between processes "
-                 "on one GPU are cheaper (a 4 KiB round trip 174 us against 285 us on an H200 host), but a fatal "
-                 "GPU error in one client can reach the others, and ipcsync's test suite does not pass under "
-                 f"MPS yet ({_MPS_DOC})",
-                 "for the fault isolation ipcsync's liveness rules assume, run the pipeline without MPS "
-                 "(echo quit | nvidia-cuda-mps-control, and unset CUDA_MPS_PIPE_DIRECTORY)")
+    """Whether MPS is in use (``state``, from ``mps_state()``) and available here, what
+    ipcsync-run's ``mps = "auto"`` does, and what MPS shares (``launch.mps.describe_host``);
+    a WARN where CUDA_MPS_PIPE_DIRECTORY names a daemon that does not answer."""
+    from .launch.mps import describe_host
+
+    warn, found, fix = describe_host(state)
+    return Check(WARN if warn else PASS, "mps", found, fix)
 
 
 def check_cuda(ipc: bool = True, ipc_timeout: float = DEFAULT_IPC_TIMEOUT) -> list[Check]:
@@ -813,6 +797,11 @@ def check_spec(spec: Any, gpus: int, run_base: str) -> list[Check]:
     longest = max((len(p[len("ipc://"):].encode()) for p in paths), default=0)
     out.append(Check(PASS, "plan", f"{len(plan.instances)} process(es), {len(paths)} producer endpoint(s); "
                      f"longest socket path {longest} of {IPC_PATH_MAX} bytes"))
+    from .launch.mps import host_decision
+
+    mps = host_decision(spec.mps, plan)
+    out.append(Check(FAIL if mps.problem else PASS, "plan mps", mps.line(),
+                     "change mps in the spec, or pass --mps" if mps.problem else None))
     return out
 
 

@@ -4,6 +4,7 @@
     ipcsync-run --stage loader="python3 loader.py" --stage train="python3 train.py" \\
                 --edge loader:train --replicas loader=2
     ipcsync-run pipeline.toml --replicas loader=4 --dry-run
+    ipcsync-run pipeline.toml --mps on     # the stages under a private MPS daemon (mps.py, mps_daemon.py)
     ipcsync-run pipeline.toml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 \\
                 --rdzv-secret-file ~/run.secret          # on node 0: writes the run's secret
     ipcsync-run pipeline.toml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400 \\
@@ -22,6 +23,7 @@ import argparse
 import errno
 import math
 import os
+import shutil
 import sys
 import traceback
 from dataclasses import replace
@@ -33,9 +35,11 @@ from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
 from .commands import command_problem
 from .config import LaunchConfig
 from .plan import OMP_THREADS, Nodes, Plan, RemoteEndpoint, place, remote_producers, resolve
-from .spec import MAX_RESTART, Overrides, PipelineSpec, SpecError, from_cli, load
+from .spec import MAX_RESTART, MPS_MODES, Overrides, PipelineSpec, SpecError, from_cli, load, mps_mode
 
 if TYPE_CHECKING:  # loaded only when a pipeline runs
+    from .mps import MpsDecision
+    from .mps_daemon import PrivateMps
     from .monitor import Observer
     from .nodes import NodeGroup
 
@@ -51,13 +55,14 @@ exit status:
   0        every stage exited 0
   N        the first failing stage's own exit code
   125      ipcsync-run itself failed: bad arguments, bad spec, --dry-run check
-           failed, or an internal error (no stage ran, or none is to blame)
+           failed, --mps on without an MPS daemon, or an internal error (no
+           stage ran, or none is to blame)
   127      a stage's command could not be started
   128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
            signal N (130 for Ctrl-C)
 
 Spec format: see docs/launcher.md or ipcsync/launch/spec.py. With a spec file,
---replicas, --device, --edge-option, --restart and --stop-timeout override its values.
+--replicas, --device, --edge-option, --restart, --stop-timeout and --mps override its values.
 """
 
 
@@ -92,6 +97,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="restart the whole group up to N times after a failure (overrides the spec)")
     ap.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
                     help="between SIGTERM and SIGKILL when stopping (overrides the spec)")
+    ap.add_argument("--mps", default=None, metavar="{" + ",".join(MPS_MODES) + "}",
+                    help="a private MPS daemon for the run: on (for any run that uses CUDA), auto (when two "
+                         "or more CUDA processes share a GPU; the default) or off (overrides the spec's mps)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the resolved plan, check every stage's cwd and command, and exit")
     ap.add_argument("--no-summary", action="store_true", help="do not print the per-edge summary")
@@ -145,8 +153,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
     """The validated spec, from a spec file or ``--stage``/``--edge``, with ``--replicas``,
-    ``--device``, ``--edge-option``, ``--restart`` and ``--stop-timeout`` applied
-    (SpecError if anything is wrong)."""
+    ``--device``, ``--edge-option``, ``--restart``, ``--stop-timeout`` and ``--mps``
+    applied (SpecError if anything is wrong)."""
     if args.spec and args.stage:
         raise SpecError("<command line>: give a spec file or --stage options, not both")
     if args.spec:
@@ -168,6 +176,8 @@ def spec_from_args(args: argparse.Namespace) -> PipelineSpec:
         if not 0 < args.stop_timeout < math.inf:
             raise SpecError(f"<command line>: --stop-timeout must be positive, got {args.stop_timeout}")
         spec = replace(spec, stop_timeout=args.stop_timeout)
+    if args.mps is not None:
+        spec = replace(spec, mps=mps_mode(args.mps, "<command line>", "--mps"))
     return spec
 
 
@@ -255,9 +265,13 @@ def run(config: LaunchConfig) -> int:
             print(f"node {r}:")
             print("\n".join("  " + line for line in plan_before_run(r, gpus if r == config.rank else 0)
                             .describe().splitlines()))
-        _dry_run_check(plan_before_run(config.rank, gpus))
+        plan = plan_before_run(config.rank, gpus)
+        mps = _mps_decision(spec, plan)
+        print(f"node {config.rank}: {mps.line()}")
+        _dry_run_check(plan, mps)
         return 0
     plan = plan_before_run(config.rank, gpus)
+    mps = _mps_decision(spec, plan)
     if omp_default and any(dict(s.env).get(OMP_THREADS) is None for s in spec.stages):
         _say(
             f"setting {OMP_THREADS}=1 for each stage (so that stages do not overload the machine with "
@@ -265,19 +279,57 @@ def run(config: LaunchConfig) -> int:
         )
     if config.dry_run:
         print(plan.describe())
-        _dry_run_check(plan)
+        print(mps.line())
+        _dry_run_check(plan, mps)
         return 0
-    return _supervise(config, base, gpus, omp_default)
+    if mps.problem:
+        raise ConfigError(mps.why)
+    return _supervise(config, base, gpus, omp_default, mps)
 
 
-def _dry_run_check(plan: Plan) -> None:
+def _mps_decision(spec: PipelineSpec, plan: Plan) -> MpsDecision:
+    """What the spec's ``mps`` means for ``plan`` on this host (``mps.host_decision``)."""
+    from .mps import host_decision
+
+    return host_decision(spec.mps, plan)
+
+
+def _start_mps(decision: MpsDecision, base: str) -> PrivateMps | None:
+    """The run's private MPS daemon, started, if ``decision`` says to use one. Under
+    ``"auto"``, one that cannot be started is said and the run goes on without MPS;
+    under ``"on"`` it is a ConfigError."""
+    if decision.tell:
+        _say(decision.line())
+    if not decision.use:
+        return None
+    from ..mps_attach import CONTROL
+    from .mps_daemon import PrivateMps
+
+    mps = PrivateMps(shutil.which(CONTROL) or CONTROL, base, say=_say)
+    try:
+        mps.start()
+    except ConfigError as exc:
+        if decision.mode == "on":
+            raise
+        _say(f"{exc}; the run goes on without MPS")
+        return None
+    _say(f"started a private MPS daemon (pid {mps.daemon[0] if mps.daemon else '?'}, pipe directory {mps.pipe})")
+    return mps
+
+
+def _dry_run_check(plan: Plan, mps: MpsDecision) -> None:
+    if mps.problem:
+        raise ConfigError(mps.why)
     problems = check_plan(plan)
     if problems:
         raise ConfigError("the dry run found stages that cannot start:\n  " + "\n  ".join(problems))
 
 
-def _supervise(config: LaunchConfig, base: str, gpus: int, omp_default: bool) -> int:
-    """Run the pipeline under a Supervisor, with its node group and observer if any."""
+def _supervise(config: LaunchConfig, base: str, gpus: int, omp_default: bool, decision: MpsDecision) -> int:
+    """Run the pipeline under a Supervisor, with its node group, observer and private MPS
+    daemon if any. The daemon and its watchdog start before the Supervisor makes this
+    process a child subreaper, so they are not among the descendants it kills after each
+    attempt; the daemon is stopped after the last attempt."""
     from .supervisor import Supervisor
 
     spec = config.spec
@@ -292,11 +344,14 @@ def _supervise(config: LaunchConfig, base: str, gpus: int, omp_default: bool) ->
 
     def make_plan(run_id: str, run_dir: str, attempt: int) -> Plan:
         nodes = group.rendezvous(attempt) if group is not None else None
-        return resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default,
+        plan = resolve(spec, run_id=run_id, run_dir=run_dir, gpus=gpus, restart=attempt, omp_default=omp_default,
                        nodes=nodes)
+        return mps.apply(plan) if mps is not None else plan
 
     observer = _observer(config) if config.observed else None
+    mps: PrivateMps | None = None
     try:
+        mps = _start_mps(decision, base)
         if group is not None:
             group.start()
         return Supervisor(
@@ -304,6 +359,8 @@ def _supervise(config: LaunchConfig, base: str, gpus: int, omp_default: bool) ->
             summary=config.summary, contain=True, observer=observer, group=group,
         ).run()
     finally:
+        if mps is not None:
+            mps.stop()
         if observer is not None:
             observer.close()
         if group is not None:

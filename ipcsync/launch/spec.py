@@ -7,6 +7,8 @@ A spec::
 
     restart = 1                 # restart the whole group up to 1 time after a failure
     stop_timeout = 10           # seconds between SIGTERM and SIGKILL at teardown
+    mps = "auto"                # "on": a private MPS daemon for a CUDA run; "auto" (default):
+                                # one when two or more CUDA processes share a GPU; "off"
 
     [stages.loader]
     cmd = ["python3", "examples/loader.py"]     # or one string, split like a shell
@@ -48,7 +50,7 @@ out by default.
 Every value but ``cmd``, ``env``, ``cwd`` and ``visible_devices`` can be overridden from
 the command line together with a spec file (``apply_overrides``): ``--replicas NAME=N``,
 ``--device NAME=DEVICE``, ``--edge-option FROM:TO:KEY=VALUE``, ``--restart``,
-``--stop-timeout``.
+``--stop-timeout``, ``--mps`` (``mps_mode`` checks its value).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ __all__ = [
     "apply_overrides",
     "Overrides",
     "DEFAULT_SLOT_BYTES",
+    "MPS_MODES",
+    "mps_mode",
 ]
 
 MAX_REPLICAS = 256
@@ -102,7 +106,8 @@ _BYTES_RE = re.compile(r"^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB|k|K|M|G)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 1 << 10,
           "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
 
-_TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name"}
+_TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name", "mps"}
+MPS_MODES = ("on", "auto", "off")  # ipcsync-run's private MPS daemon: always, when GPUs are shared, never
 _STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd", "node", "nodes"}
 MAX_NODES = 1024
 _EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply", "verify"}
@@ -163,6 +168,7 @@ class PipelineSpec:
     stop_timeout: float = 10.0
     name: str = "pipeline"
     source: str = "<spec>"
+    mps: str = "auto"  # one of MPS_MODES (launch.mps decides what it means for a plan)
 
     def stage(self, name: str) -> StageSpec:
         for s in self.stages:
@@ -228,6 +234,7 @@ def from_mapping(data: Mapping[str, Any], source: str = "<spec>", base_dir: str 
         restart=_int(where, "restart", data.get("restart", 0), 0, MAX_RESTART),
         stop_timeout=_seconds(where, "stop_timeout", data.get("stop_timeout", 10.0)),
         name=_name(where, "name", data.get("name", "pipeline")),
+        mps=mps_mode(data.get("mps", "auto"), where.source),
     )
 
 
@@ -500,6 +507,17 @@ def _reaches(a: str, b: str, edges: list[EdgeSpec]) -> bool:
                 seen.add(e.dst)
                 todo.append(e.dst)
     return False
+
+
+def mps_mode(value: Any, source: str = "<spec>", key: str = "mps") -> str:
+    """``value`` if it is one of ``MPS_MODES``; else SpecError naming ``source`` and ``key``
+    (``mps`` in a spec, ``--mps`` on the command line)."""
+    if not isinstance(value, str) or value not in MPS_MODES:
+        raise _Where(source).error(
+            key, f"{value!r} is not an MPS mode; use \"on\" (a private MPS daemon for every run that uses "
+            "CUDA), \"auto\" (one when two or more CUDA processes share a GPU) or \"off\""
+        )
+    return value
 
 
 def _bool(where: _Where, key: str, value: Any) -> bool:

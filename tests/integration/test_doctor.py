@@ -404,20 +404,48 @@ def test_cuda_ipc_probe_failure_is_reported_with_the_fix(monkeypatch: pytest.Mon
     assert c.fix is not None and "--ipc=host" in c.fix
 
 
-def test_mps_in_use_is_a_warning_with_what_it_costs_and_the_fix() -> None:
-    """MPS trades the processes' fault isolation for cheaper waits between them: the
-    doctor says both and how to run without it, and it fails nothing."""
-    c = doctor.check_mps("CUDA_MPS_PIPE_DIRECTORY=/tmp/mps")
+def test_mps_named_but_not_answering_is_a_warning_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """CUDA_MPS_PIPE_DIRECTORY naming a directory where no daemon listens: CUDA processes
+    then run without MPS, silently. The doctor says so and how to fix it, and fails nothing."""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    c = doctor.check_mps(doctor.mps_state())
     assert c.status == "WARN" and c.name == "mps", c
-    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps" in c.found and "can reach the others" in c.found, c
-    assert c.fix is not None and "nvidia-cuda-mps-control" in c.fix and "fix:" in c.text()
+    assert f"CUDA_MPS_PIPE_DIRECTORY={tmp_path}, but no MPS daemon answers there" in c.found, c
+    assert c.fix is not None and "nvidia-cuda-mps-control -d" in c.fix and "--mps on" in c.fix and "fix:" in c.text()
     assert doctor.exit_status([c]) == 0
 
 
-def test_no_mps_passes_and_says_what_sharing_a_gpu_costs() -> None:
+def test_no_mps_passes_and_says_what_auto_does_and_what_mps_shares(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """MPS is a supported mode: the doctor says whether it is available, what ipcsync-run's
+    auto mode does, and what MPS shares between processes (a GPU fault ends them all)."""
+    from ipcsync.launch.mps import AUTO_RULE, SHARES
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control
     c = doctor.check_mps(None)
-    assert c.status == "PASS" and c.name == "mps" and "context switch" in c.found, c
-    assert "fix:" not in c.text()
+    assert c.status == "PASS" and c.name == "mps" and c.found.startswith("not in use: processes sharing a GPU "
+                                                                        "time-slice it"), c
+    assert "not available (nvidia-cuda-mps-control is not on PATH: --mps on fails)" in c.found, c
+    assert AUTO_RULE in c.found and SHARES in c.found and "fix:" not in c.text(), c
+    assert "ends every process of that daemon on that GPU" in SHARES and "restarts the group" in SHARES
+
+
+def test_doctor_spec_says_what_mps_the_run_would_use(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    stages = {"a": {"cmd": [sys.executable, "-c", "pass"], "device": "cuda"},
+              "b": {"cmd": [sys.executable, "-c", "pass"], "device": "cuda"}}
+    from ipcsync.launch.spec import loads
+
+    for mode, status, line in [
+        ("on", "FAIL", "mps on: cannot run a private MPS daemon: nvidia-cuda-mps-control is not found on PATH"),
+        ("auto", "PASS", "mps auto: no MPS daemon: a/0, b/0 share GPU 0, but nvidia-cuda-mps-control is not found"),
+        ("off", "PASS", "mps off: no MPS daemon"),
+    ]:
+        checks = {c.name: c for c in doctor.check_spec(loads(toml_spec(stages, mps=mode)), 1, str(tmp_path))}
+        assert checks["plan mps"].status == status and checks["plan mps"].found.startswith(line), checks["plan mps"]
 
 
 def test_mps_state_sees_the_pipe_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

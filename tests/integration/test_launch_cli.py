@@ -1181,7 +1181,8 @@ def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) ->
     heavy = HEAVY if device == "cpu" or not any(os.path.exists(p) for p in GPU_DRIVER_FILES) else HEAVY - {"torch"}
     assert not imported & heavy, sorted(imported & heavy)  # "auto" on a GPU host: torch counts the GPUs
     ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
-    allowed = LAUNCHER_MODULES | {"ipcsync.runtime.paths"}  # the runtime directory
+    allowed = LAUNCHER_MODULES | {"ipcsync.runtime.paths",  # the runtime directory
+                                  "ipcsync.launch.mps", "ipcsync.mps_attach"}  # the MPS decision
     assert ours <= allowed, sorted(ours - allowed)
     assert not list(launcher.runtime_dir.glob("run-*"))
     launcher.assert_nothing_left()

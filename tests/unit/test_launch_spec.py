@@ -39,7 +39,7 @@ from ipcsync.launch.spec import (
 
 SRC = "pipe.toml"
 CLI = "<command line>"
-TOP_KEYS = ("edges", "name", "restart", "stages", "stop_timeout")
+TOP_KEYS = ("edges", "mps", "name", "restart", "stages", "stop_timeout")
 STAGE_KEYS = ("cmd", "cwd", "device", "env", "node", "nodes", "replicas", "visible_devices")
 EDGE_KEYS = ("from", "policy", "reply", "slot_bytes", "slots", "timeout", "to", "verify", "wait")
 
