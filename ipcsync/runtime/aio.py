@@ -185,12 +185,26 @@ class CallerItems:
 class AsyncItems:
     """The iterator of ``async for item in consumer`` (or a FanIn): one per loop, so
     each task iterating has its own current item. ``auto_release``: the item it returned
-    last is released at the next step, and when the stream ends."""
+    last is released at the next step, when the stream ends, and when the iterator is
+    left for good:
+
+    - ``aclose()`` releases it at once and ends the iterator (``contextlib.aclosing``);
+    - an iterator dropped while it holds an item (``break``, an exception out of the
+      loop: a caught Ctrl-C or CancelledError, a new ``asyncio.run``) hands that item
+      to its consumer when it is collected (``Lender.drop``: no lock, no I/O, so a
+      finalizer may run in any thread, with or without a loop), and the consumer
+      releases it at its next take, whatever task, loop or thread takes (or at close).
+
+    Without ``auto_release`` the program releases its items itself, and none of this
+    applies."""
+
+    __slots__ = ("_next_item", "_timeout", "_auto_release", "_current", "_closed")
 
     def __init__(self, next_item: Callable[[float | None], Awaitable["Item | None"]], timeout: float | None,
                  auto_release: bool) -> None:
         self._next_item, self._timeout, self._auto_release = next_item, timeout, auto_release
         self._current: "Item | None" = None
+        self._closed = False
 
     def __aiter__(self) -> "AsyncItems":
         return self
@@ -199,8 +213,27 @@ class AsyncItems:
         cur, self._current = self._current, None
         if cur is not None and self._auto_release:
             cur.release()
+        if self._closed:
+            raise StopAsyncIteration
         item = await self._next_item(self._timeout)
         if item is None:
             raise StopAsyncIteration
         self._current = item
         return item
+
+    async def aclose(self) -> None:
+        """End this iteration: its current item is released now (``auto_release``), and
+        a later step ends at once. Idempotent."""
+        self._closed = True
+        cur, self._current = self._current, None
+        if cur is not None and self._auto_release:
+            cur.release()
+
+    def __del__(self) -> None:
+        cur = self._current
+        if cur is not None and self._auto_release and not cur.released:
+            self._current = None
+            try:
+                cur.origin.drop(cur)
+            except Exception:  # (interpreter shutdown: nothing is left to release to)
+                pass

@@ -496,6 +496,23 @@ class ConsumerEndpoint(EndpointBase):
 
     # ------------------------------------------------------------------ EndpointBase hooks
     def _pump(self) -> None:
+        """``_pump_io``, after releasing the items of async iterators left while they
+        held them (``Lender.drop``): in a call of the program's (a take, a wait), on its
+        thread and stream, as the implicit release at the next ``next()`` is."""
+        if self._lender.dropped:
+            self._release_dropped()
+        self._pump_io()
+
+    def _release_dropped(self) -> None:
+        """Release what ``Lender.drop`` queued. Lock held."""
+        dropped = self._lender.dropped
+        while dropped:
+            item = dropped.popleft()  # (appends come from any thread; only we pop, locked)
+            if not item.released:
+                self._release_locked(item, None)
+        self._link.flush_releases()
+
+    def _pump_io(self) -> None:
         """Everything at a tick (ZeroMQ, liveness, stats); between ticks, after a wait
         whose select found only the lane readable (or nothing), the lane alone: ZeroMQ's
         fds were drained (``_io_pending``: ``ZMQ_EVENTS`` read) before that select, and
@@ -517,8 +534,9 @@ class ConsumerEndpoint(EndpointBase):
 
     def _service_pump(self) -> None:
         # The user's thread is away (computing): nothing to batch with, flush now.
+        # (Dropped async items wait for the program's next call: its stream.)
         self._link.flush_releases()
-        self._pump()
+        self._pump_io()
 
     def _io_fds(self) -> list[int]:
         wake = self._lender.wake
