@@ -44,6 +44,7 @@ from . import aio, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
+from .closing import DEFAULT_LINGER, Linger, failure_text, kept_words
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .lane import polled_form
@@ -612,9 +613,11 @@ class ProducerPort(EndpointBase):
                 raise
         return _new_tuple(SlotTicket, (rec, plan, s, store)), views
 
-    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
+    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool, held: Sequence[str] = (),
+                   fields: Any = None) -> None:
         """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
-        else the slot is given back): ``Handoffs.finish``. Takes the lock."""
+        else the slot is given back): ``Handoffs.finish``. ``held``: the fields (of
+        ``fields``) whose tensor the program still names. Takes the lock."""
         h = self.handoffs
         slot = ticket.rec.slot
         with self._lock:
@@ -622,12 +625,9 @@ class ProducerPort(EndpointBase):
                 # A tensor of the block outlived it: a write through it would change the
                 # item after it was sent. Not sent; the slot waits until it is gone.
                 h.kept_slots[slot] = ticket.store
+                h.kept_what[slot] = what = kept_words(self.name, fields or {}, held)
                 if ok:
-                    raise SlotKeptError(
-                        f"a tensor taken from this Producer.slot() block on {self.name!r} is "
-                        "still referenced after the block ended, so the item was not sent (a write through "
-                        "it would change an item already sent); keep no reference to s[name] past the "
-                        "block: del it before the block ends, or use s[name] without naming it")
+                    raise SlotKeptError(what)
                 return
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
@@ -742,8 +742,9 @@ class ProducerPort(EndpointBase):
     def _waited_for_slot(self, seconds: float) -> None:
         self._stats.waited("slot" if self.ring.consumers() else "consumer", seconds)
 
-    async def aclose(self, timeout: float | None) -> None:
-        """``Producer.aclose``: what ``close`` does, awaited on the event loop."""
+    async def aclose(self, timeout: float | None, linger: Linger) -> None:
+        """``Producer.aclose``: what ``close`` does, awaited on the event loop. Cancelled
+        (or interrupted) while it waits, it ends the stream as ``abort`` does, then re-raises."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         with self._lock:
@@ -758,28 +759,31 @@ class ProducerPort(EndpointBase):
                 self.pump()
                 if self.ring.queued > 0:
                     # (Nobody left to take queued items: close() drops them, with its warning.)
-                    return self.handoffs.alone_too_long(self.attached_total), None
+                    return self.handoffs.alone_too_long(self.attached_total, linger), None
                 # Every item sent was delivered: say goodbye now, as close() does before it
-                # waits. A consumer gives back at our BYE the slots its program's tensors
-                # still view (the reference rule keeps them until then), so waiting for
-                # every release before the BYE would wait for ever on a kept view.
+                # waits. A consumer gives back at our BYE the slots its program's tensors still
+                # view (the reference rule), so a wait for every release before it could be endless.
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                return not self.ring.busy(), None
+                return not self.handoffs.busy(), None
 
         def fill(poller: Any) -> None:
             with self._lock:
                 if not self._closed:
                     poller.add(self._fds, self.io_pending())
 
-        await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
-        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()), linger)
 
     def flush(self, timeout: float | None) -> None:
         """``Producer.flush``."""
         with self._call():
             t = self._resolve_timeout(timeout)
-            if not self._wait_until(lambda: not self.ring.busy(), t):
+            if not self._wait_until(lambda: not self.handoffs.busy(), t):  # (a kept slot() slot sent nothing)
                 raise self._timeout_error("items still in flight", t, f"slot states: {self.ring.occupancy()}")
 
     def wait_for_consumers(self, n: int, timeout: float | None) -> None:
@@ -807,7 +811,7 @@ class ProducerPort(EndpointBase):
                 layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used, doorbells=len(peers.bells),
             )
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, linger: Linger = DEFAULT_LINGER) -> None:
         """``Producer.close``: deliver what is queued, BYE every consumer, wait for their
         releases and goodbyes, then free everything. A close() already under way in
         another thread is waited for (up to ``timeout``), not run twice. Interrupted
@@ -825,10 +829,10 @@ class ProducerPort(EndpointBase):
             h, fwd = self.handoffs, self.forwarder
             interrupted: BaseException | None = None
             try:
-                h.deliver_queued(deadline, lambda: self.attached_total)
+                h.deliver_queued(deadline, lambda: self.attached_total, linger)
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                h.wait_nagging(lambda: not self.ring.busy() and not self.peers and not fwd.ledger.pending,
+                h.wait_nagging(lambda: not h.busy() and not self.peers and not fwd.ledger.pending,
                                deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
@@ -840,9 +844,11 @@ class ProducerPort(EndpointBase):
                 self._fail(failure_text(interrupted))
             else:
                 fwd.abandon()
-                if self.ring.busy():
+                if h.busy():
                     log.warning("ipcsync producer %r closing with items not released by consumers "
                                 "(slot states %s)", self.name, self.ring.occupancy())
+                if (kept := h.kept_report()) is not None:
+                    log.warning("ipcsync %s (close() does not wait for it)", kept)
                 self._mark_closed()
                 self._teardown()
         self._stop_service()
@@ -871,9 +877,3 @@ class ProducerPort(EndpointBase):
         self._mark_closed()
         self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
 
-
-def failure_text(error: BaseException | str | None) -> str:
-    """What an ERROR ``failed`` says of ``error``: an exception's type and message, or a text."""
-    if isinstance(error, BaseException):
-        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return error or "aborted"

@@ -53,6 +53,7 @@ from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
 from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError
+from .closing import LEFT_LINGER_S, Linger, dropped_words
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
@@ -62,8 +63,8 @@ log = logging.getLogger(__name__)
 
 NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
 # close(): how long queued items wait for a consumer once every consumer that attached
-# has left; then they are dropped, with a warning naming how many.
-CLOSE_LINGER_S = 2.0
+# has left (by default; runtime.closing); then they are dropped, with a warning naming how many.
+CLOSE_LINGER_S = LEFT_LINGER_S
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
 # Layout ids in use at once (least recently used reused), within what a consumer caches.
 MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
@@ -167,6 +168,7 @@ class Handoffs:
         # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
         self.stores: list[SlotStore | None] = [None] * self.slots
         self.kept_slots: dict[int, SlotStore] = {}
+        self.kept_what: dict[int, str] = {}  # kept slot -> which tensor (runtime.closing.kept_words)
         # Step 3 in one C call for a plan with ``flat`` bytes (backends.native): on a host
         # slot a memcpy, on a CUDA slot the copy and step 3b's record together. None: off,
         # not built, or no CUDA runtime found; plans then keep no ``flat`` (torch copies).
@@ -192,6 +194,7 @@ class Handoffs:
         for slot, store in list(self.kept_slots.items()):
             if all_of_them or not store.in_use():
                 del self.kept_slots[slot]
+                self.kept_what.pop(slot, None)
                 self.ring.abort(slot)
 
     # ------------------------------------------------------------------ plans
@@ -288,44 +291,59 @@ class Handoffs:
                         "this; abort() ends the stream at once)", self.name, words())
             nag = time.monotonic() + NAG_S
 
-    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int]) -> None:
+    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int], linger: Linger) -> None:
         """close(): wait (nagging) until every queued item went out, up to ``deadline``.
 
-        When every consumer that attached has left (none attached now, ``attached_ever()``
-        > 0) the items wait only CLOSE_LINGER_S for one to attach; then they are dropped
-        with a warning naming how many: nobody is left to take them, and a close() must
-        neither lose them silently nor stall for its whole timeout. A producer that no
-        consumer ever attached to waits for one until ``deadline`` (either side may start
-        first). Items dropped at ``deadline`` are warned about the same way."""
+        While no consumer is attached the items wait only ``linger`` for one to attach
+        (``runtime.closing``: by default 10 s when none ever attached, 2 s once every
+        consumer that attached has left); then they are dropped with a warning naming
+        how many: a close() must neither lose them silently nor stall for its whole
+        timeout (by default: forever) for a consumer that may never come. Items dropped
+        at ``deadline`` are warned about the same way."""
         ring = self.ring
-        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever())  # noqa: E731
-        self.wait_nagging(done, deadline, self.queued_words)
+        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever(), linger)  # noqa: E731
+        self.wait_nagging(done, deadline, lambda: self.queued_words(linger.after(attached_ever())))
         if ring.queued and not ring.consumers():
             dropped = ring.drop_queued()
             for slot in dropped:
                 self.records[slot].vacate()
             ever = attached_ever()
-            why = (f"every consumer that attached ({ever}) had left and none attached within "
-                   f"{CLOSE_LINGER_S:g} s" if ever else "no consumer attached before close()'s timeout")
-            log.warning("ipcsync producer %r closed with %d queued item(s) that no consumer took: dropped "
-                        "(%s); to deliver them, keep a consumer attached until close() returns",
-                        self.name, len(dropped), why)
+            wait = linger.after(ever)
+            log.warning("ipcsync producer %r %s", self.name,
+                        dropped_words(len(dropped), ever, wait if self.alone_too_long(ever, linger) else None))
 
-    def alone_too_long(self, attached_ever: int) -> bool:
-        """Every consumer that attached (``attached_ever`` of them) has left, and none has
-        attached for CLOSE_LINGER_S: queued items have nobody to wait for."""
-        if not attached_ever or self.ring.consumers():
+    def alone_too_long(self, attached_ever: int, linger: Linger) -> bool:
+        """No consumer is attached, and none has attached for ``linger`` (that for a
+        producer no consumer ever attached to, or that once ``attached_ever`` ones
+        left): queued items have nobody to wait for."""
+        wait = linger.after(attached_ever)
+        if self.ring.consumers() or wait is None:
             self._alone_since = None
             return False
         now = time.monotonic()
         if self._alone_since is None:
             self._alone_since = now
-        return now - self._alone_since >= CLOSE_LINGER_S
+        return now - self._alone_since >= wait
 
-    def queued_words(self) -> str:
+    def busy(self) -> bool:
+        """close(): a slot is still written, queued or in flight, not counting the slots
+        kept by a ``slot()`` tensor that outlived its block: nothing was sent from them,
+        and only the program can drop that tensor (close() names it instead)."""
+        if self.kept_slots:
+            self.free_kept_slots()
+        return self.ring.free_slots + len(self.kept_slots) < self.slots
+
+    def kept_report(self) -> str | None:
+        """close(): what the slots still kept by ``slot()`` tensors are (None: none)."""
+        if self.kept_slots:
+            self.free_kept_slots()
+        return "; ".join(self.kept_what.get(s, "a slot() tensor") for s in self.kept_slots) or None
+
+    def queued_words(self, linger: float | None = None) -> str:
         n = self.ring.queued
         if not self.ring.consumers():
-            return f"{n} item(s) sent but no consumer is attached to take them"
+            then = "" if linger is None else f", dropped if none attaches within {linger:g} s (close(linger=...))"
+            return f"{n} item(s) sent but no consumer is attached to take them{then}"
         return f"{n} item(s) queued for consumers whose credits are all in use"
 
     def held_words(self) -> str:
