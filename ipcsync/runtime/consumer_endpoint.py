@@ -287,9 +287,66 @@ class ConsumerEndpoint(EndpointBase):
         from a producer on another host: its items' transfers are polled)."""
         return self._wait.name
 
-    def close(self, timeout: float | None = None, forwarded_wait: bool = True) -> None:
+    async def aclose(self, timeout: float | None) -> None:
+        """``Consumer.aclose``: ``close``'s two waits awaited on the event loop (the items
+        this consumer forwarded, up to ``timeout``; the producer's answer to our goodbye,
+        up to 1 s), then ``close``, which has nothing left to wait for. Cancelled while it
+        waits, it still closes (at once), then re-raises."""
+        t = self._resolve_timeout(timeout)
+        start = time.monotonic()
+        s, link, lender = self.session, self._link, self._lender
+
+        def fill(poller: Any) -> None:
+            with self._lock:
+                if self._closed:
+                    return
+                poller.add(self._io_fds(), self._io_pending())
+                lent = lender.lent()
+            for other in lent:
+                poller.lend(other)
+
+        def forwarded_back() -> tuple[bool, None]:
+            with self._lock:
+                if self._closed or not lender.forwarded or s.error is not None:
+                    return True, None
+                self._pump()
+                return not lender.forwarded, None
+
+        def answered() -> tuple[bool, None]:
+            with self._lock:
+                if self._closed or not s.exchanging or s.error is not None or s.bye_acked:
+                    return True, None
+                if not s.bye_sent:
+                    self._let_go()
+                    if lender.forwarded:  # (their wait ran out: close() gives them back, saying so)
+                        return True, None
+                    link.say_bye()
+                self._pump()
+                return s.bye_acked or s.error is not None or not link.producer_alive(), None
+
+        try:
+            await aio.wait_for_attempt(forwarded_back, fill, t, self._tick, lambda: None)
+            await aio.wait_for_attempt(answered, fill, 1.0 if t is None else max(0.2, min(1.0, t)), self._tick,
+                                       lambda: None)
+        except BaseException:  # cancelled (or interrupted) while it waited: closed all the same
+            self.close(0.0, forwarded_wait=False, bye_waited=True)
+            raise
+        left = None if t is None else max(0.0, t - (time.monotonic() - start))
+        self.close(left, forwarded_wait=False, bye_waited=True)
+
+    def _let_go(self) -> None:
+        """Release everything held (items, kept slots, buffered entries) and send those
+        releases: what close() does before its goodbye. Lock held."""
+        for item in self._lender.held_items():
+            self._release_locked(item, None)
+        self._link.give_up_kept()
+        self.session.give_back_buffered()
+        self._link.flush_releases()
+
+    def close(self, timeout: float | None = None, forwarded_wait: bool = True, bye_waited: bool = False) -> None:
         """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this
-        consumer forwarded zero-copy; without it they are given back at once). A close()
+        consumer forwarded zero-copy; without it they are given back at once;
+        ``bye_waited``: a goodbye already sent was waited for: no second wait). A close()
         already under way in another thread is waited for (up to ``timeout``), not run
         twice; interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
         interrupted: BaseException | None = None
@@ -300,15 +357,11 @@ class ConsumerEndpoint(EndpointBase):
                 return
             s, link, lender = self.session, self._link, self._lender
             try:
-                for item in lender.held_items():
-                    self._release_locked(item, None)
-                link.give_up_kept()
-                s.give_back_buffered()
-                link.flush_releases()
+                self._let_go()
                 if lender.forwarded:
                     t = self._resolve_timeout(timeout if forwarded_wait else 0.0)
                     lender.close(lambda done: self._wait_until(done, t), self.endpoint.name)
-                if s.exchanging and s.error is None and not s.bye_acked:
+                if s.exchanging and s.error is None and not s.bye_acked and not (bye_waited and s.bye_sent):
                     link.say_bye()
                     t = self._resolve_timeout(timeout)
                     t = max(1.0 if t is None else min(t, 1.0), 0.2)  # the ack is a round trip away
