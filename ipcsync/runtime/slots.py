@@ -48,6 +48,7 @@ from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
 from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_empty
+from ..core.metakeys import non_str_key
 from ..core.ratelog import RateLog
 from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
@@ -583,6 +584,16 @@ class Handoffs:
         try:
             P.check_outgoing(frame, meta, plan.layout_size if plan.layout_id else 0, self.limits)
         except ProtocolError as exc:
+            if (key := non_str_key(meta)) is not None:
+                raise ConfigError(
+                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
+                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
+                    "(key, value) pairs. Nothing was sent") from None
+            if (key := non_str_key(meta)) is not None:
+                raise ConfigError(
+                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
+                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
+                    "(key, value) pairs. Nothing was sent") from None
             lim = self.limits
             raise ConfigError(
                 f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
