@@ -150,3 +150,26 @@ def test_a_finalizer_under_the_consumers_lock_waits_for_the_next_take(endpoints:
     assert item is not None and item.meta == 1
     assert inp.stats()["held"] == 1
     item.release()
+
+
+def test_a_fanin_async_for_left_early_gives_its_item_back(endpoints: Any) -> None:
+    """The same through a FanIn: its item goes back to its source at the next take."""
+    out = endpoints.producer("aio-left-fan", device="cpu", slots=1, slot_bytes=4096, timeout=10.0)
+    fan = endpoints.fanin(["aio-left-fan"], device="cpu", timeout=10.0)
+    out.wait_for_consumers(1, timeout=10)
+    out.send({"x": torch.zeros(4)}, meta=0)
+
+    async def main() -> int:
+        async for item in fan:
+            assert item.meta == 0
+            break
+        sender = threading.Thread(target=lambda: out.send({"x": torch.ones(4)}, meta=1, timeout=10))
+        sender.start()
+        nxt = await fan.aget(timeout=10)  # the one slot came back at this take
+        sender.join(15)
+        assert nxt is not None
+        meta = int(nxt.meta)
+        nxt.release()
+        return meta
+
+    assert asyncio.run(main()) == 1
