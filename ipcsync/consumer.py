@@ -18,6 +18,7 @@ from .item import Item
 from .runtime import aio
 from .runtime.channel import CurveKeys, Endpoint
 from .runtime.consumer_endpoint import ConsumerEndpoint
+from .runtime.consumer_endpoint import aclose as aclose_endpoint
 from .runtime.endpoint import UNSET, Unset
 from .runtime.waiting import SourcePort
 
@@ -207,7 +208,7 @@ class Consumer:
         forwarded, up to ``timeout``; for the producer's answer to the goodbye, up to 1 s)
         awaited without blocking the event loop. Idempotent. Cancelled while it waits,
         it still closes (at once), then re-raises."""
-        await self._endpoint.aclose(timeout)
+        await aclose_endpoint(self._endpoint, timeout)
 
     def __enter__(self) -> "Consumer":
         return self
@@ -227,6 +228,6 @@ class Consumer:
         """``aclose()`` on a clean exit; an exception (a cancellation or Ctrl-C included)
         closes at once, as ``__exit__`` does."""
         if exc_type is None:
-            await self._endpoint.aclose(None)
+            await aclose_endpoint(self._endpoint, None)
         else:
             self._endpoint.close(0.0, forwarded_wait=False)

@@ -182,7 +182,11 @@ class Producer:
         queued while no consumer is attached wait ``linger`` and are dropped as
         ``close()`` drops them. Cancelled while it waits, it ends the stream as
         ``abort()`` does, then re-raises."""
-        await self.port.aclose(timeout, _linger(linger))
+        try:
+            await self.port.aclose(timeout, _linger(linger))
+        except BaseException as exc:  # cancelled or interrupted while it waited: no clean end
+            self.abort(exc)
+            raise
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item sent so far has been released by its consumers (or they

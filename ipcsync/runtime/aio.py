@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..item import Item
     from .handover import Pumpable
 
-__all__ = ["readable", "wait_for_attempt", "fill_from_ports", "CallerItems", "AsyncItems"]
+__all__ = ["readable", "wait_for_attempt", "close_awaiting", "fill_from_ports", "CallerItems", "AsyncItems"]
 
 T = TypeVar("T")
 
@@ -114,6 +114,34 @@ async def wait_for_attempt(
     finally:
         if waited is not None:
             waited(time.monotonic() - start)
+
+
+async def close_awaiting(step: Callable[[bool], tuple[bool, None]], port: SourcePort[Any], timeout: float | None,
+                         tick: float, close: Callable[[float | None], None]) -> None:
+    """``Consumer.aclose``: ``step(False)`` until the items the consumer forwarded are
+    back (up to ``timeout``; None: while their holders live), then ``step(True)`` until
+    its goodbye is answered (up to 1 s), awaiting ``port``'s descriptors between
+    attempts; then ``close(what is left of timeout)``, which has nothing left to wait
+    for. Cancelled (or interrupted) while it waits: ``close(0.0)``, then re-raised."""
+    start = time.monotonic()
+
+    def fill(poller: Poller) -> None:
+        with port.lock:
+            if port.is_closed():
+                return
+            poller.add(port.io_fds(), port.io_pending())
+            lent = port.lent()
+        for other in lent:
+            poller.lend(other)
+
+    try:
+        await wait_for_attempt(lambda: step(False), fill, timeout, tick, lambda: None)
+        await wait_for_attempt(lambda: step(True), fill, 1.0 if timeout is None else max(0.2, min(1.0, timeout)),
+                               tick, lambda: None)
+    except BaseException:
+        close(0.0)
+        raise
+    close(None if timeout is None else max(0.0, timeout - (time.monotonic() - start)))
 
 
 def fill_from_ports(poller: Poller, ports: Iterable[SourcePort[Any]], closed: Callable[[], Exception]) -> None:

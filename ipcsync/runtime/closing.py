@@ -1,4 +1,4 @@
-"""What bounds a producer's ``close()`` when nobody can end its wait.
+"""A producer's ``close()`` where nobody can end its wait, bounded.
 
 ``close()`` waits for consumers: to take what is queued, to release what they hold. Two
 waits have nobody to end them, and neither is waited out:
@@ -16,19 +16,26 @@ waits have nobody to end them, and neither is waited out:
   close does not take away (a CPU arena's name is unlinked, its mapping lives on with the
   tensor).
 
-And what an ``abort`` (a failed end of the stream) tells consumers: ``failure_text``.
-
-Pure: no clock, no I/O, no torch.
+The waits and words of both, on the producer's ``runtime.slots.Handoffs`` (lock held);
+and what an ``abort`` (a failed end of the stream) tells consumers: ``failure_text``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["FIRST_LINGER_S", "LEFT_LINGER_S", "Linger", "DEFAULT_LINGER", "kept_words", "dropped_words", "failure_text"]
+if TYPE_CHECKING:
+    from .slots import Handoffs
+
+__all__ = ["FIRST_LINGER_S", "LEFT_LINGER_S", "Linger", "DEFAULT_LINGER", "deliver_queued", "alone_too_long",
+           "busy", "kept_report", "kept_words", "dropped_words", "failure_text"]
+
+log = logging.getLogger(__name__)
 
 # close(): how long items queued for nobody wait for a consumer to attach.
 FIRST_LINGER_S = 10.0  # no consumer ever attached
@@ -57,6 +64,63 @@ class Linger(NamedTuple):
 
 
 DEFAULT_LINGER = Linger(FIRST_LINGER_S, LEFT_LINGER_S)
+
+
+def deliver_queued(h: "Handoffs", deadline: float | None, attached_ever: Callable[[], int], linger: Linger) -> None:
+    """close(): wait (nagging) until every queued item went out, up to ``deadline``.
+
+    While no consumer is attached the items wait only ``linger`` for one to attach; then
+    they are dropped with a warning naming how many: a close() must neither lose them
+    silently nor stall for its whole timeout (by default: forever) for a consumer that may
+    never come. Items dropped at ``deadline`` are warned about the same way."""
+    ring = h.ring
+    done = lambda: ring.queued == 0 or alone_too_long(h, attached_ever(), linger)  # noqa: E731
+    h.wait_nagging(done, deadline, lambda: _queued_words(h, linger.after(attached_ever())))
+    if ring.queued and not ring.consumers():
+        dropped = ring.drop_queued()
+        for slot in dropped:
+            h.records[slot].vacate()
+        ever = attached_ever()
+        wait = linger.after(ever) if alone_too_long(h, ever, linger) else None
+        log.warning("ipcsync producer %r %s", h.name, dropped_words(len(dropped), ever, wait))
+
+
+def alone_too_long(h: "Handoffs", attached_ever: int, linger: Linger) -> bool:
+    """No consumer is attached, and none has attached for ``linger`` (that for a producer
+    no consumer ever attached to, or that once ``attached_ever`` ones left): queued items
+    have nobody to wait for."""
+    wait = linger.after(attached_ever)
+    if h.ring.consumers() or wait is None:
+        h.alone_since = None
+        return False
+    now = time.monotonic()
+    if h.alone_since is None:
+        h.alone_since = now
+    return now - h.alone_since >= wait
+
+
+def busy(h: "Handoffs") -> bool:
+    """close() and flush(): a slot is still written, queued or in flight, not counting
+    the slots kept by a ``slot()`` tensor that outlived its block: nothing was sent from
+    them, and only the program can drop that tensor (close() names it instead)."""
+    if h.kept_slots:
+        h.free_kept_slots()
+    return h.ring.free_slots + len(h.kept_slots) < h.slots
+
+
+def kept_report(h: "Handoffs") -> str | None:
+    """close(): what the slots still kept by ``slot()`` tensors are (None: none)."""
+    if h.kept_slots:
+        h.free_kept_slots()
+    return "; ".join(h.kept_what.get(s, "a slot() tensor") for s in h.kept_slots) or None
+
+
+def _queued_words(h: "Handoffs", linger: float | None) -> str:
+    n = h.ring.queued
+    if not h.ring.consumers():
+        then = "" if linger is None else f", dropped if none attaches within {linger:g} s (close(linger=...))"
+        return f"{n} item(s) sent but no consumer is attached to take them{then}"
+    return f"{n} item(s) queued for consumers whose credits are all in use"
 
 
 def kept_words(producer: str, fields: Mapping[str, tuple[Sequence[int], Any]], held: Sequence[str]) -> str:

@@ -60,7 +60,7 @@ from .upstream import ProducerLink, make_hello, unanswered_error
 from .verify import Verifier
 from .waiting import SourcePort
 
-__all__ = ["ConsumerEndpoint"]
+__all__ = ["ConsumerEndpoint", "aclose", "close_step", "let_go"]
 
 log = logging.getLogger(__name__)
 get_ident = threading.get_ident
@@ -287,68 +287,11 @@ class ConsumerEndpoint(EndpointBase):
         from a producer on another host: its items' transfers are polled)."""
         return self._wait.name
 
-    async def aclose(self, timeout: float | None) -> None:
-        """``Consumer.aclose``: ``close``'s two waits awaited on the event loop (the items
-        this consumer forwarded, up to ``timeout``; the producer's answer to our goodbye,
-        up to 1 s), then ``close``, which has nothing left to wait for. Cancelled while it
-        waits, it still closes (at once), then re-raises."""
-        t = self._resolve_timeout(timeout)
-        start = time.monotonic()
-        s, link, lender = self.session, self._link, self._lender
-
-        def fill(poller: Any) -> None:
-            with self._lock:
-                if self._closed:
-                    return
-                poller.add(self._io_fds(), self._io_pending())
-                lent = lender.lent()
-            for other in lent:
-                poller.lend(other)
-
-        def forwarded_back() -> tuple[bool, None]:
-            with self._lock:
-                if self._closed or not lender.forwarded or s.error is not None:
-                    return True, None
-                self._pump()
-                return not lender.forwarded, None
-
-        def answered() -> tuple[bool, None]:
-            with self._lock:
-                if self._closed or not s.exchanging or s.error is not None or s.bye_acked:
-                    return True, None
-                if not s.bye_sent:
-                    self._let_go()
-                    if lender.forwarded:  # (their wait ran out: close() gives them back, saying so)
-                        return True, None
-                    link.say_bye()
-                self._pump()
-                return s.bye_acked or s.error is not None or not link.producer_alive(), None
-
-        try:
-            await aio.wait_for_attempt(forwarded_back, fill, t, self._tick, lambda: None)
-            await aio.wait_for_attempt(answered, fill, 1.0 if t is None else max(0.2, min(1.0, t)), self._tick,
-                                       lambda: None)
-        except BaseException:  # cancelled (or interrupted) while it waited: closed all the same
-            self.close(0.0, forwarded_wait=False, bye_waited=True)
-            raise
-        left = None if t is None else max(0.0, t - (time.monotonic() - start))
-        self.close(left, forwarded_wait=False, bye_waited=True)
-
-    def _let_go(self) -> None:
-        """Release everything held (items, kept slots, buffered entries) and send those
-        releases: what close() does before its goodbye. Lock held."""
-        for item in self._lender.held_items():
-            self._release_locked(item, None)
-        self._link.give_up_kept()
-        self.session.give_back_buffered()
-        self._link.flush_releases()
-
     def close(self, timeout: float | None = None, forwarded_wait: bool = True, bye_waited: bool = False) -> None:
-        """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this
-        consumer forwarded zero-copy; without it they are given back at once;
-        ``bye_waited``: a goodbye already sent was waited for: no second wait). A close()
-        already under way in another thread is waited for (up to ``timeout``), not run
-        twice; interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
+        """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this consumer
+        forwarded zero-copy, else give them back at once; ``bye_waited``: ``aclose`` waited for
+        the BYE's ack). A close() already under way in another thread is waited for (up to
+        ``timeout``); interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
         interrupted: BaseException | None = None
         with self._lock:
             if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
@@ -357,7 +300,7 @@ class ConsumerEndpoint(EndpointBase):
                 return
             s, link, lender = self.session, self._link, self._lender
             try:
-                self._let_go()
+                let_go(self)
                 if lender.forwarded:
                     t = self._resolve_timeout(timeout if forwarded_wait else 0.0)
                     lender.close(lambda done: self._wait_until(done, t), self.endpoint.name)
@@ -549,29 +492,15 @@ class ConsumerEndpoint(EndpointBase):
 
     # ------------------------------------------------------------------ EndpointBase hooks
     def _pump(self) -> None:
-        """``_pump_io``, after releasing the items of async iterators left while they
-        held them (``Lender.drop``): in a call of the program's (a take, a wait), on its
-        thread and stream, as the implicit release at the next ``next()`` is."""
-        if self._lender.dropped:
-            self._release_dropped()
-        self._pump_io()
-
-    def _release_dropped(self) -> None:
-        """Release what ``Lender.drop`` queued. Lock held."""
-        dropped = self._lender.dropped
-        while dropped:
-            item = dropped.popleft()  # (appends come from any thread; only we pop, locked)
-            if not item.released:
-                self._release_locked(item, None)
-        self._link.flush_releases()
-
-    def _pump_io(self) -> None:
         """Everything at a tick (ZeroMQ, liveness, stats); between ticks, after a wait
         whose select found only the lane readable (or nothing), the lane alone: ZeroMQ's
         fds were drained (``_io_pending``: ``ZMQ_EVENTS`` read) before that select, and
         an fd that did not signal has nothing new behind it (ZMQ_FD signals each arrival
         of commands until they are processed). After the SWITCH the producer sends only
-        on the lane, so ZeroMQ then brings monitor events only."""
+        on the lane, so ZeroMQ then brings monitor events only. First, but not in the service
+        thread (a call's stream), what ``Lender.drop`` queued goes back."""
+        if self._lender.dropped and threading.current_thread() is not self._service:
+            self._lender.release_dropped(self._release_locked)
         woken, self._woken = self._woken, None
         now = time.monotonic()
         if now >= self._next_tick:
@@ -587,9 +516,8 @@ class ConsumerEndpoint(EndpointBase):
 
     def _service_pump(self) -> None:
         # The user's thread is away (computing): nothing to batch with, flush now.
-        # (Dropped async items wait for the program's next call: its stream.)
         self._link.flush_releases()
-        self._pump_io()
+        self._pump()
 
     def _io_fds(self) -> list[int]:
         wake = self._lender.wake
@@ -608,6 +536,41 @@ class ConsumerEndpoint(EndpointBase):
     def _teardown(self) -> None:
         self._lender.wake = None  # (closed when collected; see foreign.Wake)
         self._link.teardown()
+
+
+def let_go(ep: ConsumerEndpoint) -> None:
+    """Release everything ``ep`` holds (items, kept slots, buffered entries) and send
+    those releases: what its close does before the goodbye. Lock held."""
+    for item in ep._lender.held_items():
+        ep._release_locked(item, None)
+    ep._link.give_up_kept()
+    ep.session.give_back_buffered()
+    ep._link.flush_releases()
+
+
+async def aclose(ep: ConsumerEndpoint, timeout: float | None) -> None:
+    """``Consumer.aclose``: ``close``'s waits awaited on the event loop
+    (``aio.close_awaiting`` over ``close_step``), then ``close``."""
+    await aio.close_awaiting(partial(close_step, ep), ep.source_port(), ep._resolve_timeout(timeout), ep._tick,
+                             lambda t: ep.close(t, forwarded_wait=False, bye_waited=True))
+
+
+def close_step(ep: ConsumerEndpoint, goodbye: bool) -> tuple[bool, None]:
+    """``aclose``'s attempts (``(True, None)``: done): the items ``ep`` forwarded are
+    back; then (``goodbye``) everything held is let go, BYE sent and answered (or the
+    producer is gone). Takes the lock."""
+    with ep._lock:
+        s, lender, link = ep.session, ep._lender, ep._link
+        if ep._closed or s.error is not None or (goodbye and (not s.exchanging or s.bye_acked)):
+            return True, None
+        if goodbye and not s.bye_sent:
+            let_go(ep)
+            if lender.forwarded:  # (their wait ran out: close() gives them back, saying so)
+                return True, None
+            link.say_bye()
+        ep._pump()
+        done = (s.bye_acked or s.error is not None or not link.producer_alive()) if goodbye else not lender.forwarded
+        return done, None
 
 
 def _release(ref: "weakref.ref[ConsumerEndpoint]", item: Item, stream: Any) -> None:

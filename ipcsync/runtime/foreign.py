@@ -294,6 +294,16 @@ class Lender:
         iterator, possibly while that thread holds the consumer's lock."""
         self.dropped.append(item)
 
+    def release_dropped(self, release: Callable[[Any, Any], None]) -> None:
+        """Release what ``drop`` queued through ``release(item, stream)`` (the consumer's,
+        lock held), then send the RELEASEs."""
+        dropped = self.dropped
+        while dropped:
+            item = dropped.popleft()  # (appends come from any thread; only the locked consumer pops)
+            if not item.released:
+                release(item, None)
+        self.link.flush_releases()
+
     # ------------------------------------------------------------------ the consumer's side
     def _record(self, item: Any, stream: Any) -> None:
         if self.link.session.error is None and not self.is_closed():

@@ -40,7 +40,7 @@ from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
 from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
-from . import aio, host
+from . import aio, closing, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .bellwire import Offer, geometry_for, join, release_bounds
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
@@ -613,8 +613,7 @@ class ProducerPort(EndpointBase):
                 raise
         return _new_tuple(SlotTicket, (rec, plan, s, store)), views
 
-    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool, held: Sequence[str] = (),
-                   fields: Any = None) -> None:
+    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool, held: Sequence[str] = (), fields: Any = None) -> None:
         """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
         else the slot is given back): ``Handoffs.finish``. ``held``: the fields (of
         ``fields``) whose tensor the program still names. Takes the lock."""
@@ -743,8 +742,7 @@ class ProducerPort(EndpointBase):
         self._stats.waited("slot" if self.ring.consumers() else "consumer", seconds)
 
     async def aclose(self, timeout: float | None, linger: Linger) -> None:
-        """``Producer.aclose``: what ``close`` does, awaited on the event loop. Cancelled
-        (or interrupted) while it waits, it ends the stream as ``abort`` does, then re-raises."""
+        """``Producer.aclose``: what ``close`` does, awaited on the event loop."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         with self._lock:
@@ -759,31 +757,27 @@ class ProducerPort(EndpointBase):
                 self.pump()
                 if self.ring.queued > 0:
                     # (Nobody left to take queued items: close() drops them, with its warning.)
-                    return self.handoffs.alone_too_long(self.attached_total, linger), None
+                    return closing.alone_too_long(self.handoffs, self.attached_total, linger), None
                 # Every item sent was delivered: say goodbye now, as close() does before it
                 # waits. A consumer gives back at our BYE the slots its program's tensors still
                 # view (the reference rule), so a wait for every release before it could be endless.
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                return not self.handoffs.busy(), None
+                return not closing.busy(self.handoffs), None
 
         def fill(poller: Any) -> None:
             with self._lock:
                 if not self._closed:
                     poller.add(self._fds, self.io_pending())
 
-        try:
-            await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
-        except BaseException as exc:
-            self.abort(exc)
-            raise
+        await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
         self.close(None if deadline is None else max(0.0, deadline - time.monotonic()), linger)
 
     def flush(self, timeout: float | None) -> None:
         """``Producer.flush``."""
         with self._call():
             t = self._resolve_timeout(timeout)
-            if not self._wait_until(lambda: not self.handoffs.busy(), t):  # (a kept slot() slot sent nothing)
+            if not self._wait_until(lambda: not closing.busy(self.handoffs), t):  # (a kept slot() slot sent nothing)
                 raise self._timeout_error("items still in flight", t, f"slot states: {self.ring.occupancy()}")
 
     def wait_for_consumers(self, n: int, timeout: float | None) -> None:
@@ -829,10 +823,10 @@ class ProducerPort(EndpointBase):
             h, fwd = self.handoffs, self.forwarder
             interrupted: BaseException | None = None
             try:
-                h.deliver_queued(deadline, lambda: self.attached_total, linger)
+                closing.deliver_queued(h, deadline, lambda: self.attached_total, linger)
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                h.wait_nagging(lambda: not h.busy() and not self.peers and not fwd.ledger.pending,
+                h.wait_nagging(lambda: not closing.busy(h) and not self.peers and not fwd.ledger.pending,
                                deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
@@ -844,10 +838,10 @@ class ProducerPort(EndpointBase):
                 self._fail(failure_text(interrupted))
             else:
                 fwd.abandon()
-                if h.busy():
+                if closing.busy(h):
                     log.warning("ipcsync producer %r closing with items not released by consumers "
                                 "(slot states %s)", self.name, self.ring.occupancy())
-                if (kept := h.kept_report()) is not None:
+                if (kept := closing.kept_report(h)) is not None:
                     log.warning("ipcsync %s (close() does not wait for it)", kept)
                 self._mark_closed()
                 self._teardown()

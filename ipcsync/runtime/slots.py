@@ -54,7 +54,7 @@ from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
 from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError
-from .closing import LEFT_LINGER_S, Linger, dropped_words
+from .closing import LEFT_LINGER_S
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
@@ -163,7 +163,7 @@ class Handoffs:
         # its layout id still its own. Reset by whatever else reorders them.
         self.mru_plan: Plan | None = None
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
-        self._alone_since: float | None = None  # since when close() has no consumer to wait for
+        self.alone_since: float | None = None  # since when close() has no consumer to wait for (runtime.closing)
         # slot() blocks build their views from the slot's own storage (made at its first
         # block), whose use count tells whether a tensor of the block outlived it; such a
         # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
@@ -291,61 +291,6 @@ class Handoffs:
             log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
                         "this; abort() ends the stream at once)", self.name, words())
             nag = time.monotonic() + NAG_S
-
-    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int], linger: Linger) -> None:
-        """close(): wait (nagging) until every queued item went out, up to ``deadline``.
-
-        While no consumer is attached the items wait only ``linger`` for one to attach
-        (``runtime.closing``: by default 10 s when none ever attached, 2 s once every
-        consumer that attached has left); then they are dropped with a warning naming
-        how many: a close() must neither lose them silently nor stall for its whole
-        timeout (by default: forever) for a consumer that may never come. Items dropped
-        at ``deadline`` are warned about the same way."""
-        ring = self.ring
-        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever(), linger)  # noqa: E731
-        self.wait_nagging(done, deadline, lambda: self.queued_words(linger.after(attached_ever())))
-        if ring.queued and not ring.consumers():
-            dropped = ring.drop_queued()
-            for slot in dropped:
-                self.records[slot].vacate()
-            ever = attached_ever()
-            wait = linger.after(ever)
-            log.warning("ipcsync producer %r %s", self.name,
-                        dropped_words(len(dropped), ever, wait if self.alone_too_long(ever, linger) else None))
-
-    def alone_too_long(self, attached_ever: int, linger: Linger) -> bool:
-        """No consumer is attached, and none has attached for ``linger`` (that for a
-        producer no consumer ever attached to, or that once ``attached_ever`` ones
-        left): queued items have nobody to wait for."""
-        wait = linger.after(attached_ever)
-        if self.ring.consumers() or wait is None:
-            self._alone_since = None
-            return False
-        now = time.monotonic()
-        if self._alone_since is None:
-            self._alone_since = now
-        return now - self._alone_since >= wait
-
-    def busy(self) -> bool:
-        """close(): a slot is still written, queued or in flight, not counting the slots
-        kept by a ``slot()`` tensor that outlived its block: nothing was sent from them,
-        and only the program can drop that tensor (close() names it instead)."""
-        if self.kept_slots:
-            self.free_kept_slots()
-        return self.ring.free_slots + len(self.kept_slots) < self.slots
-
-    def kept_report(self) -> str | None:
-        """close(): what the slots still kept by ``slot()`` tensors are (None: none)."""
-        if self.kept_slots:
-            self.free_kept_slots()
-        return "; ".join(self.kept_what.get(s, "a slot() tensor") for s in self.kept_slots) or None
-
-    def queued_words(self, linger: float | None = None) -> str:
-        n = self.ring.queued
-        if not self.ring.consumers():
-            then = "" if linger is None else f", dropped if none attaches within {linger:g} s (close(linger=...))"
-            return f"{n} item(s) sent but no consumer is attached to take them{then}"
-        return f"{n} item(s) queued for consumers whose credits are all in use"
 
     def held_words(self) -> str:
         held = [f"{p.label} holds {len(self.ring.held_by(p.identity))} item(s)"
