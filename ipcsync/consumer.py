@@ -18,6 +18,7 @@ from .item import Item
 from .runtime import aio
 from .runtime.channel import CurveKeys, Endpoint
 from .runtime.consumer_endpoint import ConsumerEndpoint
+from .runtime.consumer_endpoint import aclose as aclose_endpoint
 from .runtime.endpoint import UNSET, Unset
 from .runtime.waiting import SourcePort
 
@@ -207,6 +208,13 @@ class Consumer:
         closes, then re-raises."""
         self._endpoint.close(timeout, forwarded_wait=True)
 
+    async def aclose(self, timeout: float | None = None) -> None:
+        """``close()`` for asyncio: the same result, its waits (for items this consumer
+        forwarded, up to ``timeout``; for the producer's answer to the goodbye, up to 1 s)
+        awaited without blocking the event loop. Idempotent. Cancelled while it waits,
+        it still closes (at once), then re-raises."""
+        await aclose_endpoint(self._endpoint, timeout)
+
     def __enter__(self) -> "Consumer":
         return self
 
@@ -214,3 +222,17 @@ class Consumer:
                  tb: TracebackType | None) -> None:
         # An exception (Ctrl-C included) leaves at once: no wait for forwarded items.
         self._endpoint.close(None if exc_type is None else 0.0, forwarded_wait=exc_type is None)
+
+    async def __aenter__(self) -> "Consumer":
+        """``async with Consumer(...) as inp``: the consumer (the handshake is done: the
+        constructor blocks up to ``connect_timeout`` for it, as with ``with``)."""
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """``aclose()`` on a clean exit; an exception (a cancellation or Ctrl-C included)
+        closes at once, as ``__exit__`` does."""
+        if exc_type is None:
+            await aclose_endpoint(self._endpoint, None)
+        else:
+            self._endpoint.close(0.0, forwarded_wait=False)

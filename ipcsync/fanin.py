@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import TracebackType
 from typing import Any, Coroutine, Iterator, Sequence
 
 from . import limits
@@ -174,6 +175,19 @@ class FanIn:
         for c in self._consumers:
             c.close(timeout)
 
+    async def aclose(self, timeout: float | None = None) -> None:
+        """``close()`` for asyncio: every source's ``Consumer.aclose``, awaited without
+        blocking the event loop. Idempotent. Cancelled while it waits, every source
+        still closes (at once), then it re-raises."""
+        self._closed = True
+        try:
+            for c in self._consumers:
+                await c.aclose(timeout)
+        except BaseException:
+            for c in self._consumers:
+                c.close(0.0)
+            raise
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -183,6 +197,19 @@ class FanIn:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> "FanIn":
+        """``async with FanIn([...]) as inp``: the FanIn (its sources connected)."""
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """``aclose()`` on a clean exit; an exception closes every source at once."""
+        if exc_type is None:
+            await self.aclose()
+        else:
+            for c in self._consumers:
+                c.close(0.0)
 
     # ------------------------------------------------------------------ internals
     def _next_item(self, timeout: float | None) -> Item | None:

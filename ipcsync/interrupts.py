@@ -42,6 +42,16 @@ last endpoint closes in the main thread (``unprotect``). While it is installed,
 leaves SIGINT to it (KeyboardInterrupt, as on Python 3.10) instead of cancelling its main
 task.
 
+SIGTERM (``kill``, a supervisor's or ``ipcsync-run``'s stop) still ends the process at
+once, by the signal, as Python's default does: no exception, none of the program's code
+runs, a parent sees it killed by SIGTERM. Only what ipcsync made on the file system goes
+first (the endpoints' ``.sock``, ``.lane`` and ``.lock`` files, the CPU arenas' names in
+/dev/shm: the functions registered with ``at_terminate``, unlinks only, no lock taken),
+as a close would remove them. Installed with the SIGINT handler, only over the default
+(a program's own SIGTERM handler, or SIG_IGN, is kept: its exit runs the endpoints'
+closes), and put back with it. Like any Python signal handler it runs in the main thread
+between bytecodes: a main thread inside a long C call ends once that call returns.
+
 Imports nothing of ipcsync (the backends mark their waits with it).
 """
 
@@ -58,7 +68,7 @@ import time
 from types import CodeType, FrameType
 from typing import Any, Callable, TypeVar
 
-__all__ = ["ESCALATE_S", "wait_point", "protect", "unprotect", "installed", "in_protected_code"]
+__all__ = ["ESCALATE_S", "wait_point", "protect", "unprotect", "installed", "in_protected_code", "at_terminate"]
 
 # A deferred interrupt older than this is raised wherever it lands next.
 ESCALATE_S = 3.0
@@ -185,6 +195,29 @@ def _helper(requests: "queue.SimpleQueue[None]") -> None:
         _thread.interrupt_main(signal.SIGINT)
 
 
+_on_terminate: list[Callable[[], None]] = []  # what a SIGTERM removes first (at_terminate)
+
+
+def at_terminate(fn: _F) -> _F:
+    """Register ``fn`` to run when a SIGTERM ends this process, before it dies: it may
+    only remove files (no lock, no I/O on sockets); an exception it raises is ignored.
+    Returns ``fn`` unchanged (a decorator)."""
+    _on_terminate.append(fn)
+    return fn
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """The SIGTERM handler: remove what ``at_terminate`` registered, then die by the
+    signal, as the default action would have."""
+    for fn in _on_terminate:
+        try:
+            fn()
+        except BaseException:  # (dying anyway: the rest still runs)
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def installed() -> bool:
     """Whether ipcsync's SIGINT handler is the one in place."""
     return signal.getsignal(signal.SIGINT) is _on_sigint
@@ -199,6 +232,8 @@ def protect() -> None:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             _through()  # (worked out now, not in the handler: it may import)
             signal.signal(signal.SIGINT, _on_sigint)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
     except Exception:  # (not the main interpreter, signals unavailable: unprotected, never failing)
         pass
 
@@ -213,5 +248,7 @@ def unprotect() -> None:
         if installed():
             signal.signal(signal.SIGINT, signal.default_int_handler)
             _deferred_since = None
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except Exception:
         pass

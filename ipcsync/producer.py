@@ -16,7 +16,8 @@ from . import limits
 from .core import protocol as P
 from .item import AsyncSlotEntry, SlotWriter, SlotEntry
 from .runtime.channel import CurveKeys, Endpoint
-from .runtime.endpoint import bind_hot
+from .runtime.closing import DEFAULT_LINGER, Linger
+from .runtime.endpoint import UNSET, Unset, bind_hot
 from .runtime.port import ProducerPort
 
 __all__ = ["Producer", "SlotWriter"]
@@ -172,14 +173,20 @@ class Producer:
         entry = SlotEntry(self.port, spec, meta, 0.0, stream)
         return AsyncSlotEntry(entry, lambda: self.port.when_slot_free(entry.__enter__, timeout))
 
-    async def aclose(self, timeout: float | None = None) -> None:
+    async def aclose(self, timeout: float | None = None, *, linger: float | None | Unset = UNSET) -> None:
         """``close()`` for asyncio: refuses new sends at once, awaits (without blocking the
         event loop) until every item sent was delivered, says goodbye, awaits until every
-        item was released, or its holders are gone, then runs ``close()`` with what is left of ``timeout`` (default: the
-        producer's), whose remaining goodbye exchange is a round trip. Lets consumers on
-        the same event loop finish their items. With nobody left, queued items are
-        dropped as ``close()`` drops them."""
-        await self.port.aclose(timeout)
+        item was released, or its holders are gone, then runs ``close()`` with what is left
+        of ``timeout`` (default: the producer's), whose remaining goodbye exchange is a
+        round trip. Lets consumers on the same event loop finish their items. Items
+        queued while no consumer is attached wait ``linger`` and are dropped as
+        ``close()`` drops them. Cancelled while it waits, it ends the stream as
+        ``abort()`` does, then re-raises."""
+        try:
+            await self.port.aclose(timeout, _linger(linger))
+        except BaseException as exc:  # cancelled or interrupted while it waited: no clean end
+            self.abort(exc)
+            raise
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every item sent so far has been released by its consumers (or they
@@ -201,7 +208,7 @@ class Producer:
         but alive), rejected frames, consumers on a lane now (``lanes``)."""
         return self.port.stats()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, linger: float | None | Unset = UNSET) -> None:
         """Finish and shut down: a successful end of the stream. Items already sent (and
         queued ones, to a consumer that attaches meanwhile) are delivered; consumers end
         their iteration cleanly after the last one. Waits up to ``timeout`` (default: the
@@ -212,13 +219,21 @@ class Producer:
         this one. Interrupted (Ctrl-C) while it waits, it ends the stream as ``abort()``
         does, then re-raises.
 
-        Nobody left: once every consumer that attached has left (said goodbye or died),
-        items still queued wait 2 s (``runtime.slots.CLOSE_LINGER_S``) for a consumer to
-        attach, then are dropped with a warning naming how many; close() does not wait
-        out its timeout for them. If no consumer ever attached, queued items wait for
-        one up to ``timeout`` (either side may start first), and are dropped with that
-        warning when it runs out."""
-        self.port.close(timeout)
+        Bounded where nobody can end the wait:
+
+        - ``linger``: how long items queued while no consumer is attached wait for one
+          to attach (seconds; None or inf: up to ``timeout``); then they are dropped
+          with a warning naming how many. Default: 10 s if no consumer ever attached
+          (either side may start first), 2 s once every consumer that attached has left
+          (``runtime.closing``). ``wait_for_consumers()`` before close() waits for a
+          consumer as long as you choose.
+        - A tensor of a ``slot()`` block kept past the block (``SlotKeptError``): its
+          item was never sent and only the program can drop it, so close() does not wait
+          for it; it warns, naming the field, shape and dtype. The tensor stays valid.
+
+        A consumer that is attached and alive is waited for (up to ``timeout``): memory
+        it can still read is never freed under it."""
+        self.port.close(timeout, _linger(linger))
 
     def abort(self, error: BaseException | str | None = None) -> None:
         """End the stream as failed, at once: no wait for items in flight. Consumers get
@@ -237,3 +252,21 @@ class Producer:
             self.close()
         else:
             self.abort(exc)
+
+    async def __aenter__(self) -> "Producer":
+        """``async with Producer(...) as out``: the producer (bound by the constructor)."""
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """``aclose()`` on a clean exit (a successful end of the stream); an exception (a
+        cancellation or Ctrl-C included) ends the stream as failed, at once (``abort``),
+        as ``__exit__`` does."""
+        if exc_type is None:
+            await self.aclose()
+        else:
+            self.abort(exc)
+
+
+def _linger(linger: float | None | Unset) -> Linger:
+    return DEFAULT_LINGER if isinstance(linger, Unset) else Linger.of(linger)

@@ -8,9 +8,11 @@ Arena lifetime:
   no "leaked shared_memory objects" warnings at a stage's exit;
 - the name says who owns it: pid, start time (clock ticks since boot) and pid namespace
   (inode of /proc/self/ns/pid). Who unlinks it:
-  - the owner, in ``close()`` (a ``with`` block's exit, Ctrl-C included), and at
-    interpreter exit for any arena still open (``atexit``; never in a forked child);
-  - for an owner that died without either (SIGKILL, a default SIGTERM),
+  - the owner, in ``close()`` (a ``with`` block's exit, Ctrl-C included), at
+    interpreter exit for any arena still open (``atexit``; never in a forked child), and
+    when a SIGTERM ends it (``interrupts.at_terminate``);
+  - for an owner that died without any of these (SIGKILL; a SIGTERM while a handler of
+    the program's own, not ipcsync's, was in place and did not exit),
     ``reclaim_dead_segments``: it unlinks the segments of this user whose owner provably
     no longer exists, and runs whenever a producer creates an arena and whenever a
     consumer loses its producer; ``ipcsync-run`` also removes every segment tagged with
@@ -47,6 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import interrupts
 from ..runtime import host
 from ..runtime.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
 from .. import writefaults
@@ -67,9 +70,10 @@ _owned: dict[str, int] = {}
 
 
 @atexit.register
+@interrupts.at_terminate
 def _unlink_owned_at_exit() -> None:
-    """An interpreter that exits with producers not closed (no ``with``, a global) leaves
-    no segment behind."""
+    """An interpreter that exits with producers not closed (no ``with``, a global), or
+    that a SIGTERM ends, leaves no segment behind."""
     me = os.getpid()
     for path, pid in list(_owned.items()):
         if pid == me:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..item import Item
     from .handover import Pumpable
 
-__all__ = ["readable", "wait_for_attempt", "fill_from_ports", "CallerItems", "AsyncItems"]
+__all__ = ["readable", "wait_for_attempt", "close_awaiting", "fill_from_ports", "CallerItems", "AsyncItems"]
 
 T = TypeVar("T")
 
@@ -116,6 +116,34 @@ async def wait_for_attempt(
             waited(time.monotonic() - start)
 
 
+async def close_awaiting(step: Callable[[bool], tuple[bool, None]], port: SourcePort[Any], timeout: float | None,
+                         tick: float, close: Callable[[float | None], None]) -> None:
+    """``Consumer.aclose``: ``step(False)`` until the items the consumer forwarded are
+    back (up to ``timeout``; None: while their holders live), then ``step(True)`` until
+    its goodbye is answered (up to 1 s), awaiting ``port``'s descriptors between
+    attempts; then ``close(what is left of timeout)``, which has nothing left to wait
+    for. Cancelled (or interrupted) while it waits: ``close(0.0)``, then re-raised."""
+    start = time.monotonic()
+
+    def fill(poller: Poller) -> None:
+        with port.lock:
+            if port.is_closed():
+                return
+            poller.add(port.io_fds(), port.io_pending())
+            lent = port.lent()
+        for other in lent:
+            poller.lend(other)
+
+    try:
+        await wait_for_attempt(lambda: step(False), fill, timeout, tick, lambda: None)
+        await wait_for_attempt(lambda: step(True), fill, 1.0 if timeout is None else max(0.2, min(1.0, timeout)),
+                               tick, lambda: None)
+    except BaseException:
+        close(0.0)
+        raise
+    close(None if timeout is None else max(0.0, timeout - (time.monotonic() - start)))
+
+
 def fill_from_ports(poller: Poller, ports: Iterable[SourcePort[Any]], closed: Callable[[], Exception]) -> None:
     """``fill`` for readers of Consumers (one, or a FanIn's): each port's fds and pending
     input under its lock, then the endpoints its items were lent to. A closed port raises
@@ -185,12 +213,26 @@ class CallerItems:
 class AsyncItems:
     """The iterator of ``async for item in consumer`` (or a FanIn): one per loop, so
     each task iterating has its own current item. ``auto_release``: the item it returned
-    last is released at the next step, and when the stream ends."""
+    last is released at the next step, when the stream ends, and when the iterator is
+    left for good:
+
+    - ``aclose()`` releases it at once and ends the iterator (``contextlib.aclosing``);
+    - an iterator dropped while it holds an item (``break``, an exception out of the
+      loop: a caught Ctrl-C or CancelledError, a new ``asyncio.run``) hands that item
+      to its consumer when it is collected (``Lender.drop``: no lock, no I/O, so a
+      finalizer may run in any thread, with or without a loop), and the consumer
+      releases it at its next take, whatever task, loop or thread takes (or at close).
+
+    Without ``auto_release`` the program releases its items itself, and none of this
+    applies."""
+
+    __slots__ = ("_next_item", "_timeout", "_auto_release", "_current", "_closed")
 
     def __init__(self, next_item: Callable[[float | None], Awaitable["Item | None"]], timeout: float | None,
                  auto_release: bool) -> None:
         self._next_item, self._timeout, self._auto_release = next_item, timeout, auto_release
         self._current: "Item | None" = None
+        self._closed = False
 
     def __aiter__(self) -> "AsyncItems":
         return self
@@ -199,8 +241,27 @@ class AsyncItems:
         cur, self._current = self._current, None
         if cur is not None and self._auto_release:
             cur.release()
+        if self._closed:
+            raise StopAsyncIteration
         item = await self._next_item(self._timeout)
         if item is None:
             raise StopAsyncIteration
         self._current = item
         return item
+
+    async def aclose(self) -> None:
+        """End this iteration: its current item is released now (``auto_release``), and
+        a later step ends at once. Idempotent."""
+        self._closed = True
+        cur, self._current = self._current, None
+        if cur is not None and self._auto_release:
+            cur.release()
+
+    def __del__(self) -> None:
+        cur = self._current
+        if cur is not None and self._auto_release and not cur.released:
+            self._current = None
+            try:
+                cur.origin.drop(cur)
+            except Exception:  # (interpreter shutdown: nothing is left to release to)
+                pass

@@ -7,9 +7,9 @@
   ``runtime_dir``). Sockets are chmod 0600. ``ipc://`` and ``tcp://`` endpoints are taken as given.
 - The producer binds a ROUTER; consumers connect DEALERs. ZeroMQ alone lets a second bind
   of an ipc path silently take it over, so a producer first takes an exclusive ``flock`` on
-  ``<path>.lock`` and holds it while it lives: a second producer gets a ConfigError and
-  the first is unaffected. The lock dies with its process, so a stale socket left by a
-  killed producer is taken over by the next one (or removed by ``remove_stale``).
+  ``<path>.lock`` and holds it while it lives (``runtime.bindlock``: who removes the
+  files, a SIGTERM included): a second producer gets a ConfigError and the first is
+  unaffected; a stale socket left by a killed producer is taken over by the next one.
 - Every socket has linger 0 (close never hangs), ROUTER_MANDATORY (a send to a departed
   peer or past the high-water mark raises instead of being dropped silently) and
   MAXMSGSIZE (a peer sending an oversized frame is disconnected by ZeroMQ itself).
@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -45,6 +44,7 @@ from ..core import protocol as P
 from ..core.ratelog import RateLog
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
+from .bindlock import BindLock, remove_stale
 from .lane import Lane, LaneClosed, LaneHub, LaneMux, connect_lane, lane_enabled
 from .paths import runtime_dir
 
@@ -127,71 +127,6 @@ def resolve_endpoint(name: str) -> Endpoint:
             f"{IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR"
         )
     return Endpoint(name, "ipc://" + path, path)
-
-
-class BindLock:
-    """Exclusive ownership of an ipc endpoint path, held while the producer lives."""
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        """Take the lock; False if a live process holds it."""
-        path = self.endpoint.lock_path
-        assert path is not None
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise ConfigError(f"cannot open the bind lock {path}: {exc}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    return False
-                raise
-            # The holder may have unlinked the file between our open and our flock; then
-            # we locked an orphan inode and must retry on the current file.
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self._fd = fd
-                return True
-            os.close(fd)
-
-    def release(self, remove_socket: bool) -> None:
-        """Remove the socket file (if asked) and the lock file, then drop the lock."""
-        if self._fd is None:
-            return
-        sockets = [self.endpoint.path, self.endpoint.lane_path] if remove_socket else []
-        for p in sockets + [self.endpoint.lock_path]:
-            if p is None:  # (never: only an ipc endpoint, which has all three, holds the lock)
-                continue
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-        os.close(self._fd)
-        self._fd = None
-
-
-def remove_stale(endpoint: Endpoint) -> bool:
-    """Remove the socket and lock files of an ipc endpoint whose producer is gone.
-
-    Returns True if it removed them; False if a live producer holds the endpoint (or it is
-    not an ipc endpoint). Safe to call from anyone who noticed a dead producer.
-    """
-    if endpoint.path is None or not os.path.exists(endpoint.lock_path or ""):
-        return False
-    lock = BindLock(endpoint)
-    if not lock.acquire():
-        return False
-    lock.release(remove_socket=True)
-    return True
 
 
 @dataclass(frozen=True)

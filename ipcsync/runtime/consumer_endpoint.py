@@ -56,7 +56,7 @@ from .upstream import ProducerLink, make_hello, unanswered_error
 from .verify import Verifier
 from .waiting import SourcePort
 
-__all__ = ["ConsumerEndpoint"]
+__all__ = ["ConsumerEndpoint", "aclose", "close_step", "let_go"]
 
 log = logging.getLogger(__name__)
 get_ident = threading.get_ident
@@ -287,11 +287,11 @@ class ConsumerEndpoint(EndpointBase):
         from a producer on another host: its items' transfers are polled)."""
         return self._wait.name
 
-    def close(self, timeout: float | None = None, forwarded_wait: bool = True) -> None:
-        """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this
-        consumer forwarded zero-copy; without it they are given back at once). A close()
-        already under way in another thread is waited for (up to ``timeout``), not run
-        twice; interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
+    def close(self, timeout: float | None = None, forwarded_wait: bool = True, bye_waited: bool = False) -> None:
+        """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this consumer
+        forwarded zero-copy, else give them back at once; ``bye_waited``: ``aclose`` waited for
+        the BYE's ack). A close() already under way in another thread is waited for (up to
+        ``timeout``); interrupted (Ctrl-C) inside its waits, it still closes, then re-raises."""
         interrupted: BaseException | None = None
         with self._lock:
             if self._closed or self._closing_elsewhere(self._resolve_timeout(timeout)):
@@ -300,15 +300,11 @@ class ConsumerEndpoint(EndpointBase):
                 return
             s, link, lender = self.session, self._link, self._lender
             try:
-                for item in lender.held_items():
-                    self._release_locked(item, None)
-                link.give_up_kept()
-                s.give_back_buffered()
-                link.flush_releases()
+                let_go(self)
                 if lender.forwarded:
                     t = self._resolve_timeout(timeout if forwarded_wait else 0.0)
                     lender.close(lambda done: self._wait_until(done, t), self.endpoint.name)
-                if s.exchanging and s.error is None and not s.bye_acked:
+                if s.exchanging and s.error is None and not s.bye_acked and not (bye_waited and s.bye_sent):
                     link.say_bye()
                     t = self._resolve_timeout(timeout)
                     t = max(1.0 if t is None else min(t, 1.0), 0.2)  # the ack is a round trip away
@@ -528,7 +524,10 @@ class ConsumerEndpoint(EndpointBase):
         fds were drained (``_io_pending``: ``ZMQ_EVENTS`` read) before that select, and
         an fd that did not signal has nothing new behind it (ZMQ_FD signals each arrival
         of commands until they are processed). After the SWITCH the producer sends only
-        on the lane, so ZeroMQ then brings monitor events only."""
+        on the lane, so ZeroMQ then brings monitor events only. First, but not in the service
+        thread (a call's stream), what ``Lender.drop`` queued goes back."""
+        if self._lender.dropped and threading.current_thread() is not self._service:
+            self._lender.release_dropped(self._release_locked)
         woken, self._woken = self._woken, None
         now = time.monotonic()
         if now >= self._next_tick:
@@ -564,6 +563,41 @@ class ConsumerEndpoint(EndpointBase):
     def _teardown(self) -> None:
         self._lender.wake = None  # (closed when collected; see foreign.Wake)
         self._link.teardown()
+
+
+def let_go(ep: ConsumerEndpoint) -> None:
+    """Release everything ``ep`` holds (items, kept slots, buffered entries) and send
+    those releases: what its close does before the goodbye. Lock held."""
+    for item in ep._lender.held_items():
+        ep._release_locked(item, None)
+    ep._link.give_up_kept()
+    ep.session.give_back_buffered()
+    ep._link.flush_releases()
+
+
+async def aclose(ep: ConsumerEndpoint, timeout: float | None) -> None:
+    """``Consumer.aclose``: ``close``'s waits awaited on the event loop
+    (``aio.close_awaiting`` over ``close_step``), then ``close``."""
+    await aio.close_awaiting(partial(close_step, ep), ep.source_port(), ep._resolve_timeout(timeout), ep._tick,
+                             lambda t: ep.close(t, forwarded_wait=False, bye_waited=True))
+
+
+def close_step(ep: ConsumerEndpoint, goodbye: bool) -> tuple[bool, None]:
+    """``aclose``'s attempts (``(True, None)``: done): the items ``ep`` forwarded are
+    back; then (``goodbye``) everything held is let go, BYE sent and answered (or the
+    producer is gone). Takes the lock."""
+    with ep._lock:
+        s, lender, link = ep.session, ep._lender, ep._link
+        if ep._closed or s.error is not None or (goodbye and (not s.exchanging or s.bye_acked)):
+            return True, None
+        if goodbye and not s.bye_sent:
+            let_go(ep)
+            if lender.forwarded:  # (their wait ran out: close() gives them back, saying so)
+                return True, None
+            link.say_bye()
+        ep._pump()
+        done = (s.bye_acked or s.error is not None or not link.producer_alive()) if goodbye else not lender.forwarded
+        return done, None
 
 
 def _release(ref: "weakref.ref[ConsumerEndpoint]", item: Item, stream: Any) -> None:

@@ -198,7 +198,7 @@ class Lender:
     are the dicts' own (C) methods."""
 
     __slots__ = ("lock", "device", "stream", "release", "link", "held", "current", "is_closed", "forwarded",
-                 "back", "wake", "outs", "hold", "unhold", "set_current", "pop_current")
+                 "back", "dropped", "wake", "outs", "hold", "unhold", "set_current", "pop_current")
 
     def __init__(self, lock: threading.Lock, device: torch.device, stream: Any,
                  release: Callable[[Any, Any], None], link: Any, is_closed: Callable[[], bool]) -> None:
@@ -213,6 +213,9 @@ class Lender:
         self.hold, self.unhold = self.held.__setitem__, self.held.pop
         self.set_current, self.pop_current = self.current.__setitem__, self.current.pop
         self.back: deque[Any] = deque()  # lent items given back (appended by any thread)
+        # Items whose async iterator was dropped while holding them (appended by a
+        # finalizer, in any thread): released by the consumer's next pump (``drop``).
+        self.dropped: deque[Any] = deque()
         self.wake: Wake | None = None  # among the consumer's wait fds, made at the first take
         self.outs: dict[Any, Pumpable] = {}  # the Producers we lent to
 
@@ -293,6 +296,24 @@ class Lender:
         wake = self.wake
         if wake is not None:
             wake.set()
+
+    def drop(self, item: Any) -> None:
+        """``item``'s async iterator was closed or collected while it held it: nobody will
+        release it. Queued here and released by the consumer's next pump (its next take,
+        whatever task, loop or thread; ``close()`` releases everything held). Takes no
+        lock and does no I/O: a finalizer calls it, in whatever thread collects the
+        iterator, possibly while that thread holds the consumer's lock."""
+        self.dropped.append(item)
+
+    def release_dropped(self, release: Callable[[Any, Any], None]) -> None:
+        """Release what ``drop`` queued through ``release(item, stream)`` (the consumer's,
+        lock held), then send the RELEASEs."""
+        dropped = self.dropped
+        while dropped:
+            item = dropped.popleft()  # (appends come from any thread; only the locked consumer pops)
+            if not item.released:
+                release(item, None)
+        self.link.flush_releases()
 
     # ------------------------------------------------------------------ the consumer's side
     def _record(self, item: Any, stream: Any) -> None:

@@ -40,9 +40,10 @@ from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
 from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
-from . import aio, host
+from . import aio, closing, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
+from .closing import DEFAULT_LINGER, Linger, failure_text, kept_words
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .lane import polled_form
@@ -525,15 +526,18 @@ class ProducerPort(EndpointBase):
                 raise
         return _new_tuple(SlotTicket, (rec, plan, s, store)), views
 
-    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool) -> None:
+    def close_slot(self, ticket: SlotTicket, meta: Any, ok: bool, held: Sequence[str] = (), fields: Any = None) -> None:
         """Steps 3b-4 for a ``Producer.slot()`` block that ended (``ok``: without raising;
-        else the slot is given back): ``Handoffs.finish``. Takes the lock."""
+        else the slot is given back): ``Handoffs.finish``. ``held``: the fields (of
+        ``fields``) whose tensor the program still names. Takes the lock."""
         h = self.handoffs
         slot = ticket.rec.slot
         with self._lock:
             store = ticket.store
-            if (store.ptr() != store.addr or store.in_use()) and h.unsendable(store, slot, ok):
-                return  # moved, or a tensor of the block outlived it: not sent
+            if store.ptr() != store.addr or store.in_use():
+                what = kept_words(self.name, fields or {}, held) if store.in_use() else ""
+                if h.unsendable(store, slot, ok, what):
+                    return  # moved, or a tensor of the block outlived it: not sent
             if not ok:  # the block raised: nothing is sent
                 h.ring.abort(slot)
                 return
@@ -647,7 +651,7 @@ class ProducerPort(EndpointBase):
     def _waited_for_slot(self, seconds: float) -> None:
         self._stats.waited("slot" if self.ring.consumers() else "consumer", seconds)
 
-    async def aclose(self, timeout: float | None) -> None:
+    async def aclose(self, timeout: float | None, linger: Linger) -> None:
         """``Producer.aclose``: what ``close`` does, awaited on the event loop."""
         t = self._resolve_timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
@@ -663,14 +667,13 @@ class ProducerPort(EndpointBase):
                 self.pump()
                 if self.ring.queued > 0:
                     # (Nobody left to take queued items: close() drops them, with its warning.)
-                    return self.handoffs.alone_too_long(self.attached_total), None
+                    return closing.alone_too_long(self.handoffs, self.attached_total, linger), None
                 # Every item sent was delivered: say goodbye now, as close() does before it
-                # waits. A consumer gives back at our BYE the slots its program's tensors
-                # still view (the reference rule keeps them until then), so waiting for
-                # every release before the BYE would wait for ever on a kept view.
+                # waits. A consumer gives back at our BYE the slots its program's tensors still
+                # view (the reference rule), so a wait for every release before it could be endless.
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                return not self.ring.busy(), None
+                return not closing.busy(self.handoffs), None
 
         def fill(poller: Any) -> None:
             with self._lock:
@@ -678,13 +681,13 @@ class ProducerPort(EndpointBase):
                     poller.add(self._fds, self.io_pending())
 
         await aio.wait_for_attempt(drained, fill, t, self._tick, lambda: None)
-        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.close(None if deadline is None else max(0.0, deadline - time.monotonic()), linger)
 
     def flush(self, timeout: float | None) -> None:
         """``Producer.flush``."""
         with self._call():
             t = self._resolve_timeout(timeout)
-            if not self._wait_until(lambda: not self.ring.busy(), t):
+            if not self._wait_until(lambda: not closing.busy(self.handoffs), t):  # (a kept slot() slot sent nothing)
                 raise self._timeout_error("items still in flight", t, f"slot states: {self.ring.occupancy()}")
 
     def wait_for_consumers(self, n: int, timeout: float | None) -> None:
@@ -712,7 +715,7 @@ class ProducerPort(EndpointBase):
                 layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used,
             )
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, linger: Linger = DEFAULT_LINGER) -> None:
         """``Producer.close``: deliver what is queued, BYE every consumer, wait for their
         releases and goodbyes, then free everything. A close() already under way in
         another thread is waited for (up to ``timeout``), not run twice. Interrupted
@@ -730,10 +733,10 @@ class ProducerPort(EndpointBase):
             h, fwd = self.handoffs, self.forwarder
             interrupted: BaseException | None = None
             try:
-                h.deliver_queued(deadline, lambda: self.attached_total)
+                closing.deliver_queued(h, deadline, lambda: self.attached_total, linger)
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                h.wait_nagging(lambda: not self.ring.busy() and not self.peers and not fwd.ledger.pending,
+                h.wait_nagging(lambda: not closing.busy(h) and not self.peers and not fwd.ledger.pending,
                                deadline, h.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
@@ -745,9 +748,11 @@ class ProducerPort(EndpointBase):
                 self._fail(failure_text(interrupted))
             else:
                 fwd.abandon()
-                if self.ring.busy():
+                if closing.busy(h):
                     log.warning("ipcsync producer %r closing with items not released by consumers "
                                 "(slot states %s)", self.name, self.ring.occupancy())
+                if (kept := closing.kept_report(h)) is not None:
+                    log.warning("ipcsync %s (close() does not wait for it)", kept)
                 self._mark_closed()
                 self._teardown()
         self._stop_service()
@@ -776,9 +781,3 @@ class ProducerPort(EndpointBase):
         self._mark_closed()
         self._teardown(linger_ms=200)  # the ERROR frames go out before the socket shuts
 
-
-def failure_text(error: BaseException | str | None) -> str:
-    """What an ERROR ``failed`` says of ``error``: an exception's type and message, or a text."""
-    if isinstance(error, BaseException):
-        return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return error or "aborted"

@@ -48,11 +48,13 @@ from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
 from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_empty
+from ..core.metakeys import non_str_key
 from ..core.ratelog import RateLog
 from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
 from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
+from .closing import LEFT_LINGER_S
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 
@@ -62,8 +64,8 @@ log = logging.getLogger(__name__)
 
 NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
 # close(): how long queued items wait for a consumer once every consumer that attached
-# has left; then they are dropped, with a warning naming how many.
-CLOSE_LINGER_S = 2.0
+# has left (by default; runtime.closing); then they are dropped, with a warning naming how many.
+CLOSE_LINGER_S = LEFT_LINGER_S
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
 # Layout ids in use at once (least recently used reused), within what a consumer caches.
 MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
@@ -161,12 +163,13 @@ class Handoffs:
         # its layout id still its own. Reset by whatever else reorders them.
         self.mru_plan: Plan | None = None
         self.trace = tracer_for(name)  # None unless ipcsync-run --trace: the hooks skip
-        self._alone_since: float | None = None  # since when close() has no consumer to wait for
+        self.alone_since: float | None = None  # since when close() has no consumer to wait for (runtime.closing)
         # slot() blocks build their views from the slot's own storage (made at its first
         # block), whose use count tells whether a tensor of the block outlived it; such a
         # slot stays WRITING, unsent, in ``kept_slots`` until that tensor is gone.
         self.stores: list[SlotStore | None] = [None] * self.slots
         self.kept_slots: dict[int, SlotStore] = {}
+        self.kept_what: dict[int, str] = {}  # kept slot -> which tensor (runtime.closing.kept_words)
         # Step 3 in one C call for a plan with ``flat`` bytes (backends.native): on a host
         # slot a memcpy, on a CUDA slot the copy and step 3b's record together. None: off,
         # not built, or no CUDA runtime found; plans then keep no ``flat`` (torch copies).
@@ -189,13 +192,13 @@ class Handoffs:
             store = self.stores[slot] = SlotStore(self.slot_views[slot])
         return store
 
-    def unsendable(self, store: SlotStore, slot: int, ok: bool) -> bool:
+    def unsendable(self, store: SlotStore, slot: int, ok: bool, what: str) -> bool:
         """At a ``slot()`` block's end (``ok``: it did not raise): True if its item must
         not be sent. Its store was moved (``share_memory_()`` on a tensor of the block:
         what the block wrote after that is not in the slot): the slot is given back, and
         a ConfigError says so. A tensor of the block outlived it (a write through it would
         change the item after it was sent): the slot stays out, in ``kept_slots``, until
-        that tensor is gone, and a SlotKeptError says so."""
+        that tensor is gone, and a SlotKeptError says so (``what``: which tensor, its fix)."""
         if store.moved():
             self.ring.abort(slot)
             if ok:
@@ -208,12 +211,9 @@ class Handoffs:
         if not store.in_use():
             return False
         self.kept_slots[slot] = store
+        self.kept_what[slot] = what
         if ok:
-            raise SlotKeptError(
-                f"a tensor taken from this Producer.slot() block on {self.name!r} is "
-                "still referenced after the block ended, so the item was not sent (a write through "
-                "it would change an item already sent); keep no reference to s[name] past the "
-                "block: del it before the block ends, or use s[name] without naming it")
+            raise SlotKeptError(what)
         return True
 
     def free_kept_slots(self, all_of_them: bool = False) -> None:
@@ -222,6 +222,7 @@ class Handoffs:
         for slot, store in list(self.kept_slots.items()):
             if all_of_them or store.moved() or not store.in_use():
                 del self.kept_slots[slot]
+                self.kept_what.pop(slot, None)
                 self.ring.abort(slot)
 
     # ------------------------------------------------------------------ plans
@@ -317,46 +318,6 @@ class Handoffs:
             log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
                         "this; abort() ends the stream at once)", self.name, words())
             nag = time.monotonic() + NAG_S
-
-    def deliver_queued(self, deadline: float | None, attached_ever: Callable[[], int]) -> None:
-        """close(): wait (nagging) until every queued item went out, up to ``deadline``.
-
-        When every consumer that attached has left (none attached now, ``attached_ever()``
-        > 0) the items wait only CLOSE_LINGER_S for one to attach; then they are dropped
-        with a warning naming how many: nobody is left to take them, and a close() must
-        neither lose them silently nor stall for its whole timeout. A producer that no
-        consumer ever attached to waits for one until ``deadline`` (either side may start
-        first). Items dropped at ``deadline`` are warned about the same way."""
-        ring = self.ring
-        done = lambda: ring.queued == 0 or self.alone_too_long(attached_ever())  # noqa: E731
-        self.wait_nagging(done, deadline, self.queued_words)
-        if ring.queued and not ring.consumers():
-            dropped = ring.drop_queued()
-            for slot in dropped:
-                self.records[slot].vacate()
-            ever = attached_ever()
-            why = (f"every consumer that attached ({ever}) had left and none attached within "
-                   f"{CLOSE_LINGER_S:g} s" if ever else "no consumer attached before close()'s timeout")
-            log.warning("ipcsync producer %r closed with %d queued item(s) that no consumer took: dropped "
-                        "(%s); to deliver them, keep a consumer attached until close() returns",
-                        self.name, len(dropped), why)
-
-    def alone_too_long(self, attached_ever: int) -> bool:
-        """Every consumer that attached (``attached_ever`` of them) has left, and none has
-        attached for CLOSE_LINGER_S: queued items have nobody to wait for."""
-        if not attached_ever or self.ring.consumers():
-            self._alone_since = None
-            return False
-        now = time.monotonic()
-        if self._alone_since is None:
-            self._alone_since = now
-        return now - self._alone_since >= CLOSE_LINGER_S
-
-    def queued_words(self) -> str:
-        n = self.ring.queued
-        if not self.ring.consumers():
-            return f"{n} item(s) sent but no consumer is attached to take them"
-        return f"{n} item(s) queued for consumers whose credits are all in use"
 
     def held_words(self) -> str:
         held = [f"{p.label} holds {len(self.ring.held_by(p.identity))} item(s)"
@@ -608,6 +569,16 @@ class Handoffs:
         try:
             P.check_outgoing(frame, meta, plan.layout_size if plan.layout_id else 0, self.limits)
         except ProtocolError as exc:
+            if (key := non_str_key(meta)) is not None:
+                raise ConfigError(
+                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
+                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
+                    "(key, value) pairs. Nothing was sent") from None
+            if (key := non_str_key(meta)) is not None:
+                raise ConfigError(
+                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
+                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
+                    "(key, value) pairs. Nothing was sent") from None
             lim = self.limits
             raise ConfigError(
                 f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "

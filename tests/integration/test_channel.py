@@ -416,7 +416,7 @@ def test_bind_lock_retries_when_the_holder_unlinks_during_acquire(
             holder.release(remove_socket=False)
         real_flock(fd, op)
 
-    monkeypatch.setattr(ch.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)  # (the module runtime.bindlock calls)
     lock = BindLock(endpoint)
     try:
         assert lock.acquire()

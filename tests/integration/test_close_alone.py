@@ -113,3 +113,109 @@ def test_close_and_aclose_in_one_process_drop_what_nobody_left_takes(endpoints: 
             asyncio.run(p.aclose())
     assert p.closed
     assert "closed with 2 queued item(s) that no consumer took: dropped" in caplog.text, caplog.text
+
+
+def _close_in_thread(close: Any, bound: float) -> bool:
+    """Run ``close()`` in a thread; True if it returned within ``bound`` seconds (else the
+    test's endpoints teardown aborts the producer, which ends that wait)."""
+    import threading
+
+    t = threading.Thread(target=close, daemon=True)
+    t.start()
+    t.join(bound)
+    return not t.is_alive()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["close", "aclose"])
+def test_close_with_no_consumer_ever_attached_lingers_10_s_then_drops(endpoints: Any, how: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A producer that sent for nobody (no consumer ever attached): close() and aclose()
+    with the default timeout (forever) wait the default linger, 10 s, for a first
+    consumer, then drop the item, saying so (before: they waited for ever, repeating a
+    warning)."""
+    import asyncio
+    import logging
+
+    p = endpoints.producer(f"close-nobody-{how}", slots=2, slot_bytes=4096, device="cpu")
+    p.send({"x": torch.ones(4)})
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        close = p.close if how == "close" else (lambda: asyncio.run(p.aclose()))
+        assert _close_in_thread(close, 60), "close() did not return"
+    assert p.closed
+    assert ("closed with 1 queued item(s) that no consumer took: dropped (no consumer attached "
+            "within 10 s)") in caplog.text, caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_close_linger_is_the_users_choice(endpoints: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """``close(linger=...)``: a short linger drops at once; a bad one is a ConfigError
+    (and the producer stays open); a consumer that attaches within the linger gets the
+    items."""
+    import logging
+
+    p = endpoints.producer("close-linger", slots=2, slot_bytes=4096, device="cpu")
+    with pytest.raises(ipcsync.ConfigError, match="linger must be"):
+        p.close(linger=-1)
+    assert not p.closed
+    p.send({"x": torch.ones(4)}, meta=0)
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        assert _close_in_thread(lambda: p.close(linger=0.2), 30)
+    assert "dropped (no consumer attached within 0.2 s)" in caplog.text, caplog.text
+
+    q = endpoints.producer("close-linger-late", slots=2, slot_bytes=4096, device="cpu")
+    q.send({"x": torch.ones(4)}, meta=7)
+    import threading
+    closing = threading.Thread(target=lambda: q.close(linger=30), daemon=True)
+    closing.start()
+    c = endpoints.consumer("close-linger-late", device="cpu", timeout=20)
+    item = c.get(timeout=20)
+    assert item is not None and item.meta == 7
+    item.release()
+    assert c.get(timeout=20) is None  # the stream ended cleanly after it
+    closing.join(20)
+    assert not closing.is_alive() and q.closed
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_tensor_kept_past_its_block_is_named_and_close_does_not_wait_for_it(
+        endpoints: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """After a SlotKeptError the kept tensor is still referenced: its message and
+    close()'s warning name it (the field, its shape and dtype) with the fix; flush() and
+    close() do not wait for it (before: close() waited for ever, its warning showing
+    slot states only); the tensor stays readable after close. A consumer attached
+    meanwhile gets the items that were sent and a clean end."""
+    import logging
+
+    p = endpoints.producer("close-kept", slots=2, slot_bytes=4096, device="cpu")
+    c = endpoints.consumer("close-kept", device="cpu", timeout=20)
+    p.wait_for_consumers(1, timeout=20)
+    with pytest.raises(ipcsync.SlotKeptError) as err:
+        with p.slot(x=((4,), torch.float32), y=((2, 3), torch.int64)) as s:
+            s["y"].zero_()
+            kept = s["x"]
+            kept.fill_(5.0)
+    text = str(err.value)
+    assert "s['x'] (shape (4,), torch.float32)" in text and "s['y']" not in text, text
+    assert "del it before the block ends, or clone() it" in text, text
+    p.send({"x": torch.ones(4)}, meta=1)
+    item = c.get(timeout=20)
+    assert item is not None and item.meta == 1
+    item.release()
+    p.flush(timeout=20)  # the kept slot sent nothing: flush does not wait for it
+    with caplog.at_level(logging.WARNING, logger="ipcsync"):
+        assert _close_in_thread(p.close, 30), "close() did not return"
+    assert "s['x'] (shape (4,), torch.float32)" in caplog.text and "close() does not wait" in caplog.text
+    assert c.get(timeout=20) is None  # a clean end
+    assert kept.tolist() == [5.0] * 4  # still valid
+
+
+@pytest.mark.timeout(60)
+def test_a_view_of_a_kept_slot_tensor_names_the_fields(endpoints: Any) -> None:
+    """Kept through a view made from it, the tensor is named among the block's fields."""
+    p = endpoints.producer("close-kept-view", slots=1, slot_bytes=4096, device="cpu")
+    with pytest.raises(ipcsync.SlotKeptError, match=r"a view or storage made from s\['x'\] \(shape \(8,\)"):
+        with p.slot(x=((8,), torch.uint8)) as s:
+            half = s["x"][:4]
+    assert _close_in_thread(p.close, 30)
+    del half

@@ -58,10 +58,25 @@ def _event(name: str) -> Any:
 @pytest.mark.parametrize("who", ["producer", "consumer", "both"])
 def test_a_program_going_on_after_each_ctrl_c_loses_and_repeats_nothing(procs: Any, device: str, who: str,
                                                                           tmp_path: Path) -> None:
+    _stream_interrupted(procs, ("stream", "take"), f"ctrl-c-{who}", device, who, tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["consumer", "both"])
+def test_asyncio_programs_going_on_after_each_ctrl_c_lose_and_repeat_nothing(procs: Any, who: str,
+                                                                             tmp_path: Path) -> None:
+    """The same with ``asend()`` and ``async for``, each in an ``asyncio.run`` that a
+    Ctrl-C ends and the program runs again (before: each ``async for`` a Ctrl-C left kept
+    its current item for good, and the producer's ring ran dry)."""
+    _stream_interrupted(procs, ("astream", "atake"), f"ctrl-c-aio-{who}", "cpu", who, tmp_path)
+
+
+def _stream_interrupted(procs: Any, roles: tuple[str, str], ep: str, device: str, who: str,
+                        tmp_path: Path) -> None:
     stop = tmp_path / "stop"
-    prod = procs.start("stream", module="peers.ctrl_c", endpoint=f"ctrl-c-{who}", stop=str(stop), device=device)
+    prod = procs.start(roles[0], module="peers.ctrl_c", endpoint=ep, stop=str(stop), device=device)
     prod.read_until(_event("bound"))
-    cons = procs.start("take", module="peers.ctrl_c", endpoint=f"ctrl-c-{who}", device=device)
+    cons = procs.start(roles[1], module="peers.ctrl_c", endpoint=ep, device=device)
     prod.read_until(_event("streaming"))
     cons.read_until(_event("connected"))
     _interrupt({"producer": [prod], "consumer": [cons], "both": [prod, cons]}[who], 150)

@@ -176,6 +176,29 @@ def test_send_refuses_meta_the_consumer_would_refuse(pair: Any) -> None:
     assert out.stats()["handoffs"] == len(bad_metas) + 1
 
 
+def test_a_non_str_meta_key_is_named_with_its_fix(pair: Any) -> None:
+    """A meta dict key that is not a str (an int, bytes; nested too) is refused at send()
+    and slot() with a ConfigError naming the key and where it is, and saying keys must be
+    str (before: "strict_map_key=True ...: send less meta or fewer tensors", the wrong
+    fix); nothing is sent and the next item arrives."""
+    out, inp = pair
+    cases = [({1: "a"}, "meta has the int key 1"),
+             ({"a": [0, {b"k": 1}]}, "meta['a'][1] has the bytes key b'k'"),
+             ([{"ok": 1}, {(1, 2): 3}], "meta[1] has the tuple key (1, 2)")]
+    for k, (meta, where) in enumerate(cases):
+        with pytest.raises(ConfigError) as info:
+            out.send({"x": torch.zeros(4)}, meta=meta, timeout=5)
+        text = str(info.value)
+        assert where in text and "meta dict keys must be str" in text, text
+        assert "send less meta" not in text and "Nothing was sent" in text, text
+        _roundtrip(out, inp, k)
+    with pytest.raises(ConfigError, match="meta has the int key 3; meta dict keys must be str"):
+        with out.slot(x=((4,), torch.uint8), meta={3: 0}, timeout=5) as s:
+            s["x"].fill_(1)
+    _roundtrip(out, inp, 9)
+    assert out.stats()["handoffs"] == len(cases) + 1
+
+
 def test_send_refuses_messages_the_consumer_would_refuse(pair: Any) -> None:
     out, inp = pair
     for k, message in enumerate([

@@ -162,3 +162,26 @@ def test_consumer_polling_the_last_items_event_does_not_say_bye_early(monkeypatc
     assert not closer.is_alive()
     assert out.stats()["bad_frames"] == 0
     assert out.stats()["consumers_lost"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_process_stopped_by_sigterm_leaves_no_files(procs: Any, runtime_dir: Any) -> None:
+    """SIGTERM still ends a process at once, by the signal (its parent sees -SIGTERM, as
+    without ipcsync), but first removes what ipcsync made on the file system: the
+    endpoint's .sock, .lane and .lock files and the producer's /dev/shm arena (before:
+    all of them were left behind). Its consumer, stopped the same way, is unaffected."""
+    from conftest import shm_segments
+
+    path = f"{runtime_dir}/sd-term.sock"
+    prod = procs.start("produce", module="peers.basic", endpoint=f"ipc://{path}", n=10**9, slots=2)
+    prod.read_until(lambda l: l.get("event") == "bound")
+    cons = procs.start("consume", module="peers.basic", endpoint=f"ipc://{path}", delay=0.01)
+    cons.read_until(lambda l: l.get("event") == "connected")
+    made = sorted(f for f in os.listdir(runtime_dir) if f.startswith("sd-term"))
+    assert made == ["sd-term.sock", "sd-term.sock.lane", "sd-term.sock.lock"], made
+    assert shm_segments(prod.pid)
+    for peer in (cons, prod):
+        os.kill(peer.pid, signal.SIGTERM)
+        assert peer.proc.wait(timeout=30) == -signal.SIGTERM, peer.stderr()
+    assert [f for f in os.listdir(runtime_dir) if f.startswith("sd-term")] == []
+    assert shm_segments(prod.pid) == []

@@ -32,6 +32,10 @@ async def producer_async(out: ipcsync.Producer, x: torch.Tensor) -> None:
     assert_type(await out.asend({"x": x}), int)
     async with out.aslot(x=((4,), torch.uint8)) as s:
         assert_type(s, ipcsync.SlotWriter)
+    async with ipcsync.Producer("frames") as p:
+        assert_type(p, ipcsync.Producer)
+        assert_type(await p.aclose(timeout=1.0, linger=2.0), None)
+    assert_type(out.close(linger=None), None)
 
 
 def consumer_side(inp: ipcsync.Consumer, fan: ipcsync.FanIn) -> None:
@@ -59,6 +63,14 @@ async def consumer_async(inp: ipcsync.Consumer, fan: ipcsync.FanIn) -> None:
     assert_type(await fan.aget(), ipcsync.Item | None)
     async for item in inp:
         assert_type(item, ipcsync.Item)
+    async with ipcsync.Consumer("frames") as c, ipcsync.FanIn(["a", "b"]) as f:
+        assert_type(c, ipcsync.Consumer)
+        assert_type(f, ipcsync.FanIn)
+        assert_type(await c.aclose(timeout=1.0), None)
+        assert_type(await f.aclose(), None)
+    it = inp.__aiter__()
+    assert_type(await it.__anext__(), ipcsync.Item)
+    assert_type(await it.aclose(), None)
 
 
 def low_level(t: torch.Tensor) -> None:

@@ -246,3 +246,48 @@ def test_a_process_that_cannot_read_the_interpreters_configuration_is_protected_
     sysconfig.get_paths = refuse
 """
     assert _run(refused + _LIBRARY_FRAME) == ["True", "[1,", "2,", "3,", "'done']", "<module>"]
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_handler_installed_only_over_the_default_and_put_back() -> None:
+    assert _run("""
+        term = lambda: signal.getsignal(signal.SIGTERM)
+        ki.protect(); print(term() not in (signal.SIG_DFL, signal.SIG_IGN))
+        ki.unprotect(); print(term() is signal.SIG_DFL)
+        mine = lambda s, f: None
+        for own in (mine, signal.SIG_IGN):  # the program's own stays, and so does SIG_IGN
+            signal.signal(signal.SIGTERM, own)
+            ki.protect(); print(term() is own)
+            ki.unprotect(); print(term() is own)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """) == ["True"] * 6
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_removes_what_was_registered_then_ends_the_process_by_the_signal(tmp_path: Path) -> None:
+    """What ``at_terminate`` registered runs (one that fails does not stop the others),
+    then the process dies by SIGTERM, as without the handler: no exception, none of the
+    program's code (its ``finally``) runs."""
+    left = tmp_path / "left.sock"
+    left.touch()
+    body = textwrap.dedent(f"""
+        @ki.at_terminate
+        def broken():
+            raise RuntimeError("a failing cleanup")
+
+        @ki.at_terminate
+        def remove():
+            os.unlink({str(left)!r})
+
+        ki.protect()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            print("STILL ALIVE", flush=True)
+        finally:
+            print("FINALLY RAN", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", _PRELUDE + body], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -15, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout == "" and not left.exists(), (out.stdout, out.stderr)

@@ -93,3 +93,67 @@ def take(a: dict[str, Any]) -> None:
                 caught.n += 1
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     say(event="done", got=got, bad=bad[:5], interrupted=caught.n)
+
+
+def astream(a: dict[str, Any]) -> None:
+    """``stream`` under asyncio: ``asend`` in ``asyncio.run``, which a Ctrl-C ends (a
+    KeyboardInterrupt, its tasks cancelled: a cancelled ``asend`` sent nothing); the
+    program catches it and runs the coroutine again."""
+    import asyncio
+
+    caught = Caught()
+    with ipcsync.Producer(a["endpoint"], slots=a.get("slots", 4), slot_bytes=4096, timeout=30,
+                          heartbeat=1.0, device="cpu") as out:
+        say(event="bound")
+        out.wait_for_consumers(1, timeout=30)
+
+        async def main() -> None:
+            while not os.path.exists(a["stop"]):
+                i = out.stats()["handoffs"]
+                await out.asend({"x": torch.full((16,), float(i))}, meta=i)
+
+        said = False
+        while True:
+            try:
+                if not said:
+                    say(event="streaming")
+                    said = True
+                asyncio.run(main())
+                break
+            except KeyboardInterrupt:
+                caught.n += 1
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        out.flush(timeout=30)  # every slot came back, the items of left loops included
+        sent = out.stats()["handoffs"]
+    say(event="done", sent=sent, interrupted=caught.n)
+
+
+def atake(a: dict[str, Any]) -> None:
+    """``take`` under asyncio: ``async for`` in ``asyncio.run``, run again after each
+    Ctrl-C; the items are auto-released (the loop a Ctrl-C left holds its current one
+    until it is collected: then the next take gives it back)."""
+    import asyncio
+
+    caught = Caught()
+    got: list[int] = []
+    bad: list[str] = []
+    with ipcsync.Consumer(a["endpoint"], timeout=30, heartbeat=1.0, device="cpu") as inp:
+
+        async def main() -> None:
+            async for item in inp:
+                got.append(item.meta)  # (the first call in the body: a Ctrl-C lands after it)
+                if not bool((item["x"] == float(item.meta)).all()):
+                    bad.append(f"item {item.meta} holds {item['x'].tolist()}")
+
+        said = False
+        while True:
+            try:
+                if not said:
+                    say(event="connected")
+                    said = True
+                asyncio.run(main())
+                break
+            except KeyboardInterrupt:
+                caught.n += 1
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    say(event="done", got=got, bad=bad[:5], interrupted=caught.n)
