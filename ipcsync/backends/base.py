@@ -24,6 +24,10 @@ class Event(abc.ABC):
     ``record``, ``query`` and ``wait`` on it altogether."""
 
     complete_on_record: ClassVar[bool] = False
+    # The generation a flag's event (backends.flags) records and waits for: the runtime
+    # sets it before each use (the item's generation). Events of other kinds ignore it:
+    # they mark the point of their last record.
+    value: int = 0
 
     @abc.abstractmethod
     def record(self, stream: Any = None) -> None:
@@ -76,6 +80,11 @@ class Arena(abc.ABC):
     def export(self) -> bytes | str:
         """The handle to send to one new connection (exported once per connection)."""
         return self.handle
+
+    def export_fd(self) -> int:
+        """A new descriptor of the memory for one connection (arenas shared by
+        descriptor; the caller sends and closes it)."""
+        raise NotImplementedError("this arena is shared by name, not by descriptor")
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -152,6 +161,40 @@ class Backend(abc.ABC):
         results: the same stream), so a hot path asks ``current_stream()`` only when it
         changed; None where the backend has none (events that ignore streams)."""
         return None
+
+    # ------------------------------------------------------------------ sharing by descriptor
+    # Memory no peer's death can free and flags in shared host memory instead of events a
+    # peer owns (backends.cuda_vmm, backends.flags): the producer creates them, and their
+    # descriptors travel once per connection over its lane (runtime.memory_wire).
+
+    def descriptor_problem(self) -> str | None:
+        """Why this backend does not share its memory by descriptor (the producer then
+        uses ``create_arena`` and events), or None where it does."""
+        return f"the {self.name} backend shares its memory by name"
+
+    def create_shared_arena(self, nbytes: int) -> Arena:
+        """An arena shared by descriptor (``Arena.export_fd`` per connection)."""
+        raise NotImplementedError(self.descriptor_problem())
+
+    def is_shared_handle(self, handle: bytes | str) -> bool:
+        """Whether a SETUP's arena handle names memory shared by descriptor."""
+        return False
+
+    def open_shared_arena(self, handle: bytes | str, nbytes: int, fd: int, where: Any = None) -> Arena:
+        """Map a peer's arena from its descriptor ``fd`` (not taken), read-only."""
+        raise NotImplementedError(self.descriptor_problem())
+
+    def new_flags(self, slots: int) -> tuple[Any, int]:
+        """A connection's flags (``backends.flags.FlagSegment``) and the descriptor to send."""
+        raise NotImplementedError(self.descriptor_problem())
+
+    def open_flags(self, fd: int, slots: int) -> Any:
+        """A peer's flag segment from its descriptor ``fd`` (not taken), checked."""
+        raise NotImplementedError(self.descriptor_problem())
+
+    def retire_flags(self, segment: Any) -> None:
+        """A connection's flags are no longer used: freed once no work of ours still uses
+        them (its peer's waits poisoned first by the caller)."""
 
     def current_stream(self) -> Any:
         """The stream ``Event.record(None)``/``wait(None)`` would use now, to pass to several

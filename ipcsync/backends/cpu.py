@@ -54,6 +54,7 @@ from ..runtime import host
 from ..runtime.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
 from .. import writefaults
 from ..errors import BackendError, ConfigError, IpcTimeoutError
+from . import cpu_descriptors, flags
 from .base import Arena, Backend, Event
 
 __all__ = [
@@ -318,6 +319,38 @@ class CpuBackend(Backend):
 
     def create_event(self) -> CpuEvent:
         return CpuEvent()
+
+    # ------------------------------------------------------------------ by descriptor (test route)
+    def descriptor_problem(self) -> str | None:
+        if cpu_descriptors.enabled():
+            return None
+        return "the CPU backend shares its memory by name (IPCSYNC_CPU_DESCRIPTORS=1: by descriptor, for tests)"
+
+    def create_shared_arena(self, nbytes: int) -> cpu_descriptors.MemfdArena:
+        return cpu_descriptors.MemfdArena(nbytes)
+
+    def is_shared_handle(self, handle: bytes | str) -> bool:
+        return cpu_descriptors.parse_descriptor(handle) is not None
+
+    def open_shared_arena(self, handle: bytes | str, nbytes: int, fd: int, where: Any = None) -> Arena:
+        size = cpu_descriptors.parse_descriptor(handle)
+        if size is None or size < nbytes:
+            raise BackendError(f"not a CPU arena descriptor of {nbytes} bytes or more: {handle!r:.60}")
+        return cpu_descriptors.MemfdArena(size, fd)
+
+    def new_flags(self, slots: int) -> tuple[Any, int]:
+        fd = flags.new_segment_fd(slots)
+        try:
+            return flags.FlagSegment(cpu_descriptors.HostFlags(), fd, slots, 0, peer=False), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def open_flags(self, fd: int, slots: int) -> Any:
+        return flags.FlagSegment(cpu_descriptors.HostFlags(), fd, slots, 0, peer=True)
+
+    def retire_flags(self, segment: Any) -> None:
+        segment.close()  # (host work is synchronous: nothing of ours still uses it)
 
     def open_event(self, handle: bytes | str) -> CpuEvent:
         return CpuEvent.from_handle(handle)

@@ -24,6 +24,7 @@ an H200 host); ``current_stream`` here caches one per stream id.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 import weakref
@@ -34,9 +35,12 @@ import torch
 
 from ..errors import BackendError, ConfigError, IpcTimeoutError
 from ..interrupts import wait_point
+from . import cuda_driver, cuda_vmm, flags
 from .base import Arena, Backend, Event
 
 __all__ = ["CudaBackend", "IpcEvent", "CudaArena", "current_stream", "export_tensor", "import_tensor"]
+
+log = logging.getLogger(__name__)
 
 _ARENA_MAGIC = "ipcsync-cuda-arena"
 _TENSOR_MAGIC = "ipcsync-cuda-tensor"
@@ -220,8 +224,34 @@ class CudaArena(Arena):
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
+# Why this process cannot share CUDA memory by descriptor (None: it can), found once.
+_DESCRIPTOR_PROBLEM: dict[int, str | None] = {}
+_RETIRED_MAX = 64  # retired flag segments kept before they are freed (one synchronize)
+
+
+def _descriptor_problem(index: int) -> str | None:
+    if os.environ.get("IPCSYNC_CUDA_VMM", "1") == "0":
+        return "IPCSYNC_CUDA_VMM=0"
+    drv = cuda_driver.load()
+    if drv is None:
+        return cuda_driver.why_not()
+    problem = drv.support_problem(index)
+    if problem is not None:
+        return problem
+    try:  # registration of shared host memory: refused by some containers and drivers
+        fd = flags.new_segment_fd(1)
+        try:
+            flags.FlagSegment(drv, fd, 1, index, peer=False).close()
+        finally:
+            os.close(fd)
+    except (OSError, BackendError) as exc:
+        return f"shared host memory cannot be registered for the GPU ({exc})"
+    return None
+
+
 class CudaBackend(Backend):
-    """CUDA IPC memory and interprocess events on one GPU."""
+    """CUDA memory and its ordering on one GPU: shared by descriptor (``cuda_vmm`` arenas,
+    ``flags``) where the driver can, else CUDA IPC memory and interprocess events."""
 
     name = "cuda"
     pid_namespace_rule = "CUDA IPC needs both processes in one PID namespace"
@@ -230,6 +260,57 @@ class CudaBackend(Backend):
         super().__init__(device)
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self._uuid = device_uuid(self.index)
+        self._retired: list[flags.FlagSegment] = []
+
+    # ------------------------------------------------------------------ sharing by descriptor
+    def descriptor_problem(self) -> str | None:
+        if self.index not in _DESCRIPTOR_PROBLEM:
+            _DESCRIPTOR_PROBLEM[self.index] = _descriptor_problem(self.index)
+        return _DESCRIPTOR_PROBLEM[self.index]
+
+    def _driver(self) -> cuda_driver.Driver:
+        drv = cuda_driver.load()
+        if drv is None:
+            raise BackendError(f"CUDA memory shared by descriptor needs the CUDA driver: {cuda_driver.why_not()}")
+        return drv
+
+    def create_shared_arena(self, nbytes: int) -> cuda_vmm.VmmArena:
+        with torch.cuda.device(self.index):
+            return cuda_vmm.create_arena(self._driver(), nbytes, self.index)
+
+    def is_shared_handle(self, handle: bytes | str) -> bool:
+        return cuda_vmm.parse_descriptor(handle) is not None
+
+    def open_shared_arena(self, handle: bytes | str, nbytes: int, fd: int, where: Any = None) -> cuda_vmm.VmmArena:
+        return cuda_vmm.open_arena(self._driver(), handle, nbytes, fd, self.index,
+                                   memory_device=self.index if where is None else where)
+
+    def new_flags(self, slots: int) -> tuple[flags.FlagSegment, int]:
+        fd = flags.new_segment_fd(slots)
+        try:
+            return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=False), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def open_flags(self, fd: int, slots: int) -> flags.FlagSegment:
+        return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=True)
+
+    def retire_flags(self, segment: Any) -> None:
+        """Kept until this process's GPU work that may still write or wait on it is done:
+        freed at ``collect`` (or once _RETIRED_MAX are waiting), after a synchronize."""
+        self._retired.append(segment)
+        if len(self._retired) >= _RETIRED_MAX:
+            self._free_retired()
+
+    def _free_retired(self) -> None:
+        retired, self._retired = self._retired, []
+        if not retired:
+            return
+        with torch.cuda.device(self.index):
+            torch.cuda.synchronize()
+        for seg in retired:
+            best_effort_close(seg)
 
     def device_identity(self) -> str | None:
         return self._uuid
@@ -353,8 +434,21 @@ class CudaBackend(Backend):
     def collect(self) -> None:
         try:
             torch.cuda.ipc_collect()
+            self._free_retired()
+            cuda_vmm.collect()
         except Exception:  # best effort
-            pass
+            log.debug("ipcsync: collecting CUDA memory failed", exc_info=True)
+
+    def close(self) -> None:
+        self.collect()
+
+
+def best_effort_close(segment: flags.FlagSegment) -> None:
+    """Close a flag segment, logging (never raising) a failure: teardown goes on."""
+    try:
+        segment.close()
+    except Exception:
+        log.debug("ipcsync: closing a flag segment failed", exc_info=True)
 
 
 # --------------------------------------------------------------------------- low-level API

@@ -199,6 +199,8 @@ class ConsumerEndpoint(EndpointBase):
                 seq, slot, gen, sent_ns, meta, recipe = entry
                 try:
                     mem = self._memory
+                    if mem.shared:  # (a flag's event waits for the item's generation)
+                        mem.ready_events[slot].value = gen
                     if (self._flat and recipe.__class__ is Recipe
                             and (mem.complete_on_record or mem.ready_done[slot]())):
                         store = mem.stores[slot]
@@ -426,6 +428,7 @@ class ConsumerEndpoint(EndpointBase):
         # producer's BYE with nothing held would say BYE under this item.
         self._lender.hold(seq, item)
         ev = self._memory.ready_events[slot]
+        ev.value = gen  # (a flag's event waits for the item's generation; events ignore it)
         # Complete already (the producer re-records it only after we release the slot):
         # nothing to wait for. Tested here, not in the strategy: a call less per item.
         if not ev.query():
@@ -497,6 +500,8 @@ class ConsumerEndpoint(EndpointBase):
             if stream is None and (stream := self._stream) is None:  # the current one
                 cs = self._streams
                 stream = cs.now if cs.key() == cs.seen else cs.resolve()
+            if mem.shared:
+                mem.release_events[slot].value = item.gen
             mem.record_release[slot](stream)
         s.queue_release((seq, slot, item.gen))
 

@@ -248,6 +248,9 @@ class Lender:
                                     "memory (share_memory_(), or pickled for a multiprocessing queue): they may "
                                     "read other bytes than the slot holds")
             setup = s.setup
+            if mem.shared:
+                raise CannotForward("its producer shares GPU memory by descriptor, which a consumer cannot pass on: "
+                                    "it travels by copy")
             uses = self.link.downstream.uses
             use = uses.get(item.seq) if uses else None
             if use is not None:  # itself forwarded to us: pass on the original owner's arena
@@ -319,7 +322,7 @@ class Lender:
     def _record(self, item: Any, stream: Any) -> None:
         if self.link.session.error is None and not self.is_closed():
             try:
-                self.link.memory.release_events[item.slot].record(stream)
+                self.link.memory.release(item.slot, item.gen, stream)
             except IndexError:  # torn down meanwhile
                 pass
 
@@ -381,5 +384,5 @@ class Lender:
             self.forwarded.clear()
             for item in items:
                 if s.error is None:
-                    self.link.memory.release_events[item.slot].record(self.stream)
+                    self.link.memory.release(item.slot, item.gen, self.stream)
             self._give_back(items)

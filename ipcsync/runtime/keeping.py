@@ -152,7 +152,9 @@ class Kept:
         for item in self.items.values():
             store = item.store
             if not store.moved():  # (moved already: share_memory_(), the program's own copy)
-                if not ready_events[item.slot].query():
+                ev = ready_events[item.slot]
+                ev.value = item.gen  # (a flag's event waits for the item's generation)
+                if not ev.query():
                     continue
                 n = store.move_out(item.extent, stream)
                 if n is None:

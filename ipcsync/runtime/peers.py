@@ -37,7 +37,8 @@ class Peer:
     """One consumer connection: its session plus what only I/O knows about it."""
 
     __slots__ = ("identity", "session", "fd", "watch", "release_events", "release_done", "outbox",
-                 "disconnected", "remote", "lane", "lane_ready", "spoke")
+                 "disconnected", "remote", "lane", "lane_ready", "spoke", "flags", "flags_fd", "ready_flags",
+                 "memory_sent", "attach_pending")
 
     def __init__(self, session: ProducerSession, fd: int, watch: ProcessWatch | RemoteWatch | None) -> None:
         self.identity = session.identity
@@ -64,6 +65,16 @@ class Peer:
         # A frame went out to it since the last tick, which tells the session
         # (``session.spoke``): one flag per send, no call, on the hot path.
         self.spoke = False
+        # Memory shared by descriptor (backends.flags): this connection's flag segment, its
+        # descriptor until sent (-1 after), its ready flags (one per slot: written when an
+        # item is handed to it), whether the memory went out on its lane, and whether its
+        # ATTACH came first (then it is admitted once the memory went out). None/-1/False
+        # on an edge that shares memory by name.
+        self.flags: Any = None
+        self.flags_fd = -1
+        self.ready_flags: list[Event] | None = None
+        self.memory_sent = False
+        self.attach_pending = False
 
     @property
     def label(self) -> str:

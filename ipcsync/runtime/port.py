@@ -39,7 +39,7 @@ from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
-from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
+from ..errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, ProtocolError
 from . import aio, closing, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
@@ -48,6 +48,7 @@ from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .lane import polled_form
 from .peers import Peer, PeerTable
+from .sharing import DescriptorSharing
 from .slots import Handoffs, SlotRecord, Waits
 
 __all__ = ["ProducerPort", "SlotTicket", "failure_text"]
@@ -100,19 +101,24 @@ class ProducerPort(EndpointBase):
         self.stride = stride = (self.slot_bytes + ALIGN - 1) // ALIGN * ALIGN
         self.chan = chan = ProducerChannel(self.endpoint, limits.max_frame, curve)
         arena = None
+        # Memory shared by descriptor (runtime.sharing) wherever the backend can and the
+        # endpoint has lanes to carry the descriptors; else by name, with events.
+        self.share_problem = backend.descriptor_problem() or (None if chan.lanes is not None else "no lanes")
         try:
             try:
-                arena = backend.create_arena(stride * self.slots)
+                arena = (backend.create_shared_arena(stride * self.slots) if self.share_problem is None
+                         else backend.create_arena(stride * self.slots))
             except ConfigError as exc:  # e.g. /dev/shm too small: name the ring that asked
                 raise ConfigError(f"Producer(slots={self.slots}, slot_bytes={self.slot_bytes}): {exc}") from None
             slot_views = [arena.tensor[i * stride: i * stride + self.slot_bytes] for i in range(self.slots)]
-            ready_events = [backend.create_event() for _ in range(self.slots)]
+            ready_events = [] if self.share_problem is None else [backend.create_event() for _ in range(self.slots)]
         except BaseException:
             chan.close()
             if arena is not None:
                 arena.close()
             raise
         self.arena = arena
+        self.sharing = DescriptorSharing(backend, arena, self.slots) if self.share_problem is None else None
         self._stats = Stats()
         self.name = name = self.endpoint.name
         self.ipc = self.endpoint.path is not None  # the kernel can name the peer of a connection (SO_PEERCRED)
@@ -121,7 +127,8 @@ class ProducerPort(EndpointBase):
             ring=ring, slot_views=slot_views, ready_events=ready_events, slot_bytes=self.slot_bytes,
             peers=peers, ledger=ForwardLedger(self.slots), stats=self._stats, limits=limits,
             wait=waiting, timeout=self._timeout, name=name, ratelog=self._ratelog, backend=backend,
-            waits=Waits(self.pump_steady, self._wait_until, self._timeout_error, self._resolve_timeout))
+            waits=Waits(self.pump_steady, self._wait_until, self._timeout_error, self._resolve_timeout),
+            shared=self.sharing is not None)
         self._plan_get: Callable[[Any], Any] = h.plans.get  # the plan cache's own get (hot path)
         self.forwarder = Forwarder(handoffs=h, peers=peers, backend=backend, device=self.device, lock=self._lock,
                                    enter=self._enter_send, touch=self._touch, default_stream=stream, name=name)
@@ -338,8 +345,17 @@ class ProducerPort(EndpointBase):
             # for it on ZeroMQ, then its frames go on the lane (PeerTable.send).
             if peer.disconnected or peer.session.state in P.ENDED or peer.session.switch_sent:
                 return
+            if self.sharing is not None:
+                try:  # its memory, first on the lane (runtime.memory_wire's ordering rule)
+                    self.sharing.send_memory(peer, data)
+                except (OSError, IpcSyncError) as exc:
+                    bad = peer.session.bad_frame(ProtocolError(f"its GPU memory could not go out on its lane: {exc}"))
+                    self.peers.bad_frame(identity, peer, bad.data, bad.reply)
+                    return
             peer.lane_ready = data
             self.peers.send(peer, peer.session.switch())
+            if peer.attach_pending and self.peers.get(identity) is peer:
+                self.admit(peer)
         elif what == "closed":
             self.peers.on_disconnect(peer, data)  # as a closed ZeroMQ connection
         elif what == "bad":
@@ -370,6 +386,19 @@ class ProducerPort(EndpointBase):
             self.on_remote_hello(identity, session, fd)
             return
         peer = Peer(session, fd, watch_for(hello, cred))
+        if self.sharing is not None:
+            why = None if session.lane_capable else "it speaks a protocol version without lanes"
+            if why is None:
+                try:
+                    self.sharing.connect(peer)
+                except (OSError, IpcSyncError) as exc:
+                    why = f"its flag segment cannot be made ({exc})"
+            if why is not None:
+                text = f"this producer shares GPU memory by descriptor over a lane, and {why}"
+                self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
+                                           self.name, hello.pid, text)
+                self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
+                return
         self.peers.add(peer)
         h = self.handoffs
         setup = P.Setup(
@@ -382,7 +411,8 @@ class ProducerPort(EndpointBase):
             arenas=[self.arena.export()],
             arena_bytes=[self.arena.nbytes],
             slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
-            ready_events=[e.handle() for e in h.ready_events],
+            ready_events=(self.sharing.setup_events() if self.sharing is not None
+                          else [e.handle() for e in h.ready_events]),
             heartbeat_ms=int(self._heartbeat * 1000),
         )
         self.peers.send(peer, session.setup(setup))
@@ -443,6 +473,11 @@ class ProducerPort(EndpointBase):
             watch = peer.watch  # (a remote peer's: its RemoteWatch)
             if watch is not None and not isinstance(watch, host.ProcessWatch):
                 watch.joined = True  # from now on its silence is loss (its ATTACH: just heard)
+        elif self.sharing is not None:
+            peer.set_release_events(self.sharing.release_events(peer))
+            if not peer.memory_sent:  # (its lane is not checked yet: admitted once its memory went out)
+                peer.attach_pending = True
+                return
         else:
             try:
                 # Opened on our GPU, whichever GPU the consumer records them on (see
@@ -452,6 +487,12 @@ class ProducerPort(EndpointBase):
                 bad = peer.session.bad_frame(ProtocolError(f"cannot open release events: {exc}"))
                 self.peers.bad_frame(peer.identity, peer, bad.data, bad.reply)
                 return
+        self.admit(peer)
+
+    def admit(self, peer: Peer) -> None:
+        """``peer`` attached (and, sharing by descriptor, has its memory): it takes items."""
+        h = self.handoffs
+        peer.attach_pending = False
         h.ring.add_consumer(peer.identity, min(peer.session.hello.credits, h.slots))
         self.attached_total += 1
         log.debug("ipcsync producer %r: %s attached", self.name, peer.label)
@@ -472,6 +513,8 @@ class ProducerPort(EndpointBase):
             self.chan.lanes.withdraw(peer.identity)
         peer.lane = peer.lane_ready = None
         self.handoffs.reclaim(peer)
+        if self.sharing is not None:
+            self.sharing.gone(peer)
         if self.forwarder.ledger.pending:
             self.forwarder.poll()  # it may have been the one a forward still waited for
         self.backend.collect()

@@ -128,12 +128,18 @@ class Handoffs:
     def __init__(self, *, ring: Ring, slot_views: list[Any], ready_events: list[Event], slot_bytes: int,
                  peers: PeerTable, ledger: ForwardLedger[Any], stats: Stats, limits: P.Limits,
                  wait: WaitStrategy, timeout: float | None, waits: Waits, name: str, ratelog: RateLog,
-                 backend: Backend) -> None:
+                 backend: Backend, shared: bool = False) -> None:
         self.ring = ring
         self.slots = ring.nslots
         self.slot_views = slot_views
         self.ready_events = ready_events
         self.record_ready = [e.bound_record() for e in ready_events]  # (step 3b, per slot)
+        # Memory shared by descriptor (runtime.sharing): no ready event to record at 3b;
+        # each consumer's ready flag is written as the item is handed to it (deliver), and
+        # step 2 waits for its release flag to reach the generation it last got of the slot
+        # (``pub_gen``: the generation of the item last published in each slot).
+        self.shared = shared
+        self.pub_gen = [0] * ring.nslots
         self.slot_bytes = slot_bytes
         self.peers = peers
         self.ledger = ledger
@@ -158,7 +164,7 @@ class Handoffs:
         self.streams = CurrentStream(backend)
         # Step 2 has work to do: events that complete on the GPU, or (set by the port) a
         # remote consumer's release events, sends that complete later, on any backend.
-        self.order_events = not backend.host_sync
+        self.order_events = shared or not backend.host_sync
         # The plan last published: most recently used in both LRUs (plans, layout ids) and
         # its layout id still its own. Reset by whatever else reorders them.
         self.mru_plan: Plan | None = None
@@ -177,7 +183,7 @@ class Handoffs:
         self.device = device
         self.host_copy = native.host_copy() if device is not None and device.type == "cpu" else None
         self.copy_record = (native.cuda_copy_record() if device is not None and device.type == "cuda"
-                            else None)
+                            and not shared else None)
         self.slot_ptrs = [v.data_ptr() for v in slot_views] if self.host_copy or self.copy_record else []
         # Per slot: (cudaEvent_t, device index) of its ready event, once torch created it.
         self.ready_raw: list[tuple[int, int] | None] = [None] * self.slots
@@ -351,6 +357,8 @@ class Handoffs:
             # Its steady branch: one previous reader, whose release event is complete
             # already (a query, ~0.1 us), and no forward of the slot pending: nothing to order.
             peer = self.peers.get(next(iter(holders))) if len(holders) == 1 and not self.ledger.pending else None
+            if peer is not None and peer.release_events:  # (a flag waits for the generation it last got)
+                peer.release_events[acq.slot].value = self.pub_gen[acq.slot]
             if peer is None or not peer.release_done or not peer.release_done[acq.slot]():
                 try:
                     self.order_after_readers(rec)
@@ -434,6 +442,7 @@ class Handoffs:
             peer = peers.get(cid)
             if peer is None or not peer.release_events:
                 continue
+            peer.release_events[slot].value = self.pub_gen[slot]
             # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
             # which costs far more host time than the query when the event is another
             # process's. The peer re-records this event only after we hand it the slot again,
@@ -503,12 +512,16 @@ class Handoffs:
         (foreign arena, region offset, region bytes) of a zero-copy forward. Returns the
         item's seq; ConfigError (nothing committed) for a meta the consumers would refuse."""
         slot = rec.slot
-        # 3b. record ready. Rule: on the stream that wrote the slot, after the write.
+        # 3b. record ready. Rule: on the stream that wrote the slot, after the write (shared
+        # by descriptor: each consumer's ready flag, written at deliver on that stream).
         if not (self.host_sync or recorded):
             if stream is None:  # (a slot() block's: the current stream at its end)
                 cs = self.streams
                 stream = cs.now if cs.key() == cs.seen else cs.resolve()
-            self.record_ready[slot](stream)
+            if self.shared:
+                rec.stream = stream
+            else:
+                self.record_ready[slot](stream)
         if plan is not self.mru_plan:
             self.use_plan(plan)
         ring = self.ring
@@ -527,6 +540,7 @@ class Handoffs:
         # 4. publish. Rule: after the record (3b), in seq order; what the ring hands out
         # now goes out now, the rest when a consumer has a credit (dispatch).
         cid = ring.publish(slot)[1]
+        self.pub_gen[slot] = rec.gen  # (published: what its holders will release)
         rec.seq, rec.sent_ns, rec.meta, rec.fwd = seq, sent_ns, meta, fwd
         rec.layout_id, rec.layout_version, rec.layout = lid, plan.layout_version, plan.layout
         if lid:
@@ -627,6 +641,11 @@ class Handoffs:
             self.layouts_inline += 1
         if self.trace is not None:  # (before the send: the consumer may stamp its receipt at once)
             self.trace.ready(rec.seq, peer.label)
+        flags = peer.ready_flags
+        if flags is not None:  # shared by descriptor: its ready flag, after the write, before the notice
+            ev = flags[rec.slot]
+            ev.value = rec.gen
+            ev.record(rec.stream)
         peers.send(peer, frame)
         if peer.remote is not None:  # on another host: the bytes follow by torch.distributed
             peer.remote.send(rec.slot, rec.layout, rec.seq)
@@ -680,5 +699,7 @@ class Handoffs:
         for cid in released:
             peer = self.peers.get(cid)
             if peer is not None and peer.release_events:
-                waits.append((peer, peer.release_events[slot]))
+                ev = peer.release_events[slot]
+                ev.value = self.pub_gen[slot]
+                waits.append((peer, ev))
         return waits

@@ -33,6 +33,7 @@ from . import host
 from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
 from .foreign import Downstream
 from .keeping import Kept
+from .memory_wire import PLACEHOLDER, recv_memory
 
 if TYPE_CHECKING:  # (runtime.remote is loaded only where a remote edge is)
     from .remote import RemoteWatch
@@ -43,6 +44,7 @@ __all__ = ["make_hello", "unanswered_error", "identity_problem", "RingMemory", "
 log = logging.getLogger(__name__)
 
 _FRAMES_PER_PUMP = 256  # frames the steady pump reads at most (a flood cannot starve the caller)
+MEMORY_WAIT_S = 5.0  # the memory packet is on the lane before the SWITCH that says to read it
 
 
 def make_hello(backend: Any, credits: int, heartbeat: float) -> P.Hello:
@@ -89,7 +91,7 @@ class RingMemory:
     complete once recorded (the CPU backend's): the steady path skips them."""
 
     __slots__ = ("arenas", "stores", "views", "seqs", "watched", "ready_events", "ready_done", "release_events",
-                 "record_release", "complete_on_record")
+                 "record_release", "complete_on_record", "flags", "shared")
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
@@ -104,19 +106,36 @@ class RingMemory:
         self.release_events: list[Event] = []
         self.record_release: list[Callable[[Any], None]] = []
         self.complete_on_record = False
+        # Shared by descriptor (runtime.sharing): the connection's flag segment, whose
+        # flags are our events; each use sets the event's ``value`` (the item's generation).
+        self.flags: Any = None
+        self.shared = False
 
-    def open(self, backend: Any, s: P.Setup, where: Any, name: str = "") -> None:
+    def open(self, backend: Any, s: P.Setup, where: Any, name: str = "",
+             fds: tuple[list[int], int] | None = None) -> None:
         """Open what SETUP ``s`` exports (``where``: the device its memory lies on) from the
-        producer on ``name``. BackendError if it cannot be."""
+        producer on ``name``; ``fds``: the arenas' and the flag segment's descriptors, for
+        memory shared by descriptor (not taken: the caller closes them). BackendError if it
+        cannot be."""
         try:
-            self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
+            if fds is not None:
+                self.shared = True
+                self.flags = backend.open_flags(fds[1], len(s.slots))
+                self.arenas = [backend.open_shared_arena(h, n, fd, where)
+                               for h, n, fd in zip(s.arenas, s.arena_bytes, fds[0])]
+            else:
+                self.arenas = [backend.open_arena(h, n, where) for h, n in zip(s.arenas, s.arena_bytes)]
             self.set_slots([self.arenas[a].tensor[off : off + n] for a, off, n in s.slots])
             cells = self.seqs.buffer_info()[0]
             self.watched = [writefaults.watch(v.data_ptr(), v.numel(), f"slot {i} of the producer on {name!r} "
                                               f"(pid {s.pid})", cells + i * self.seqs.itemsize)
                             for i, v in enumerate(self.views) if self.arenas[s.slots[i][0]].readonly]
-            self.set_events([backend.open_event(h) for h in s.ready_events],
-                            [backend.create_event() for _ in s.slots])
+            if self.flags is not None:
+                self.set_events([self.flags.ready(i) for i in range(len(s.slots))],
+                                [self.flags.release(i) for i in range(len(s.slots))])
+            else:
+                self.set_events([backend.open_event(h) for h in s.ready_events],
+                                [backend.create_event() for _ in s.slots])
         except IpcSyncError as exc:
             raise exc if isinstance(exc, BackendError) else BackendError(str(exc)) from None
 
@@ -126,6 +145,19 @@ class RingMemory:
         self.ready_done = [e.bound_query() for e in ready]
         self.record_release = [e.bound_record() for e in release]
         self.complete_on_record = bool(ready) and all(type(e).complete_on_record for e in (*ready, *release))
+
+    def release(self, slot: int, gen: int, stream: Any) -> None:
+        """Our release of ``slot``'s item of generation ``gen``, recorded on ``stream``."""
+        ev = self.release_events[slot]
+        ev.value = gen
+        ev.record(stream)
+
+    def poison(self) -> None:
+        """The producer is gone: every wait of ours on its ready flags passes (shared by
+        descriptor; nothing to do with events, which a dead peer's death never completes:
+        those are never waited on again)."""
+        if self.flags is not None:
+            self.flags.poison("ready")
 
     def set_slots(self, views: list[torch.Tensor]) -> None:
         """A storage of its own for each slot (``views``: uint8, one per slot)."""
@@ -149,8 +181,14 @@ class RingMemory:
         arenas, self.arenas = self.arenas, []
         best_effort("consumer: closing an arena", *(arena.close for arena in arenas))
 
-    def drop_events(self) -> None:
+    def drop_events(self, backend: Backend) -> None:
+        """Teardown: forget the events; a flag segment is poisoned (nothing of ours may
+        wait on it for ever) and retired (freed once our GPU work is done with it)."""
         self.set_events([], [])
+        flags, self.flags = self.flags, None
+        if flags is not None:
+            flags.poison("ready")
+            backend.retire_flags(flags)
 
 
 def remove_stale_endpoint(endpoint: Endpoint, setup: P.Setup | None, alive: Callable[[], bool],
@@ -193,6 +231,9 @@ class ProducerLink:
         # A producer on another host: the runtime.remote.ConsumerEdge its SETUP named, whose
         # receive ring fills ``memory``; None on every local edge.
         self.remote: Any = None
+        # A SETUP naming memory shared by descriptor, and where it lies: opened once its
+        # descriptors came on the lane (``open_shared_memory``).
+        self.shared_setup: tuple[P.Setup, Any] | None = None
         self.lane_loss_seen = False  # a closed lane was handled as a closed connection
         # The producer closed its connection after its BYE: a clean end, unless it died
         # inside its close() (e.g. while we held items), leaving its /dev/shm arena behind.
@@ -255,7 +296,7 @@ class ProducerLink:
             if uses:
                 uses.pop(item.seq, None)
             if s.error is None:
-                self.memory.release_events[item.slot].record(self.stream)
+                self.memory.release(item.slot, item.gen, self.stream)
             s.queue_release((item.seq, item.slot, item.gen))
 
     def check_stall(self, waiting: bool = False) -> None:
@@ -439,9 +480,15 @@ class ProducerLink:
             setup = self.session.setup
             pid = setup.pid if setup is not None and setup.pid_ns == host.pid_namespace() else None
             why = self.chan.connect_lane(event.msg, pid)
-            if why is not None:
+            if why is not None and self.shared_setup is not None:
+                self.fail(BackendError(f"the producer on {self.endpoint.name!r} shares its GPU memory by "
+                                       f"descriptor over a lane, and no lane could be made: {why}"),
+                          ErrorCode.BACKEND)
+            elif why is not None:
                 log.info("ipcsync consumer %r: no lane (%s); staying on ZeroMQ", self.endpoint.name, why)
         elif kind is SwitchReceived:
+            if self.shared_setup is not None:  # (its memory packet is on the lane already, first)
+                self.open_shared_memory()
             self.chan.switch_in(event.frame)  # from the next frame on, read the lane
         elif kind is HelloAgain:
             log.info("ipcsync consumer %r: the producer speaks protocol version %d; no lane",
@@ -451,7 +498,7 @@ class ProducerLink:
             m = event.msg
             use = self.downstream.use(m, event.recipe)
             if use is None:  # its memory is gone: drop it, give the slot back at once
-                self.memory.release_events[m.slot].record(self.stream)
+                self.memory.release(m.slot, m.gen, self.stream)
                 self.session.queue_release((m.seq, m.slot, m.gen))
             else:
                 self.session.add_forwarded((m.seq, m.slot, m.gen, m.sent_ns, m.meta, use))
@@ -480,14 +527,42 @@ class ProducerLink:
         except ConfigError as exc:
             self.fail(exc, ErrorCode.DEVICE)
             return
+        if s.pid_ns == host.pid_namespace():
+            self.watch = host.ProcessWatch(s.pid, s.start_time)
+        if self.backend.is_shared_handle(s.arenas[0]):
+            # Its descriptors come first on the lane its next frame offers, right after its
+            # SWITCH (runtime.memory_wire); it hands us no item before that.
+            self.shared_setup = (s, where)
+            self.send(self.session.attach(s, [PLACEHOLDER] * len(s.slots)))
+            return
         try:
             self.memory.open(self.backend, s, where, self.endpoint.name)
         except BackendError as exc:
             self.fail(exc, ErrorCode.BACKEND)
             return
-        if s.pid_ns == host.pid_namespace():
-            self.watch = host.ProcessWatch(s.pid, s.start_time)
         self.send(self.session.attach(s, [e.handle() for e in self.memory.release_events]))
+
+    def open_shared_memory(self) -> None:
+        """The producer's SWITCH was handled: read its memory packet off the lane (the
+        first packet there) and open the arenas and the flags it carries."""
+        assert self.shared_setup is not None
+        s, where = self.shared_setup
+        lane = self.chan.lane
+        try:
+            if lane is None:
+                raise BackendError("its lane is gone")
+            arena_fds, flags_fd = recv_memory(lane.sock, len(s.arenas), MEMORY_WAIT_S)
+        except BackendError as exc:
+            self.fail(exc, ErrorCode.BACKEND)
+            return
+        try:
+            self.memory.open(self.backend, s, where, self.endpoint.name, (arena_fds, flags_fd))
+            self.shared_setup = None
+        except BackendError as exc:
+            self.fail(exc, ErrorCode.BACKEND)
+        finally:
+            for fd in (*arena_fds, flags_fd):
+                os.close(fd)
 
     def on_remote_setup(self, s: P.Setup) -> None:
         """A producer on another host (core.remote_session): join the edge its SETUP names
@@ -553,6 +628,7 @@ class ProducerLink:
 
     def on_lost(self) -> None:
         """The session declared the producer lost: the I/O side of it."""
+        self.memory.poison()  # no stream of ours waits for ever on a flag it will never write
         self.downstream.close()  # items still held keep their own mappings
         if self.remote is not None:
             self.remote.fail("producer lost")  # abandons (aborts) its pending recvs
@@ -577,5 +653,5 @@ class ProducerLink:
             self.watch.close()
         if self.remote is not None:
             best_effort("consumer teardown", self.remote.close)
-        self.memory.drop_events()
+        self.memory.drop_events(self.backend)
         best_effort("consumer teardown", self.chan.close, self.backend.collect)

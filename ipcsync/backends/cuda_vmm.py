@@ -1,0 +1,176 @@
+"""CUDA arenas no process's death can free under another: memory made with CUDA's virtual
+memory API, shared as a POSIX file descriptor.
+
+The producer makes each arena with ``cuMemCreate`` and maps it read-write; for each
+connection it exports a fresh descriptor (``cuMemExportToShareableHandle``), which travels
+once over the connection's lane (``SCM_RIGHTS``) beside a small descriptor of the arena in
+SETUP (``export``: magic, owner pid, size). The consumer imports it and maps it
+**read-only** (``cuMemSetAccess`` with ``PROT_READ``): a kernel that writes into a received
+item faults at once in the process that ran it, and never changes what another reader sees.
+
+Rules:
+
+- **Memory lives while any process maps it.** The driver frees an allocation only once
+  every handle and mapping of it in every process is gone, so a consumer keeps reading its
+  items after the producer died, and a producer's arena outlives a consumer killed while
+  reading it.
+- **A mapping goes only when nothing of ours uses it.** Tensors over an arena keep its
+  ``_Mapping`` alive (``torch.as_tensor`` over ``__cuda_array_interface__`` holds it); when
+  the last goes, the mapping is queued, and ``collect`` (an endpoint's close,
+  ``Backend.collect``) synchronizes this process's GPU work and unmaps what is queued. A
+  tensor the program keeps after close keeps its memory mapped.
+- **Nothing a peer sends is trusted.** The descriptor's size must be a whole number of the
+  granularity and at least the announced bytes; the mapping must succeed for all of it and
+  the allocation must live on the GPU SETUP named (checked by ``import_fd`` and
+  ``device_of``); any failure is a BackendError and the descriptor is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import msgpack
+import torch
+
+from ..errors import BackendError
+from .base import Arena
+from .cuda_driver import Driver
+
+__all__ = ["VmmArena", "create_arena", "open_arena", "descriptor", "parse_descriptor", "collect", "MAGIC"]
+
+MAGIC = "ipcsync-cuda-vmm"
+_pending: list[tuple[Driver, int, int, int]] = []  # (driver, ptr, size, handle) to unmap
+_pending_lock = threading.Lock()
+
+
+class _Mapping:
+    """One mapped range: what ``torch.as_tensor`` reads (``__cuda_array_interface__``) and
+    keeps alive while any tensor over it lives."""
+
+    def __init__(self, driver: Driver, ptr: int, size: int, handle: int, readonly: bool) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, readonly),
+                                         "version": 3, "strides": None}
+        weakref.finalize(self, _queue, driver, ptr, size, handle)
+
+
+def _queue(driver: Driver, ptr: int, size: int, handle: int) -> None:
+    with _pending_lock:
+        _pending.append((driver, ptr, size, handle))
+
+
+def collect() -> int:
+    """Unmap and release the mappings no tensor uses any more, after this process's GPU work
+    is done (a context synchronize). Returns how many went."""
+    with _pending_lock:
+        todo = list(_pending)
+        _pending.clear()
+    if not todo:
+        return 0
+    todo[0][0].synchronize()
+    for driver, ptr, size, handle in todo:
+        driver.unmap(ptr, size)
+        driver.release(handle)
+    return len(todo)
+
+
+class VmmArena(Arena):
+    """An arena in VMM memory: owned (read-write, exportable) or imported (read-only)."""
+
+    def __init__(self, driver: Driver, handle: int, size: int, nbytes: int, device_index: int, owner: bool,
+                 reader: int | None = None) -> None:
+        """Map the allocation on ``device_index`` (the GPU it lies on: the tensor's device),
+        readable also from ``reader`` (a consumer on a peer GPU)."""
+        self.driver = driver
+        self.alloc = handle
+        self.size = size
+        self.nbytes = nbytes
+        self.owner = owner
+        self.readonly = not owner
+        also = () if reader is None else (reader,)
+        ptr = driver.map(handle, size, device_index, readonly=not owner, also=also)
+        try:
+            mapping = _Mapping(driver, ptr, size, handle, readonly=not owner)
+        except BaseException:
+            driver.unmap(ptr, size)
+            raise
+        with torch.cuda.device(device_index):
+            self.tensor = torch.as_tensor(mapping, device=torch.device("cuda", device_index))[:nbytes]
+        self.descriptor = descriptor(size) if owner else b""
+        self.handle = self.descriptor
+
+    def export(self) -> bytes:
+        return self.descriptor
+
+    def export_fd(self) -> int:
+        """A new descriptor of the allocation for one connection (the caller closes it)."""
+        if not self.owner:
+            raise BackendError("only the arena's owner exports it")
+        return self.driver.export_fd(self.alloc)
+
+    def close(self) -> None:
+        """Drop our view: the mapping goes once no tensor of the program uses it (``collect``)."""
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def descriptor(size: int) -> bytes:
+    """What SETUP carries for a VMM arena (its memory travels as a descriptor on the lane)."""
+    packed: bytes = msgpack.packb([MAGIC, os.getpid(), size], use_bin_type=True)
+    return packed
+
+
+def parse_descriptor(handle: bytes | str) -> int | None:
+    """The allocation size a VMM arena's SETUP handle announces; None if ``handle`` is not
+    one (a legacy CUDA IPC handle); BackendError if it is one but malformed."""
+    if type(handle) is not bytes:
+        return None
+    try:
+        fields = msgpack.unpackb(handle, raw=False, max_str_len=64, max_array_len=8, max_bin_len=0)
+    except Exception:
+        return None
+    if type(fields) is not list or not fields or fields[0] != MAGIC:
+        return None
+    if len(fields) != 3 or not all(type(v) is int and v > 0 for v in fields[1:]):
+        raise BackendError(f"malformed VMM arena descriptor: {handle!r:.80}")
+    return int(fields[2])
+
+
+def create_arena(driver: Driver, nbytes: int, device_index: int) -> VmmArena:
+    """A new arena of at least ``nbytes`` on ``device_index``, mapped read-write here."""
+    handle, size = driver.create(nbytes, device_index)
+    try:
+        return VmmArena(driver, handle, size, nbytes, device_index, owner=True)
+    except BaseException:
+        driver.release(handle)
+        raise
+
+
+def open_arena(driver: Driver, handle: bytes | str, nbytes: int, fd: int, device_index: int,
+               memory_device: int | None = None) -> VmmArena:
+    """Map a peer's arena read-only from its descriptor ``fd`` (not taken: the caller closes
+    it), for kernels on ``device_index``. ``memory_device``: the GPU the allocation must live
+    on, where its tensors are (default ``device_index``)."""
+    size = parse_descriptor(handle)
+    if size is None:
+        raise BackendError(f"not a VMM arena descriptor: {handle!r:.60}")
+    granularity = driver.granularity(device_index)
+    if size < nbytes or size % granularity:
+        raise BackendError(f"the producer's arena descriptor says {size} bytes; it announced {nbytes} "
+                           f"(and allocations come in multiples of {granularity})")
+    alloc = driver.import_fd(fd)
+    try:
+        where = driver.device_of(alloc)
+        want = device_index if memory_device is None else memory_device
+        if where != want:
+            raise BackendError(f"the producer's arena lies on GPU {where}, not on the GPU its SETUP named ({want})")
+        return VmmArena(driver, alloc, size, nbytes, want, owner=False, reader=device_index)
+    except BaseException:
+        driver.release(alloc)
+        raise
+
+
+def describe(arena: Any) -> str:
+    """How an arena's memory is shared, for logs and ``ipcsync doctor``."""
+    return "vmm" if isinstance(arena, VmmArena) else "legacy"
