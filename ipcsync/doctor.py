@@ -528,9 +528,31 @@ def check_cuda(ipc: bool = True, ipc_timeout: float = DEFAULT_IPC_TIMEOUT) -> li
         else:
             out.append(Check(PASS, "gpu peer access", f"{matrix}; every pair"))
     out.append(check_mps(mps_state()))
+    out.append(check_sharing())
     if ipc:
         out.append(cuda_ipc_probe(timeout=ipc_timeout))
     return out
+
+
+def check_sharing() -> Check:
+    """How a CUDA producer here shares its memory: by descriptor (memory no peer's death
+    frees, flags instead of a peer's events, received items read-only), or by name (CUDA
+    IPC and interprocess events) and why."""
+    import torch
+
+    from .backends.cuda import CudaBackend
+
+    problem = CudaBackend(torch.device("cuda", torch.cuda.current_device())).descriptor_problem()
+    if problem is None:
+        return Check(PASS, "cuda sharing", "by descriptor: arenas no process's death frees under another, "
+                     "ordered by flags, received items mapped read-only")
+    what = (f"by name (CUDA IPC, interprocess events): sharing by descriptor is {problem}; received items are "
+            "writable (verify=True catches a write) and a GPU-side wait on a peer that dies mid-record can "
+            "wedge a stream")
+    if os.environ.get("IPCSYNC_CUDA_VMM", "0") != "1":
+        return Check(PASS, "cuda sharing", what)
+    return Check(WARN, "cuda sharing", what, "sharing by descriptor needs CUDA's virtual memory API with POSIX-fd "
+                 "handles, host memory registration and stream memory operations (Linux, CUDA 11.7 or newer)")
 
 
 _IPC_FIX = ("CUDA IPC needs both processes on one host in one IPC namespace (containers: one container for "

@@ -13,7 +13,7 @@
 # BENCH=1 it also prints the CUDA benchmark table (BENCH_SUITE=all adds the real uses:
 # training, inference, weightsync, gpupipe, kv;
 # PLOT=path.png saves the chart); with TWO_GPU=1 (on a machine with two GPUs) the two-GPU
-# pipeline against each stage alone.
+# pipeline against each stage alone; with MPS=1 all of it under a private MPS daemon (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import zmq" 2>/dev/null; then
@@ -40,7 +40,32 @@ fi
 rm -f /tmp/ipcsync-build-ext.$$.log
 python3 -c "import torch, zmq, msgpack; print('gpu-tests: torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s), pyzmq', zmq.__version__)"
 workers=${WORKERS:-4}
-python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m cuda "$@"
+# MPS=1: the cuda tests, the demo, the examples and the bench run under a private MPS daemon
+# (its own pipe and log directories, stopped at the end); the tests marked gpu_fault, which
+# kill a process with GPU work in flight or fault the GPU on purpose, run after it without
+# MPS: under MPS such a fault ends every process on the GPU, the other tests' too.
+mps_dir=""
+mps_stop() {
+    if [ -n "$mps_dir" ]; then
+        echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+        sleep 1
+        grep -h "fatal GPU error" "$CUDA_MPS_LOG_DIRECTORY"/server.log 2>/dev/null | sed 's/^/gpu-tests: mps: /'
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        rm -rf "$mps_dir"
+        mps_dir=""
+    fi
+}
+if [ "${MPS:-0}" = "1" ]; then
+    mps_dir=$(mktemp -d)
+    mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+    export CUDA_MPS_PIPE_DIRECTORY="$mps_dir/pipe" CUDA_MPS_LOG_DIRECTORY="$mps_dir/log"
+    trap mps_stop EXIT
+    nvidia-cuda-mps-control -d || { echo "gpu-tests: the MPS daemon did not start" >&2; exit 1; }
+    echo "gpu-tests: under a private MPS daemon ($mps_dir); gpu_fault tests run after it, without MPS"
+    python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m "cuda and not gpu_fault" "$@"
+else
+    python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m cuda "$@"
+fi
 rc=$?
 if [ "${DEMO:-1}" = "1" ]; then
     echo "gpu-tests: demo pipeline (python3 -m ipcsync.launch examples/pipeline.toml)"
@@ -71,7 +96,11 @@ if [ "${TWO_GPU:-0}" = "1" ]; then
     python3 scripts/bench_two_gpus.py || rc=1
 fi
 if [ "${BENCH:-0}" = "1" ]; then
-    python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes 4K,1M,64M,256M \
+    python3 scripts/bench.py --device cuda --slots "${BENCH_SLOTS:-16}" --sizes "${BENCH_SIZES:-4K,1M,64M,256M}" \
         --suite "${BENCH_SUITE:-handoff}" ${PLOT:+--plot "$PLOT"} || rc=1
+fi
+if [ -n "$mps_dir" ]; then
+    mps_stop
+    python3 -m pytest -q -p no:cacheprovider -p no:timeout -n "$workers" -m "cuda and gpu_fault" "$@" || rc=1
 fi
 exit $rc

@@ -269,6 +269,39 @@ def _use_copy(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(native, "cuda_copy_record", lambda: None)
 
 
+def use_legacy_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA memory shared by name (CUDA IPC handles and interprocess events, the default),
+    in this test's endpoints and the processes it starts (IPCSYNC_CUDA_VMM=0)."""
+    monkeypatch.setenv("IPCSYNC_CUDA_VMM", "0")
+    try:
+        from ipcsync.backends import cuda as cuda_backend
+    except ImportError:  # (a torch without CUDA support at all)
+        return
+    monkeypatch.setattr(cuda_backend, "_DESCRIPTOR_PROBLEM", {})
+
+
+def use_cuda_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA memory shared by descriptor (IPCSYNC_CUDA_VMM=1), in this test's endpoints and
+    the processes it starts."""
+    monkeypatch.setenv("IPCSYNC_CUDA_VMM", "1")
+    try:
+        from ipcsync.backends import cuda as cuda_backend
+    except ImportError:
+        return
+    monkeypatch.setattr(cuda_backend, "_DESCRIPTOR_PROBLEM", {})
+
+
+@pytest.fixture(params=["descriptor", "legacy"])
+def cuda_sharing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How CUDA memory is shared: by descriptor (``use_cuda_descriptors``), then by name,
+    the default (``use_legacy_cuda``)."""
+    if request.param == "legacy":
+        use_legacy_cuda(monkeypatch)
+    else:
+        use_cuda_descriptors(monkeypatch)
+    return str(request.param)
+
+
 @pytest.fixture(params=["native", "torch"])
 def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How a steady send copies (ipcsync.backends.native): the compiled copy, then the

@@ -52,10 +52,10 @@ class HostFlags:
         if not reached(ctypes.c_uint64.from_address(devptr).value, value):
             raise BackendError(f"a host flag waited for {value} before it was written")
 
-    def host_register(self, addr: int, nbytes: int) -> int:
+    def host_register(self, addr: int, nbytes: int, device: int = 0) -> int:
         return addr
 
-    def host_unregister(self, addr: int) -> None:
+    def host_unregister(self, addr: int, device: int = 0) -> None:
         pass
 
     def bind(self, device: int) -> None:

@@ -1,21 +1,27 @@
-"""CUDA backend: arenas in CUDA IPC memory, interprocess CUDA events.
+"""CUDA backend: memory and its ordering on one GPU, shared one of two ways, chosen once per
+producer (``CudaBackend.descriptor_problem``; ``ipcsync doctor`` shows which and why):
 
-Arena: one ``torch.empty(nbytes, uint8)`` on the producer's device. It is exported once
-per connection with the same machinery torch.multiprocessing uses
-(``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``): a CUDA IPC memory handle plus
-torch's cross-process reference counter, so the producer's caching allocator never
-reuses the block while an importer still maps it. The consumer imports it once per
-connection and keeps the import until it closes; on close torch syncs its stream and
-drops the counter. A consumer SIGKILLed never drops its counter, which is why the arena is
-one long-lived block reused for every item: a dead consumer pins nothing beyond it.
-
-Events: ``torch.cuda.Event(interprocess=True)``, exchanged once with ``ipc_handle()`` /
-``Event.from_ipc_handle()``. Interprocess events cannot time (CUDA refuses at record time
-with "invalid argument"), so ``IpcEvent`` refuses ``enable_timing`` up front.
+- **By descriptor** (with ``IPCSYNC_CUDA_VMM=1``, where the driver can: the virtual memory
+  API with POSIX-fd handles, registered host memory, 64-bit stream memory operations, all
+  tried once in this process, ``_self_test``): arenas from ``cuda_vmm`` (no
+  process's death frees them under another; consumers map them read-only), ordered by
+  ``flags`` (no process waits on a CUDA object another process owns). The descriptors travel
+  on the connection's lane (``runtime.sharing``, ``runtime.memory_wire``).
+- **By name** (the default; and wherever the driver cannot share by descriptor): one
+  ``torch.empty(nbytes, uint8)`` arena exported once per connection with the machinery
+  torch.multiprocessing uses (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``: a CUDA
+  IPC memory handle plus torch's cross-process reference counter, so the producer's caching
+  allocator never reuses the block while an importer maps it), and interprocess events
+  (``torch.cuda.Event(interprocess=True)``, ``ipc_handle()`` / ``Event.from_ipc_handle()``;
+  they cannot time, so ``IpcEvent`` refuses ``enable_timing`` up front). A consumer
+  SIGKILLed never drops torch's counter, which is why the arena is one long-lived block
+  reused for every item. Received items are writable there (``verify=True`` catches a
+  write); a GPU-side wait on a peer that dies mid-record can wedge the stream.
 
 An arena or event opened in the process that created it (producer and consumer threads of
 one process) is looked up in a process-local registry: CUDA IPC handles cannot be opened
-by their own process.
+by their own process. ``IpcEvent``, ``export_tensor`` and ``import_tensor`` are the
+low-level API, always by name.
 
 Hot-path cost: ``torch.cuda.current_stream()`` builds a Stream object each call (~6 us on
 an H200 host); ``current_stream`` here caches one per stream id.
@@ -33,7 +39,8 @@ from typing import Any, Callable, TypeAlias
 import msgpack
 import torch
 
-from ..errors import BackendError, ConfigError, IpcTimeoutError
+from .. import mps_attach
+from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError
 from ..interrupts import wait_point
 from . import cuda_driver, cuda_vmm, flags
 from .base import Arena, Backend, Event
@@ -230,23 +237,52 @@ _RETIRED_MAX = 64  # retired flag segments kept before they are freed (one synch
 
 
 def _descriptor_problem(index: int) -> str | None:
-    if os.environ.get("IPCSYNC_CUDA_VMM", "1") == "0":
-        return "IPCSYNC_CUDA_VMM=0"
+    if os.environ.get("IPCSYNC_CUDA_VMM", "0") != "1":
+        return "off by default in this version (IPCSYNC_CUDA_VMM=1 turns it on)"
     drv = cuda_driver.load()
     if drv is None:
         return cuda_driver.why_not()
     problem = drv.support_problem(index)
     if problem is not None:
         return problem
-    try:  # registration of shared host memory: refused by some containers and drivers
-        fd = flags.new_segment_fd(1)
+    try:
+        _self_test(drv, index)
+    except (OSError, IpcSyncError, RuntimeError) as exc:
+        return f"the GPU refused it here ({exc})"
+    return None
+
+
+def _self_test(drv: cuda_driver.Driver, index: int) -> None:
+    """Each step of sharing by descriptor once, in this process: an arena exported, imported
+    back read-only and read through torch; a flag segment registered, written and waited on
+    in stream order. Anything this driver, GPU or container refuses shows here, once,
+    instead of in a peer."""
+    with torch.cuda.device(index):
+        arena = cuda_vmm.create_arena(drv, 1, index)
+        fd = arena.export_fd()
         try:
-            flags.FlagSegment(drv, fd, 1, index, peer=False).close()
+            seen = cuda_vmm.open_arena(drv, arena.export(), 1, fd, index, explain_faults=False)
         finally:
             os.close(fd)
-    except (OSError, BackendError) as exc:
-        return f"shared host memory cannot be registered for the GPU ({exc})"
-    return None
+        arena.tensor[:1].fill_(7)
+        flag_fd = flags.new_segment_fd(1)
+        try:
+            seg = flags.FlagSegment(drv, flag_fd, 1, index, peer=True,
+                                    current_stream=lambda: int(current_stream(index).cuda_stream))
+        finally:
+            os.close(flag_fd)
+        try:
+            ev = seg.ready(0)
+            ev.value = 1
+            ev.record(None)
+            ev.wait(None)
+            torch.cuda.synchronize(index)
+            if not ev.query() or int(seen.tensor[0]) != 7:
+                raise RuntimeError("a write was not seen through the imported arena or the flag")
+        finally:
+            seg.close()
+            arena.close()
+            seen.close()
 
 
 class CudaBackend(Backend):
@@ -261,6 +297,9 @@ class CudaBackend(Backend):
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self._uuid = device_uuid(self.index)
         self._retired: list[flags.FlagSegment] = []
+        if os.environ.get(mps_attach.ENV_PIPE):  # under ipcsync-run's private MPS daemon
+            torch.cuda.synchronize(self.index)  # (a CUDA context: what makes it the daemon's client)
+            mps_attach.check_attached()  # ConfigError if it silently fell back to time-slicing
 
     # ------------------------------------------------------------------ sharing by descriptor
     def descriptor_problem(self) -> str | None:
@@ -288,13 +327,18 @@ class CudaBackend(Backend):
     def new_flags(self, slots: int) -> tuple[flags.FlagSegment, int]:
         fd = flags.new_segment_fd(slots)
         try:
-            return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=False), fd
+            return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=False,
+                                     current_stream=self._current_stream_handle), fd
         except BaseException:
             os.close(fd)
             raise
 
     def open_flags(self, fd: int, slots: int) -> flags.FlagSegment:
-        return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=True)
+        return flags.FlagSegment(self._driver(), fd, slots, self.index, peer=True,
+                                 current_stream=self._current_stream_handle)
+
+    def _current_stream_handle(self) -> int:
+        return int(self.current_stream().cuda_stream)
 
     def retire_flags(self, segment: Any) -> None:
         """Kept until this process's GPU work that may still write or wait on it is done:

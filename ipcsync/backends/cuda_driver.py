@@ -27,6 +27,7 @@ import ctypes.util
 import threading
 from typing import Callable
 
+from .. import gpufaults
 from ..errors import BackendError
 
 __all__ = ["Driver", "NoContext", "load", "why_not", "POISON_STEP"]
@@ -129,6 +130,8 @@ class Driver:
         self._retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
         self._set_current = lib.cuCtxSetCurrent
         self._set_current.argtypes = [ctypes.c_void_p]
+        self._get_current = lib.cuCtxGetCurrent
+        self._get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._props_of = lib.cuMemGetAllocationPropertiesFromHandle
         self._props_of.argtypes = [ctypes.POINTER(_AllocationProp), _u64]
         # The hot path's two calls: argtypes set, so a call converts four ints and nothing more.
@@ -149,7 +152,16 @@ class Driver:
     def check(self, code: int, what: str) -> None:
         if code != 0:
             cls = NoContext if code == _INVALID_CONTEXT else BackendError
-            raise cls(f"{what} failed: {self.error_name(code)} ({code})")
+            text = f"{what} failed: {self.error_name(code)} ({code})"
+            raise cls(gpufaults.explain(text) if code == gpufaults.ILLEGAL_ADDRESS else text)
+
+    def ensure(self, device: int) -> None:
+        """A context current on the calling thread (``device``'s primary one, torch's, if
+        none is): a thread of ours that never used CUDA has none, and every call below but
+        the error names needs one."""
+        ctx = ctypes.c_void_p()
+        if self._get_current(ctypes.byref(ctx)) != 0 or not ctx.value:
+            self.bind(device)
 
     def bind(self, device: int) -> None:
         """Make ``device``'s primary context (torch's) current on the calling thread."""
@@ -197,6 +209,7 @@ class Driver:
         ``device``, exportable as a POSIX file descriptor."""
         if type(nbytes) is not int or nbytes <= 0:
             raise BackendError(f"cannot allocate {nbytes!r} bytes")
+        self.ensure(device)
         g = self.granularity(device)
         size = -(-nbytes // g) * g
         handle = _u64(0)
@@ -204,23 +217,26 @@ class Driver:
         self.check(self._create(ctypes.byref(handle), size, ctypes.byref(prop), 0), f"cuMemCreate({size} bytes)")
         return int(handle.value), size
 
-    def export_fd(self, handle: int) -> int:
+    def export_fd(self, handle: int, device: int) -> int:
         """A new file descriptor naming the allocation (the caller closes it)."""
+        self.ensure(device)
         fd = ctypes.c_int(-1)
         self.check(self._export(ctypes.byref(fd), handle, _POSIX_FD, 0), "cuMemExportToShareableHandle")
         return int(fd.value)
 
-    def import_fd(self, fd: int) -> int:
+    def import_fd(self, fd: int, device: int) -> int:
         """The allocation a peer's file descriptor names (the descriptor stays the caller's)."""
         if type(fd) is not int or fd < 0:
             raise BackendError(f"not a file descriptor: {fd!r}")
+        self.ensure(device)
         handle = _u64(0)
         self.check(self._import(ctypes.byref(handle), ctypes.c_void_p(fd), _POSIX_FD),
                    "cuMemImportFromShareableHandle")
         return int(handle.value)
 
-    def device_of(self, handle: int) -> int:
+    def device_of(self, handle: int, device: int) -> int:
         """The device an allocation lives on (BackendError if it is not device memory)."""
+        self.ensure(device)
         prop = _AllocationProp()
         self.check(self._props_of(ctypes.byref(prop), handle), "cuMemGetAllocationPropertiesFromHandle")
         if prop.location.type != _LOC_DEVICE:
@@ -231,6 +247,7 @@ class Driver:
         """Map all ``size`` bytes of the allocation at a new address, accessible from
         ``device`` and the devices ``also`` (read-only: a write from a kernel faults).
         Returns the address."""
+        self.ensure(device)
         if type(size) is not int or size <= 0 or size % self.granularity(device):
             raise BackendError(f"cannot map {size!r} bytes (not a whole number of the granularity)")
         ptr = _u64(0)
@@ -253,20 +270,26 @@ class Driver:
             raise
         return int(ptr.value)
 
-    def unmap(self, ptr: int, size: int) -> None:
+    def unmap(self, ptr: int, size: int, device: int) -> None:
+        self.ensure(device)
         self.check(self._unmap(ptr, size), "cuMemUnmap")
         self.check(self._free_va(ptr, size), "cuMemAddressFree")
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int, device: int) -> None:
+        self.ensure(device)
         self.check(self._release(handle), "cuMemRelease")
 
-    def synchronize(self) -> None:
+    def synchronize(self, device: int) -> None:
+        """Wait for all work of ``device``'s context (torch's) in this process."""
+        self.ensure(device)
         self.check(self._ctx_sync(), "cuCtxSynchronize")
 
     # ------------------------------------------------------------------ host memory
-    def host_register(self, addr: int, nbytes: int) -> int:
-        """Register this process's mapping [addr, addr + nbytes) for the GPU; returns the
-        address the GPU uses for it."""
+    def host_register(self, addr: int, nbytes: int, device: int = 0) -> int:
+        """Register this process's mapping [addr, addr + nbytes) for the GPU (from a thread
+        with ``device``'s context, made current if none is); returns the address the GPU
+        uses for it."""
+        self.ensure(device)
         self.check(self._host_register(addr, nbytes, _HOSTREGISTER_PORTABLE | _HOSTREGISTER_DEVICEMAP),
                    "cuMemHostRegister")
         dev = _u64(0)
@@ -277,7 +300,8 @@ class Driver:
             raise
         return int(dev.value)
 
-    def host_unregister(self, addr: int) -> None:
+    def host_unregister(self, addr: int, device: int = 0) -> None:
+        self.ensure(device)
         self.check(self._host_unregister(addr), "cuMemHostUnregister")
 
     # ------------------------------------------------------------------ stream memory ops

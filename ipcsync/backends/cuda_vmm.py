@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 import torch
 
+from .. import gpufaults
 from ..errors import BackendError
 from .base import Arena
 from .cuda_driver import Driver
@@ -42,7 +43,7 @@ from .cuda_driver import Driver
 __all__ = ["VmmArena", "create_arena", "open_arena", "descriptor", "parse_descriptor", "collect", "MAGIC"]
 
 MAGIC = "ipcsync-cuda-vmm"
-_pending: list[tuple[Driver, int, int, int]] = []  # (driver, ptr, size, handle) to unmap
+_pending: list[tuple[Driver, int, int, int, int]] = []  # (driver, ptr, size, handle, device) to unmap
 _pending_lock = threading.Lock()
 
 
@@ -50,15 +51,17 @@ class _Mapping:
     """One mapped range: what ``torch.as_tensor`` reads (``__cuda_array_interface__``) and
     keeps alive while any tensor over it lives."""
 
-    def __init__(self, driver: Driver, ptr: int, size: int, handle: int, readonly: bool) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, readonly),
+    def __init__(self, driver: Driver, ptr: int, size: int, handle: int, device: int) -> None:
+        # (torch refuses the interface's read-only flag; the mapping itself is what is
+        # read-only, and a write through it faults on the GPU.)
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None}
-        weakref.finalize(self, _queue, driver, ptr, size, handle)
+        weakref.finalize(self, _queue, driver, ptr, size, handle, device)
 
 
-def _queue(driver: Driver, ptr: int, size: int, handle: int) -> None:
+def _queue(driver: Driver, ptr: int, size: int, handle: int, device: int) -> None:
     with _pending_lock:
-        _pending.append((driver, ptr, size, handle))
+        _pending.append((driver, ptr, size, handle, device))
 
 
 def collect() -> int:
@@ -69,10 +72,11 @@ def collect() -> int:
         _pending.clear()
     if not todo:
         return 0
-    todo[0][0].synchronize()
-    for driver, ptr, size, handle in todo:
-        driver.unmap(ptr, size)
-        driver.release(handle)
+    for device in {entry[4] for entry in todo}:
+        todo[0][0].synchronize(device)
+    for driver, ptr, size, handle, device in todo:
+        driver.unmap(ptr, size, device)
+        driver.release(handle, device)
     return len(todo)
 
 
@@ -89,12 +93,13 @@ class VmmArena(Arena):
         self.nbytes = nbytes
         self.owner = owner
         self.readonly = not owner
+        self.device_index = device_index
         also = () if reader is None else (reader,)
         ptr = driver.map(handle, size, device_index, readonly=not owner, also=also)
         try:
-            mapping = _Mapping(driver, ptr, size, handle, readonly=not owner)
+            mapping = _Mapping(driver, ptr, size, handle, device_index)
         except BaseException:
-            driver.unmap(ptr, size)
+            driver.unmap(ptr, size, device_index)
             raise
         with torch.cuda.device(device_index):
             self.tensor = torch.as_tensor(mapping, device=torch.device("cuda", device_index))[:nbytes]
@@ -108,7 +113,7 @@ class VmmArena(Arena):
         """A new descriptor of the allocation for one connection (the caller closes it)."""
         if not self.owner:
             raise BackendError("only the arena's owner exports it")
-        return self.driver.export_fd(self.alloc)
+        return self.driver.export_fd(self.alloc, self.device_index)
 
     def close(self) -> None:
         """Drop our view: the mapping goes once no tensor of the program uses it (``collect``)."""
@@ -143,12 +148,12 @@ def create_arena(driver: Driver, nbytes: int, device_index: int) -> VmmArena:
     try:
         return VmmArena(driver, handle, size, nbytes, device_index, owner=True)
     except BaseException:
-        driver.release(handle)
+        driver.release(handle, device_index)
         raise
 
 
 def open_arena(driver: Driver, handle: bytes | str, nbytes: int, fd: int, device_index: int,
-               memory_device: int | None = None) -> VmmArena:
+               memory_device: int | None = None, explain_faults: bool = True) -> VmmArena:
     """Map a peer's arena read-only from its descriptor ``fd`` (not taken: the caller closes
     it), for kernels on ``device_index``. ``memory_device``: the GPU the allocation must live
     on, where its tensors are (default ``device_index``)."""
@@ -159,15 +164,18 @@ def open_arena(driver: Driver, handle: bytes | str, nbytes: int, fd: int, device
     if size < nbytes or size % granularity:
         raise BackendError(f"the producer's arena descriptor says {size} bytes; it announced {nbytes} "
                            f"(and allocations come in multiples of {granularity})")
-    alloc = driver.import_fd(fd)
+    alloc = driver.import_fd(fd, device_index)
     try:
-        where = driver.device_of(alloc)
+        where = driver.device_of(alloc, device_index)
         want = device_index if memory_device is None else memory_device
         if where != want:
             raise BackendError(f"the producer's arena lies on GPU {where}, not on the GPU its SETUP named ({want})")
-        return VmmArena(driver, alloc, size, nbytes, want, owner=False, reader=device_index)
+        arena = VmmArena(driver, alloc, size, nbytes, want, owner=False, reader=device_index)
+        if explain_faults:
+            gpufaults.watching()  # a write into it faults the GPU: say why when that escapes
+        return arena
     except BaseException:
-        driver.release(alloc)
+        driver.release(alloc, device_index)
         raise
 
 

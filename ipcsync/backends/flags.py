@@ -62,9 +62,9 @@ class FlagDriver(Protocol):
 
     def wait_value(self, stream: int, devptr: int, value: int) -> None: ...
 
-    def host_register(self, addr: int, nbytes: int) -> int: ...
+    def host_register(self, addr: int, nbytes: int, device: int = 0) -> int: ...
 
-    def host_unregister(self, addr: int) -> None: ...
+    def host_unregister(self, addr: int, device: int = 0) -> None: ...
 
     def bind(self, device: int) -> None: ...
 
@@ -115,25 +115,28 @@ class FlagSegment:
     """One connection's flags in this process: mapped, registered for the GPU, and read as
     words from the CPU. ``ready(slot)``/``release(slot)`` give each flag's event."""
 
-    def __init__(self, driver: FlagDriver, fd: int, slots: int, device_index: int, *, peer: bool) -> None:
+    def __init__(self, driver: FlagDriver, fd: int, slots: int, device_index: int, *, peer: bool,
+                 current_stream: Callable[[], int] | None = None) -> None:
         """Map ``fd`` (not taken: the caller closes it). ``peer``: the descriptor came from
-        the other process (checked first)."""
+        the other process (checked first). ``current_stream``: the handle of the current
+        stream, for a record or wait given no stream (None: streams mean nothing here)."""
         if peer:
             check_segment(fd, slots)
         self.driver = driver
+        self.current_stream = current_stream
         self.slots = slots
         self.device_index = device_index
         self.nbytes = segment_bytes(slots)
+        self._events: dict[int, FlagEvent] = {}
         self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._buf: Any = (ctypes.c_char * self.nbytes).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._buf)
         self.words: memoryview = memoryview(self._mm).cast("Q")
         try:
-            self.devptr = driver.host_register(self.addr, self.nbytes)
+            self.devptr = driver.host_register(self.addr, self.nbytes, device_index)
         except BaseException:
             self._unmap()
             raise
-        self._events: dict[int, FlagEvent] = {}
 
     def ready(self, slot: int) -> "FlagEvent":
         """Slot ``slot``'s ready flag (the producer writes it, the consumer waits)."""
@@ -167,7 +170,7 @@ class FlagSegment:
         if self._mm is None:
             return
         try:
-            self.driver.host_unregister(self.addr)
+            self.driver.host_unregister(self.addr, self.device_index)
         finally:
             self._unmap()
 
@@ -181,7 +184,9 @@ class FlagSegment:
             mm.close()
 
 
-def _stream_handle(stream: Any) -> int:
+def _stream_handle(segment: FlagSegment, stream: Any) -> int:
+    if stream is None:
+        return segment.current_stream() if segment.current_stream is not None else 0
     return int(getattr(stream, "cuda_stream", 0) or 0)
 
 
@@ -200,18 +205,20 @@ class FlagEvent(Event):
         self.value = 0
 
     def record(self, stream: Any = None) -> None:
+        seg = self.segment
         try:
-            self.segment.driver.write_value(_stream_handle(stream), self.devptr, self.value)
+            seg.driver.write_value(_stream_handle(seg, stream), self.devptr, self.value)
         except NoContext:  # a thread of ours that never used CUDA: give it torch's context
-            self.segment.driver.bind(self.segment.device_index)
-            self.segment.driver.write_value(_stream_handle(stream), self.devptr, self.value)
+            seg.driver.bind(seg.device_index)
+            seg.driver.write_value(_stream_handle(seg, stream), self.devptr, self.value)
 
     def wait(self, stream: Any = None) -> None:
+        seg = self.segment
         try:
-            self.segment.driver.wait_value(_stream_handle(stream), self.devptr, self.value)
+            seg.driver.wait_value(_stream_handle(seg, stream), self.devptr, self.value)
         except NoContext:
-            self.segment.driver.bind(self.segment.device_index)
-            self.segment.driver.wait_value(_stream_handle(stream), self.devptr, self.value)
+            seg.driver.bind(seg.device_index)
+            seg.driver.wait_value(_stream_handle(seg, stream), self.devptr, self.value)
 
     def query(self) -> bool:
         return ((self.segment.words[self.index] - self.value) & _MASK) < _HALF

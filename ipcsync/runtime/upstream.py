@@ -628,6 +628,7 @@ class ProducerLink:
 
     def on_lost(self) -> None:
         """The session declared the producer lost: the I/O side of it."""
+        self.say_torn()
         self.memory.poison()  # no stream of ours waits for ever on a flag it will never write
         self.downstream.close()  # items still held keep their own mappings
         if self.remote is not None:
@@ -639,6 +640,23 @@ class ProducerLink:
             pass
         self.remove_stale(0.0)
         reclaim_dead_segments()  # a dead producer's /dev/shm arena, whoever tracks it
+
+    def say_torn(self) -> None:
+        """Shared by descriptor: items the program holds whose data the producer had not
+        finished writing when it died (handed out with a GPU-side wait) are named once."""
+        mem, lender = self.memory, self.lender
+        if mem.flags is None or lender is None:
+            return
+        torn = []
+        for item in lender.held_items():
+            ev = mem.ready_events[item.slot]
+            ev.value = item.gen
+            if not ev.query():
+                torn.append(item.seq)
+        if torn:
+            log.warning("ipcsync consumer %r: the producer died before it finished writing item(s) %s, which this "
+                        "consumer had already handed out (wait='gpu'); their tensors hold incomplete data",
+                        self.endpoint.name, torn[:16])
 
     def remove_stale(self, wait: float) -> None:
         remove_stale_endpoint(self.endpoint, self.session.setup, self.producer_alive, wait)

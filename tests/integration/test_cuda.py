@@ -21,7 +21,7 @@ N = 1 << 20  # floats per slot in the race tests
 
 
 @pytest.mark.parametrize("skip_wait", [False, True], ids=["waits", "no-wait"])
-def test_ready_race_consumer_sees_final_values_only_with_the_wait(procs, skip_wait):
+def test_ready_race_consumer_sees_final_values_only_with_the_wait(procs, skip_wait, cuda_sharing):
     """The producer fills the slot after ~1 s of GPU work and returns at once; a consumer
     whose stream waits on the ready event reads the final values, one that does not reads
     whatever was there before."""
@@ -38,7 +38,7 @@ def test_ready_race_consumer_sees_final_values_only_with_the_wait(procs, skip_wa
 
 @pytest.mark.parametrize("wait", ["gpu", "host"])
 @pytest.mark.parametrize("skip_wait", [False, True], ids=["waits", "no-wait"])
-def test_release_race_producer_does_not_overwrite_before_consumer_finished(procs, wait, skip_wait):
+def test_release_race_producer_does_not_overwrite_before_consumer_finished(procs, wait, skip_wait, cuda_sharing):
     """One slot. The consumer reads item A only after ~1 s of its own GPU work, then
     releases; the producer sends B into the same slot at once. With the release-event wait
     the consumer's copy of A is intact; without it B overwrites A first."""
@@ -54,7 +54,8 @@ def test_release_race_producer_does_not_overwrite_before_consumer_finished(procs
         assert c["items"][1]["min"] == c["items"][1]["max"] == 2.0
 
 
-def test_producer_killed_mid_record_host_wait_consumer_gets_peer_lost_and_streams_work(procs):
+@pytest.mark.gpu_fault
+def test_producer_killed_mid_record_host_wait_consumer_gets_peer_lost_and_streams_work(procs, cuda_sharing):
     """The producer queues 5 s of GPU work before the slot's write, sends READY and is
     SIGKILLed: its ready event is poisoned. A wait="host" consumer gets PeerLostError
     for the producer's death (not a timeout) and its own streams still drain. A wait
@@ -71,7 +72,8 @@ def test_producer_killed_mid_record_host_wait_consumer_gets_peer_lost_and_stream
     assert c["drained"], "the consumer's stream did not drain after the producer died"
 
 
-def test_consumer_killed_mid_record_producer_serves_another_and_drains(procs):
+@pytest.mark.gpu_fault
+def test_consumer_killed_mid_record_producer_serves_another_and_drains(procs, cuda_sharing):
     """A consumer records its release event behind 2 s of GPU work and is SIGKILLed: that
     event is poisoned. The producer (wait="host" for release events) notices the death,
     never waits on the poisoned event, keeps serving the other consumer, and its stream
@@ -117,6 +119,7 @@ def test_producer_exits_before_a_consumer_that_stays_without_torch_ipc_warning(p
     assert "terminated before all shared CUDA tensors released" not in prod.stderr(), prod.stderr()[-2000:]
 
 
+@pytest.mark.gpu_fault
 def test_producer_outlives_twenty_killed_consumers_without_growing_gpu_memory(procs, runtime_dir):
     stop = os.path.join(runtime_dir, "stop")
     prod = procs.start("cuda_serve", module="peers.gpu", endpoint="serve", stop_file=stop)

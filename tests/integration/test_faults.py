@@ -201,7 +201,8 @@ def params(rows: dict[str, Any], cpu_only: set[str], cuda_only: set[str] = froze
         if phase not in cuda_only:
             out.append(pytest.param(phase, "cpu", id=f"{phase}-cpu", marks=marks))
         if phase not in cpu_only:
-            out.append(pytest.param(phase, "cuda", id=f"{phase}-cuda", marks=[pytest.mark.cuda, *marks]))
+            out.append(pytest.param(phase, "cuda", id=f"{phase}-cuda",
+                                    marks=[pytest.mark.cuda, pytest.mark.gpu_fault, *marks]))
     return out
 
 

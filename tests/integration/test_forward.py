@@ -3,7 +3,8 @@ received item without a copy; downstream consumers read the upstream producer's 
 and the upstream slot is released only once every downstream holder released the item.
 
 Every test runs on each backend (``device``: "cpu" everywhere, "cuda" marked `cuda`,
-skipped without a GPU). Stages run in child processes started through the ``procs``
+skipped without a GPU; on CUDA with memory shared by name, the path that forwards without
+a copy: memory shared by descriptor travels by copy, tests/integration/test_cuda_shared.py). Stages run in child processes started through the ``procs``
 fixture (own process groups, killed at teardown, /dev/shm checked for leaks) or, where
 the test must watch an endpoint closely, in the test process itself (endpoints closed in
 ``finally``). Child roles are the functions ``role_*`` below and tests/integration/peers.py's
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import ipcsync
+from conftest import use_legacy_cuda
 from peers.common import check, expected, say
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,8 +33,15 @@ SIZE = 16  # expected(i, SIZE): the upstream's item i
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def device(request: pytest.FixtureRequest) -> str:
-    return request.param
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cuda":  # zero-copy forwarding: CUDA memory shared by name
+        use_legacy_cuda(monkeypatch)
+    return str(request.param)
+
+
+@pytest.fixture
+def legacy_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_legacy_cuda(monkeypatch)
 
 
 def start_role(procs: Any, role: str, **args: Any) -> Any:
@@ -519,7 +528,7 @@ def test_host_wait_holder_lost_while_its_event_is_pending(endpoints: Any) -> Non
 # --------------------------------------------------------------------------- GPU races
 @pytest.mark.cuda
 @pytest.mark.parametrize("in_wait", ["gpu", "host"])
-def test_cuda_forwarded_item_is_read_after_the_upstream_write(procs: Any, in_wait: str) -> None:
+def test_cuda_forwarded_item_is_read_after_the_upstream_write(procs: Any, in_wait: str, legacy_cuda: None) -> None:
     """The upstream fills its slot after ~1 s of GPU work and returns at once; the
     downstream consumer, two hops away, must read the final values (ready ordering is
     transitive through the middle's ready event)."""
@@ -536,7 +545,8 @@ def test_cuda_forwarded_item_is_read_after_the_upstream_write(procs: Any, in_wai
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("out_wait", ["gpu", "host"])
-def test_cuda_upstream_slot_is_not_overwritten_before_downstream_gpu_reads(procs: Any, out_wait: str) -> None:
+def test_cuda_upstream_slot_is_not_overwritten_before_downstream_gpu_reads(procs: Any, out_wait: str,
+                                                                            legacy_cuda: None) -> None:
     """One upstream slot; the downstream consumer queues ~1 s of GPU work before reading
     each item and releases at once: the upstream's next write into that slot must wait
     for that read (release ordering through the middle), so each item reads its value."""

@@ -34,7 +34,7 @@ from conftest import ROOT, Peer, wait_no_segments
 from polling import in_call, wait_until
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.gpu_fault])])
 def device(request: pytest.FixtureRequest) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -23,6 +23,7 @@ import torch
 
 import ipcsync
 from ipcsync.data import batches
+from conftest import use_legacy_cuda
 from peers.common import expected
 
 SIZE = 16
@@ -253,9 +254,13 @@ def test_in_place_op_on_a_forwarded_item_faults_in_that_consumer(procs: Any) -> 
 
 
 @pytest.mark.cuda
-def test_verify_catches_an_in_place_op_on_a_received_cuda_item(endpoints: Any, procs: Any) -> None:
-    """CUDA IPC memory cannot be mapped read-only: ``verify=True`` finds the change (a
-    checksum at receipt and at release) and raises ItemWrittenError naming the item."""
+def test_verify_catches_an_in_place_op_on_a_received_cuda_item(endpoints: Any, procs: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA memory shared by name (CUDA IPC, the legacy path) cannot be mapped read-only:
+    ``verify=True`` finds the change (a checksum at receipt and at release) and raises
+    ItemWrittenError naming the item. (Memory shared by descriptor is mapped read-only:
+    the write faults, test_cuda_shared.py.)"""
+    use_legacy_cuda(monkeypatch)
     out = endpoints.producer("verify-w", slots=4, slot_bytes=1 << 16, policy="broadcast", heartbeat=0.5,
                              timeout=30, device="cuda")
     writer = procs.start("inplace_consume", module="peers.refs", endpoint="verify-w", device="cuda", verify=True)

@@ -23,13 +23,13 @@ class FakeDriver:
         self.segment: F.FlagSegment | None = None
         self.no_context_once = False
 
-    def host_register(self, addr: int, nbytes: int) -> int:
+    def host_register(self, addr: int, nbytes: int, device: int = 0) -> int:
         dev = 0x7000_0000_0000 + len(self.registered) * 0x10000
         self.registered[addr] = dev
         self.calls.append(("register", nbytes))
         return dev
 
-    def host_unregister(self, addr: int) -> None:
+    def host_unregister(self, addr: int, device: int = 0) -> None:
         del self.registered[addr]
         self.calls.append(("unregister",))
 

@@ -43,6 +43,7 @@ def test_no_print_and_no_stdout_outside_the_command_lines(path: Path) -> None:
     allowed = {
         "logs.py": {"sys.stderr"},  # the handlers it installs
         "stage.py": {"sys.stderr"},  # its excepthook's one line, in place of the interpreter's traceback
+        "gpufaults.py": {"sys.stderr"},  # its excepthook's paragraph after the interpreter's traceback
     }.get(_rel(path), set())
     found = [f for f in found if f.split(": ", 1)[1] not in allowed]
     assert not found, f"{_rel(path)} writes to the terminal itself (log through logging.getLogger(__name__)): {found}"

@@ -22,6 +22,7 @@ def produce(a: dict[str, Any]) -> None:
     with ipcsync.Producer(
         a["endpoint"], slots=a.get("slots", 4), slot_bytes=a.get("slot_bytes", 1 << 16),
         heartbeat=a.get("heartbeat", 1.0), timeout=a.get("timeout", 30.0), device=device,
+        wait=a.get("wait", "host"),
     ) as out:
         say(event="bound", pid=os.getpid())
         if a.get("wait_consumers"):

@@ -26,9 +26,11 @@ def _disable_waits(on: bool) -> None:
     """Test knob: make ipcsync's event waits no-ops, to show the race tests can fail."""
     if on:
         from ipcsync.backends import cuda as C
+        from ipcsync.backends import flags as F
 
-        C.IpcEvent.wait = lambda self, stream=None: None  # type: ignore[method-assign]
-        C.IpcEvent.query = lambda self: True  # type: ignore[method-assign]
+        for cls in (C.IpcEvent, F.FlagEvent):  # (events by name, flags by descriptor)
+            cls.wait = lambda self, stream=None: None  # type: ignore[method-assign]
+            cls.query = lambda self: True  # type: ignore[method-assign]
 
 
 def _drains(seconds: float = 20.0) -> bool:
@@ -217,3 +219,27 @@ def cuda_consume_and_die(a: dict[str, Any]) -> None:
     items[0].release()  # the release event is recorded behind the sleep: mid-record at death
     say(event="dying")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def bystander(a: dict[str, Any]) -> None:
+    """A process on the same GPU that shares nothing with the pipeline: matrix products for
+    ``seconds``, synchronizing now and then; reports whether every one of them ran."""
+    x = torch.randn(1024, 1024, device="cuda")
+    say(event="started", pid=os.getpid())
+    t0, n = time.monotonic(), 0
+    try:
+        while time.monotonic() - t0 < a.get("seconds", 10.0):
+            x = torch.tanh(x @ x)
+            n += 1
+            if n % 20 == 0:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        say(event="done", ok=True, iters=n)
+    except Exception as exc:  # noqa: BLE001 (what killed it is the result)
+        say(event="done", ok=False, iters=n, error=str(exc)[:300])
+
+
+def sharing_state(a: dict[str, Any]) -> None:
+    """How this process's CUDA producer shares its memory (``runtime.sharing``)."""
+    with ipcsync.Producer(a["endpoint"], device="cuda", slots=2, slot_bytes=4096, timeout=5) as out:
+        say(event="done", problem=out.port.share_problem, arena=type(out.port.arena).__name__)
