@@ -35,9 +35,12 @@ class Store:
 class Item:
     def __init__(self, seq: int, store: Store) -> None:
         self.seq, self.slot, self.store, self.extent = seq, seq % 4, store, 64
+        self.gen = seq // 4 + 1  # (the slot's generation: what a flag's ready event waits for)
 
 
 class Ready:
+    value = 0  # (set to the item's generation before each query, as on a flag)
+
     def query(self) -> bool:
         return True
 
