@@ -34,12 +34,11 @@ from ..core import protocol as P
 from ..core.forwarding import ForwardLedger
 from ..core.layout import ALIGN, plan_message, signature
 from ..core.producer_session import Kind, ProducerSession
-from ..core.remote_session import READY_PLACEHOLDER
 from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
 from ..core.stats import Stats
 from ..core.waits import wait_strategy
-from ..errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, ProtocolError
+from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
 from . import aio, closing, host
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
 from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
@@ -48,6 +47,7 @@ from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
 from .lane import polled_form
 from .peers import Peer, PeerTable
+from .remote_join import join_remote
 from .sharing import DescriptorSharing
 from .slots import Handoffs, SlotRecord, Waits
 
@@ -345,13 +345,11 @@ class ProducerPort(EndpointBase):
             # for it on ZeroMQ, then its frames go on the lane (PeerTable.send).
             if peer.disconnected or peer.session.state in P.ENDED or peer.session.switch_sent:
                 return
-            if self.sharing is not None:
-                try:  # its memory, first on the lane (runtime.memory_wire's ordering rule)
-                    self.sharing.send_memory(peer, data)
-                except (OSError, IpcSyncError) as exc:
-                    bad = peer.session.bad_frame(ProtocolError(f"its GPU memory could not go out on its lane: {exc}"))
-                    self.peers.bad_frame(identity, peer, bad.data, bad.reply)
-                    return
+            why = self.sharing.send_memory(peer, data) if self.sharing is not None else None
+            if why is not None:  # (its memory goes first on the lane: runtime.memory_wire's ordering rule)
+                bad = peer.session.bad_frame(ProtocolError(why))
+                self.peers.bad_frame(identity, peer, bad.data, bad.reply)
+                return
             peer.lane_ready = data
             self.peers.send(peer, peer.session.switch())
             if peer.attach_pending and self.peers.get(identity) is peer:
@@ -376,45 +374,22 @@ class ProducerPort(EndpointBase):
         problem = (hello_problem(hello, self.backend, self.device, remote_ok=not self.ipc)
                    or credentials_problem(hello, cred))
         if problem is not None:
-            code, text = problem
-            self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
-                                       self.name, hello.pid, text)
-            self.peers.send_raw(identity, P.encode(P.Error(code, text)))
+            self.refuse(identity, hello.pid, *problem)
             return
         session = ProducerSession(identity, hello, time.monotonic(), self._heartbeat, self.handoffs.limits)
         if is_remote(hello):
-            self.on_remote_hello(identity, session, fd)
+            join_remote(self, identity, session, fd)
             return
         peer = Peer(session, fd, watch_for(hello, cred))
-        if self.sharing is not None:
-            why = None if session.lane_capable else "it speaks a protocol version without lanes"
-            if why is None:
-                try:
-                    self.sharing.connect(peer)
-                except (OSError, IpcSyncError) as exc:
-                    why = f"its flag segment cannot be made ({exc})"
-            if why is not None:
-                text = f"this producer shares GPU memory by descriptor over a lane, and {why}"
-                self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s",
-                                           self.name, hello.pid, text)
-                self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
-                return
+        why = self.sharing.join(peer) if self.sharing is not None else None
+        if why is not None:
+            self.refuse(identity, hello.pid, P.ErrorCode.BACKEND.value, why)
+            return
         self.peers.add(peer)
         h = self.handoffs
-        setup = P.Setup(
-            version=hello.version,  # the consumer's: an older one gets its version's SETUP (no lane)
-            pid=self.pid,
-            start_time=host.start_time(self.pid),
-            pid_ns=host.pid_namespace(),
-            backend=self.backend.name,
-            device=self.backend.device_identity(),
-            arenas=[self.arena.export()],
-            arena_bytes=[self.arena.nbytes],
-            slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
-            ready_events=(self.sharing.setup_events() if self.sharing is not None
-                          else [e.handle() for e in h.ready_events]),
-            heartbeat_ms=int(self._heartbeat * 1000),
-        )
+        # (The consumer's version: an older one gets its version's SETUP, without a lane.)
+        setup = self.setup_for(hello.version, self.arena.export(), self.sharing.setup_events() if self.sharing
+                               is not None else [e.handle() for e in h.ready_events])
         self.peers.send(peer, session.setup(setup))
         if self.peers.get(identity) is not peer:
             return  # its connection had closed (a consumer that gave up waiting): dropped, nothing to offer
@@ -423,38 +398,20 @@ class ProducerPort(EndpointBase):
             token = lanes.offer(identity, cred[0] if cred is not None else None)
             self.peers.send(peer, session.lane_offer(lanes.path, token))
 
-    def on_remote_hello(self, identity: bytes, session: ProducerSession, fd: int) -> None:
-        """A consumer on another host (core.remote_session): a remote edge, whose SETUP
-        names the edge's rendezvous instead of our memory and events."""
-        from .remote import RemoteHub, RemoteWatch  # noqa: PLC0415 (torch.distributed only when used)
+    def refuse(self, identity: bytes, pid: int, code: str, text: str) -> None:
+        """Refuse a consumer's HELLO: one (rate-limited) line here, an ERROR to it."""
+        self.peers.ratelog.warning("hello", "ipcsync producer %r refused consumer pid %d: %s", self.name, pid, text)
+        self.peers.send_raw(identity, P.encode(P.Error(code, text)))
 
+    def setup_for(self, version: int, arena: bytes | str, ready_events: list[bytes | str]) -> P.Setup:
+        """The SETUP of a connection: our ring in ``arena`` (a handle, or a remote edge's
+        address), with ``ready_events`` (handles or placeholders, one per slot)."""
         h = self.handoffs
-        try:
-            if self.remote_hub is None:
-                self.remote_hub = RemoteHub(self.endpoint, self.device, h.slot_views, h.ready_events,
-                                            self.name)
-                self.remote_hub.on_sent = self.confirm_from_thread
-                # A remote consumer's release events are its sends, complete only later, on
-                # any backend: step 2 orders after them from now on.
-                h.order_events = True
-            edge = self.remote_hub.new_edge(session.label, session.hello.backend)
-        except Exception as exc:  # noqa: BLE001 (refuse this consumer, serve the others)
-            text = f"this producer cannot open a remote edge: {exc}"
-            self.peers.ratelog.warning("hello", "ipcsync producer %r refused remote consumer %s: %s",
-                                       self.name, session.label, text)
-            self.peers.send_raw(identity, P.encode(P.Error(P.ErrorCode.BACKEND.value, text)))
-            return
-        peer = Peer(session, fd, RemoteWatch(session.clock, edge, joined=False))  # joined at its ATTACH
-        peer.remote = edge
-        self.peers.add(peer)
-        setup = P.Setup(
-            version=session.hello.version, pid=self.pid, start_time=host.start_time(self.pid),
-            pid_ns=host.pid_namespace(), backend=self.backend.name, device=self.backend.device_identity(),
-            arenas=[edge.address.encode()], arena_bytes=[self.arena.nbytes],
-            slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
-            ready_events=[READY_PLACEHOLDER] * h.slots, heartbeat_ms=int(self._heartbeat * 1000),
-        )
-        self.peers.send(peer, session.setup(setup))
+        return P.Setup(
+            version=version, pid=self.pid, start_time=host.start_time(self.pid), pid_ns=host.pid_namespace(),
+            backend=self.backend.name, device=self.backend.device_identity(), arenas=[arena],
+            arena_bytes=[self.arena.nbytes], slots=[(0, i * self.stride, h.slot_bytes) for i in range(h.slots)],
+            ready_events=ready_events, heartbeat_ms=int(self._heartbeat * 1000))
 
     def on_attach(self, peer: Peer, msg: P.Attach) -> None:
         h = self.handoffs

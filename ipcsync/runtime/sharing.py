@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 from ..backends import Arena, Backend, Event
+from ..errors import IpcSyncError
 from .lane import Lane
 from .memory_wire import PLACEHOLDER, send_memory
 from .peers import Peer
@@ -47,22 +48,35 @@ class DescriptorSharing:
     def setup_events(self) -> list[bytes | str]:
         return [PLACEHOLDER] * self.slots
 
-    def connect(self, peer: Peer) -> None:
-        """Step 1: ``peer``'s flag segment (BackendError if it cannot be made)."""
-        seg, fd = self.backend.new_flags(self.slots)
-        peer.flags, peer.flags_fd = seg, fd
-        peer.ready_flags = [seg.ready(s) for s in range(self.slots)]
+    def join(self, peer: Peer) -> str | None:
+        """Step 1 (its HELLO): ``peer``'s flag segment; why it cannot be served, or None."""
+        why = None
+        if not peer.session.lane_capable:
+            why = "it speaks a protocol version without lanes"
+        else:
+            try:
+                seg, fd = self.backend.new_flags(self.slots)
+            except (OSError, IpcSyncError) as exc:
+                why = f"its flag segment cannot be made ({exc})"
+            else:
+                peer.flags, peer.flags_fd = seg, fd
+                peer.ready_flags = [seg.ready(s) for s in range(self.slots)]
+        return None if why is None else f"this producer shares GPU memory by descriptor over a lane, and {why}"
 
-    def send_memory(self, peer: Peer, lane: Lane) -> None:
-        """Step 3, on ``peer``'s lane just checked. OSError/BackendError if it cannot go."""
-        fd = self.arena.export_fd()
+    def send_memory(self, peer: Peer, lane: Lane) -> str | None:
+        """Step 3, on ``peer``'s lane just checked; why it could not go, or None."""
         try:
-            send_memory(lane.sock, [fd], peer.flags_fd)
-        finally:
-            os.close(fd)
+            fd = self.arena.export_fd()
+            try:
+                send_memory(lane.sock, [fd], peer.flags_fd)
+            finally:
+                os.close(fd)
+        except (OSError, IpcSyncError) as exc:
+            return f"its GPU memory could not go out on its lane: {exc}"
         os.close(peer.flags_fd)
         peer.flags_fd = -1
         peer.memory_sent = True
+        return None
 
     def release_events(self, peer: Peer) -> list[Event]:
         """The events step 2 of a write waits on: ``peer``'s release flags."""
