@@ -23,11 +23,11 @@ import stat
 import warnings
 import weakref
 
-import msgpack
 import torch
 
 from .. import writefaults
 from ..errors import BackendError
+from . import handles
 from .base import Arena
 from .flags import reached
 
@@ -64,17 +64,8 @@ class HostFlags:
 
 def parse_descriptor(handle: bytes | str) -> int | None:
     """The size a CPU descriptor arena's handle announces; None if it is not one."""
-    if type(handle) is not bytes:
-        return None
-    try:
-        fields = msgpack.unpackb(handle, raw=False, max_str_len=32, max_array_len=4, max_bin_len=0)
-    except Exception:
-        return None
-    if type(fields) is not list or len(fields) != 2 or fields[0] != MAGIC:
-        return None
-    if type(fields[1]) is not int or fields[1] <= 0:
-        raise BackendError(f"malformed arena descriptor: {handle!r:.60}")
-    return int(fields[1])
+    fields = handles.unpack(handle, MAGIC, 1)
+    return None if fields is None else fields[0]
 
 
 class MemfdArena(Arena):
@@ -109,7 +100,7 @@ class MemfdArena(Arena):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
             self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
-        self.handle = msgpack.packb([MAGIC, nbytes], use_bin_type=True) if self.owner else b""
+        self.handle = handles.pack(MAGIC, nbytes) if self.owner else b""
         if not self.owner:
             token = writefaults.watch(self.tensor.data_ptr(), nbytes, label or "shared memory of the producer")
             if token is not None:

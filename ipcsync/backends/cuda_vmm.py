@@ -32,11 +32,11 @@ import threading
 import weakref
 from typing import Any
 
-import msgpack
 import torch
 
 from .. import gpufaults
 from ..errors import BackendError
+from . import handles
 from .base import Arena
 from .cuda_driver import Driver
 
@@ -122,24 +122,14 @@ class VmmArena(Arena):
 
 def descriptor(size: int) -> bytes:
     """What SETUP carries for a VMM arena (its memory travels as a descriptor on the lane)."""
-    packed: bytes = msgpack.packb([MAGIC, os.getpid(), size], use_bin_type=True)
-    return packed
+    return handles.pack(MAGIC, os.getpid(), size)
 
 
 def parse_descriptor(handle: bytes | str) -> int | None:
     """The allocation size a VMM arena's SETUP handle announces; None if ``handle`` is not
     one (a legacy CUDA IPC handle); BackendError if it is one but malformed."""
-    if type(handle) is not bytes:
-        return None
-    try:
-        fields = msgpack.unpackb(handle, raw=False, max_str_len=64, max_array_len=8, max_bin_len=0)
-    except Exception:
-        return None
-    if type(fields) is not list or not fields or fields[0] != MAGIC:
-        return None
-    if len(fields) != 3 or not all(type(v) is int and v > 0 for v in fields[1:]):
-        raise BackendError(f"malformed VMM arena descriptor: {handle!r:.80}")
-    return int(fields[2])
+    fields = handles.unpack(handle, MAGIC, 2)
+    return None if fields is None else fields[1]
 
 
 def create_arena(driver: Driver, nbytes: int, device_index: int) -> VmmArena:
