@@ -50,7 +50,11 @@ first (the endpoints' ``.sock``, ``.lane`` and ``.lock`` files, the CPU arenas' 
 as a close would remove them. Installed with the SIGINT handler, only over the default
 (a program's own SIGTERM handler, or SIG_IGN, is kept: its exit runs the endpoints'
 closes), and put back with it. Like any Python signal handler it runs in the main thread
-between bytecodes: a main thread inside a long C call ends once that call returns.
+between bytecodes: a main thread inside a long C call ends once that call returns. It does
+not raise an exception instead (so that ``with`` blocks unwind): that would change what
+SIGTERM means to every program that makes an endpoint (its ``except BaseException`` and
+``finally`` clauses would run, and could keep it alive past a supervisor's stop), where
+removing files changes nothing it can see.
 
 Imports nothing of ipcsync (the backends mark their waits with it).
 """

@@ -1,5 +1,12 @@
 """What the endpoints hand to the user: ``SlotWriter`` (the slot a ``Producer.slot()``
-block fills in place) and ``Item`` (one received message)."""
+block fills in place) and ``Item`` (one received message).
+
+``Item``: ``tensors``, ``meta``, ``seq``, ``source``, ``release()``; ``store`` is its slot's
+``SlotStore`` (``backends.refs``) and ``origin`` what ``ipcsync.forward`` takes it from.
+``SlotEntry``: a ``slot()`` block: on entry the handoff's steps 1-2 (``runtime.slots``), on a
+clean exit 3b-4; a block that raises gives its slot back. A tensor of the block still
+referenced at its end means a later write could change the sent item: the item is not
+sent and ``SlotKeptError`` names the field."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Keeping consumer: every received ``item["x"]`` goes into a list of the last ``sl
 items (what a loop that collects batches does, bounded so that 64 MiB items fit in
 memory). Each item is kept until ``slots`` later items arrived, so the ring would stall at
 every item: ipcsync copies the kept item's bytes out of its slot into memory of its own
-(``docs/architecture.md``, section 13) and the ring goes on. The rows are
+(the reference rule, ``docs/architecture.md``) and the ring goes on. The rows are
 ``scripts/bench.py``'s handoff rows (``--keep both``): "ipcsync send" / "ipcsync slot"
 (nothing kept) and "... keeps views" (kept); see bench.py for how a row is measured.
 

@@ -3,7 +3,24 @@
 A backend gives the producer arenas (byte buffers shared with consumers, exported once
 per connection through a small handle) and both sides events (recorded by one process,
 waited on by another, exchanged once through a handle). The CPU backend's events are
-complete when recorded; the CUDA backend's are interprocess CUDA events.
+complete when recorded; the CUDA backend's are interprocess CUDA events, or flags where the
+memory is shared by descriptor (``descriptor_problem`` None: ``create_shared_arena``,
+``new_flags``; ``runtime.sharing``).
+
+Rules:
+
+- **A rule that depends on the backend is a method or attribute of it**, which the runtime
+  asks: ``arena_owner_problem`` (why an arena a producer exports cannot be its own),
+  ``pid_namespace_rule`` (why a consumer in another PID namespace cannot share the memory),
+  ``can_reach`` (whether a reader's device reaches the memory: what forwarding checks),
+  ``descriptor_problem`` (why this process cannot share by descriptor), ``host_sync``
+  (events complete on record: the handoff steps skip what has nothing to do). No module of
+  ``runtime/`` compares a backend's name (``tests/unit/test_backend_rules.py``).
+- **The hot paths ask once, then call.** ``Event.bound_record`` / ``bound_query`` give the
+  call as one callable (CUDA: torch's binding with the event bound, no Python frame per
+  call), kept beside the event; ``current_stream_key`` names the current stream in one C
+  call, and ``CurrentStream`` looks the Stream up again only when that key changes.
+- Every backend passes the conformance check ``tests/integration/backend_checker.py``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,16 @@ to resolve (no conj/neg bit, no grad; ``core.layout.Plan.flat``):
 Everything else (several tensors, other strides, dtypes converted, another device, an
 explicit ``stream=``) stays on torch. The bytes are the same either way.
 
-``IPCSYNC_NATIVE=0`` turns it off (read once, at import; unset or ``1``: on where built).
-Loaded by the runtime only: it imports nothing of ipcsync but ``ipcsync.errors``.
+``IPCSYNC_NATIVE=0`` turns it off (read once, at import; unset or ``1``: on where built;
+any other value is a ConfigError). Loaded by the runtime only: it imports nothing of
+ipcsync but ``ipcsync.errors``.
+
+Build and fallback: ``setup.py`` declares the extension ``optional`` (no CUDA headers: the
+few runtime prototypes are declared in ``_native.c`` and resolved at first use from the
+libcudart torch loaded, never a second copy of the runtime). ``scripts/setup.sh`` builds it
+in place where there is a compiler and the Python headers, and goes on without it where
+not; ``scripts/gpu-tests.sh`` builds it in place and says which copy the run uses. The
+suites that exercise the copy run both ways (the ``copy_path`` fixture).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Who still references a slot's memory: the reference rule's measuring instrument.
 
-The reference rule (docs/architecture.md, section 13): memory a user's program can still
+The reference rule (docs/architecture.md, "Invariants"): memory a user's program can still
 reach is never reused. A tensor reaches memory through its storage (a ``StorageImpl``,
 reference-counted): every view, view of a view and ``.numpy()`` array of it holds one
 reference (its ``untyped_storage()`` object, one per storage, is counted apart: see
@@ -32,6 +32,13 @@ builds before it moved out of the CUDA module) get the fallback, ``ItemStore``: 
 of its own per item (``SlotStore.for_item``), held only weakly once the item is built
 (``seal``), so "still referenced" is "not yet expired" (``UntypedStorage._expired``); it
 costs a storage per item instead of one per slot.
+
+Why one store per slot rather than a storage per item: while a tensor of the program views
+a slot, the reference rule gives that slot no other item, so a slot's store serves one item
+at a time (``keep_refs_check=False`` aside, whose kept views may show later items by
+definition); a storage made per item (``torch.from_numpy`` of the slot's array, then the
+dtype views) cost about 1.5 us more per item on a 2-core CPU machine, where the ``moved()``
+check costs one C call.
 """
 
 from __future__ import annotations

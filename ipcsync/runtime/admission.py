@@ -1,5 +1,14 @@
 """Who may attach to a producer: the checks on a consumer's HELLO and on the kernel's word
-about the connection, and how to watch the admitted consumer's process."""
+about the connection, and how to watch the admitted consumer's process.
+
+- ``hello_problem``: the same host and boot (else only a ``tcp://`` endpoint's remote edge,
+  protocol ``SENT_VERSION`` or later, a device of ``BACKEND_NAMES``), the same backend, the
+  backend's ``pid_namespace_rule``, credits of at least 1.
+- ``credentials_problem``: on ipc endpoints the kernel's ``SO_PEERCRED``: our own user, and
+  the process the HELLO names.
+- ``watch_for``: the liveness rule watches the kernel's pid for the connection, never only
+  the pid a HELLO claims.
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,19 @@ Ordering rules of a handoff (receive):
 4. after the producer's BYE and the last buffered item, iteration ends; the consumer
    answers BYE once it holds nothing.
 
-After the producer is declared lost, no wait is ever enqueued on its events.
+After the producer is declared lost, no wait is ever enqueued on its events. Memory shared
+by descriptor keeps these rules with flags in place of events (``backends.flags``: the
+slot's ready flag reaches the item's generation; the release writes the release flag).
+
+The steady path (an item buffered or on the lane now, its layout known, no error or BYE)
+is straight-line code in ``next_item``: release the thread's previous item, send the queued
+releases once a batch gathered, take the next entry (else read the lane once,
+``ProducerLink.pump_lane``), build the item from its slot's store, count it.
+``release()`` is the reference check (one C call), the release event, a queued RELEASE.
+Anything else (a wait, an error or BYE, a host-mode wait that must poll, a remote or
+forwarded item, ``verify``, a trace, a torch without use counts) takes the general path.
+A Ctrl-C between taking an item's READY and handing the item out puts the entry back
+first in line: the next call returns that item.
 """
 
 from __future__ import annotations

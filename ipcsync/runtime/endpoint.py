@@ -25,7 +25,21 @@ is safe: each thread's ``next()`` releases only that thread's previous item.
 Exit and fork. One ``atexit`` hook closes every endpoint still open (bounded). A process
 forked while endpoints exist gets none of them: in the child they are marked as
 belonging to the parent, every call raises ClosedError, and nothing is closed, unlinked
-or said on the parent's behalf (``os.register_at_fork``).
+or said on the parent's behalf (``os.register_at_fork``). A producer whose program is
+dying of an unhandled exception aborts at exit instead of closing.
+
+Close. ``close()`` marks itself started, and every call blocked in another thread raises
+ClosedError at its next wake-up; nothing is freed before they left. A second ``close()``
+while one runs in another thread waits for it instead of starting over; ``abort()`` takes
+over a running close. A ``close()`` interrupted in its waits (Ctrl-C, SystemExit) still
+ends closed, then re-raises (a producer's as ``abort`` does). A send, ``slot()`` entry or
+forward that starts while a close is under way raises ClosedError ("is closing").
+``reacquire`` takes the lock back after a wait however the wait ended (KeyboardInterrupt
+included), exactly once.
+
+Hot binding. ``bind_hot`` binds a facade's hot method, for one instance, to the runtime
+endpoint's method of the same signature (a ``functools.partial``, called in C, carrying
+the method's docstring): the facade adds no Python frame to the steady path.
 """
 
 from __future__ import annotations

@@ -3,6 +3,16 @@ received item on without a copy, and release it upstream when the last downstrea
 is done. The bookkeeping and its invariants are ``core.forwarding``; the handoff steps
 are ``runtime.slots``; the lending consumer is reached only through ``ForwardOrigin``
 (``runtime.handover``), obtained from the item's public ``origin``.
+
+``Forwarder.forward``: take the item from its origin, check it can go on without a copy
+(one backend, the item on the producer's device, every attached consumer ``can_reach`` it;
+else ``CannotForward`` and the caller copies), then the handoff steps writing nothing:
+``begin`` (reserve, order after the previous readers), a wait on the upstream ready event
+(forwarding invariant 2), ``finish`` (record ours, a FOREIGN first where needed, then a
+FREADY). ``freed``, ``poll``, ``complete`` and ``abandon`` carry out invariants 3-5, as the
+producer's wait strategy says. A ``tcp://`` producer copies when a remote consumer is
+attached or the item would wait queued; memory shared by descriptor is never forwarded
+without a copy (``runtime.foreign``).
 """
 
 from __future__ import annotations

@@ -2,6 +2,13 @@
 
 CUDA IPC and POSIX shared memory only work between processes of one host and boot, so
 peers are always local: a peer is named by (pid, start time), which survives pid reuse.
+
+The proof of death the liveness rule needs (``core.liveness``): ``ProcessWatch.gone()`` is
+True only on proof (a pidfd readable, or another start time at that pid); anything that
+cannot be read (``read_start_time`` None: EMFILE, EACCES) means "cannot say", never death.
+Also ``boot_id`` / ``host_identity``, ``pid_namespace``, ``peer_credentials``
+(``SO_PEERCRED``) and ``owner_gone`` (a segment's owner, for reclaiming). Imports neither
+torch nor zmq: the backends and the launcher use it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Items the program released while a tensor of it still views their slot (the reference
-rule, consumer side; docs/architecture.md section 13).
+rule, consumer side; docs/architecture.md, "Invariants").
 
 ``release()`` (and the implicit release at the next ``next()``) means "I am done"; the
 slot goes back to the producer only when no tensor of the program references it any
@@ -16,6 +16,11 @@ on, and the slot goes back. What still stalls the ring (items held and not relea
 items that cannot be moved: a torch without ``_swap_data_ptr_``) is reported at once
 (``check``), and ``stuck_since`` says since when. A consumer that keeps nothing never
 comes here. The link passes the clock; nothing here does I/O but logging.
+
+Why polled rather than a finalizer: a DLPack deleter or ``weakref.finalize`` on the item's
+storage would run release logic at arbitrary points, in any thread, inside torch's
+deallocation; the use count is read only where the consumer already does its work, under
+its lock.
 """
 
 from __future__ import annotations

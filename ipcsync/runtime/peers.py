@@ -2,7 +2,17 @@
 identity and fd, process watch, release events, outbox), how frames reach it, and how it
 leaves (goodbye, protocol error, or loss by the liveness rule of ``core.liveness``: lost
 only when its process is provably gone, or its connection closed and it cannot be
-watched; silence only makes it stalled). Used under the producer's lock."""
+watched; silence only makes it stalled). Used under the producer's lock.
+
+- Disconnects (the socket monitor, or a lane's EOF) are applied after the frames that
+  arrived before them (``apply_disconnects``): a BYE then a close is a goodbye, not a loss.
+- A consumer whose connection closed while its process lives is suspended
+  (``on_disconnect``): no new items, its slots kept until its process exits.
+- A bad frame (``bad_frame``, rate-limited in the log) gets an ERROR back and ends only
+  that peer.
+- Heartbeats: a frame sent to a peer sets a flag, and ``tick`` tells its session
+  ``spoke(now)``, so a heartbeat goes out only after a quarter heartbeat with nothing sent,
+  never while frames flow, at no cost per send."""
 
 from __future__ import annotations
 

@@ -2,7 +2,29 @@
 (``core.consumer_session``): what HELLO says about this process, who answered the
 handshake (or why nobody did), the producer's memory and events opened at SETUP, the
 foreign arenas FOREIGN names, the producer's liveness, and the stale socket files of a
-dead producer."""
+dead producer.
+
+- Who answered: on an ipc path the producer must be our user and the process SETUP names,
+  and its arenas its own (``Backend.arena_owner_problem``), else a ConfigError.
+- ``RingMemory``: the producer's arenas, slot views (a ``SlotStore`` per slot), ready and
+  release events or flags, opened once at SETUP; memory shared by descriptor is opened
+  from the packet that follows the producer's SWITCH on the lane
+  (``open_shared_memory``, ``runtime.memory_wire``). ``seqs`` records the item last built
+  in each slot, which a write fault there names (``ipcsync.writefaults``).
+- The steady pump (``pump_lane``): while the lane carries every frame and nothing else
+  needs a look (no kept slot to poll, no lent item coming back, no ERROR to send), a
+  wake-up's lane frames go to ``session.receive_frames`` in one call; anything else, and
+  every tick, goes through ``pump``.
+- Kept items (``keeping.Kept``): released items a tensor of the program still views are
+  given back at the start of every pump once nothing references them, all at once after
+  the producer's BYE; ``check_stall`` moves them out or reports what holds the ring;
+  ``give_up_kept`` at close.
+- Loss (``on_lost``): items already handed out whose data the producer had not finished
+  writing (shared by descriptor, ``wait="gpu"``) are named in a warning (``say_torn``); the
+  producer's flags are poisoned (no stream of ours waits for ever on them), the
+  connection dropped, the stale socket files removed and dead segments reclaimed.
+- ``let_go_of_memory`` drops every view and import of the producer's memory before any BYE
+  of ours (the producer may exit once it answered)."""
 
 from __future__ import annotations
 

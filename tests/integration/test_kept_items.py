@@ -1,4 +1,4 @@
-"""What a program does with received items' tensors (docs/architecture.md section 13):
+"""What a program does with received items' tensors (docs/architecture.md, "Invariants"):
 
 - nothing it does to one item's tensors changes what a later item reads: ``share_memory_()``
   (what ``torch.multiprocessing``'s pickler does to every CPU tensor put on an ``mp.Queue``)

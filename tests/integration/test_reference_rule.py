@@ -1,5 +1,5 @@
 """The reference rule: memory a user's program can still reach is never reused, and a
-received item cannot be changed under another reader (docs/architecture.md section 13).
+received item cannot be changed under another reader (docs/architecture.md, "Invariants").
 
 - a view kept past ``release()`` keeps its slot (the ring stalls, reported at once naming
   the items, instead of the view silently showing another item);
