@@ -52,23 +52,9 @@ from .limits import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, IPC_PATH_MAX
 from .runtime.paths import FALLBACK_SUFFIX, runtime_dir_choice
 
 __all__ = [
-    "PASS",
-    "WARN",
-    "FAIL",
-    "Check",
-    "run_checks",
-    "exit_status",
-    "check_shm",
-    "check_runtime_dir",
-    "check_nofile",
-    "check_versions",
-    "check_namespaces",
-    "check_cuda",
-    "check_spec",
-    "cuda_ipc_probe",
-    "probe_child",
-    "parse_args",
-    "main",
+    "PASS", "WARN", "FAIL", "Check", "run_checks", "exit_status", "check_shm", "check_runtime_dir", "check_nofile",
+    "check_versions", "check_namespaces", "check_cuda", "check_spec", "cuda_ipc_probe", "probe_child",
+    "build_parser", "parse_args", "main",
 ]
 
 log = logging.getLogger(__name__)
@@ -862,12 +848,11 @@ def run_checks(spec_path: str | None = None, cuda_ipc: bool = True,
         yield from (got if isinstance(got, list) else [got])
 
 
-def parse_args(argv: Sequence[str] | None = None, prog: str = "ipcsync doctor") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog=prog,
-        description="Check that this machine can run ipcsync (and a given pipeline); say how to fix what not.",
-        epilog="exit status: 0 no check failed, 1 a check failed, 2 bad usage",
-    )
+def build_parser(prog: str = "ipcsync doctor") -> argparse.ArgumentParser:
+    """The doctor's command line, every option with its help (docs/reference.md lists them)."""
+    ap = argparse.ArgumentParser(prog=prog, epilog="exit status: 0 no check failed, 1 a check failed, 2 bad usage",
+                                 description="Check that this machine can run ipcsync (and a given pipeline); "
+                                             "say how to fix what not.")
     ap.add_argument("--spec", metavar="PIPELINE.toml", help="also check this pipeline spec (ipcsync-run's format)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per check instead of text")
     ap.add_argument("--no-cuda-ipc", action="store_true", help="skip the two-process CUDA IPC test")
@@ -877,7 +862,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "ipcsync doctor") 
                     help="logging of the doctor itself (ipcsync.* loggers), on stderr (default WARNING); "
                          "its report is program output, on stdout, whatever the level")
     ap.add_argument("--version", action="version", version=f"ipcsync {__version__}")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "ipcsync doctor") -> argparse.Namespace:
+    args = (ap := build_parser(prog)).parse_args(argv)
     if not args.ipc_timeout > 0:
         ap.error("--ipc-timeout must be a positive number of seconds")
     return args

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # loaded only when a pipeline runs
     from .nodes import NodeGroup
 
 __all__ = [
-    "main", "parse_args", "config_from_args", "spec_from_args", "LaunchConfig", "check_plan", "run", "visible_gpus", "needs_gpu_count",
+    "main", "parse_args", "build_parser", "config_from_args", "spec_from_args", "LaunchConfig", "check_plan", "run", "visible_gpus", "needs_gpu_count",
     "EXIT_LAUNCHER_ERROR",
 ]
 
@@ -61,7 +61,7 @@ exit status:
   128+N    a stage was killed by signal N, or ipcsync-run was interrupted by
            signal N (130 for Ctrl-C)
 
-Spec format: see docs/launcher.md or ipcsync/launch/spec.py. With a spec file,
+Spec keys: docs/reference.md; the launcher: docs/launcher.md. With a spec file,
 --replicas, --device, --edge-option, --restart, --stop-timeout and --mps override its values.
 """
 
@@ -76,6 +76,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``argv`` (default: ``sys.argv[1:]``) parsed by ``build_parser()``; a usage error
+    exits with ``EXIT_LAUNCHER_ERROR``."""
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """ipcsync-run's command line: every option, with its help (what docs/reference.md
+    lists)."""
     ap = _Parser(
         prog="ipcsync-run",
         description="Launch and supervise a pipeline of ipcsync stage processes.",
@@ -92,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", action="append", default=[], metavar="NAME=DEVICE",
                     help="device of a stage: auto (default), cpu, cuda, cuda:N, cuda:{replica}")
     ap.add_argument("--edge-option", action="append", default=[], metavar="FROM:TO:KEY=VALUE",
-                    help="an edge option (slots, slot_bytes, policy, wait, timeout, reply)")
+                    help="an edge option (slots, slot_bytes, policy, wait, timeout, reply, verify)")
     ap.add_argument("--restart", type=int, default=None, metavar="N",
                     help="restart the whole group up to N times after a failure (overrides the spec)")
     ap.add_argument("--stop-timeout", type=float, default=None, metavar="SECONDS",
@@ -136,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="edges between nodes without CURVE, and no rendezvous secret needed: no "
                             "authentication, no encryption; only on a network you trust")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    return ap.parse_args(argv)
+    return ap
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:

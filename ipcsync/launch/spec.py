@@ -61,9 +61,10 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
-from ..core.waits import wait_problem  # pure, as are the limits: a spec loads no endpoint, torch or zmq
+from ..core.waits import WAIT_MODES, wait_problem  # pure, as are the limits: a spec loads no endpoint, torch or zmq
 from ..errors import ConfigError
 from ..limits import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -94,6 +95,10 @@ __all__ = [
     "DEFAULT_SLOT_BYTES",
     "MPS_MODES",
     "mps_mode",
+    "Key",
+    "TOP_KEYS",
+    "STAGE_KEYS",
+    "EDGE_KEYS",
 ]
 
 MAX_REPLICAS = 256
@@ -106,11 +111,72 @@ _BYTES_RE = re.compile(r"^\s*([0-9]+)\s*(B|KiB|MiB|GiB|KB|MB|GB|k|K|M|G)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "k": 1 << 10,
           "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
 
-_TOP_KEYS = {"stages", "edges", "restart", "stop_timeout", "name", "mps"}
 MPS_MODES = ("on", "auto", "off")  # ipcsync-run's private MPS daemon: always, when GPUs are shared, never
-_STAGE_KEYS = {"cmd", "replicas", "device", "visible_devices", "env", "cwd", "node", "nodes"}
 MAX_NODES = 1024
-_EDGE_KEYS = {"from", "to", "slots", "slot_bytes", "policy", "wait", "timeout", "reply", "verify"}
+
+
+@dataclass(frozen=True)
+class Key:
+    """A key a spec table may hold: its TOML type, its default and what it means. The
+    tables below are the keys a spec accepts (any other is refused, naming these) and
+    what docs/reference.md lists."""
+
+    type: str
+    default: str
+    meaning: str
+
+
+TOP_KEYS: Mapping[str, Key] = MappingProxyType({
+    "name": Key("string", '"pipeline"', "the pipeline's name (1-32 letters, digits, `_` and `-`, starting "
+                "with a letter): `stage.info().pipeline`"),
+    "restart": Key(f"integer, 0 to {MAX_RESTART}", "0", "restart the whole group (every stage) up to this "
+                   "many times after a stage fails; `stage.info().restart` counts the attempts"),
+    "stop_timeout": Key("seconds, > 0", "10", "when stopping: seconds between SIGTERM and SIGKILL"),
+    "mps": Key("string: " + ", ".join(f'"{m}"' for m in MPS_MODES), '"auto"',
+               '"on": the stages run under a private MPS daemon whenever the run uses CUDA; "auto": when '
+               'two or more CUDA processes share a GPU; "off": never'),
+    "stages": Key("table of tables", "required", "one `[stages.NAME]` table per stage (NAME: 1-32 letters, "
+                  "digits, `_` and `-`, starting with a letter)"),
+    "edges": Key("array of tables", "none", "one `[[edges]]` table per edge; edges may not form a cycle "
+                 "(except through `reply` edges)"),
+})
+STAGE_KEYS: Mapping[str, Key] = MappingProxyType({
+    "cmd": Key("string or list of strings", "required", "the command; a string is split like a shell. A "
+               "command starting with `python`, `python3` or `python3.N` runs under ipcsync-run's interpreter"),
+    "replicas": Key(f"integer, 1 to {MAX_REPLICAS}", "1", "processes running the stage"),
+    "device": Key("string", '"auto"', '"auto" (cuda:0 when a GPU is visible, else cpu), "cpu", "cuda", '
+                  '"cuda:N"; "{replica}" is replaced by the replica index ("cuda:{replica}")'),
+    "visible_devices": Key("string or integer", "unset", "`CUDA_VISIBLE_DEVICES` for the stage (\"0,1\")"),
+    "env": Key("table of strings, numbers or booleans", "{}", "environment variables set on top of "
+               "ipcsync-run's own; `IPCSYNC_*` names are refused (ipcsync-run sets them)"),
+    "cwd": Key("string", "ipcsync-run's directory", "the stage's working directory; a relative path is "
+               "relative to the spec file's directory"),
+    "node": Key(f"integer, 0 to {MAX_NODES - 1}", "0", "with `ipcsync-run --nnodes N`: the node every "
+                "replica runs on (not with `nodes`)"),
+    "nodes": Key("list of distinct integers", "[0]", "with `--nnodes N`: replica r runs on "
+                 "`nodes[r % len(nodes)]`; needs at least as many replicas as nodes (not with `node`)"),
+})
+EDGE_KEYS: Mapping[str, Key] = MappingProxyType({
+    "from": Key("string", "required", "the producer stage: each of its replicas binds an endpoint"),
+    "to": Key("string", "required", "the consumer stage: each of its replicas connects to every replica "
+              "of `from` (one Consumer, or a FanIn over several)"),
+    "slots": Key(f"integer, 1 to {MAX_SLOTS}", str(DEFAULT_SLOTS), "slots in each producer's ring "
+                 "(`Producer(slots=)`)"),
+    "slot_bytes": Key('integer, or a string such as "8MiB" (units B, KiB or K, MiB or M, GiB or G, KB, MB, GB)',
+                      f'"{DEFAULT_SLOT_BYTES >> 20}MiB"', "bytes in one slot, 1 B to 1 TiB "
+                      "(`Producer(slot_bytes=)`); a larger message is refused"),
+    "policy": Key("string: " + ", ".join(f'"{p}"' for p in POLICIES), '"shard"', "with several consumer "
+                  "replicas: each item to one of them (shard) or to every one (broadcast)"),
+    "wait": Key("string: " + ", ".join(f'"{w}"' for w in WAIT_MODES), '"gpu"', "how the consumers wait on the producer's ready events "
+                "(`Consumer(wait=)`)"),
+    "timeout": Key("seconds, > 0", f"{DEFAULT_CONNECT_TIMEOUT:g}", "how long the two ends wait for each "
+                   "other to appear (the handshake, at `input()` and `output()`); once connected, data calls "
+                   "wait as long as the peer process lives"),
+    "reply": Key("boolean", "false", "a reply edge: answers going back upstream, the only kind of edge "
+                 "that may close a cycle; its `output()` does not wait for consumers"),
+    "verify": Key("boolean", "false", "consumers check that no received item changes while they hold it "
+                  "(`Consumer(verify=True)`)"),
+})
 
 
 class SpecError(ConfigError):
@@ -219,7 +285,7 @@ def from_mapping(data: Mapping[str, Any], source: str = "<spec>", base_dir: str 
     where = _Where(source)
     if not isinstance(data, Mapping):
         raise where.error("", "the spec must be a table")
-    where.unknown_keys("", data, _TOP_KEYS)
+    where.unknown_keys("", data, TOP_KEYS)
     stages_raw = data.get("stages")
     if not isinstance(stages_raw, Mapping) or not stages_raw:
         raise where.error("stages", "define at least one stage, e.g. [stages.train] with cmd = [...]")
@@ -331,8 +397,8 @@ class _Where:
     def error(self, key: str, problem: str) -> SpecError:
         return SpecError(f"{self.source}: {key}: {problem}" if key else f"{self.source}: {problem}")
 
-    def unknown_keys(self, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
-        extra = sorted(set(table) - allowed)
+    def unknown_keys(self, prefix: str, table: Mapping[str, Any], allowed: Mapping[str, Key]) -> None:
+        extra = sorted(set(table) - set(allowed))
         if extra:
             key = f"{prefix}.{extra[0]}" if prefix else extra[0]
             raise self.error(key, f"unknown key; allowed here: {', '.join(sorted(allowed))}")
@@ -343,7 +409,7 @@ def _stage(where: _Where, name: Any, body: Any, base_dir: str | None) -> StageSp
     _name(where, key, name)
     if not isinstance(body, Mapping):
         raise where.error(key, "must be a table with at least cmd = [...]")
-    where.unknown_keys(key, body, _STAGE_KEYS)
+    where.unknown_keys(key, body, STAGE_KEYS)
     if "cmd" not in body:
         raise where.error(f"{key}.cmd", "missing: the command to run, e.g. cmd = [\"python3\", \"stage.py\"]")
     cmd = _cmd(where, f"{key}.cmd", body["cmd"])
@@ -420,7 +486,7 @@ def _nodes(where: _Where, key: str, body: Mapping[str, Any], replicas: int) -> t
 def _edge(where: _Where, key: str, body: Any, stages: set[str]) -> EdgeSpec:
     if not isinstance(body, Mapping):
         raise where.error(key, "must be a table with from = \"...\" and to = \"...\"")
-    where.unknown_keys(key, body, _EDGE_KEYS)
+    where.unknown_keys(key, body, EDGE_KEYS)
     ends = []
     for end in ("from", "to"):
         if end not in body:
