@@ -67,6 +67,13 @@ class Consumer:
         curve: for a ``tcp://`` endpoint, ``CurveKeys`` with ``server`` = the producer's
             public key; refused without them unless ``insecure=True``.
         insecure: accept a plain tcp:// control channel.
+        limits: caps on every frame received from the producer (``ipcsync.Limits``); a
+            frame over one is refused as a ``ProtocolError``.
+
+    Blocks until the handshake is done (up to ``connect_timeout``): IpcTimeoutError when no
+    producer answered, ConfigError for a bad option or an endpoint whose producer cannot
+    be used from here (another device kind, a wrong CURVE key), ProtocolError for a peer
+    of another protocol version.
 
     ``session`` (read-only) is the protocol state (``ConsumerSession``); ``port`` is what
     FanIn uses of it (``SourcePort``). Every call is the consumer's runtime endpoint's
@@ -95,6 +102,7 @@ class Consumer:
 
     @property
     def device(self) -> torch.device:
+        """Where received tensors live (``cpu`` or ``cuda:N``)."""
         return self._endpoint.device
 
     @property
@@ -156,9 +164,9 @@ class Consumer:
 
     # ------------------------------------------------------------------ asyncio
     def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
-        """``get()`` for asyncio (``await inp.aget()``): the same result, timeout and
-        errors (IpcTimeoutError, PeerLostError, ClosedError), and the event loop runs other
-        tasks while it waits.
+        """``get()`` for asyncio (``await inp.aget()``): the same result (the next item, or
+        None at the end of the stream), ``timeout`` and errors (IpcTimeoutError,
+        PeerLostError, ClosedError), and the event loop runs other tasks while it waits.
 
         Cancellation-safe: a cancelled ``aget`` took nothing; the item it was waiting for
         is returned by the next ``aget``/``get``. With ``auto_release``, the items
@@ -177,10 +185,29 @@ class Consumer:
         return self._endpoint.aiter()
 
     def stats(self) -> dict[str, Any]:
-        """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
-        waiting by cause, items held and buffered, items released but still viewed by the
-        program's tensors (``kept``: their slots are not given back yet), whether frames
-        travel on a lane (``lane``)."""
+        """A snapshot of this consumer's counters, a new dict each call:
+
+        - ``role``: ``"consumer"``.
+        - ``handoffs``, ``bytes``: items received (and their bytes) since the consumer was
+          made; ``elapsed_s``: seconds since then; ``rate_per_s``, ``bytes_per_s``: those
+          over it.
+        - ``latency_s``: send-to-receive seconds of the latest 4096 items (the producer's
+          send to this process taking the item), ``p50``, ``p90``, ``p99`` (None before the
+          first item) and ``samples``.
+        - ``waiting_s``: seconds blocked, by cause: ``producer`` (no item announced yet),
+          ``event`` (an announced item's data not ready: ``wait="host"`` or a remote
+          transfer). A cause appears once it was waited on.
+        - ``held``: items received and not released; ``buffered``: announced, not yet taken.
+        - ``kept``: items released but still viewed by the program's tensors (their slots
+          are not given back yet); ``kept_moved``, ``kept_moved_bytes``: such items (and
+          their bytes) copied out of the ring so it could flow (``keep_refs_check``).
+        - ``forwarded_out``: items this consumer forwarded without a copy
+          (``ipcsync.forward``) and that are still held downstream;
+          ``forwarded_lost``: items forwarded to this consumer by a middle stage that
+          were dropped because their memory could not be opened here.
+        - ``producer_stalled``: the producer is silent now but alive;
+          ``producer_stalled_total``: times it fell silent.
+        - ``lane``: whether frames travel on a lane now (``IPCSYNC_LANE``)."""
         return self._endpoint.stats()
 
     @property
@@ -196,6 +223,7 @@ class Consumer:
 
     @property
     def producer_pid(self) -> int | None:
+        """The producer's process id (None before the handshake)."""
         setup = self._endpoint.setup
         return setup.pid if setup else None
 

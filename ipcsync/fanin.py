@@ -38,7 +38,11 @@ _TICK = 0.05
 
 
 class FanIn:
-    """Receives from several producers as one stream.
+    """Receives from several producers as one stream: one Consumer per endpoint, merged
+    round robin among the sources that have an item ready (a busy source cannot starve a
+    slower one); each source's items keep their order, and ``item.source`` names the
+    source. The stream ends when every source has ended; a source whose producer dies
+    raises PeerLostError from the FanIn, and again on every later call.
 
     Args:
         endpoints: the producers' endpoints (at least one).
@@ -51,6 +55,9 @@ class FanIn:
         auto_release: release the previous item at the next iteration.
         **options: passed to every source's Consumer (device, wait, heartbeat, ...);
             ``curve`` may also be a list with one ``CurveKeys`` (or None) per endpoint.
+
+    Raises ConfigError for no endpoints, two endpoints of one producer, or as many
+    labels (or CURVE keys) as endpoints not given; a source's Consumer errors.
     """
 
     def __init__(
@@ -104,6 +111,7 @@ class FanIn:
     # ------------------------------------------------------------------ public API
     @property
     def sources(self) -> list[str]:
+        """The sources' labels, in the order of ``endpoints``."""
         return [c.source for c in self._consumers]
 
     @property
@@ -129,9 +137,9 @@ class FanIn:
         return item
 
     def aget(self, timeout: float | None = None) -> Coroutine[Any, Any, Item | None]:
-        """``get()`` for asyncio (``await fan.aget()``): the same result, timeout and
-        errors; the event loop runs other tasks while it waits on all the sources.
-        Cancellation-safe: a cancelled ``aget`` took nothing (the next ``aget``/``get``
+        """``get()`` for asyncio (``await fan.aget()``): the same result (None once every
+        source ended), ``timeout`` and errors; the event loop runs other tasks while it
+        waits on all the sources. Cancellation-safe: a cancelled ``aget`` took nothing (the next ``aget``/``get``
         returns what it waited for). With ``auto_release`` the items ``aget`` returned to
         the calling task are released when that task calls ``aget`` again, whichever task
         runs the call (``runtime.aio.CallerItems``)."""
@@ -153,7 +161,11 @@ class FanIn:
         return aio.AsyncItems(self._anext_item, None if t is None or math.isinf(t) else t, self.auto_release)
 
     def stats(self) -> dict[str, Any]:
-        """Totals over the sources, and each source's own ``stats()`` under ``sources``."""
+        """Totals over the sources, a new dict each call: ``role`` (``"fanin"``),
+        ``handoffs``, ``bytes``, ``elapsed_s`` (the longest-lived source's),
+        ``rate_per_s``, ``bytes_per_s``, ``waiting_s`` (``producer``: seconds blocked with
+        no item from any source), and ``sources``: each source's own
+        ``Consumer.stats()`` by label."""
         per = {c.source: c.stats() for c in self._consumers}
         handoffs = sum(s["handoffs"] for s in per.values())
         nbytes = sum(s["bytes"] for s in per.values())
@@ -170,15 +182,15 @@ class FanIn:
         }
 
     def close(self, timeout: float | None = None) -> None:
-        """Close every source. Idempotent."""
+        """Close every source: ``Consumer.close`` with ``timeout``. Idempotent."""
         self._closed = True
         for c in self._consumers:
             c.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """``close()`` for asyncio: every source's ``Consumer.aclose``, awaited without
-        blocking the event loop. Idempotent. Cancelled while it waits, every source
-        still closes (at once), then it re-raises."""
+        """``close()`` for asyncio: every source's ``Consumer.aclose`` with ``timeout``,
+        awaited without blocking the event loop. Idempotent. Cancelled while it waits,
+        every source still closes (at once), then it re-raises."""
         self._closed = True
         try:
             for c in self._consumers:
@@ -190,6 +202,7 @@ class FanIn:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` has been called."""
         return self._closed
 
     def __enter__(self) -> "FanIn":

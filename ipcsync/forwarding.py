@@ -60,13 +60,21 @@ def forward(
         for item in inp:
             ipcsync.forward(item, out, lambda t: {"x": t["x"]})
 
-    ``copy=None``: without a copy when that is safe (see the module docstring), else with
-    one. ``copy=False``: without a copy, or ConfigError saying why it is impossible.
-    ``copy=True``: always copy. Either way ``item`` counts as released afterwards: do not
-    use its tensors (a zero-copy item is released upstream once every downstream consumer
-    released it, and ``item.release()`` does nothing). ``stream`` (CUDA): the stream the
-    item's producer-side work is ordered on (default: ``out``'s stream, else current); the
-    work queued on it before the call is done before downstream consumers read the item.
+    ``select``: a function of ``item.tensors`` returning the message to send (a part of
+    it: views inside the item can go without a copy); None: all of it.
+    ``copy=None``: without a copy when that is safe (every selected tensor a view inside
+    the item, one backend, every consumer of ``out`` able to read the item's memory),
+    else with one. ``copy=False``: without a copy, or ConfigError saying why it is
+    impossible. ``copy=True``: always copy. Either way ``item`` counts as released
+    afterwards: do not use its tensors (a zero-copy item is released upstream once every
+    downstream consumer released it, and ``item.release()`` does nothing). ``timeout``:
+    as ``out.send()``'s (default: ``out``'s). ``stream`` (CUDA): the stream the item's
+    producer-side work is ordered on (default: ``out``'s stream, else current); the work
+    queued on it before the call is done before downstream consumers read the item.
+
+    Raises ConfigError for an ``item`` that is not a received Item, an ``out`` that is
+    not a Producer, or ``copy=False`` where a copy is needed; ClosedError for an item
+    already released; what ``out.send()`` raises.
     """
     if not isinstance(item, Item):
         raise ConfigError(f"forward() takes a received ipcsync.Item, got {type(item).__name__}")

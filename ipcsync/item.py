@@ -28,7 +28,13 @@ class SlotWriter:
     """What ``Producer.slot()`` yields: the slot's tensors by name, to fill in place, and
     ``meta`` to send with them. Once the block exits the slot is sent (or given back):
     ``tensors`` is then None and ``writer[name]`` raises ClosedError, so a leftover
-    reference can neither write into an item in flight nor keep the arena alive."""
+    reference can neither write into an item in flight nor keep the arena alive.
+
+    Attributes:
+        tensors: the slot's tensors by field name (None once the block exited).
+        meta: what is sent as the item's meta (the ``meta=`` given to ``slot()``;
+            settable until the block exits).
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
         self.tensors: dict[str, torch.Tensor] | None = tensors
@@ -40,6 +46,7 @@ class SlotWriter:
         return self.tensors[name]
 
     def keys(self) -> KeysView[str]:
+        """The field names (none once the block exited)."""
         return self.tensors.keys() if self.tensors is not None else {}.keys()
 
 
@@ -120,21 +127,37 @@ class AsyncSlotEntry:
 
 
 class Item:
-    """One received message: ``tensors`` (the nested structure the producer sent, as views
-    of its slot), ``meta``, ``seq`` (the producer's sequence number), ``source`` (which
-    producer sent it: its endpoint, or the label a FanIn gave it). ``item["x"]`` indexes
-    ``tensors``. ``origin``: the receiving side's ``ForwardOrigin`` (what
-    ``ipcsync.forward`` hands the item over through; ``origin.stream`` is the stream the
-    item's ready-event wait went on, None: the current one).
+    """One received message, made by the consumer (not by user code). ``item["x"]``
+    indexes ``tensors``.
 
-    ``release()`` says "I am done": ``item[key]`` then raises ClosedError and ``tensors``
-    is None. The slot goes back to the producer only once no tensor of the program views
-    it any more (the reference rule): a view kept past release() keeps the slot, so keep
-    clones of what you keep, or the ring stalls (reported at once, naming the items).
-    ``store``: the slot's own storage (``backends.refs.SlotStore``) whose use count tells
-    (not asked when the consumer was made with ``keep_refs_check=False``); ``extent``:
-    the bytes from the slot's start that the item's tensors reach (what is copied if the
-    item's kept views are moved out of the ring).
+    ``release()`` says "I am done": ``item[key]`` then raises ClosedError. The slot goes
+    back to the producer only once no tensor of the program views it any more (the
+    reference rule): a view kept past release() keeps the slot until the ring would
+    stall, then the item's bytes are copied out of the slot for it (a warning says once
+    that ``clone()`` avoids the copy); keep clones of what you keep. ``with item:``
+    releases it at the end of the block.
+
+    Attributes:
+        tensors: the nested dict/list/tuple of tensors the producer sent, as views of
+            its slot (read-only memory on the CPU backend: clone() before an in-place op).
+        meta: the meta the producer sent with it.
+        seq: the producer's sequence number of the item (from 0, per producer).
+        slot: the index of the producer's slot that holds it.
+        gen: the slot's generation when the item was written into it (how a release
+            names exactly this use of the slot).
+        nbytes: the bytes of its tensors.
+        released: True once ``release()`` was called (or ``forward()`` handed it on).
+        source: which producer sent it: its endpoint as given, or the label a FanIn or
+            ``ipcsync.stage.input()`` gave it (the upstream stage's name).
+        origin: the receiving side (what ``release()`` and ``ipcsync.forward`` go
+            through); ``origin.stream`` is the stream the item's ready-event wait went
+            on (None: the current one).
+        store: the slot's own storage (``backends.refs.SlotStore``), whose use count says
+            whether a tensor still views the slot; None when the consumer was made with
+            ``keep_refs_check=False``.
+        sums: with ``verify=True``, the item's checksum when received (else None).
+        extent: the bytes from the slot's start that the item's tensors reach (what is
+            copied if kept views are moved out of the ring).
     """
 
     __slots__ = ("tensors", "meta", "seq", "slot", "gen", "nbytes", "released", "source", "origin", "store",

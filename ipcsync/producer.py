@@ -52,6 +52,11 @@ class Producer:
             without them is refused unless ``insecure=True``. ipc endpoints need neither:
             only the same user can connect (file modes and the kernel's peer credentials).
         insecure: accept a plain tcp:// control channel (one interface only, never ``*``).
+        limits: caps on every frame received from consumers (``ipcsync.Limits``); a frame
+            over one is refused as a ``ProtocolError``.
+
+    Raises ConfigError for a bad option or endpoint, or an endpoint a live producer
+    already bound; BackendError when the slots' memory cannot be made.
 
     ``port`` is the runtime endpoint that owns the producer's state
     (``runtime.port.ProducerPort``; other parts of ipcsync use it), not user API.
@@ -86,22 +91,27 @@ class Producer:
 
     @property
     def slots(self) -> int:
+        """Number of slots in the ring."""
         return self.port.slots
 
     @property
     def slot_bytes(self) -> int:
+        """Capacity of one slot, in bytes."""
         return self.port.slot_bytes
 
     @property
     def device(self) -> torch.device:
+        """Where the slots live (``cpu`` or ``cuda:N``)."""
         return self.port.device
 
     @property
     def policy(self) -> str:
+        """``"shard"`` or ``"broadcast"``."""
         return self.port.policy
 
     @property
     def wait_mode(self) -> str:
+        """``"host"`` or ``"gpu"``: how a slot's release events are waited on (``wait=``)."""
         return self.port.wait_mode
 
     @property
@@ -111,7 +121,9 @@ class Producer:
 
     # ------------------------------------------------------------------ public API
     def send(self, message: Any, meta: Any = None, *, timeout: float | None = None, stream: Any = None) -> int:
-        """Copy ``message`` into a free slot and hand it to a consumer. Returns its seq.
+        """Copy ``message`` (a nested dict/list/tuple of tensors) into a free slot and hand
+        it, with ``meta`` (msgpack-able: None, bool, int, float, str, bytes, lists and dicts
+        of them), to a consumer. Returns its seq.
 
         Blocks while every slot is in use (backpressure: nothing is dropped or
         overwritten), up to ``timeout`` (default: the producer's). On CUDA the copy and the
@@ -133,10 +145,14 @@ class Producer:
         """Zero-copy send: reserve a slot, yield its tensors to write in place, send on exit.
 
         ``with out.slot(x=((64, 3, 224, 224), torch.uint8)) as s: s["x"].copy_(src)``.
-        Fields are ``name=(shape, dtype)`` (or a ``fields`` mapping); the tensors are
-        contiguous. Set ``s.meta`` to change the meta. If the block raises, nothing is sent
-        and the slot is given back; so too if close() began (in another thread) while the
-        block ran, and its exit raises ClosedError.
+        Fields are ``name=(shape, dtype)`` (``**named_fields``, or a ``fields`` mapping);
+        the tensors are contiguous. ``meta`` is sent with them (set ``s.meta`` to change
+        it). Entering waits up to ``timeout`` (default: the producer's) for a free slot,
+        as ``send()`` does; on CUDA the ready event is recorded on ``stream`` (default:
+        current) at exit. If the block raises, nothing is sent and the slot is given back;
+        so too if close() began (in another thread) while the block ran, and its exit
+        raises ClosedError. A tensor of the block still referenced at exit is not sent
+        (``SlotKeptError``).
         """
         spec = {**fields, **named_fields} if fields else named_fields
         return SlotEntry(self.port, spec, meta, timeout, stream)
@@ -144,8 +160,9 @@ class Producer:
     # ------------------------------------------------------------------ asyncio
     async def asend(self, message: Any, meta: Any = None, *, timeout: float | None = None,
                     stream: Any = None) -> int:
-        """``send()`` for asyncio: the same copy, result, timeout and errors; while every
-        slot is in use it awaits a release without blocking the event loop.
+        """``send()`` for asyncio: the same parameters (``message``, ``meta``, ``timeout``,
+        ``stream``), copy, result and errors; while every slot is in use it awaits a release
+        without blocking the event loop.
 
         Cancellation-safe: the only wait is before a slot is reserved, and the copy and
         publish then run without awaiting. So a cancelled ``asend`` sent nothing (the
@@ -165,8 +182,9 @@ class Producer:
         stream: Any = None,
         **named_fields: tuple[Sequence[int], torch.dtype],
     ) -> AsyncSlotEntry:
-        """``slot()`` for asyncio: ``async with out.aslot(x=(shape, dtype)) as s: ...``.
-        Entering awaits a free slot without blocking the event loop; a cancelled entry
+        """``slot()`` for asyncio: ``async with out.aslot(x=(shape, dtype)) as s: ...``,
+        with ``slot()``'s parameters (``fields``, ``**named_fields``, ``meta``, ``timeout``,
+        ``stream``). Entering awaits a free slot without blocking the event loop; a cancelled entry
         reserved nothing. The block itself is ``slot()``'s: sent on a clean exit, the slot
         given back if it raises (a cancellation inside it included)."""
         spec = {**fields, **named_fields} if fields else named_fields
@@ -203,9 +221,27 @@ class Producer:
         return self.port.consumers
 
     def stats(self) -> dict[str, Any]:
-        """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
-        by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``)."""
+        """A snapshot of this producer's counters, a new dict each call:
+
+        - ``role``: ``"producer"``.
+        - ``handoffs``, ``bytes``: items sent (and their bytes) since the producer was made;
+          ``elapsed_s``: seconds since then; ``rate_per_s``, ``bytes_per_s``: those over it.
+        - ``latency_s``: send-to-release seconds of the latest 4096 items, ``p50``, ``p90``,
+          ``p99`` (None before the first release) and ``samples``.
+        - ``waiting_s``: seconds blocked, by cause: ``slot`` (every slot in use),
+          ``consumer`` (no consumer attached), ``release_event`` (a reused slot's release
+          events, CUDA). A cause appears once it was waited on.
+        - ``occupancy``: slots by state now: ``free``, ``writing`` (a ``slot()`` block or a
+          copy), ``queued`` (sent, for no consumer yet), ``in_flight`` (with consumers).
+        - ``consumers``: attached now; ``consumers_attached``: ever; ``consumers_lost``:
+          gone without goodbye; ``consumers_stalled``: silent now but alive;
+          ``consumers_stalled_total``: times one fell silent.
+        - ``bad_frames``: frames from consumers refused (malformed, out of order).
+        - ``forwarded``: items sent by ``ipcsync.forward`` without a copy;
+          ``forwarded_held``: of those, in this producer's slots now.
+        - ``layouts_inline``: notices to consumers that carried an item's full layout
+          (the first item of each layout to each consumer; later ones carry its id).
+        - ``lanes``: consumers whose frames travel on a lane now (``IPCSYNC_LANE``)."""
         return self.port.stats()
 
     def close(self, timeout: float | None = None, *, linger: float | None | Unset = UNSET) -> None:

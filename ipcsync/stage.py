@@ -57,7 +57,19 @@ _MAX_WIRING = 1 << 20
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Who this process is in the pipeline."""
+    """Who this process is in the pipeline (``info()``).
+
+    Attributes:
+        pipeline: the spec's ``name``.
+        stage: this stage's name.
+        replica: this process's replica index, 0 to ``replicas - 1``.
+        replicas: how many processes run this stage.
+        device: this replica's device (``"cpu"`` or ``"cuda:N"``), the spec's resolved.
+        run_id: the attempt's id (8 hex digits; a new one after each group restart).
+        restart: 0 on the first attempt, k after the k-th group restart.
+        inputs: the upstream stages' names (what ``input()`` takes).
+        outputs: the downstream stages' names (what ``output()`` takes).
+    """
 
     pipeline: str
     stage: str
@@ -65,9 +77,9 @@ class StageInfo:
     replicas: int
     device: str
     run_id: str
-    restart: int  # 0 on the first attempt, k after the k-th group restart
-    inputs: tuple[str, ...]  # upstream stage names
-    outputs: tuple[str, ...]  # downstream stage names
+    restart: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
 
 
 _lock = threading.Lock()
@@ -105,7 +117,9 @@ def _edge(w: dict[str, Any], direction: str, name: str) -> dict[str, Any]:
 
 def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the natural name
     """The items of upstream stage ``name``: a Consumer if it has one replica, else a FanIn
-    over all of them. ``options`` override the edge's (wait, timeout, idle_timeout, ...)."""
+    over all of them. ``options`` override the edge's (wait, timeout, idle_timeout, ...).
+    ConfigError outside ipcsync-run or for a stage this one has no input from;
+    IpcTimeoutError when a producer does not appear within the edge's timeout."""
     w = _wiring(f"ipcsync.stage.input({name!r})")
     edge = _edge(w, "inputs", name)
     # The edge's timeout bounds the handshake (stages wait for each other to appear);
@@ -130,8 +144,11 @@ def input(name: str, **options: Any) -> Consumer | FanIn:  # noqa: A001 - the na
 def output(name: str, *, wait_for_consumers: bool | None = None, **options: Any) -> Producer:
     """This replica's producer towards stage ``name``. Waits (up to the edge's timeout)
     until every replica of ``name`` is attached, except on a reply edge (a wait there
-    could deadlock against the stage it answers) or with ``wait_for_consumers=False``.
-    ``options`` override the edge's (slots, slot_bytes, policy, timeout, ...)."""
+    could deadlock against the stage it answers) or with ``wait_for_consumers=False``
+    (``True``: wait on a reply edge too). ``options`` override the edge's (slots,
+    slot_bytes, policy, timeout, ...). ConfigError outside ipcsync-run or for a stage
+    this one has no output to; IpcTimeoutError when the consumers do not all attach in
+    time."""
     w = _wiring(f"ipcsync.stage.output({name!r})")
     edge = _edge(w, "outputs", name)
     kw: dict[str, Any] = {

@@ -111,6 +111,16 @@ class IpcEvent(Event):
     stream crashes the process). ``wait()`` makes a stream wait on the GPU (no host block);
     ``synchronize()`` polls ``query()`` with a timeout, so a peer that died mid-record
     cannot wedge the host.
+
+    Args:
+        device: the CUDA device (default: the current one); ConfigError for a non-CUDA one.
+        enable_timing: must be False: CUDA cannot time an interprocess event (ConfigError).
+        blocking: ``synchronize`` on the underlying event blocks the host instead of
+            spinning (``torch.cuda.Event(blocking=)``).
+
+    Attributes:
+        event: the underlying ``torch.cuda.Event`` (interprocess).
+        device_index: the index of its CUDA device.
     """
 
     __slots__ = ("event", "device_index", "_handle")
@@ -130,6 +140,7 @@ class IpcEvent(Event):
         self.event = _event
 
     def record(self, stream: Any = None) -> None:
+        """Record the event on ``stream`` (default: the device's current stream)."""
         s = current_stream(self.device_index) if stream is None else stream
         if _EVENT_RECORD is not None and type(s) is _STREAM:
             _EVENT_RECORD(self.event, s)  # the binding, without torch's Python wrapper
@@ -137,6 +148,8 @@ class IpcEvent(Event):
         self.event.record(s)
 
     def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the device's current stream) wait for the event, on
+        the GPU: the host does not block."""
         s = current_stream(self.device_index) if stream is None else stream
         if _EVENT_WAIT is not None and type(s) is _STREAM:
             _EVENT_WAIT(self.event, s)
@@ -144,11 +157,14 @@ class IpcEvent(Event):
         self.event.wait(s)
 
     def query(self) -> bool:
+        """True once the work recorded before the event is complete (never blocks)."""
         if _EVENT_QUERY is not None:
             return bool(_EVENT_QUERY(self.event))
         return bool(self.event.query())
 
     def bound_record(self) -> Callable[[Any], None]:
+        """``record`` bound to this event, taking a ``torch.cuda.Stream`` (ipcsync's hot
+        path: no Python wrapper per call)."""
         # The binding takes any torch.cuda.Stream (torch's own record() passes the stream
         # on to it after replacing None, which a bound caller never passes).
         if _EVENT_RECORD is None:  # pragma: no cover - CPU builds of torch
@@ -156,17 +172,22 @@ class IpcEvent(Event):
         return functools.partial(_EVENT_RECORD, self.event)
 
     def bound_query(self) -> Callable[[], bool]:
+        """``query`` bound to this event (ipcsync's hot path)."""
         if _EVENT_QUERY is None:  # pragma: no cover - CPU builds of torch
             return self.query
         return functools.partial(_EVENT_QUERY, self.event)  # (the binding returns a bool)
 
     def native_handle(self) -> tuple[int, int] | None:
+        """``(cudaEvent_t as an int, device index)``, for the compiled copy-and-record; None
+        before the event's first record or ``handle()``."""
         # torch creates the cudaEvent_t at the event's first record or ipc_handle(): 0 before.
         raw = int(getattr(self.event, "cuda_event", 0) or 0)
         return (raw, self.device_index) if raw else None
 
     @wait_point
     def synchronize(self, timeout: float | None = None) -> None:
+        """Block the host until the event is complete, polling ``query()``; IpcTimeoutError
+        after ``timeout`` seconds (None: no limit), e.g. when its recorder died mid-record."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 1e-5
         while not self.event.query():
@@ -179,6 +200,8 @@ class IpcEvent(Event):
             delay = min(delay * 2, 1e-3)
 
     def handle(self) -> bytes:
+        """The event's CUDA IPC handle (bytes), which another process of this host opens
+        with ``from_handle``."""
         if self._handle is None:
             with torch.cuda.device(self.device_index):
                 self._handle = bytes(self.event.ipc_handle())
@@ -187,6 +210,9 @@ class IpcEvent(Event):
 
     @classmethod
     def from_handle(cls, handle: bytes, device: DeviceLike = None) -> "IpcEvent":
+        """Open a peer's event from its ``handle()`` on ``device`` (default: the current
+        one): the GPU whose streams will wait on it. BackendError for bytes that are not
+        a handle CUDA can open."""
         if type(handle) is not bytes or len(handle) > 256:
             raise BackendError(f"not a CUDA IPC event handle: {handle!r:.60}")
         index = _device_index(device)
@@ -501,8 +527,9 @@ _IMPORTS: dict[tuple[bytes, int], Any] = {}
 
 
 def export_tensor(t: torch.Tensor) -> bytes:
-    """A msgpack reference to a CUDA tensor that ``import_tensor`` opens in another process
-    of this host, without a copy. The producer must keep ``t`` alive while importers use it.
+    """A msgpack reference to the CUDA tensor ``t`` that ``import_tensor`` opens in another
+    process of this host, without a copy. The exporting process must keep ``t`` alive
+    while importers use it. ConfigError for a tensor that is not on a CUDA device.
     """
     if not isinstance(t, torch.Tensor) or not t.is_cuda:
         raise ConfigError("export_tensor() takes a CUDA tensor; use Producer/Consumer for CPU tensors")
@@ -521,8 +548,11 @@ def export_tensor(t: torch.Tensor) -> bytes:
 
 
 def import_tensor(ref: bytes, device: DeviceLike = None) -> torch.Tensor:
-    """Open a tensor exported by ``export_tensor`` (another process). Each storage is
-    imported once per process and cached while any tensor uses it."""
+    """Open ``ref``, a tensor exported by ``export_tensor`` in another process of this host,
+    on ``device`` (default: the current CUDA device; it must be the tensor's GPU). Each
+    storage is imported once per process and cached while any tensor uses it. ConfigError
+    for bytes that are not a reference, a tensor of another GPU, or a reference made in
+    this process."""
     from ..core.layout import dtype_from_name, span_elements
 
     try:

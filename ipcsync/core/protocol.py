@@ -242,17 +242,27 @@ class LanePhase(str, Enum):
 
 @dataclass(frozen=True)
 class Limits:
-    """Hard caps applied to every received frame. A frame over any cap is refused."""
+    """Hard caps applied to every received frame (``Producer(limits=)``,
+    ``Consumer(limits=)``). A frame over any cap is refused as a ProtocolError.
 
-    max_frame: int = 1 << 20  # bytes in one frame
-    max_depth: int = 32  # nesting of arrays/maps (meta and layout trees)
-    # Entries in one array or map. msgpack pre-allocates a container when it reads its
-    # header, so this also bounds what a frame of nested headers can make it allocate.
+    Attributes:
+        max_frame: bytes in one frame (so also in one item's layout and meta).
+        max_depth: nesting of arrays and maps (meta and layout trees).
+        max_items: entries in one array or map (msgpack allocates a container when it
+            reads its header: this bounds what a frame of nested headers allocates).
+        max_tensors: tensors in one message.
+        max_slots: slots in one producer's ring.
+        max_release_batch: entries in one RELEASE frame.
+        max_foreign: arenas of other producers whose items one producer forwards at once.
+    """
+
+    max_frame: int = 1 << 20
+    max_depth: int = 32
     max_items: int = 4096
-    max_tensors: int = 4096  # tensors in one message
-    max_slots: int = 4096  # slots in one ring
-    max_release_batch: int = 4096  # entries in one RELEASE
-    max_foreign: int = 64  # foreign arena ids (FOREIGN.fid < this)
+    max_tensors: int = 4096
+    max_slots: int = 4096
+    max_release_batch: int = 4096
+    max_foreign: int = 64  # (FOREIGN.fid < this)
 
 
 DEFAULT_LIMITS: Final = Limits()
@@ -757,10 +767,8 @@ def check_outgoing(frame: bytes, meta: Any, layout_bytes: int, limits: Limits = 
     place of its ``None``. Cheap for a scalar meta: only the frame size is checked."""
     size = len(frame) + layout_bytes
     if size > limits.max_frame:
-        raise ProtocolError(
-            f"message description (layout + meta) is {size} bytes, over the frame limit of "
-            f"{limits.max_frame}"
-        )
+        raise ProtocolError(f"message description (layout + meta) is {size} bytes, over the frame limit of "
+                            f"{limits.max_frame}")
     if meta is None or type(meta) in _BOUNDED_META:
         return
     # The consumer's fast path first (it accepts only what decode accepts), then decode,
@@ -772,16 +780,8 @@ def check_outgoing(frame: bytes, meta: Any, layout_bytes: int, limits: Limits = 
 
 def _unpack(frame: bytes, limits: Limits) -> Any:
     return msgpack.unpackb(
-        frame,
-        raw=False,
-        use_list=True,
-        strict_map_key=True,
-        ext_hook=_reject_ext,
-        max_str_len=limits.max_frame,
-        max_bin_len=limits.max_frame,
-        max_array_len=limits.max_items,
-        max_map_len=limits.max_items,
-        max_ext_len=0,
+        frame, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext, max_str_len=limits.max_frame,
+        max_bin_len=limits.max_frame, max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0,
     )
 
 
@@ -913,9 +913,7 @@ def decode(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
             raise VersionMismatch(obj[1] if len(obj) > 1 else None)
     schema = SCHEMAS[cls]
     if len(obj) - 1 != len(schema):
-        raise ProtocolError(
-            f"{cls.__name__.upper()} has {len(obj) - 1} fields, expected {len(schema)}"
-        )
+        raise ProtocolError(f"{cls.__name__.upper()} has {len(obj) - 1} fields, expected {len(schema)}")
     values = []
     for name, check, value in zip(_FIELDS[cls], schema, obj[1:]):
         try:

@@ -116,31 +116,32 @@ def resolve_endpoint(name: str) -> Endpoint:
         raise ConfigError(f"endpoint {name!r}: only bare names, ipc:// and tcp:// are supported")
     else:
         if not _NAME_RE.fullmatch(name):
-            raise ConfigError(
-                f"endpoint name {name!r} must be 1-64 characters of letters, digits, '.', "
-                "'_' and '-', starting with a letter or digit"
-            )
+            raise ConfigError(f"endpoint name {name!r} must be 1-64 characters of letters, digits, '.', "
+                              "'_' and '-', starting with a letter or digit")
         path = os.path.join(runtime_dir(), name + ".sock")
     if len(path.encode()) > IPC_PATH_MAX:
-        raise ConfigError(
-            f"ipc socket path {path!r} is {len(path.encode())} bytes, over the OS limit of "
-            f"{IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR"
-        )
+        raise ConfigError(f"ipc socket path {path!r} is {len(path.encode())} bytes, over the OS limit of "
+                          f"{IPC_PATH_MAX}; use a shorter name or IPCSYNC_RUNTIME_DIR")
     return Endpoint(name, "ipc://" + path, path)
 
 
 @dataclass(frozen=True)
 class CurveKeys:
     """CURVE keys for a ``tcp://`` control channel (Z85 bytes, as ``zmq.curve_keypair()``
-    makes them). The producer needs its own pair; a consumer needs a pair of its own and
-    ``server``, the producer's public key, which it must get out of band. Everything on the
-    wire is encrypted. ``clients`` (the producer's): the public keys of the consumers
-    allowed to connect (``runtime.zap``); without it any client that knows the server's
-    public key can, so a producer whose public key is not a secret needs it.
+    makes them): everything on the wire is encrypted. The producer needs its own pair; a
+    consumer a pair of its own and ``server``, which it must get out of band.
 
         client = CurveKeys.generate()                                   # consumer side
         server = CurveKeys.generate(clients=[client.public])           # producer side
         client = CurveKeys(client.public, client.secret, server=server.public)
+
+    Attributes:
+        public: this side's public key.
+        secret: this side's secret key (never in ``repr``).
+        server: a consumer's: the producer's public key (None on the producer's side).
+        clients: a producer's: the public keys of the consumers allowed to connect
+            (``runtime.zap``); None: any client that knows the producer's public key,
+            so a producer whose public key is not a secret needs it.
     """
 
     public: bytes
@@ -159,6 +160,7 @@ class CurveKeys:
 
     @classmethod
     def generate(cls, server: bytes | None = None, clients: Iterable[bytes] | None = None) -> "CurveKeys":
+        """A new key pair, with ``server`` and ``clients`` (see the attributes)."""
         public, secret = zmq.curve_keypair()
         return cls(public, secret, server, None if clients is None else frozenset(clients))
 
@@ -181,11 +183,9 @@ def check_transport(endpoint: Endpoint, curve: CurveKeys | None, insecure: bool,
             raise ConfigError("a consumer's CurveKeys need server=<the producer's public key>")
         return
     if not insecure:
-        raise ConfigError(
-            f"{endpoint.url}: a tcp:// control channel needs CURVE keys (curve=ipcsync.CurveKeys."
-            "generate(...)); pass insecure=True to accept an unauthenticated, unencrypted channel "
-            "(anyone who can reach the port can then talk to this endpoint)"
-        )
+        raise ConfigError(f"{endpoint.url}: a tcp:// control channel needs CURVE keys (curve=ipcsync.CurveKeys."
+                          "generate(...)); pass insecure=True to accept an unauthenticated, unencrypted channel "
+                          "(anyone who can reach the port can then talk to this endpoint)")
     host = endpoint.url[len("tcp://"):].rsplit(":", 1)[0]
     if role == "producer" and host in ("*", "0.0.0.0", "[::]", "::", "[*]"):
         raise ConfigError(
