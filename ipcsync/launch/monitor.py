@@ -53,9 +53,10 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
+from .. import stage_contract as contract
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
 from ..runtime import files
-from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
+from ..runtime.telemetry import SNAPSHOT_VERSION
 from .reports import INCOMPLETE, MAX_REPORT, clean_report, read_incomplete
 
 __all__ = [
@@ -390,7 +391,7 @@ def merge_trace(traces: list[ProcessTrace], path: str, *, other: dict[str, Any] 
 def _incomplete(run_dir: str, cur: dict[tuple[str, Any], dict[str, Any]], final: bool) -> str | None:
     """Why this interval's figures are incomplete, or None: some stage's telemetry could
     not be written, or (at the end) some stage left no final snapshot."""
-    if read_incomplete(os.path.join(run_dir, "stats")):
+    if read_incomplete(os.path.join(run_dir, contract.STATS_DIR)):
         return INCOMPLETE
     if final and any(r.get("final") is not True for r in cur.values()):
         return "incomplete: some stages left no final report"
@@ -426,17 +427,16 @@ class Observer:
 
     def env(self, run_dir: str) -> dict[str, str]:
         """Variables for the attempt's stages; creates the directories they name."""
-        env: dict[str, str] = {}
+        telemetry_dir: str | None = None
+        trace_dir: str | None = None
         if self.telemetry:
-            d = os.path.join(run_dir, "telemetry")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            env[ENV_TELEMETRY] = d
-            env[ENV_INTERVAL] = str(max(0.05, min(self.interval / 2, 0.5)))
+            telemetry_dir = os.path.join(run_dir, contract.TELEMETRY_SUBDIR)
+            os.makedirs(telemetry_dir, mode=0o700, exist_ok=True)
         if self.trace_file:
-            d = os.path.join(run_dir, "trace")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            env[ENV_TRACE] = d
-        return env
+            trace_dir = os.path.join(run_dir, contract.TRACE_SUBDIR)
+            os.makedirs(trace_dir, mode=0o700, exist_ok=True)
+        return contract.observer_env(telemetry_dir=telemetry_dir, interval=max(0.05, min(self.interval / 2, 0.5)),
+                                     trace_dir=trace_dir)
 
     def tick(self, run_id: str, run_dir: str, order: Iterable[str]) -> None:
         """Every interval: read the snapshots, print and write what changed. Never raises."""
@@ -459,7 +459,7 @@ class Observer:
         if self.trace_file:
             try:
                 unread: list[str] = []
-                traces = read_traces(os.path.join(run_dir, "trace"), labels, self._trace_budget, unread)
+                traces = read_traces(os.path.join(run_dir, contract.TRACE_SUBDIR), labels, self._trace_budget, unread)
                 if unread:
                     self._say(f"trace: skipped trace files that cannot be read: {'; '.join(unread[:4])}"
                               + (f" and {len(unread) - 4} more" if len(unread) > 4 else ""))
@@ -471,7 +471,7 @@ class Observer:
                 dropped = sum(t.dropped for t in self._traces)
                 self._say(f"trace: {n} events from {len(self._traces)} processes written to {self.trace_file}"
                           + (f" ({dropped} events dropped: over the cap or not written)" if dropped else "")
-                          + (f" ({INCOMPLETE})" if read_incomplete(os.path.join(run_dir, "stats")) else ""))
+                          + (f" ({INCOMPLETE})" if read_incomplete(os.path.join(run_dir, contract.STATS_DIR)) else ""))
             except Exception as exc:
                 self._say(f"trace: not written ({type(exc).__name__}: {exc})")
 
@@ -482,7 +482,7 @@ class Observer:
 
     def _report(self, run_id: str, run_dir: str, order: list[str], final: bool) -> None:
         skipped: list[str] = []
-        cur = read_snapshots(os.path.join(run_dir, "telemetry"), skipped)
+        cur = read_snapshots(os.path.join(run_dir, contract.TELEMETRY_SUBDIR), skipped)
         if skipped and not self._skipped_said:
             self._skipped_said = True
             self._say(f"monitor: skipping stage telemetry that cannot be used: {skipped[0]}"

@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from ..runtime import files
-from .plan import INCOMPLETE_SUFFIX
+from ..stage_contract import INCOMPLETE_SUFFIX, failure_report_path
 
 __all__ = ["MAX_COUNT", "INCOMPLETE", "clean_report", "clean_reports", "read_incomplete", "incomplete_line",
            "read_stats", "failure_report", "MAX_REPORT"]
@@ -202,9 +202,8 @@ def failure_report(stats_path: Any) -> dict[str, Any] | None:
     type-checked, never anything else, and never a wait."""
     if not isinstance(stats_path, str):
         return None
-    path = (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
     try:
-        report = files.read_json(path, _MAX_FAILURE_REPORT)
+        report = files.read_json(failure_report_path(stats_path), _MAX_FAILURE_REPORT)
     except (OSError, ValueError):
         return None
     if not isinstance(report, dict) or not isinstance(report.get("consequence"), bool):

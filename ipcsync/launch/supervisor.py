@@ -52,7 +52,8 @@ from typing import IO, Any, Callable
 
 from ..errors import ConfigError
 from ..runtime import files, host
-from ..runtime.shm import ENV_RUN_ID, remove_run_segments
+from ..runtime.shm import remove_run_segments
+from ..stage_contract import RUN_ID, STATS_DIR
 from .plan import Instance, Plan, stage_environ
 from .reports import INCOMPLETE, clean_reports, failure_report, incomplete_line, read_incomplete, read_stats
 
@@ -251,7 +252,7 @@ class Supervisor:
         written."""
         run_id = secrets.token_hex(4)
         run_dir = os.path.join(self._base, f"run-{run_id}")
-        os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
+        os.makedirs(os.path.join(run_dir, STATS_DIR), mode=0o700)
         os.chmod(run_dir, 0o700)
         owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
         try:
@@ -376,7 +377,7 @@ class Supervisor:
             # Interrupted while stopping a failed attempt: no restart; the failure stays
             # the root cause and sets the exit code.
             a.interrupted = self._signal
-        stats_dir = os.path.join(a.run_dir, "stats")
+        stats_dir = os.path.join(a.run_dir, STATS_DIR)
         unwritten = read_incomplete(stats_dir)
         if unwritten:
             self._say(incomplete_line(unwritten))  # once: before any figure it concerns
@@ -772,7 +773,7 @@ def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
             continue
         if host.process_alive(pid, started):  # the group id cannot have been reused
             groups.add(pgid)
-    needle = f"{ENV_RUN_ID}={run_id}".encode()
+    needle = f"{RUN_ID.name}={run_id}".encode()
     return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
 
 
