@@ -14,6 +14,7 @@ import torch
 from . import limits
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
+from .core.stats_types import ConsumerStats
 from .item import Item
 from .runtime import aio
 from .runtime.channel import CurveKeys, Endpoint
@@ -176,11 +177,13 @@ class Consumer:
         ``idle_timeout`` applies)."""
         return self._endpoint.aiter()
 
-    def stats(self) -> dict[str, Any]:
-        """Handoffs, bytes, rate, producer-send-to-receive latency percentiles, time spent
-        waiting by cause, items held and buffered, items released but still viewed by the
-        program's tensors (``kept``: their slots are not given back yet), whether frames
-        travel on a lane (``lane``)."""
+    def stats(self) -> ConsumerStats:
+        """A frozen snapshot (``ConsumerStats``): handoffs, bytes, rate,
+        producer-send-to-receive latency percentiles, time spent waiting by cause, items
+        held and buffered, items released but still viewed by the program's tensors
+        (``kept``: their slots are not given back yet), whether frames travel on a lane
+        (``lane``). Read it by attribute (``stats().handoffs``) or as a read-only mapping
+        (``stats()["handoffs"]``); ``as_dict()`` for JSON."""
         return self._endpoint.stats()
 
     @property

@@ -14,6 +14,7 @@ import torch
 
 from . import limits
 from .core import protocol as P
+from .core.stats_types import ProducerStats
 from .item import AsyncSlotEntry, SlotWriter, SlotEntry
 from .runtime.channel import CurveKeys, Endpoint
 from .runtime.closing import DEFAULT_LINGER, Linger
@@ -202,10 +203,12 @@ class Producer:
         """Number of consumers attached now."""
         return self.port.consumers
 
-    def stats(self) -> dict[str, Any]:
-        """Handoffs, bytes, rate, send-to-release latency percentiles, time spent waiting
-        by cause, slot occupancy, consumers (attached now, ever, lost, stalled now: silent
-        but alive), rejected frames, consumers on a lane now (``lanes``)."""
+    def stats(self) -> ProducerStats:
+        """A frozen snapshot (``ProducerStats``): handoffs, bytes, rate, send-to-release
+        latency percentiles, time spent waiting by cause, slot occupancy, consumers
+        (attached now, ever, lost, stalled now: silent but alive), rejected frames,
+        consumers on a lane now (``lanes``). Read it by attribute (``stats().handoffs``) or
+        as a read-only mapping (``stats()["handoffs"]``); ``as_dict()`` for JSON."""
         return self.port.stats()
 
     def close(self, timeout: float | None = None, *, linger: float | None | Unset = UNSET) -> None:

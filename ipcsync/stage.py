@@ -273,15 +273,16 @@ def _track(direction: str, peer: str, ep: Any) -> None:
 
 def _report() -> dict[str, Any]:
     """This process's per-edge stats: ``{"stage", "replica", "inputs": {upstream stage:
-    stats()}, "outputs": {downstream stage: stats()}}``, each stats with ``closed``: whether
-    this end of the edge is closed (its stream finished here)."""
+    stats()}, "outputs": {downstream stage: stats()}}``, each stats (``as_dict()``: plain
+    JSON) with ``closed``: whether this end of the edge is closed (its stream finished
+    here)."""
     w = _wiring_cache or {}
     report: dict[str, Any] = {"stage": w.get("stage"), "replica": w.get("replica"), "inputs": {}, "outputs": {}}
     with _lock:
         made = list(_made)
     for direction, peer, ep in made:
         try:
-            report[direction][peer] = {**ep.stats(), "closed": ep.closed}
+            report[direction][peer] = {**ep.stats().as_dict(), "closed": ep.closed}
         except Exception:
             continue
     return report
