@@ -55,7 +55,7 @@ from ..runtime import files, host
 from ..runtime.shm import remove_run_segments
 from ..stage_contract import RUN_ID, STATS_DIR
 from .plan import Instance, Plan, stage_environ
-from .reports import INCOMPLETE, failure_report, incomplete_line, read_incomplete, read_stats
+from .reports import failure_report, incomplete_line, read_incomplete, read_stats
 from .summary import summarize
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
