@@ -32,9 +32,9 @@ def main() -> None:
                 print(f"consumer: step {step + 1}", flush=True)
             # item.release() is implicit at the next iteration
         stats = inp.stats()
-    lat = stats["latency_s"]
-    print(f"consumer: {stats['handoffs']} batches, {stats['bytes'] / 2**20:.1f} MiB, "
-          f"{stats['rate_per_s']:.0f}/s, latency p50 {lat['p50'] * 1e3:.2f} ms p99 {lat['p99'] * 1e3:.2f} ms, "
+    lat = stats.latency_s
+    print(f"consumer: {stats.handoffs} batches, {stats.bytes / 2**20:.1f} MiB, "
+          f"{stats.rate_per_s:.0f}/s, latency p50 {(lat.p50 or 0) * 1e3:.2f} ms p99 {(lat.p99 or 0) * 1e3:.2f} ms, "
           f"contents checked", flush=True)
 
 

@@ -36,8 +36,8 @@ def main() -> None:
                 s["images"].fill_(step % 256)  # stands for decoding/augmenting a real batch
                 s["labels"].fill_(step % 10)
         stats = out.stats()
-        print(f"producer: sent {stats['handoffs']} batches in {time.monotonic() - t0:.2f} s "
-              f"({stats['rate_per_s']:.0f}/s), waited {stats['waiting_s']}", flush=True)
+        print(f"producer: sent {stats.handoffs} batches in {time.monotonic() - t0:.2f} s "
+              f"({stats.rate_per_s:.0f}/s), waited {dict(stats.waiting_s)}", flush=True)
 
 
 if __name__ == "__main__":

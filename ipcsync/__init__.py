@@ -42,12 +42,15 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __geta
     from .forwarding import forward
     from .producer import Producer
     from .core.protocol import PROTOCOL_VERSION, Limits
+    from .core.stats_types import ConsumerStats, FanInStats, Latency, Occupancy, ProducerStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     # endpoints and what they hand out
     "Producer", "Consumer", "Item", "FanIn", "forward", "CurveKeys", "SlotWriter",
+    # what their stats() return
+    "ProducerStats", "ConsumerStats", "FanInStats", "Latency", "Occupancy",
     # the low-level layer
     "IpcEvent", "export_tensor", "import_tensor",
     # the one exception tree (ipcsync.errors)
@@ -71,6 +74,11 @@ _LAZY = {
     "SlotWriter": ".item",
     "PROTOCOL_VERSION": ".core.protocol",
     "Limits": ".core.protocol",
+    "ProducerStats": ".core.stats_types",
+    "ConsumerStats": ".core.stats_types",
+    "FanInStats": ".core.stats_types",
+    "Latency": ".core.stats_types",
+    "Occupancy": ".core.stats_types",
 }
 
 

@@ -14,6 +14,7 @@ import torch
 from . import limits
 from .core import protocol as P
 from .core.consumer_session import ConsumerSession
+from .core.stats_types import ConsumerStats
 from .item import Item
 from .runtime import aio
 from .runtime.channel import CurveKeys, Endpoint
@@ -184,8 +185,9 @@ class Consumer:
         ``idle_timeout`` applies)."""
         return self._endpoint.aiter()
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot of this consumer's counters, a new dict each call:
+    def stats(self) -> ConsumerStats:
+        """A frozen snapshot (``ConsumerStats``), read by attribute (``stats().handoffs``)
+        or as a read-only mapping (``stats()["handoffs"]``); ``as_dict()`` for JSON:
 
         - ``role``: ``"consumer"``.
         - ``handoffs``, ``bytes``: items received (and their bytes) since the consumer was

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, Sequence
 
 from . import __version__
+from .envopts import CUDA_VMM, RUNTIME_DIR
+from .errors import ConfigError
 from .limits import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, IPC_PATH_MAX
 from .runtime.paths import FALLBACK_SUFFIX, runtime_dir_choice
 
@@ -259,7 +261,7 @@ def check_runtime_dir() -> list[Check]:
     path, why = runtime_dir_choice()
     name = "runtime dir"
     problem, mode_only = _dir_problem(path)
-    explicit = why == "IPCSYNC_RUNTIME_DIR"
+    explicit = why == RUNTIME_DIR.name
     used = path
     checks: list[Check] = []
     if problem is None:
@@ -528,14 +530,18 @@ def check_sharing() -> Check:
 
     from .backends.cuda import CudaBackend
 
-    problem = CudaBackend(torch.device("cuda", torch.cuda.current_device())).descriptor_problem()
+    try:
+        wanted = CUDA_VMM.get()
+        problem = CudaBackend(torch.device("cuda", torch.cuda.current_device())).descriptor_problem()
+    except ConfigError as exc:
+        return Check(FAIL, "cuda sharing", str(exc), f"set {CUDA_VMM.name} to 0 or 1, or unset it")
     if problem is None:
         return Check(PASS, "cuda sharing", "by descriptor: arenas no process's death frees under another, "
                      "ordered by flags, received items mapped read-only")
     what = (f"by name (CUDA IPC, interprocess events): sharing by descriptor is {problem}; received items are "
             "writable (verify=True catches a write) and a GPU-side wait on a peer that dies mid-record can "
             "wedge a stream")
-    if os.environ.get("IPCSYNC_CUDA_VMM", "0") != "1":
+    if not wanted:
         return Check(PASS, "cuda sharing", what)
     return Check(WARN, "cuda sharing", what, "sharing by descriptor needs CUDA's virtual memory API with POSIX-fd "
                  "handles, host memory registration and stream memory operations (Linux, CUDA 11.7 or newer)")

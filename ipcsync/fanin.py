@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, Coroutine, Iterator, Sequence
 
 from . import limits
+from .core.stats_types import FanInStats, frozen_map
 from .runtime import aio
 from .runtime.endpoint import UNSET, check_timeout
 from .runtime.channel import resolve_endpoint
@@ -160,26 +161,20 @@ class FanIn:
         t = self._idle_timeout
         return aio.AsyncItems(self._anext_item, None if t is None or math.isinf(t) else t, self.auto_release)
 
-    def stats(self) -> dict[str, Any]:
-        """Totals over the sources, a new dict each call: ``role`` (``"fanin"``),
-        ``handoffs``, ``bytes``, ``elapsed_s`` (the longest-lived source's),
+    def stats(self) -> FanInStats:
+        """A frozen snapshot (``FanInStats``) of the totals over the sources, read by
+        attribute or as a read-only mapping (``as_dict()`` for JSON): ``role``
+        (``"fanin"``), ``handoffs``, ``bytes``, ``elapsed_s`` (the longest-lived source's),
         ``rate_per_s``, ``bytes_per_s``, ``waiting_s`` (``producer``: seconds blocked with
         no item from any source), and ``sources``: each source's own
         ``Consumer.stats()`` by label."""
         per = {c.source: c.stats() for c in self._consumers}
-        handoffs = sum(s["handoffs"] for s in per.values())
-        nbytes = sum(s["bytes"] for s in per.values())
-        elapsed = max((s["elapsed_s"] for s in per.values()), default=1e-9)
-        return {
-            "role": "fanin",
-            "handoffs": handoffs,
-            "bytes": nbytes,
-            "elapsed_s": elapsed,
-            "rate_per_s": handoffs / elapsed,
-            "bytes_per_s": nbytes / elapsed,
-            "waiting_s": {"producer": self._waited},  # for items, from any source
-            "sources": per,
-        }
+        handoffs = sum(s.handoffs for s in per.values())
+        nbytes = sum(s.bytes for s in per.values())
+        elapsed = max((s.elapsed_s for s in per.values()), default=1e-9)
+        return FanInStats(handoffs=handoffs, bytes=nbytes, elapsed_s=elapsed, rate_per_s=handoffs / elapsed,
+                          bytes_per_s=nbytes / elapsed, waiting_s=frozen_map({"producer": self._waited}),
+                          role="fanin", sources=frozen_map(per))
 
     def close(self, timeout: float | None = None) -> None:
         """Close every source: ``Consumer.close`` with ``timeout``. Idempotent."""

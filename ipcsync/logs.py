@@ -25,11 +25,12 @@ import os
 import sys
 from typing import Mapping
 
+from .envopts import LOG_LEVEL
 from .errors import ConfigError
 
 __all__ = ["LOG_LEVEL_ENV", "LEVELS", "parse_level", "apply_env_level", "CliLogging"]
 
-LOG_LEVEL_ENV = "IPCSYNC_LOG_LEVEL"
+LOG_LEVEL_ENV = LOG_LEVEL.name
 LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMAT = "%(levelname)s %(name)s[%(process)d]: %(message)s"
 
@@ -72,7 +73,7 @@ def apply_env_level(environ: Mapping[str, str] | None = None) -> bool:
     if _applied:
         return False
     _applied = True
-    text = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV)
+    text = LOG_LEVEL.get(environ)
     if not text or user_configured():
         return False
     try:

@@ -25,6 +25,7 @@ import subprocess
 import time
 
 from .errors import ConfigError
+from .stage_contract import MPS_CONTROL, MPS_PIPE
 
 __all__ = [
     "CONTROL", "ENV_PIPE", "ENV_CONTROL", "PIPE_ENV", "LOG_ENV", "ATTACH_TIMEOUT",
@@ -33,9 +34,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONTROL = "nvidia-cuda-mps-control"  # the MPS control program (daemon with -d, else a client of it)
-ENV_PIPE = "IPCSYNC_MPS_PIPE"  # set by ipcsync-run: this process must be a client of the daemon there
-ENV_CONTROL = "IPCSYNC_MPS_CONTROL"  # set by ipcsync-run: the control program it started the daemon with
+CONTROL = MPS_CONTROL.default  # the MPS control program (daemon with -d, else a client of it)
+ENV_PIPE = MPS_PIPE.name  # set by ipcsync-run: this process must be a client of the daemon there
+ENV_CONTROL = MPS_CONTROL.name  # set by ipcsync-run: the control program it started the daemon with
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"  # where the CUDA driver looks for the daemon
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 ATTACH_TIMEOUT = 5.0  # seconds for this process to show in the daemon's client list
@@ -85,11 +86,11 @@ def check_attached(timeout: float = ATTACH_TIMEOUT) -> None:
     starts, after its first allocation on the device): the driver connects to the daemon
     when it creates the context. Checked once per process; a no-op outside such a run."""
     global _attached_pid
-    pipe = os.environ.get(ENV_PIPE)
+    pipe = MPS_PIPE.get()
     pid = os.getpid()
     if not pipe or _attached_pid == pid:
         return
-    control = os.environ.get(ENV_CONTROL) or CONTROL
+    control = MPS_CONTROL.get()
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -14,6 +14,7 @@ import torch
 
 from . import limits
 from .core import protocol as P
+from .core.stats_types import ProducerStats
 from .item import AsyncSlotEntry, SlotWriter, SlotEntry
 from .runtime.channel import CurveKeys, Endpoint
 from .runtime.closing import DEFAULT_LINGER, Linger
@@ -220,8 +221,9 @@ class Producer:
         """Number of consumers attached now."""
         return self.port.consumers
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot of this producer's counters, a new dict each call:
+    def stats(self) -> ProducerStats:
+        """A frozen snapshot (``ProducerStats``), read by attribute (``stats().handoffs``)
+        or as a read-only mapping (``stats()["handoffs"]``); ``as_dict()`` for JSON:
 
         - ``role``: ``"producer"``.
         - ``handoffs``, ``bytes``: items sent (and their bytes) since the producer was made;

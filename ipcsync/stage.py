@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import sys
 import threading
 import time
@@ -46,9 +45,9 @@ from typing import Any
 from .consumer import Consumer
 from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
-from .launch.plan import ENV_WIRING, INCOMPLETE_SUFFIX, WIRING_VERSION
 from .producer import Producer
 from .runtime import files, telemetry
+from .stage_contract import WIRING, WIRING_VERSION, failure_report_path, incomplete_marker_path
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
 
@@ -89,7 +88,7 @@ _made: list[tuple[str, str, Any]] = []  # (direction, peer stage, endpoint) for 
 
 def under_launcher() -> bool:
     """True when this process was started by ipcsync-run."""
-    return bool(os.environ.get(ENV_WIRING))
+    return WIRING.is_set()
 
 
 def info() -> StageInfo:
@@ -205,19 +204,19 @@ def _wiring(what: str) -> dict[str, Any]:
     with _lock:
         if _wiring_cache is not None:
             return _wiring_cache
-        raw = os.environ.get(ENV_WIRING)
+        raw = WIRING.get()
         if not raw:
             raise ConfigError(
                 f"{what} works in a process started by ipcsync-run, which passes the wiring in "
-                f"${ENV_WIRING}; outside it, pass endpoints by hand: ipcsync.Producer('name') in "
+                f"${WIRING.name}; outside it, pass endpoints by hand: ipcsync.Producer('name') in "
                 "one process and ipcsync.Consumer('name') in the other (or ipc:///path, tcp://host:port)"
             )
         if len(raw) > _MAX_WIRING:
-            raise ConfigError(f"${ENV_WIRING} is {len(raw)} bytes, over {_MAX_WIRING}")
+            raise ConfigError(f"${WIRING.name} is {len(raw)} bytes, over {_MAX_WIRING}")
         try:
             w: dict[str, Any] = json.loads(raw)  # (what it is, _check_wiring checks first)
         except (ValueError, RecursionError) as exc:
-            raise ConfigError(f"${ENV_WIRING} is not valid wiring JSON: {str(exc)[:200]}") from None
+            raise ConfigError(f"${WIRING.name} is not valid wiring JSON: {str(exc)[:200]}") from None
         _check_wiring(w)
         _wiring_cache = w
         _report_failures(w["stats_path"])
@@ -229,7 +228,7 @@ def _check_wiring(w: Any) -> None:
     """ConfigError unless ``w`` is wiring this ipcsync can use (types checked exactly:
     JSON true is not an integer here)."""
     def bad(what: str) -> ConfigError:
-        return ConfigError(f"${ENV_WIRING}: {what}; run the stage under ipcsync-run of the same ipcsync")
+        return ConfigError(f"${WIRING.name}: {what}; run the stage under ipcsync-run of the same ipcsync")
 
     if type(w) is not dict:
         raise bad("not valid wiring JSON (not an object)")
@@ -291,15 +290,16 @@ def _track(direction: str, peer: str, ep: Any) -> None:
 
 def _report() -> dict[str, Any]:
     """This process's per-edge stats: ``{"stage", "replica", "inputs": {upstream stage:
-    stats()}, "outputs": {downstream stage: stats()}}``, each stats with ``closed``: whether
-    this end of the edge is closed (its stream finished here)."""
+    stats()}, "outputs": {downstream stage: stats()}}``, each stats (``as_dict()``: plain
+    JSON) with ``closed``: whether this end of the edge is closed (its stream finished
+    here)."""
     w = _wiring_cache or {}
     report: dict[str, Any] = {"stage": w.get("stage"), "replica": w.get("replica"), "inputs": {}, "outputs": {}}
     with _lock:
         made = list(_made)
     for direction, peer, ep in made:
         try:
-            report[direction][peer] = {**ep.stats(), "closed": ep.closed}
+            report[direction][peer] = {**ep.stats().as_dict(), "closed": ep.closed}
         except Exception:
             continue
     return report
@@ -316,17 +316,6 @@ def _write_stats() -> None:
         files.write_atomic(path, json.dumps(report, default=str))
     except OSError as exc:  # a full disk: the launcher must say its summary is incomplete
         telemetry.write_failed("exit stats", exc)  # (nothing when the run directory is gone)
-
-
-def failure_report_path(stats_path: str) -> str:
-    """Where a stage whose stats go to ``stats_path`` reports its failure."""
-    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
-
-
-def incomplete_marker_path(stats_path: str) -> str:
-    """Where a stage whose stats go to ``stats_path`` marks its telemetry incomplete
-    (``runtime.telemetry.write_failed``)."""
-    return (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + INCOMPLETE_SUFFIX
 
 
 def _report_failures(stats_path: str) -> None:

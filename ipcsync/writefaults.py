@@ -33,6 +33,8 @@ import sys
 import threading
 from typing import Any
 
+from .envopts import NATIVE
+
 __all__ = ["watch", "unwatch", "handler", "compiled", "MESSAGE"]
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,8 @@ def watch(start: int, nbytes: int, label: str, seq_address: int = 0) -> int | No
         return None
     with _lock:
         if not _tried or (_which == "compiled" and not _compiled.installed()):
+            _which = _install()  # (ConfigError for a bad $IPCSYNC_NATIVE: said at each call)
             _tried = True
-            _which = _install()
         if _which == "compiled":
             try:
                 token: int = _compiled.watch(start, nbytes, label.encode("utf-8", "replace"), seq_address)
@@ -102,7 +104,7 @@ def unwatch(token: int | None) -> None:
 def _install() -> str | None:
     if not sys.platform.startswith("linux"):
         return None
-    if _compiled is not None and os.environ.get("IPCSYNC_NATIVE", "") != "0":
+    if _compiled is not None and NATIVE.get():
         try:
             _compiled.install()
             return "compiled"

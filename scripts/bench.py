@@ -1477,8 +1477,10 @@ def main(argv: list[str] | None = None) -> int:
     # of a run do not spin against each other in OpenMP on a small machine.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     made_dir = None
-    if "IPCSYNC_RUNTIME_DIR" not in os.environ:
-        made_dir = os.environ["IPCSYNC_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ipcs-bench-", dir="/tmp")
+    from ipcsync.envopts import RUNTIME_DIR  # (reads nothing: the variable is set before ipcsync reads it)
+
+    if not RUNTIME_DIR.is_set():
+        made_dir = os.environ[RUNTIME_DIR.name] = tempfile.mkdtemp(prefix="ipcs-bench-", dir="/tmp")
     device = args.device
     train_cfg = train_config(args) if "train" in args.suites else None
     infer_cfg = infer_config(args) if "infer" in args.suites else None

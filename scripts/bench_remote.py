@@ -158,7 +158,9 @@ def _ipcsync(role: str, mode: str, port: int, device: torch.device, nbytes: int,
 
 
 def _side(results: Any, role: str, host: str, device: str, plan: list[dict[str, Any]], slots: int) -> None:
-    os.environ["IPCSYNC_HOST_ID"] = host  # before ipcsync reads it: this process is "another host"
+    from ipcsync.envopts import HOST_ID  # (reads nothing)
+
+    os.environ[HOST_ID.name] = host  # before ipcsync reads it: this process is "another host"
     os.environ["NCCL_HOSTID"] = host  # for NCCL too, the raw loop's group included
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:

@@ -363,7 +363,9 @@ def run_one(method: str, cfg: dict[str, Any], device: str, tag: str, progress: C
     ctx, results = spawn()
     acks = ctx.Queue()
     w = cfg["workers"]
-    rdir = os.environ.get("IPCSYNC_RUNTIME_DIR", "/tmp")
+    from ipcsync.envopts import RUNTIME_DIR
+
+    rdir = RUNTIME_DIR.get() or "/tmp"
     if method == "ipcsync":
         links: Any = f"wsync-{os.getpid()}-{tag}"
         worker_links = [links] * w

@@ -590,7 +590,10 @@ def main() -> None:
                          "rate and round trip any Python implementation gets on this host")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("IPCSYNC_RUNTIME_DIR", tempfile.mkdtemp(prefix="ipcs-prof-", dir="/tmp"))
+    from ipcsync.envopts import RUNTIME_DIR  # (reads nothing: the variable is set before ipcsync reads it)
+
+    if not RUNTIME_DIR.is_set():
+        os.environ[RUNTIME_DIR.name] = tempfile.mkdtemp(prefix="ipcs-prof-", dir="/tmp")
     if a.ops:
         torch.set_num_threads(1)
         ops(min(a.n, 5000), a.device)

@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from .. import writefaults
+from ..envopts import CPU_DESCRIPTORS
 from ..errors import BackendError
 from . import handles
 from .base import Arena
@@ -39,7 +40,9 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def enabled() -> bool:
-    return os.environ.get("IPCSYNC_CPU_DESCRIPTORS", "0") == "1"
+    """``$IPCSYNC_CPU_DESCRIPTORS`` (``envopts.CPU_DESCRIPTORS``): whether a CPU producer
+    shares its memory by descriptor."""
+    return CPU_DESCRIPTORS.get()
 
 
 class HostFlags:

@@ -40,6 +40,7 @@ import msgpack
 import torch
 
 from .. import mps_attach
+from ..envopts import CUDA_VMM, MPS_PIPE
 from ..errors import BackendError, ConfigError, IpcSyncError, IpcTimeoutError
 from ..interrupts import wait_point
 from . import cuda_driver, cuda_vmm, flags
@@ -263,7 +264,7 @@ _RETIRED_MAX = 64  # retired flag segments kept before they are freed (one synch
 
 
 def _descriptor_problem(index: int) -> str | None:
-    if os.environ.get("IPCSYNC_CUDA_VMM", "0") != "1":
+    if not CUDA_VMM.get():
         return "off by default in this version (IPCSYNC_CUDA_VMM=1 turns it on)"
     drv = cuda_driver.load()
     if drv is None:
@@ -323,7 +324,7 @@ class CudaBackend(Backend):
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self._uuid = device_uuid(self.index)
         self._retired: list[flags.FlagSegment] = []
-        if os.environ.get(mps_attach.ENV_PIPE):  # under ipcsync-run's private MPS daemon
+        if MPS_PIPE.get():  # under ipcsync-run's private MPS daemon
             torch.cuda.synchronize(self.index)  # (a CUDA context: what makes it the daemon's client)
             mps_attach.check_attached()  # ConfigError if it silently fell back to time-slicing
 

@@ -28,10 +28,9 @@ suites that exercise the copy run both ways (the ``copy_path`` fixture).
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
-from ..errors import ConfigError
+from ..envopts import NATIVE
 
 __all__ = ["ENABLED", "BUILT", "reason", "host_copy", "cuda_copy_record"]
 
@@ -46,17 +45,7 @@ except ImportError as exc:  # no compiler or headers where it was installed: tor
     _why_not_built = f"ipcsync._native is not built ({exc}); {_BUILD_HINT}"
 
 
-def _enabled() -> bool:
-    raw = os.environ.get("IPCSYNC_NATIVE", "")
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ConfigError(f"$IPCSYNC_NATIVE={raw!r}: set it to 0 (torch's copy) or 1 (the compiled copy, "
-                      "the default where it is built), or unset it")
-
-
-ENABLED = _enabled()  # (read once: the choice holds for the process)
+ENABLED = NATIVE.get()  # (read once: the choice holds for the process)
 BUILT = _native is not None
 
 

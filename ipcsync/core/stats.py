@@ -1,14 +1,29 @@
-"""Counters behind ``Producer.stats()`` and ``Consumer.stats()``. Cheap to update: a few
-integer adds and one deque append per handoff, or (``taken``, the consumer's steady path)
-one list append per handoff, folded in once per wake-up (``settle``)."""
+"""Counters behind ``Producer.stats()`` and ``Consumer.stats()`` (typed snapshots:
+``core.stats_types``). Cheap to update: a few integer adds and one deque append per
+handoff, or (``taken``, the consumer's steady path) one list append per handoff, folded in
+once per wake-up (``settle``)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Mapping, TypedDict
 
-__all__ = ["Stats"]
+from .stats_types import ConsumerStats, Latency, Occupancy, ProducerStats, frozen_map, plain
+
+__all__ = ["Stats", "Totals", "ProducerStats", "ConsumerStats", "Occupancy"]  # (the snapshots, for the endpoints)
+
+
+class Totals(TypedDict):
+    """The counters every endpoint's snapshot starts with (``Stats.totals``)."""
+
+    handoffs: int
+    bytes: int
+    elapsed_s: float
+    rate_per_s: float
+    bytes_per_s: float
+    latency_s: Latency
+    waiting_s: Mapping[str, float]
 
 
 class Stats:
@@ -54,9 +69,9 @@ class Stats:
     def waited(self, cause: str, seconds: float) -> None:
         self.waiting[cause] = self.waiting.get(cause, 0.0) + seconds
 
-    def snapshot(self, *, now: float | None = None, **extra: Any) -> dict[str, Any]:
-        """The counters as a dict (``extra`` added as is). ``now``: the monotonic time to
-        compute rates at (default: the clock's)."""
+    def totals(self, *, now: float | None = None) -> Totals:
+        """The counters, for a typed snapshot (``ProducerStats(**totals, ...)``). ``now``:
+        the monotonic time to compute rates at (default: the clock's)."""
         self.settle()
         elapsed = max((time.monotonic() if now is None else now) - self.started, 1e-9)
         lat = sorted(self.latencies)
@@ -64,14 +79,13 @@ class Stats:
         def pct(p: float) -> float | None:
             return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
 
-        out: dict[str, Any] = {
-            "handoffs": self.handoffs,
-            "bytes": self.bytes,
-            "elapsed_s": elapsed,
-            "rate_per_s": self.handoffs / elapsed,
-            "bytes_per_s": self.bytes / elapsed,
-            "latency_s": {"p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99), "samples": len(lat)},
-            "waiting_s": dict(self.waiting),
-        }
+        return Totals(handoffs=self.handoffs, bytes=self.bytes, elapsed_s=elapsed, rate_per_s=self.handoffs / elapsed,
+                      bytes_per_s=self.bytes / elapsed,
+                      latency_s=Latency(p50=pct(0.50), p90=pct(0.90), p99=pct(0.99), samples=len(lat)),
+                      waiting_s=frozen_map(self.waiting))
+
+    def snapshot(self, *, now: float | None = None, **extra: Any) -> dict[str, Any]:
+        """``totals`` as plain nested dicts, ``extra`` added as is."""
+        out: dict[str, Any] = plain(self.totals(now=now))
         out.update(extra)
         return out

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from .. import __version__
 from ..errors import ConfigError
+from ..envopts import LOG_LEVEL
 from ..logs import LEVELS, LOG_LEVEL_ENV, CliLogging, parse_level
 from .commands import command_problem
 from .config import LaunchConfig
@@ -401,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every stage inherits the launcher's environment: their ipcsync loggers use it
         # (ipcsync.logs.apply_env_level, unless the stage configures logging itself).
         os.environ[LOG_LEVEL_ENV] = args.log_level
-    level = args.log_level or os.environ.get(LOG_LEVEL_ENV) or "warning"
+    level = args.log_level or LOG_LEVEL.get() or "warning"
     try:
         logs = CliLogging(parse_level(level), "ipcsync-run")
     except ConfigError as exc:  # a bad $IPCSYNC_LOG_LEVEL

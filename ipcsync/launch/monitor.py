@@ -53,9 +53,11 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
+from .. import stage_contract as contract
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
 from ..runtime import files
-from ..runtime.telemetry import ENV_INTERVAL, ENV_TELEMETRY, ENV_TRACE, SNAPSHOT_VERSION
+from ..runtime.telemetry import SNAPSHOT_VERSION
+from .reported import Reported, parse
 from .reports import INCOMPLETE, MAX_REPORT, clean_report, read_incomplete
 
 __all__ = [
@@ -133,26 +135,36 @@ def _num(v: Any) -> float:
     return float(v) if _finite(v) else 0.0
 
 
-def _waits(stats: dict[str, Any], causes: Iterable[str] | None) -> float:
-    w = stats.get("waiting_s")
-    if not isinstance(w, dict):
+def _stats(raw: Any) -> Reported | None:
+    """An endpoint's stats as the monitor reads them: a cleaned report's (``Reported``), or
+    a raw object read leniently (a field of the wrong type as absent); None for a value
+    that is not stats at all."""
+    if isinstance(raw, Reported):
+        return raw
+    try:
+        return parse(raw, lenient=True)
+    except ValueError:
+        return None
+
+
+def _waits(stats: Reported | None, causes: Iterable[str] | None) -> float:
+    if stats is None:
         return 0.0
-    return sum(_num(v) for k, v in w.items() if causes is None or k in causes)
+    return sum(v for k, v in stats.waiting_s.items() if causes is None or k in causes)
 
 
-def _consumer_wait(stats: dict[str, Any]) -> float:
+def _consumer_wait(stats: Reported | None) -> float:
     """Seconds a consumer (or a FanIn: its own wait plus its sources') waited for items."""
     total = _waits(stats, ("producer",))
-    sources = stats.get("sources")
-    if isinstance(sources, dict):
-        total += sum(_waits(s, ("producer",)) for s in sources.values() if isinstance(s, dict))
+    if stats is not None and stats.sources:
+        total += sum(_waits(s, ("producer",)) for s in stats.sources.values())
     return total
 
 
-def _open(report: dict[str, Any], stats: dict[str, Any]) -> bool:
+def _open(report: dict[str, Any], stats: Reported) -> bool:
     """Whether an end of an edge may still move items: not closed, in a process that
     has not exited (a snapshot written at exit is ``final``)."""
-    return stats.get("closed") is not True and report.get("final") is not True
+    return not stats.closed and report.get("final") is not True
 
 
 def _frac(now: float, before: float, dt: float) -> float:
@@ -185,44 +197,44 @@ def analyze(prev: dict[tuple[str, Any], dict[str, Any]], cur: dict[tuple[str, An
         b_outs, b_ins = before.get("outputs") or {}, before.get("inputs") or {}
         waits_out: list[float] = []
         waits_in: list[float] = []
-        for dst, s in (outs.items() if isinstance(outs, dict) else ()):
-            if not isinstance(s, dict):
+        for dst, raw in (outs.items() if isinstance(outs, dict) else ()):
+            s = _stats(raw)
+            if s is None:
                 continue
-            got = b_outs.get(dst)
-            b: dict[str, Any] = got if isinstance(got, dict) else {}
-            span = dt if before else _num(s.get("elapsed_s"))
+            b = _stats(b_outs.get(dst))
+            b_items, b_bytes = (b.handoffs, b.bytes) if b is not None else (0, 0)
+            span = dt if before else s.elapsed_s
             e = edge(stage, str(dst))
             e.producers += 1
             e.open_ends += final or _open(r, s)
-            items, nbytes = int(_num(s.get("handoffs"))), int(_num(s.get("bytes")))
+            items, nbytes = s.handoffs, s.bytes
             e.items += items
             e.bytes += nbytes
             if span > 0:
-                e.items_per_s += max(0, items - int(_num(b.get("handoffs")))) / span
-                e.bytes_per_s += max(0, nbytes - int(_num(b.get("bytes")))) / span
-            occ = s.get("occupancy")
-            if isinstance(occ, dict):
+                e.items_per_s += max(0, items - b_items) / span
+                e.bytes_per_s += max(0, nbytes - b_bytes) / span
+            occ = s.occupancy
+            if occ is not None:
                 for k, v in occ.items():
-                    e.occupancy[str(k)] = e.occupancy.get(str(k), 0) + int(_num(v))
-                e.slots += int(sum(_num(v) for v in occ.values()))
+                    e.occupancy[k] = e.occupancy.get(k, 0) + v
+                e.slots += sum(occ.values())
             w = _frac(_waits(s, _PRODUCER_WAITS), _waits(b, _PRODUCER_WAITS), span)
             # A wait is counted when it ends: a producer stuck in one with every slot
             # taken and nothing sent this interval is waiting all along.
-            if (before and items == int(_num(b.get("handoffs"))) and isinstance(occ, dict)
-                    and occ and _num(occ.get("free")) == 0):
+            if before and items == b_items and occ and occ.get("free", 0) == 0:
                 w = 1.0
             waits_out.append(w)
             e.producer_wait += w
-        for src, s in (ins.items() if isinstance(ins, dict) else ()):
-            if not isinstance(s, dict):
+        for src, raw in (ins.items() if isinstance(ins, dict) else ()):
+            s = _stats(raw)
+            if s is None:
                 continue
-            got = b_ins.get(src)
-            b = got if isinstance(got, dict) else {}
-            span = dt if before else _num(s.get("elapsed_s"))
+            b = _stats(b_ins.get(src))
+            span = dt if before else s.elapsed_s
             e = edge(str(src), stage)
             e.consumers += 1
             e.open_ends += final or _open(r, s)
-            e.received += int(_num(s.get("handoffs")))
+            e.received += s.handoffs
             w = _frac(_consumer_wait(s), _consumer_wait(b), span)
             waits_in.append(w)
             e.consumer_wait += w
@@ -307,14 +319,14 @@ def stats_records(a: Analysis, reports: dict[tuple[str, Any], dict[str, Any]], *
     for (stage, replica), r in sorted(reports.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
         for direction, key in (("output", "outputs"), ("input", "inputs")):
             side = r.get(key)
-            for peer, s in (side.items() if isinstance(side, dict) else ()):
-                if not isinstance(s, dict):
+            for peer, raw in (side.items() if isinstance(side, dict) else ()):
+                s = _stats(raw)
+                if s is None:
                     continue
-                waiting = {"producer": _consumer_wait(s)} if direction == "input" else s.get("waiting_s")
+                waiting = {"producer": _consumer_wait(s)} if direction == "input" else dict(s.waiting_s)
                 out.append({**common, "type": "endpoint", "stage": stage, "replica": replica,
                             "pid": r.get("pid"), "direction": direction, "peer": peer,
-                            "handoffs": int(_num(s.get("handoffs"))), "bytes": int(_num(s.get("bytes"))),
-                            "waiting_s": waiting if isinstance(waiting, dict) else {}})
+                            "handoffs": s.handoffs, "bytes": s.bytes, "waiting_s": waiting})
     out.append({**common, "type": "pipeline", "bottleneck": a.bottleneck, "stages": a.stages})
     return out
 
@@ -390,7 +402,7 @@ def merge_trace(traces: list[ProcessTrace], path: str, *, other: dict[str, Any] 
 def _incomplete(run_dir: str, cur: dict[tuple[str, Any], dict[str, Any]], final: bool) -> str | None:
     """Why this interval's figures are incomplete, or None: some stage's telemetry could
     not be written, or (at the end) some stage left no final snapshot."""
-    if read_incomplete(os.path.join(run_dir, "stats")):
+    if read_incomplete(os.path.join(run_dir, contract.STATS_DIR)):
         return INCOMPLETE
     if final and any(r.get("final") is not True for r in cur.values()):
         return "incomplete: some stages left no final report"
@@ -426,17 +438,16 @@ class Observer:
 
     def env(self, run_dir: str) -> dict[str, str]:
         """Variables for the attempt's stages; creates the directories they name."""
-        env: dict[str, str] = {}
+        telemetry_dir: str | None = None
+        trace_dir: str | None = None
         if self.telemetry:
-            d = os.path.join(run_dir, "telemetry")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            env[ENV_TELEMETRY] = d
-            env[ENV_INTERVAL] = str(max(0.05, min(self.interval / 2, 0.5)))
+            telemetry_dir = os.path.join(run_dir, contract.TELEMETRY_SUBDIR)
+            os.makedirs(telemetry_dir, mode=0o700, exist_ok=True)
         if self.trace_file:
-            d = os.path.join(run_dir, "trace")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            env[ENV_TRACE] = d
-        return env
+            trace_dir = os.path.join(run_dir, contract.TRACE_SUBDIR)
+            os.makedirs(trace_dir, mode=0o700, exist_ok=True)
+        return contract.observer_env(telemetry_dir=telemetry_dir, interval=max(0.05, min(self.interval / 2, 0.5)),
+                                     trace_dir=trace_dir)
 
     def tick(self, run_id: str, run_dir: str, order: Iterable[str]) -> None:
         """Every interval: read the snapshots, print and write what changed. Never raises."""
@@ -459,7 +470,7 @@ class Observer:
         if self.trace_file:
             try:
                 unread: list[str] = []
-                traces = read_traces(os.path.join(run_dir, "trace"), labels, self._trace_budget, unread)
+                traces = read_traces(os.path.join(run_dir, contract.TRACE_SUBDIR), labels, self._trace_budget, unread)
                 if unread:
                     self._say(f"trace: skipped trace files that cannot be read: {'; '.join(unread[:4])}"
                               + (f" and {len(unread) - 4} more" if len(unread) > 4 else ""))
@@ -471,7 +482,7 @@ class Observer:
                 dropped = sum(t.dropped for t in self._traces)
                 self._say(f"trace: {n} events from {len(self._traces)} processes written to {self.trace_file}"
                           + (f" ({dropped} events dropped: over the cap or not written)" if dropped else "")
-                          + (f" ({INCOMPLETE})" if read_incomplete(os.path.join(run_dir, "stats")) else ""))
+                          + (f" ({INCOMPLETE})" if read_incomplete(os.path.join(run_dir, contract.STATS_DIR)) else ""))
             except Exception as exc:
                 self._say(f"trace: not written ({type(exc).__name__}: {exc})")
 
@@ -482,7 +493,7 @@ class Observer:
 
     def _report(self, run_id: str, run_dir: str, order: list[str], final: bool) -> None:
         skipped: list[str] = []
-        cur = read_snapshots(os.path.join(run_dir, "telemetry"), skipped)
+        cur = read_snapshots(os.path.join(run_dir, contract.TELEMETRY_SUBDIR), skipped)
         if skipped and not self._skipped_said:
             self._skipped_said = True
             self._say(f"monitor: skipping stage telemetry that cannot be used: {skipped[0]}"

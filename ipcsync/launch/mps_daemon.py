@@ -47,9 +47,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from .. import stage_contract as contract
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
-from ..mps_attach import ENV_CONTROL, ENV_PIPE, LOG_ENV, PIPE_ENV, ask
+from ..mps_attach import LOG_ENV, PIPE_ENV, ask
 from ..runtime import files, host
 from .plan import Plan
 
@@ -318,7 +319,7 @@ class PrivateMps:
     @property
     def env(self) -> dict[str, str]:
         """The variables every CUDA stage process gets."""
-        return {PIPE_ENV: self.pipe, LOG_ENV: self.log, ENV_PIPE: self.pipe, ENV_CONTROL: self.control}
+        return {PIPE_ENV: self.pipe, LOG_ENV: self.log, **contract.mps_env(pipe=self.pipe, control=self.control)}
 
     def apply(self, plan: Plan) -> Plan:
         """``plan`` with ``env`` given to each of its CUDA processes."""

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import seal
-from ..envopts import env_seconds
+from ..envopts import NODE_TIMEOUT
 from ..errors import ConfigError
 from ..runtime.host import host_identity
 from .config import check_rdzv_timeout, parse_endpoint
@@ -76,8 +76,8 @@ __all__ = ["NodeGroup", "GroupFailure", "parse_endpoint", "spec_digest", "NODE_T
 
 log = logging.getLogger(__name__)
 
-NODE_TIMEOUT_ENV = "IPCSYNC_NODE_TIMEOUT"
-DEFAULT_NODE_TIMEOUT = 30.0  # seconds of heartbeat silence before a node counts as gone
+NODE_TIMEOUT_ENV = NODE_TIMEOUT.name
+DEFAULT_NODE_TIMEOUT = NODE_TIMEOUT.default  # seconds of heartbeat silence before a node counts as gone
 HEARTBEAT_S = 1.0
 _POLL_S = 0.25  # the supervisor's group checks, at most this often
 _POLL_ANSWER_S = 0.02  # poll() waits this long for the checks it just started
@@ -98,7 +98,7 @@ class GroupFailure:
 def node_timeout() -> float:
     """How long a node may stay silent before the others declare it lost
     (``$IPCSYNC_NODE_TIMEOUT``, seconds)."""
-    return env_seconds(NODE_TIMEOUT_ENV, DEFAULT_NODE_TIMEOUT)
+    return NODE_TIMEOUT.get()
 
 
 def spec_digest(spec: PipelineSpec) -> str:

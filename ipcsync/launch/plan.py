@@ -43,8 +43,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .. import stage_contract as contract
+from ..envopts import RDZV_SECRET
 from ..limits import IPC_PATH_MAX
-from ..runtime.shm import ENV_RUN_ID
 from .spec import PipelineSpec, SpecError, StageSpec
 
 __all__ = [
@@ -53,15 +54,14 @@ __all__ = [
     "remote_producers", "INCOMPLETE_SUFFIX", "SECRET_ENV", "WITHHELD_ENV", "stage_environ",
 ]
 
-WIRING_VERSION = 1
-ENV_WIRING = "IPCSYNC_WIRING"
-# Beside a stage's stats file (``<stage>.<replica>.json``): the marker it leaves when its
-# telemetry could not be written (``runtime.telemetry.write_failed``).
-INCOMPLETE_SUFFIX = ".incomplete"
+# The launcher-stage contract (ipcsync.stage_contract), under the names used here before.
+WIRING_VERSION = contract.WIRING_VERSION
+ENV_WIRING = contract.WIRING.name
+INCOMPLETE_SUFFIX = contract.INCOMPLETE_SUFFIX
 OMP_THREADS = "OMP_NUM_THREADS"
 OMP_DEFAULT = "1"
-SECRET_ENV = "IPCSYNC_RDZV_SECRET"  # the run's rendezvous secret (launch.nodes)
-WITHHELD_ENV = (SECRET_ENV,)  # the launcher's variables no stage inherits
+SECRET_ENV = RDZV_SECRET.name  # the run's rendezvous secret (launch.nodes)
+WITHHELD_ENV = contract.WITHHELD  # the launcher's variables no stage inherits
 _PYTHON_RE = re.compile(r"^python(3(\.[0-9]+)?)?$")
 
 
@@ -282,14 +282,8 @@ def resolve(
                 env[OMP_THREADS] = OMP_DEFAULT
             if s.visible_devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = s.visible_devices
-            env.update({
-                ENV_WIRING: json.dumps(wiring, separators=(",", ":")),
-                ENV_RUN_ID: run_id,
-                "IPCSYNC_STAGE": s.name,
-                "IPCSYNC_REPLICA": str(r),
-                "IPCSYNC_DEVICE": devices[(s.name, r)],
-                "PYTHONUNBUFFERED": "1",
-            })
+            env.update(contract.stage_env(wiring=json.dumps(wiring, separators=(",", ":")), run_id=run_id,
+                                          stage=s.name, replica=r, device=devices[(s.name, r)]))
             instances.append(Instance(
                 stage=s.name, replica=r, replicas=s.replicas, device=devices[(s.name, r)],
                 cmd=resolve_command(s.cmd, python), env=env, cwd=s.cwd, wiring=wiring,
@@ -375,7 +369,7 @@ def _wiring(spec: PipelineSpec, stage: StageSpec, replica: int, device: str, run
         "restart": restart,
         "inputs": inputs,
         "outputs": outputs,
-        "stats_path": os.path.join(run_dir, "stats", f"{stage.name}.{replica}.json"),
+        "stats_path": contract.stats_path(run_dir, stage.name, replica),
     }
 
 

@@ -7,14 +7,14 @@ and drops the rest, saying what it dropped:
 
 - the report: a JSON object whose ``stage`` is a string and whose ``inputs`` and
   ``outputs`` (if present) are objects; anything else is dropped whole;
-- each endpoint's stats (``inputs[peer]``, ``outputs[peer]``): an object whose counts
-  (``handoffs``, ``bytes``, ``occupancy``'s values) are integers from 0 to 2**63 - 1,
-  whose seconds (``elapsed_s``, ``waiting_s``'s values, ``latency_s``'s ``p50``/``p90``/
-  ``p99``, null allowed there) are finite and not negative, and whose ``sources`` (a
-  FanIn's, if present) are each such stats; an endpoint with one bad field is dropped
-  whole (a partial entry would make its edge's figures silently wrong), the others kept.
+- each endpoint's stats (``inputs[peer]``, ``outputs[peer]``): read as a typed
+  ``reported.Reported`` (its counts integers from 0 to 2**63 - 1, its seconds finite and
+  not negative, a FanIn's ``sources`` each such stats); an endpoint with one bad field is
+  dropped whole (a partial entry would make its edge's figures silently wrong), the
+  others kept, as ``Reported``.
 
-Fields not named here are kept as they are (readers check them where used).
+The report's other fields (``replica``, ``pid``, ``mono``, ``final``, ...) are kept as they
+are (readers check them where used).
 
 ``read_incomplete`` finds the stages whose telemetry could not be written (the markers
 ``runtime.telemetry.write_failed`` leaves, e.g. on a full runtime directory): the
@@ -28,12 +28,12 @@ included, and ``read_stats`` returns a line for each one it skipped.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 from ..runtime import files
-from .plan import INCOMPLETE_SUFFIX
+from ..stage_contract import INCOMPLETE_SUFFIX, failure_report_path
+from .reported import MAX_COUNT, Reported, parse
 
 __all__ = ["MAX_COUNT", "INCOMPLETE", "clean_report", "clean_reports", "read_incomplete", "incomplete_line",
            "read_stats", "failure_report", "MAX_REPORT"]
@@ -43,62 +43,10 @@ _MAX_REASON = 400
 MAX_REPORT = 1 << 20  # bytes of one exit stats file or snapshot, at most
 _MAX_FAILURE_REPORT = 4096
 
-MAX_COUNT = (1 << 63) - 1
-_COUNTS = ("handoffs", "bytes")
-_SECONDS = ("elapsed_s",)
-_LATENCIES = ("p50", "p90", "p99")
-
-
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
-
-
-def _seconds(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-
 
 def _show(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _stats_problem(s: Any, depth: int = 0) -> str | None:
-    """Why ``s`` is not an endpoint's stats, or None."""
-    if not isinstance(s, dict):
-        return f"is {_show(s)}, not an object"
-    for k in _COUNTS:
-        if k in s and not _count(s[k]):
-            return f"{k!r} is {_show(s[k])}, not a count"
-    for k in _SECONDS:
-        if k in s and not _seconds(s[k]):
-            return f"{k!r} is {_show(s[k])}, not seconds"
-    waits = s.get("waiting_s")
-    if waits is not None:
-        if not isinstance(waits, dict):
-            return f"'waiting_s' is {_show(waits)}, not an object"
-        for cause, sec in waits.items():
-            if not _seconds(sec):
-                return f"'waiting_s' of {cause!r} is {_show(sec)}, not seconds"
-    lat = s.get("latency_s")
-    if lat is not None:
-        if not isinstance(lat, dict):
-            return f"'latency_s' is {_show(lat)}, not an object"
-        for k in _LATENCIES:
-            if lat.get(k) is not None and not _seconds(lat[k]):
-                return f"'latency_s' {k} is {_show(lat[k])}, not seconds"
-    occ = s.get("occupancy")
-    if occ is not None:
-        if not isinstance(occ, dict) or not all(_count(v) for v in occ.values()):
-            return f"'occupancy' is {_show(occ)}, not counts by state"
-    sources = s.get("sources")
-    if sources is not None:
-        if depth or not isinstance(sources, dict):
-            return f"'sources' is {_show(sources)}, not a FanIn's sources"
-        for label, one in sources.items():
-            why = _stats_problem(one, depth + 1)
-            if why is not None:
-                return f"source {label!r}: {why}"
-    return None
 
 
 def clean_report(raw: Any, name: str) -> tuple[dict[str, Any] | None, list[str]]:
@@ -116,12 +64,11 @@ def clean_report(raw: Any, name: str) -> tuple[dict[str, Any] | None, list[str]]
             continue
         if not isinstance(side, dict):
             return None, [f"{label}: {key!r} is {_show(side)}, not an object"]
-        kept = {}
+        kept: dict[str, Reported] = {}
         for peer, s in side.items():
-            why = _stats_problem(s)
-            if why is None:
-                kept[peer] = s
-            else:
+            try:
+                kept[peer] = parse(s)
+            except ValueError as why:
                 problems.append(f"{label} {direction} {towards} {peer!r}: {why}")
         report[key] = kept
     return report, problems
@@ -202,9 +149,8 @@ def failure_report(stats_path: Any) -> dict[str, Any] | None:
     type-checked, never anything else, and never a wait."""
     if not isinstance(stats_path, str):
         return None
-    path = (stats_path[:-5] if stats_path.endswith(".json") else stats_path) + ".error"
     try:
-        report = files.read_json(path, _MAX_FAILURE_REPORT)
+        report = files.read_json(failure_report_path(stats_path), _MAX_FAILURE_REPORT)
     except (OSError, ValueError):
         return None
     if not isinstance(report, dict) or not isinstance(report.get("consequence"), bool):

@@ -35,6 +35,7 @@ import time
 from typing import Callable
 
 from ..core import seal
+from ..envopts import RDZV_SECRET
 from ..errors import ConfigError
 from ..runtime import files
 from .plan import SECRET_ENV
@@ -145,7 +146,7 @@ def load_secret(rank: int, secret_file: str | None, insecure: bool, wait: float,
     ``default_dir`` (to remove at the end), if any. None only under ``insecure`` without
     one. ConfigError otherwise."""
     written = None
-    text = os.environ.get(SECRET_ENV)
+    text = RDZV_SECRET.get()
     where = f"${SECRET_ENV}"
     if not text and secret_file:
         where = f"--rdzv-secret-file {secret_file}"

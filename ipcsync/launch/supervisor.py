@@ -52,9 +52,11 @@ from typing import IO, Any, Callable
 
 from ..errors import ConfigError
 from ..runtime import files, host
-from ..runtime.shm import ENV_RUN_ID, remove_run_segments
+from ..runtime.shm import remove_run_segments
+from ..stage_contract import RUN_ID, STATS_DIR
 from .plan import Instance, Plan, stage_environ
-from .reports import INCOMPLETE, clean_reports, failure_report, incomplete_line, read_incomplete, read_stats
+from .reports import failure_report, incomplete_line, read_incomplete, read_stats
+from .summary import summarize
 
 __all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
 
@@ -251,7 +253,7 @@ class Supervisor:
         written."""
         run_id = secrets.token_hex(4)
         run_dir = os.path.join(self._base, f"run-{run_id}")
-        os.makedirs(os.path.join(run_dir, "stats"), mode=0o700)
+        os.makedirs(os.path.join(run_dir, STATS_DIR), mode=0o700)
         os.chmod(run_dir, 0o700)
         owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
         try:
@@ -376,7 +378,7 @@ class Supervisor:
             # Interrupted while stopping a failed attempt: no restart; the failure stays
             # the root cause and sets the exit code.
             a.interrupted = self._signal
-        stats_dir = os.path.join(a.run_dir, "stats")
+        stats_dir = os.path.join(a.run_dir, STATS_DIR)
         unwritten = read_incomplete(stats_dir)
         if unwritten:
             self._say(incomplete_line(unwritten))  # once: before any figure it concerns
@@ -772,7 +774,7 @@ def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
             continue
         if host.process_alive(pid, started):  # the group id cannot have been reused
             groups.add(pgid)
-    needle = f"{ENV_RUN_ID}={run_id}".encode()
+    needle = f"{RUN_ID.name}={run_id}".encode()
     return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
 
 
@@ -836,63 +838,3 @@ def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list
         _remove_run(path, run_id)
         removed.append(run_id)
     return removed
-
-
-def summarize(reports: list[dict[str, Any]], incomplete: bool = False) -> list[str]:
-    """Per-edge lines from the stages' reports: items, bytes and rate as the producers
-    counted them, latency (send to receipt) as the consumers measured it. A producer
-    whose report is not here (it runs on another node) is counted by its consumers.
-    Reports are the stages' (untrusted): what is not of the expected shape
-    (``reports.clean_report``) is left out, and one last line says what. ``incomplete``:
-    some stage's telemetry could not be written (the header says so, also when no report
-    could be read)."""
-    edges: dict[tuple[str, str], dict[str, Any]] = {}
-    reports, skipped = clean_reports([("a stage's exit stats", r) for r in reports])
-
-    def edge(key: tuple[str, str]) -> dict[str, Any]:
-        return edges.setdefault(key, {"items": 0, "bytes": 0, "elapsed": 0.0, "lat": [], "waits": {},
-                                      "producers": set(), "received": {}})
-
-    for r in reports:
-        stage: str = r["stage"]  # clean_reports: a string
-        for dst, s in (r.get("outputs") or {}).items():
-            e = edge((stage, dst))
-            e["producers"].add(f"{stage}/{r.get('replica')}")
-            e["items"] += int(s.get("handoffs", 0))
-            e["bytes"] += int(s.get("bytes", 0))
-            e["elapsed"] = max(e["elapsed"], float(s.get("elapsed_s", 0.0)))
-            for cause, sec in (s.get("waiting_s") or {}).items():
-                e["waits"][f"producer:{cause}"] = e["waits"].get(f"producer:{cause}", 0.0) + float(sec)
-        for src, s in (r.get("inputs") or {}).items():
-            e = edge((src, stage))
-            for source, one in (s.get("sources") or {f"{src}/0": s}).items():
-                e["received"].setdefault(source, []).append(one)
-                lat = one.get("latency_s") or {}
-                if lat.get("p50") is not None:
-                    e["lat"].append((lat["p50"], lat.get("p99") or lat["p50"]))
-                for cause, sec in (one.get("waiting_s") or {}).items():
-                    e["waits"][f"consumer:{cause}"] = e["waits"].get(f"consumer:{cause}", 0.0) + float(sec)
-    for e in edges.values():  # sources whose producer reported elsewhere: as received
-        for source, seen in e["received"].items():
-            if source not in e["producers"]:
-                e["items"] += sum(int(one.get("handoffs", 0)) for one in seen)
-                e["bytes"] += sum(int(one.get("bytes", 0)) for one in seen)
-                e["elapsed"] = max([e["elapsed"], *(float(one.get("elapsed_s", 0.0)) for one in seen)])
-    head = f"edge summary ({INCOMPLETE})" if incomplete else "edge summary"
-    lines = [f"{head}:"] if edges else [f"{head}: no stage's exit stats could be read"] if incomplete else []
-    for (src, dst), e in sorted(edges.items()):
-        rate = e["items"] / e["elapsed"] if e["elapsed"] > 0 else 0.0
-        lat = ""
-        if e["lat"]:
-            p50 = max(p for p, _ in e["lat"]) * 1e3
-            p99 = max(q for _, q in e["lat"]) * 1e3
-            lat = f", latency p50 {p50:.2f} ms p99 {p99:.2f} ms"
-        waits = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(e["waits"].items()) if v >= 0.005)
-        lines.append(
-            f"  {src} -> {dst}: {e['items']} items, {e['bytes'] / 1e6:.1f} MB, {rate:.0f} items/s"
-            f"{lat}{'; waited ' + waits if waits else ''}"
-        )
-    if skipped:
-        lines.append(f"left out of the summary, not of the expected shape: {skipped[0]}"
-                     + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
-    return lines

@@ -55,7 +55,7 @@ from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession
 from ..core.layout import Recipe
-from ..core.stats import Stats
+from ..core.stats import ConsumerStats, Stats
 from ..core.waits import HOST_WAIT, wait_strategy
 from ..errors import ClosedError, IpcSyncError, IpcTimeoutError
 from ..item import Item
@@ -273,12 +273,12 @@ class ConsumerEndpoint(EndpointBase):
     def _closed_error(self) -> Exception:
         return ClosedError(f"this {self._role} was closed while this call waited")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ConsumerStats:
         """``Consumer.stats``."""
         with self._lock:
             clock = self.session.clock
-            return self._stats.snapshot(
-                role="consumer", held=self._lender.held_count(), buffered=self.session.buffered(),
+            return ConsumerStats(
+                **self._stats.totals(), role="consumer", held=self._lender.held_count(), buffered=self.session.buffered(),
                 kept=len(self._link.kept), kept_moved=self._link.kept.moved,
                 kept_moved_bytes=self._link.kept.moved_bytes, forwarded_out=len(self._lender.forwarded),
                 forwarded_lost=self._link.downstream.lost, producer_stalled=clock.stalled,

@@ -18,6 +18,8 @@ import functools
 import os
 import select
 
+from ..envopts import HOST_ID
+
 __all__ = ["boot_id", "host_identity", "HOST_ID_ENV", "pid_namespace", "start_time", "read_start_time", "process_alive",
            "ProcessWatch", "GONE", "owner_gone", "peer_credentials"]
 
@@ -32,7 +34,7 @@ def boot_id() -> str:
         return ""
 
 
-HOST_ID_ENV = "IPCSYNC_HOST_ID"
+HOST_ID_ENV = HOST_ID.name
 
 
 def host_identity() -> str:
@@ -41,7 +43,7 @@ def host_identity() -> str:
     host exactly when their identities are equal, so setting the variable differently makes
     processes of one machine count as different hosts (their edges become remote edges;
     see ``core.remote_session``). Read at each call: the variable belongs to the process."""
-    extra = os.environ.get(HOST_ID_ENV, "")
+    extra = HOST_ID.get()
     return boot_id() + "/" + extra if extra else boot_id()
 
 

@@ -54,8 +54,9 @@ from typing import Any, Iterable, Sequence
 
 from ..core import protocol as P
 from ..core.ratelog import RateLog
+from ..envopts import LANE
 from ..errors import ConfigError, ProtocolError
-from ..limits import DEFAULT_LANE, IPC_PATH_MAX
+from ..limits import IPC_PATH_MAX
 from . import host
 
 __all__ = ["lane_enabled", "Lane", "LaneMux", "LaneHub", "LaneClosed", "LANE_PACKET_MAX", "connect_lane", "polled_form",
@@ -74,14 +75,9 @@ _PER_LANE = 256  # frames read from one lane per pump (a flood cannot starve the
 
 
 def lane_enabled() -> bool:
-    """``IPCSYNC_LANE``: ``1`` on, ``0`` off, unset: ``limits.DEFAULT_LANE``. Read once per
-    endpoint, when it is made. ConfigError for any other value."""
-    raw = os.environ.get("IPCSYNC_LANE")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_LANE
-    if raw.strip() in ("0", "1"):
-        return raw.strip() == "1"
-    raise ConfigError(f"IPCSYNC_LANE must be 0 (off) or 1 (on), got {raw!r}")
+    """``IPCSYNC_LANE`` (``envopts.LANE``): ``1`` on, ``0`` off, unset: ``limits.DEFAULT_LANE``.
+    Read once per endpoint, when it is made. ConfigError for any other value."""
+    return LANE.get()
 
 
 class LaneClosed(Exception):

@@ -10,6 +10,7 @@ import os
 import stat
 import warnings
 
+from ..envopts import RUNTIME_DIR
 from ..errors import ConfigError
 
 __all__ = ["runtime_dir", "runtime_dir_choice", "FALLBACK_SUFFIX"]
@@ -22,9 +23,9 @@ def runtime_dir_choice() -> tuple[str, str]:
     """The runtime directory the environment names, and which setting named it
     (``"IPCSYNC_RUNTIME_DIR"``, ``"XDG_RUNTIME_DIR"`` or ``"the default"``), without
     creating or checking anything (``runtime_dir`` does that; ``ipcsync doctor`` reports)."""
-    explicit = os.environ.get("IPCSYNC_RUNTIME_DIR")
+    explicit = RUNTIME_DIR.get()
     if explicit:
-        return explicit, "IPCSYNC_RUNTIME_DIR"
+        return explicit, RUNTIME_DIR.name
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "ipcsync"), "XDG_RUNTIME_DIR"
@@ -49,7 +50,7 @@ def runtime_dir() -> str:
       user to set IPCSYNC_RUNTIME_DIR. Nothing is ever used that another user controls.
     """
     chosen, source = runtime_dir_choice()
-    if source == "IPCSYNC_RUNTIME_DIR":
+    if source == RUNTIME_DIR.name:
         explicit = chosen
         try:
             parent = os.path.dirname(explicit.rstrip("/"))

@@ -36,7 +36,7 @@ from ..core.layout import ALIGN, plan_message, signature
 from ..core.producer_session import Kind, ProducerSession
 from ..core.ratelog import best_effort
 from ..core.ring import POLICIES, Ring
-from ..core.stats import Stats
+from ..core.stats import Occupancy, ProducerStats, Stats
 from ..core.waits import wait_strategy
 from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
 from . import aio, closing, host
@@ -703,13 +703,13 @@ class ProducerPort(EndpointBase):
         """Consumers attached now."""
         return len(self.ring.consumers())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ProducerStats:
         """``Producer.stats``."""
         with self._lock:
             peers, fwd = self.peers, self.forwarder
-            return self._stats.snapshot(
-                role="producer", occupancy=self.ring.occupancy(), consumers=self.consumers,
-                consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
+            return ProducerStats(
+                **self._stats.totals(), role="producer", occupancy=Occupancy.of(self.ring.occupancy()),
+                consumers=self.consumers, consumers_attached=self.attached_total, consumers_lost=peers.lost_total,
                 consumers_stalled=peers.stalled_now(), consumers_stalled_total=peers.stalled_total,
                 bad_frames=peers.bad_frames, forwarded=fwd.forwarded_total, forwarded_held=fwd.ledger.count(),
                 layouts_inline=self.handoffs.layouts_inline, lanes=self.lanes_used,

@@ -54,12 +54,12 @@ from ..core.remote_session import (
     LOSS_HEARTBEATS, EdgeAddress, RecvLedger, SendLedger, SentWatermark,
     layout_extent, silence_is_loss,
 )
-from ..envopts import env_seconds
+from ..envopts import HOST_ID, REMOTE_ADDR, REMOTE_TIMEOUT, REMOTE_TRANSPORT
 from ..errors import BackendError, ConfigError
 from .bounded import within
 from .channel import Endpoint
 from .foreign import Wake
-from .host import HOST_ID_ENV, host_identity
+from .host import host_identity
 from .sealed_store import SealedStore, serve_store
 
 __all__ = ["RemoteHub", "BusyError", "MAX_PENDING_JOINS", "ProducerEdge", "ConsumerEdge", "RemoteWatch",
@@ -67,8 +67,8 @@ __all__ = ["RemoteHub", "BusyError", "MAX_PENDING_JOINS", "ProducerEdge", "Consu
 
 log = logging.getLogger(__name__)
 
-OP_TIMEOUT_ENV = "IPCSYNC_REMOTE_TIMEOUT"
-DEFAULT_OP_TIMEOUT = 120.0  # seconds: one rendezvous, or one item's transfer, at most
+OP_TIMEOUT_ENV = REMOTE_TIMEOUT.name
+DEFAULT_OP_TIMEOUT = REMOTE_TIMEOUT.default  # seconds: one rendezvous, or one item's transfer, at most
 _edge_ids = itertools.count()  # names the edges' threads (never the edge's secret)
 # Remote consumers joining a producer at once (SETUP sent, no ATTACH yet); more are
 # refused until one attaches or is dropped (a HELLO flood costs at most this many joins).
@@ -78,10 +78,10 @@ MAX_PENDING_JOINS = 16
 def op_timeout() -> float:
     """How long one rendezvous or one transfer may take before the edge is declared lost
     (``$IPCSYNC_REMOTE_TIMEOUT``, seconds; default 120)."""
-    return env_seconds(OP_TIMEOUT_ENV, DEFAULT_OP_TIMEOUT)
+    return REMOTE_TIMEOUT.get()
 
 
-TRANSPORT_ENV = "IPCSYNC_REMOTE_TRANSPORT"
+TRANSPORT_ENV = REMOTE_TRANSPORT.name
 
 
 def transport_for(device: torch.device, consumer_backend: str) -> str:
@@ -91,9 +91,7 @@ def transport_for(device: torch.device, consumer_backend: str) -> str:
     end (if any) stages each item through pinned host memory. ``$IPCSYNC_REMOTE_TRANSPORT``
     (the producer's): ``auto`` (default) or ``gloo`` (gloo for CUDA pairs too, e.g. where
     NCCL's network transport cannot reach the peer)."""
-    forced = os.environ.get(TRANSPORT_ENV, "auto") or "auto"
-    if forced not in ("auto", "gloo"):
-        raise ConfigError(f"${TRANSPORT_ENV} must be 'auto' or 'gloo', got {forced!r}")
+    forced = REMOTE_TRANSPORT.get()
     # (A device's type is the name of the backend serving it: backends.backend_for.)
     native = NATIVE_TRANSPORT.get(device.type, "gloo")
     if forced == "auto" and NATIVE_TRANSPORT.get(consumer_backend) == native:
@@ -168,7 +166,7 @@ def _nccl_counts_hosts_as_ipcsync_does() -> None:
     refuses two of them on one GPU ("Duplicate GPU detected"). So where
     ``$IPCSYNC_HOST_ID`` is set, ``$NCCL_HOSTID`` is set to ipcsync's identity, unless the
     user set it. Then NCCL goes over its network transport, as between hosts."""
-    if os.environ.get(HOST_ID_ENV) and NCCL_HOST_ID_ENV not in os.environ:
+    if HOST_ID.get() and NCCL_HOST_ID_ENV not in os.environ:
         os.environ[NCCL_HOST_ID_ENV] = host_identity()
 
 
@@ -586,7 +584,7 @@ class RemoteHub:
         """The address consumers reach this producer at: the endpoint's host, or for a
         wildcard bind ``$IPCSYNC_REMOTE_ADDR`` (else this host's name)."""
         if self.host in ("*", "0.0.0.0", "::", ""):
-            return os.environ.get("IPCSYNC_REMOTE_ADDR") or socket.getfqdn()
+            return REMOTE_ADDR.get() or socket.getfqdn()
         return self.host
 
     def pending_joins(self) -> int:

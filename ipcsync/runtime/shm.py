@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import re
 
+from ..stage_contract import RUN_ID
+
 __all__ = ["SHM_DIR", "SHM_PREFIX", "NAME_RE", "RUN_ID_RE", "ENV_RUN_ID", "launcher_run_id", "remove_run_segments"]
 
 SHM_DIR = "/dev/shm"
@@ -24,7 +26,7 @@ NAME_RE = re.compile(
     r"(?:(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-)?[0-9a-f]{16}$"
 )
 RUN_ID_RE = re.compile(r"^[0-9a-f]{8}$")
-ENV_RUN_ID = "IPCSYNC_RUN_ID"  # set by ipcsync-run in every stage process
+ENV_RUN_ID = RUN_ID.name  # set by ipcsync-run in every stage process (ipcsync.stage_contract)
 
 
 def launcher_run_id() -> str | None:
@@ -36,8 +38,8 @@ def launcher_run_id() -> str | None:
     because stage code may create ``ipcsync.Producer`` directly: its segments must be
     tagged with the run all the same, so that the launcher's sweep removes them when the
     stage is killed."""
-    run_id = os.environ.get(ENV_RUN_ID, "")
-    return run_id if RUN_ID_RE.fullmatch(run_id) else None
+    run_id = RUN_ID.get()
+    return run_id if run_id is not None and RUN_ID_RE.fullmatch(run_id) else None
 
 
 def remove_run_segments(run_id: str) -> None:

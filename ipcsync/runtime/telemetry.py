@@ -43,6 +43,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from ..envopts import TRACE_MAX_EVENTS
+from ..stage_contract import REPLICA, STAGE, TELEMETRY_DIR, TELEMETRY_INTERVAL, TRACE_DIR
 from . import files
 
 log = logging.getLogger(__name__)
@@ -53,26 +55,18 @@ __all__ = [
     "set_failure_marker", "write_failed",
 ]
 
-ENV_TELEMETRY = "IPCSYNC_TELEMETRY_DIR"
-ENV_TRACE = "IPCSYNC_TRACE_DIR"
-ENV_INTERVAL = "IPCSYNC_TELEMETRY_INTERVAL"
-ENV_TRACE_MAX = "IPCSYNC_TRACE_MAX_EVENTS"
+ENV_TELEMETRY = TELEMETRY_DIR.name
+ENV_TRACE = TRACE_DIR.name
+ENV_INTERVAL = TELEMETRY_INTERVAL.name
+ENV_TRACE_MAX = TRACE_MAX_EVENTS.name
 TRACE_VERSION = 1
 SNAPSHOT_VERSION = 1
 BUFFER_CAP = 200_000  # events waiting for the next flush, at most
-DEFAULT_TRACE_MAX = 1_000_000  # events one process writes, at most
-DEFAULT_INTERVAL = 0.5
+DEFAULT_TRACE_MAX = TRACE_MAX_EVENTS.default  # events one process writes, at most
+DEFAULT_INTERVAL = TELEMETRY_INTERVAL.default
 
 # Event kinds, as written.
 SEND, READY, RECEIPT, RELEASE, FREED = "send", "ready", "receipt", "release", "freed"
-
-
-def _interval() -> float:
-    try:
-        value = float(os.environ.get(ENV_INTERVAL, DEFAULT_INTERVAL))
-    except ValueError:
-        return DEFAULT_INTERVAL
-    return value if 0.01 <= value <= 3600 else DEFAULT_INTERVAL
 
 
 def edge_key(name: str) -> str:
@@ -106,8 +100,8 @@ class TraceBuffer:
         self._dropped_said = 0
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
-        self._header = {"v": TRACE_VERSION, "pid": self.pid, "stage": os.environ.get("IPCSYNC_STAGE", ""),
-                        "replica": os.environ.get("IPCSYNC_REPLICA", "")}
+        self._header = {"v": TRACE_VERSION, "pid": self.pid, "stage": STAGE.get() or "",
+                        "replica": REPLICA.get() or ""}
         self._started = False
 
     def start(self) -> None:
@@ -196,16 +190,12 @@ def tracer_for(name: str) -> EdgeTracer | None:
     """The tracer of the endpoint named ``name``, or None when this
     process is not traced (no ``$IPCSYNC_TRACE_DIR``): the endpoints' hooks then skip."""
     global _buffer
-    directory = os.environ.get(ENV_TRACE)
+    directory = TRACE_DIR.get()
     if not directory:
         return None
     with _buffer_lock:
         if _buffer is None or _buffer.pid != os.getpid():
-            try:
-                cap = int(os.environ.get(ENV_TRACE_MAX, DEFAULT_TRACE_MAX))
-            except ValueError:
-                cap = DEFAULT_TRACE_MAX
-            _buffer = TraceBuffer(directory, max_events=max(0, cap), interval=_interval())
+            _buffer = TraceBuffer(directory, max_events=TRACE_MAX_EVENTS.get(), interval=TELEMETRY_INTERVAL.get())
             _buffer.start()
         return EdgeTracer(_buffer, edge_key(name))
 
@@ -215,17 +205,18 @@ _publisher_started = False
 
 def publish_periodically(name: str, report: Callable[[], dict[str, Any]]) -> bool:
     """With ``$IPCSYNC_TELEMETRY_DIR`` set, write ``report()`` to ``<dir>/<name>.json`` every
-    interval and at exit (once per process; later calls do nothing). False when off."""
+    interval and at exit (once per process; later calls do nothing). False when off.
+    ConfigError for a ``$IPCSYNC_TELEMETRY_INTERVAL`` that is not seconds from 0.01 to 3600."""
     global _publisher_started
-    directory = os.environ.get(ENV_TELEMETRY)
+    directory = TELEMETRY_DIR.get()
     if not directory:
         return False
+    interval = TELEMETRY_INTERVAL.get()
     with _buffer_lock:
         if _publisher_started:
             return True
         _publisher_started = True
     path = os.path.join(directory, f"{name}.json")
-    interval = _interval()
     # One write at a time, none after the final one: a periodic write landing after the
     # exit's would leave a stale, non-final snapshot as the last word.
     write_lock = threading.Lock()

@@ -1128,6 +1128,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # strategies' registry (core.waits, pure: the spec accepts the modes it names). No
 # endpoint, backend, channel, torch or zmq.
 LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
+                    "ipcsync.envopts", "ipcsync.stage_contract",  # the switches' table, the launcher-stage contract
                     "ipcsync.core", "ipcsync.core.waits",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
                     "ipcsync.launch.config", "ipcsync.launch.commands", "ipcsync.launch.__main__"}

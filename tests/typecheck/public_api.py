@@ -6,7 +6,7 @@ precise type, a user gets it, not ``Any``. (Tensors and ``meta`` of a message ar
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, KeysView
+from typing import Any, ContextManager, KeysView, Literal, Mapping
 
 import torch
 from typing_extensions import assert_type
@@ -17,7 +17,18 @@ import ipcsync
 def producer_side(out: ipcsync.Producer, x: torch.Tensor) -> None:
     assert_type(out.send({"x": x}, meta={"step": 1}, timeout=1.0), int)
     assert_type(out.consumers, int)
-    assert_type(out.stats(), dict[str, Any])
+    stats = out.stats()
+    assert_type(stats, ipcsync.ProducerStats)
+    assert_type(stats.handoffs, int)
+    assert_type(stats.bytes_per_s, float)
+    assert_type(stats.latency_s, ipcsync.Latency)
+    assert_type(stats.latency_s.p99, float | None)
+    assert_type(stats.occupancy, ipcsync.Occupancy)
+    assert_type(stats.occupancy.free, int)
+    assert_type(stats.waiting_s, Mapping[str, float])
+    assert_type(stats.role, Literal["producer"])
+    assert_type(stats["handoffs"], Any)  # the mapping of its fields, as before
+    assert_type(stats.as_dict(), dict[str, Any])
     assert_type(out.slot(x=((4,), torch.uint8)), ContextManager[ipcsync.SlotWriter])
     with out.slot(x=((4,), torch.uint8)) as s:
         assert_type(s, ipcsync.SlotWriter)
@@ -41,7 +52,16 @@ async def producer_async(out: ipcsync.Producer, x: torch.Tensor) -> None:
 def consumer_side(inp: ipcsync.Consumer, fan: ipcsync.FanIn) -> None:
     assert_type(inp.get(timeout=1.0), ipcsync.Item | None)
     assert_type(fan.get(), ipcsync.Item | None)
-    assert_type(inp.stats(), dict[str, Any])
+    stats = inp.stats()
+    assert_type(stats, ipcsync.ConsumerStats)
+    assert_type(stats.lane, bool)
+    assert_type(stats.kept, int)
+    assert_type(stats.latency_s.p50, float | None)
+    assert_type(stats.get("lane"), Any | None)
+    fan_stats = fan.stats()
+    assert_type(fan_stats, ipcsync.FanInStats)
+    assert_type(fan_stats.sources, Mapping[str, ipcsync.ConsumerStats])
+    assert_type(fan_stats.waiting_s["producer"], float)
     assert_type(inp.producer_pid, int | None)
     assert_type(fan.consumers, list[ipcsync.Consumer])
     for item in inp:

@@ -53,5 +53,6 @@ def check(item: ipcsync.Item, i: int, size: int, device: str = "cpu") -> str | N
 
 
 def plain(x: Any) -> Any:
-    """``x`` as JSON would give it back (stats dicts with odd values included)."""
-    return json.loads(json.dumps(x, default=str))
+    """``x`` as JSON would give it back (a stats snapshot as its ``as_dict()``, odd values
+    as text)."""
+    return json.loads(json.dumps(x, default=lambda v: v.as_dict() if hasattr(v, "as_dict") else str(v)))
