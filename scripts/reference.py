@@ -2,7 +2,7 @@
 signatures of ipcsync's public names (``ipcsync.__all__``, ``ipcsync.stage``,
 ``ipcsync.data``), the spec keys ``ipcsync.launch.spec`` accepts (``TOP_KEYS``,
 ``STAGE_KEYS``, ``EDGE_KEYS``), the command-line parsers of ``ipcsync-run`` and
-``ipcsync doctor``, and the environment variables listed in ``ENVIRONMENT`` below.
+``ipcsync doctor``, and the environment variables of ``ipcsync.envopts.SWITCHES``.
 
     python3 scripts/reference.py            # rewrite docs/reference.md
     python3 scripts/reference.py --check    # exit 1 if docs/reference.md is not what it would write
@@ -38,6 +38,7 @@ GROUPS: list[tuple[str, list[str]]] = [
     ("CUDA tensors between processes, without a ring", ["IpcEvent", "export_tensor", "import_tensor"]),
     ("Errors", ["IpcSyncError", "ProtocolError", "PeerLostError", "ProducerFailedError", "ClosedError",
                 "IpcTimeoutError", "ConfigError", "BackendError", "ItemWrittenError", "SlotKeptError"]),
+    ("Statistics", ["ProducerStats", "ConsumerStats", "FanInStats", "Latency", "Occupancy"]),
     ("Constants", ["Limits", "PROTOCOL_VERSION", "__version__"]),
 ]
 MODULES = ["ipcsync.stage", "ipcsync.data"]  # public modules: every name of their __all__
@@ -48,71 +49,6 @@ PROTOCOLS = {
     "__iter__": "`for`", "__next__": "`next()`", "__aiter__": "`async for`", "__getitem__": "`obj[key]`",
 }
 
-# The IPCSYNC_ variables the package reads: (name, default, meaning). Those a user may set,
-# then those ipcsync-run sets in every stage process (a spec's `env` cannot set them).
-ENVIRONMENT: list[tuple[str, str, str]] = [
-    ("IPCSYNC_RUNTIME_DIR", "`$XDG_RUNTIME_DIR/ipcsync`, else `/tmp/ipcsync-<uid>`",
-     "the private directory (mode 0700, owned by you) where bare endpoint names become ipc sockets and "
-     "`ipcsync-run` keeps its run directories; the same for producers and consumers. A value that is not "
-     "such a directory is a `ConfigError` that says why."),
-    ("IPCSYNC_LOG_LEVEL", "unset (Python's default: warnings and errors)",
-     "level of the `ipcsync.*` loggers (`debug`, `info`, `warning`, `error`, `critical`), applied only "
-     "when the program configured no logging itself; `ipcsync-run --log-level` sets it for every stage. "
-     "Another value is reported (a warning) and ignored."),
-    ("IPCSYNC_LANE", "`1`",
-     "`1`: same-host ipc edges carry their per-item frames on a unix-socket lane once connected; `0`: every "
-     "frame on ZeroMQ. Any other value is a `ConfigError`."),
-    ("IPCSYNC_NATIVE", "`1` (where the C extension is built)",
-     "`0`: copy with torch instead of the compiled copy-and-record. Read once, at import; any other value "
-     "is a `ConfigError`."),
-    ("IPCSYNC_CUDA_VMM", "`0`",
-     "`1`: a CUDA producer shares its memory by descriptor (CUDA's virtual memory API, mapped read-only by "
-     "consumers) where the driver can; otherwise, and with any other value, by CUDA IPC handle. "
-     "`ipcsync doctor` says which one a producer uses and why."),
-    ("IPCSYNC_CPU_DESCRIPTORS", "`0`",
-     "`1`: the CPU backend shares its memory by descriptor (sealed memfds sent over the lane) instead of "
-     "by `/dev/shm` name: the descriptor path without a GPU (the test suite's route to it). Any other "
-     "value: off."),
-    ("IPCSYNC_HOST_ID", "unset",
-     "appended to this host's boot id in the handshake: processes of one machine with different values "
-     "count as different hosts, so their edges become remote edges."),
-    ("IPCSYNC_REMOTE_TIMEOUT", "`120`",
-     "seconds one rendezvous or one item's transfer of a remote edge may take before the edge counts as "
-     "lost. A value that is not a positive number is a `ConfigError`."),
-    ("IPCSYNC_REMOTE_TRANSPORT", "`auto`",
-     "a producer's remote edges: `auto` (NCCL between two CUDA ends, else gloo) or `gloo` (gloo for CUDA "
-     "pairs too). Any other value is a `ConfigError`."),
-    ("IPCSYNC_REMOTE_ADDR", "this host's name (`socket.getfqdn()`)",
-     "the address a producer bound to every interface (`tcp://*:PORT`) tells remote consumers to reach "
-     "it at."),
-    ("IPCSYNC_NODE_TIMEOUT", "`30`",
-     "`ipcsync-run --nnodes`: seconds a node may stay silent before the others count it as lost. A value "
-     "that is not a positive number is a `ConfigError`."),
-    ("IPCSYNC_RDZV_SECRET", "unset",
-     "`ipcsync-run --nnodes`: the run's rendezvous secret, instead of `--rdzv-secret-file`; the launcher "
-     "does not pass it on to the stages."),
-    ("IPCSYNC_TRACE_MAX_EVENTS", "`1000000`",
-     "under `ipcsync-run --trace`: the most handoff events one process writes to the trace (a value "
-     "that is not an integer: the default)."),
-]
-LAUNCHER_ENVIRONMENT: list[tuple[str, str, str]] = [
-    ("IPCSYNC_WIRING", "-", "the stage's wiring (JSON): its name, replica, device and edges; what "
-     "`ipcsync.stage` reads. Without it `stage.info()`, `input()` and `output()` raise `ConfigError`."),
-    ("IPCSYNC_STAGE", "-", "the stage's name."),
-    ("IPCSYNC_REPLICA", "-", "the replica's index, from 0."),
-    ("IPCSYNC_DEVICE", "-", "the replica's device (`cpu`, `cuda:N`)."),
-    ("IPCSYNC_RUN_ID", "-", "the attempt's run id: shared-memory segments are tagged with it, so the "
-     "launcher removes what a stage left behind."),
-    ("IPCSYNC_TELEMETRY_DIR", "-", "with `--monitor` or `--stats-file`: where each stage writes its "
-     "stats snapshots."),
-    ("IPCSYNC_TELEMETRY_INTERVAL", "`0.5`", "seconds between those snapshots and trace flushes (0.01 to "
-     "3600; another value: the default)."),
-    ("IPCSYNC_TRACE_DIR", "-", "with `--trace`: where each stage writes its handoff events."),
-    ("IPCSYNC_MPS_PIPE", "-", "with a private MPS daemon: its pipe directory; each CUDA process checks "
-     "that it joined that daemon."),
-    ("IPCSYNC_MPS_CONTROL", "-", "with a private MPS daemon: the `nvidia-cuda-mps-control` program it was "
-     "started with."),
-]
 
 INTRO = """\
 # API reference
@@ -555,17 +491,23 @@ def launcher_part(page: Page) -> None:
 
 
 def environment_part(page: Page) -> None:
+    """The ``IPCSYNC_*`` variables, from their one table (``ipcsync.envopts.SWITCHES``)."""
+    from ipcsync.envopts import SWITCHES
+
     page.add("## Environment variables", "")
-    page.para(["Read by ipcsync processes when the library needs them:"])
-    page.add("| Variable | Default | Meaning |", "|---|---|---|")
-    for name, dflt, meaning in ENVIRONMENT:
-        page.add(f"| `{name}` | {dflt} | {cell(meaning)} |")
+    page.para(["Read by ipcsync processes when the library needs them; unset or blank means the default, "
+               "and a value the variable does not accept is a `ConfigError` naming it:"])
+    page.add("| Variable | Accepts | Default | Meaning |", "|---|---|---|---|")
+    for sw in SWITCHES:
+        if sw.set_by == "you":
+            page.add(f"| `{sw.name}` | {cell(sw.kind.accepts)} | {cell(sw.default_text)} | {cell(sw.meaning)} |")
     page.add("")
     page.para(["Set by `ipcsync-run` in every stage process (what `ipcsync.stage` and the stage's "
                "endpoints read; a spec's `env` cannot set `IPCSYNC_*` names):"])
-    page.add("| Variable | Default | Meaning |", "|---|---|---|")
-    for name, dflt, meaning in LAUNCHER_ENVIRONMENT:
-        page.add(f"| `{name}` | {dflt} | {cell(meaning)} |")
+    page.add("| Variable | Meaning |", "|---|---|")
+    for sw in SWITCHES:
+        if sw.set_by != "you":
+            page.add(f"| `{sw.name}` | {cell(sw.meaning)} |")
     page.add("")
 
 

@@ -68,7 +68,14 @@ class StatsMapping(Mapping[str, Any]):
 
 @dataclass(frozen=True, eq=False)
 class Latency(StatsMapping):
-    """Percentiles of the latest latency samples (seconds; None before the first)."""
+    """Percentiles of the latest latency samples (seconds; None before the first).
+
+    Attributes:
+        p50: the median, seconds.
+        p90: the 90th percentile, seconds.
+        p99: the 99th percentile, seconds.
+        samples: how many samples the percentiles are of (the newest, a bounded window).
+    """
 
     p50: float | None
     p90: float | None
@@ -78,7 +85,14 @@ class Latency(StatsMapping):
 
 @dataclass(frozen=True, eq=False)
 class Occupancy(StatsMapping):
-    """A producer's slots by state (they add up to its slots)."""
+    """A producer's slots by state (they add up to its slots).
+
+    Attributes:
+        free: slots ready for a send.
+        writing: slots a send or a ``slot()`` block is filling.
+        queued: slots sent, waiting for a consumer.
+        in_flight: slots handed out, not yet released by every consumer that holds them.
+    """
 
     free: int  # ready for a send
     writing: int  # a send or a slot() block is filling it
@@ -87,7 +101,11 @@ class Occupancy(StatsMapping):
 
     @classmethod
     def of(cls, counts: Mapping[str, int]) -> Occupancy:
-        """From counts by state name (``core.ring.Ring.occupancy``)."""
+        """From counts by state name (``core.ring.Ring.occupancy``).
+
+        Args:
+            counts: slots by state name: ``free``, ``writing``, ``queued``, ``in_flight``.
+        """
         return cls(free=counts["free"], writing=counts["writing"], queued=counts["queued"],
                    in_flight=counts["in_flight"])
 
@@ -105,7 +123,31 @@ class _Totals(StatsMapping):
 
 @dataclass(frozen=True, eq=False)
 class ProducerStats(_Totals):
-    """``Producer.stats()``."""
+    """``Producer.stats()``.
+
+    Attributes:
+        handoffs: items handed over: sent (producer) or received (consumer).
+        bytes: the bytes of their tensors.
+        elapsed_s: seconds since the endpoint was made (the rates are over it).
+        rate_per_s: handoffs / elapsed_s.
+        bytes_per_s: bytes / elapsed_s.
+        latency_s: send to the last consumer's release (``Latency``).
+        waiting_s: seconds sends waited, by cause: ``slot`` (every slot in use), ``consumer``
+            (no consumer attached), ``release_event`` (a reused slot's readers, on the GPU).
+        role: ``"producer"``.
+        occupancy: the slots by state now (``Occupancy``).
+        consumers: consumers attached now.
+        consumers_attached: consumers that ever attached.
+        consumers_lost: consumers that died or were dropped.
+        consumers_stalled: consumers silent past 1.5 heartbeats but alive, now.
+        consumers_stalled_total: times one fell silent so.
+        bad_frames: frames refused (malformed, out of order, from a stranger).
+        forwarded: items this producer forwarded without a copy (``ipcsync.forward``).
+        forwarded_held: of those, still held by its consumers.
+        layouts_inline: notices that carried an item's full layout (the first of each layout
+            to each consumer; later ones carry its id).
+        lanes: consumers whose frames travel on a lane now.
+    """
 
     latency_s: Latency  # send to the last consumer's release
     waiting_s: Mapping[str, float]  # seconds sends waited, by cause ("slot", "consumer", "release_event")
@@ -125,7 +167,29 @@ class ProducerStats(_Totals):
 
 @dataclass(frozen=True, eq=False)
 class ConsumerStats(_Totals):
-    """``Consumer.stats()``."""
+    """``Consumer.stats()``.
+
+    Attributes:
+        handoffs: items handed over: sent (producer) or received (consumer).
+        bytes: the bytes of their tensors.
+        elapsed_s: seconds since the endpoint was made (the rates are over it).
+        rate_per_s: handoffs / elapsed_s.
+        bytes_per_s: bytes / elapsed_s.
+        latency_s: the producer's send to this consumer's receipt (``Latency``).
+        waiting_s: seconds calls waited, by cause: ``producer`` (no item announced yet),
+            ``event`` (an announced item's data not ready: ``wait="host"``, a remote transfer).
+        role: ``"consumer"``.
+        held: items handed to the program and not released.
+        buffered: items received, not yet handed out.
+        kept: released items whose tensors the program still views (slots not given back).
+        kept_moved: kept items moved out of the ring so that it does not stall.
+        kept_moved_bytes: their bytes.
+        forwarded_out: items this consumer forwarded without a copy, still held downstream.
+        forwarded_lost: forwarded items dropped: their memory could not be opened here.
+        producer_stalled: the producer is silent past 1.5 heartbeats but alive, now.
+        producer_stalled_total: times it fell silent so.
+        lane: whether frames travel on a lane in both directions now.
+    """
 
     latency_s: Latency  # the producer's send to this consumer's receipt
     waiting_s: Mapping[str, float]  # seconds calls waited, by cause ("producer": for an item)
@@ -144,7 +208,18 @@ class ConsumerStats(_Totals):
 
 @dataclass(frozen=True, eq=False)
 class FanInStats(_Totals):
-    """``FanIn.stats()``: totals over the sources, and each one's own snapshot."""
+    """``FanIn.stats()``: totals over the sources, and each one's own snapshot.
+
+    Attributes:
+        handoffs: items handed over: sent (producer) or received (consumer).
+        bytes: the bytes of their tensors.
+        elapsed_s: seconds since the longest-lived source was made.
+        rate_per_s: handoffs / elapsed_s.
+        bytes_per_s: bytes / elapsed_s.
+        waiting_s: seconds calls waited for an item from any source (``producer``).
+        role: ``"fanin"``.
+        sources: each source's own ``ConsumerStats``, by source label (``Item.source``).
+    """
 
     waiting_s: Mapping[str, float]  # seconds calls waited for an item from any source ("producer")
     role: Literal["fanin"]
