@@ -30,7 +30,7 @@ def test_a_malformed_handle_of_the_kind_is_refused(fields: list[Any]) -> None:
 
 
 @given(st.one_of(st.binary(max_size=80), st.text(max_size=20),
-                 st.builds(msgpack.packb, st.recursive(st.integers() | st.text(max_size=8) | st.binary(max_size=8),
+                 st.builds(msgpack.packb, st.recursive(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
                                                        lambda c: st.lists(c, max_size=4), max_leaves=10))))
 def test_whatever_a_peer_sends_is_none_a_size_or_a_backend_error(handle: Any) -> None:
     for parse in (cpu_size, vmm_size):
