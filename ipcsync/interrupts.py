@@ -16,7 +16,7 @@ lands, by the frame it interrupted:
   wait: the functions marked ``wait_point``), it raises KeyboardInterrupt at once, as
   Python's default handler does;
 - anywhere else in ipcsync (its *protected* code: every module of the package except the
-  command lines ``launch/``, ``doctor.py`` and ``__main__.py``), it defers it: a helper
+  command lines ``launch/``, ``doctor/`` and ``__main__.py``), it defers it: a helper
   thread (``ipcsync-ctrl-c``) signals the main thread again (``_thread.interrupt_main``),
   and again, until the handler finds it outside protected code: in practice within a few
   milliseconds, once the call in progress has finished its transition or reached a wait.
@@ -81,7 +81,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Parts of the package that are command lines, not endpoints: looked through.
-_NOT_PROTECTED = (_PKG + "launch" + os.sep, _PKG + "doctor.py", _PKG + "__main__.py")
+_NOT_PROTECTED = (_PKG + "launch" + os.sep, _PKG + "doctor" + os.sep, _PKG + "__main__.py")
 _DEPENDENCIES = ("torch", "zmq", "msgpack", "numpy")
 
 _OURS, _THROUGH, _PROGRAM = 0, 1, 2

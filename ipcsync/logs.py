@@ -4,7 +4,7 @@ Every module of the library logs through ``logging.getLogger(__name__)``: logger
 ``ipcsync.<module>`` (``ipcsync.producer``, ``ipcsync.runtime.peers``, ...), all below the
 ``ipcsync`` logger; the library never prints (``tests/unit/test_logging_rules.py``). Only
 the command lines write to stdout/stderr themselves: their output is the program's
-output, not library logging (see ``launch/cli.py`` and ``doctor.py``).
+output, not library logging (see ``launch/cli.py`` and ``doctor/cli.py``).
 
 ``$IPCSYNC_LOG_LEVEL`` (``ipcsync-run --log-level`` sets it for every stage) is applied by
 ``apply_env_level()``, which the endpoints call once per process, and only where the

@@ -1,7 +1,8 @@
 """The library logs through ``logging`` only: no ``print`` and no writes to
 ``sys.stdout``/``sys.stderr`` outside the command lines, whose output is program output
 (``ipcsync-run``: launch/cli.py, the supervisor's relay and status lines, the monitor's lines and
-the MPS watchdog's (launch/mps_daemon.py); ``ipcsync doctor``: doctor.py; ``python -m
+the MPS watchdog's (launch/mps_daemon.py); ``ipcsync doctor``: doctor/cli.py
+and its probe processes' JSON lines, doctor/probe.py; ``python -m
 ipcsync``: __main__.py); every logger is named after its
 module (``ipcsync.*``). Checked on the AST of every module."""
 
@@ -17,8 +18,8 @@ from ipcsync.errors import ConfigError
 from ipcsync.logs import LEVELS, parse_level
 
 PKG = Path(__file__).resolve().parents[2] / "ipcsync"
-CLI_MODULES = {"launch/cli.py", "launch/supervisor.py", "launch/monitor.py", "launch/mps_daemon.py", "doctor.py",
-               "__main__.py"}
+CLI_MODULES = {"launch/cli.py", "launch/supervisor.py", "launch/monitor.py", "launch/mps_daemon.py", "doctor/cli.py",
+               "doctor/probe.py", "__main__.py"}
 MODULES = sorted(p for p in PKG.rglob("*.py"))
 
 

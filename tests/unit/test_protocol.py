@@ -296,14 +296,14 @@ FIELD_KINDS: dict[type, list[str]] = {
 def test_field_kind_table_matches_schema() -> None:
     assert set(FIELD_KINDS) == set(P.SCHEMAS)
     for cls, kinds in FIELD_KINDS.items():
-        assert len(kinds) == len(P.SCHEMAS[cls]) == len(P._FIELDS[cls]), cls
+        assert len(kinds) == len(P.SCHEMAS[cls]) == len(P.FIELDS[cls]), cls
 
 
 def _bad_field_cases() -> list[Any]:
     cases = []
     for msg in ALL:
         cls = type(msg)
-        for i, (name, kind) in enumerate(zip(P._FIELDS[cls], FIELD_KINDS[cls])):
+        for i, (name, kind) in enumerate(zip(P.FIELDS[cls], FIELD_KINDS[cls])):
             for j, bad in enumerate(_KINDS[kind]):
                 cases.append(pytest.param(msg, i, bad, id=f"{cls.__name__}.{name}-{kind}{j}"))
     return cases
@@ -314,7 +314,7 @@ def test_wrong_field_value(msg: Any, index: int, bad: Any) -> None:
     cls = type(msg)
     fields = raw_fields(msg)
     fields[1 + index] = bad
-    name = P._FIELDS[cls][index]
+    name = P.FIELDS[cls][index]
     # msgpack's own container cap is raised here so the per-field limits are what fires.
     with pytest.raises(ProtocolError) as info:
         decode(pack(fields), Limits(max_items=1 << 16))
@@ -332,7 +332,7 @@ def test_wrong_field_value(msg: Any, index: int, bad: Any) -> None:
     [("pid", 2**62), ("credits", 0), ("heartbeat_ms", 0), ("device", None), ("device", "x" * 4096)],
 )
 def test_boundary_values_are_accepted(field: str, value: Any) -> None:
-    msg = Hello(**{**{f: getattr(HELLO, f) for f in P._FIELDS[Hello]}, field: value})
+    msg = Hello(**{**{f: getattr(HELLO, f) for f in P.FIELDS[Hello]}, field: value})
     assert decode(encode(msg)) == msg
 
 
@@ -1178,7 +1178,7 @@ def test_a_deeply_nested_frame_is_a_protocol_error_not_a_recursion_error(depth: 
 
 
 def test_a_bad_value_is_described_briefly_however_large() -> None:
-    from ipcsync.core.protocol import _describe
+    from ipcsync.core.protocol import describe
 
-    assert len(_describe(list(range(1_000_000)))) < 80
-    assert len(_describe({str(i): i for i in range(100_000)})) < 80
+    assert len(describe(list(range(1_000_000)))) < 80
+    assert len(describe({str(i): i for i in range(100_000)})) < 80
