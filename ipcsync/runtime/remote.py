@@ -57,7 +57,7 @@ from ..core.remote_session import (
 from ..envopts import HOST_ID, REMOTE_ADDR, REMOTE_TIMEOUT, REMOTE_TRANSPORT
 from ..errors import BackendError, ConfigError
 from .bounded import within
-from .channel import Endpoint
+from .address import Endpoint
 from .foreign import Wake
 from .host import host_identity
 from .sealed_store import SealedStore, serve_store
