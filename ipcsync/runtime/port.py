@@ -40,10 +40,8 @@ from ..core.stats import Occupancy, ProducerStats, Stats
 from ..core.waits import wait_strategy
 from ..errors import ClosedError, ConfigError, IpcTimeoutError, ProtocolError
 from . import aio, closing, host
-from .address import resolve_endpoint
 from .admission import credentials_problem, hello_problem, is_remote, watch_for
-from .curve import CurveKeys, check_transport
-from .producer_channel import ProducerChannel
+from .channel import CurveKeys, ProducerChannel, check_transport, resolve_endpoint
 from .closing import DEFAULT_LINGER, Linger, failure_text, kept_words
 from .endpoint import EndpointBase, check_positive_int
 from .forwarder import Forwarder
