@@ -15,11 +15,12 @@ import torch
 from . import limits
 from .core import protocol as P
 from .core.stats_types import ProducerStats
-from .item import AsyncSlotEntry, SlotWriter, SlotEntry
+from .item import SlotWriter
 from .runtime.channel import CurveKeys, Endpoint
 from .runtime.closing import DEFAULT_LINGER, Linger
 from .runtime.endpoint import UNSET, Unset, bind_hot
 from .runtime.port import ProducerPort
+from .slot_entry import AsyncSlotEntry, SlotEntry
 
 __all__ = ["Producer", "SlotWriter"]
 

@@ -156,6 +156,7 @@ if str(ROOT) not in sys.path:
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 import benchchart  # noqa: E402  (imports matplotlib only to draw, for --plot)
+from benchdevice import sync, touch  # noqa: E402
 from benchprocs import START_METHODS, ProcsError, context, use_start_method  # noqa: E402
 
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "64M": 64 << 20, "256M": 256 << 20}
@@ -193,14 +194,14 @@ def _ipc_consumer(endpoint: str, n: int, device: str, wait: str, results: Any, r
                           keep_refs_check=refs_check) as inp:
         t0 = None
         for k, item in enumerate(inp):
-            _touch(item["x"])  # (no view kept past the loop: see Consumer._let_go_of_memory)
+            touch(item["x"])  # (no view kept past the loop: see Consumer._let_go_of_memory)
             now = time.monotonic_ns()
             if t0 is None:
                 t0 = time.perf_counter()
             lat.append((now - item.meta) / 1e9)
             if k + 1 == n:
                 break
-        _sync(device)
+        sync(device)
         elapsed = time.perf_counter() - t0
     results.put((n - 1) / elapsed if n > 1 else float("nan"))
     results.put(lat)
@@ -219,39 +220,16 @@ def _mpq_consumer(q: Any, n: int, device: str, results: Any) -> None:
     t0 = None
     for _ in range(n):
         x, sent = q.get()
-        _touch(x)
+        touch(x)
         now = time.monotonic_ns()
         if t0 is None:
             t0 = time.perf_counter()
         lat.append((now - sent) / 1e9)
         del x
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - t0
     results.put((n - 1) / elapsed if n > 1 else float("nan"))
     results.put(lat)
-
-
-_SINKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _touch(x: torch.Tensor) -> None:
-    # Read one byte on the tensor's device: proves the data is reachable without a host sync
-    # on CUDA (a 1-byte copy into a preallocated buffer, queued on the stream). Not
-    # x[:1].sum(): a reduction costs ~26 us of host time per call on the H200's host (it
-    # allocates its output and launches a reduce kernel), more than the handoff measured.
-    # Every method touches its items the same way.
-    if x.is_cuda:
-        sink = _SINKS.get(x.device)
-        if sink is None:
-            sink = _SINKS[x.device] = torch.empty(1, dtype=x.dtype, device=x.device)
-        sink.copy_(x[:1])
-    else:
-        int(x[0])
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------ runners
@@ -291,15 +269,15 @@ def _event_get(ev: Any) -> Callable[[float], Any]:
 
 def run_ipcsync(nbytes: int, n: int, slots: int, mode: str, device: str, wait: str,
                 refs_check: bool = True, keep: int = 0) -> tuple[float, list[float]]:
-    """``keep``: the consumer keeps the views of its last ``keep`` items (scripts/bench_kept.py)."""
-    import bench_kept
+    """``keep``: the consumer keeps the views of its last ``keep`` items (scripts/benchkeep.py)."""
+    import benchkeep
 
     ctx = context()
     endpoint = f"bench-{os.getpid()}-{mode}-{nbytes}-{wait}-{int(refs_check)}-{keep}"
     results, ready = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_ipc_producer, args=(endpoint, nbytes, n, slots, mode, device, wait, ready),
                     name="ipcsync producer")
-    c = ctx.Process(target=bench_kept.kept_consumer if keep else _ipc_consumer,
+    c = ctx.Process(target=benchkeep.kept_consumer if keep else _ipc_consumer,
                     args=(endpoint, n, device, wait, results, refs_check, *((keep,) if keep else ())),
                     name="ipcsync consumer")
     try:
@@ -333,11 +311,11 @@ def run_host_copy(nbytes: int, n: int, device: str) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     return n / (time.perf_counter() - t0)
 
 

@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from bench_latency import child_device
+from benchdevice import child_device
 from benchprocs import ProcsError, load_example, report, run_procs, spawn
 
 METHODS = ("single", "alone", "ipcsync", "mpq")

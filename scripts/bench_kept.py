@@ -11,8 +11,9 @@ every item: ipcsync copies the kept item's bytes out of its slot into memory of 
 ``scripts/bench.py``'s handoff rows (``--keep both``): "ipcsync send" / "ipcsync slot"
 (nothing kept) and "... keeps views" (kept); see bench.py for how a row is measured.
 
-This script runs them for several devices in one run (``--devices cpu,cuda``; a device
-missing here is skipped with a line saying so) at 4 KiB and 64 MiB by default.
+The keeping consumer is ``benchkeep.kept_consumer``. This script runs them for several
+devices in one run (``--devices cpu,cuda``; a device missing here is skipped with a line
+saying so) at 4 KiB and 64 MiB by default.
 
 Usage:
     python3 scripts/bench_kept.py [--devices cpu,cuda] [--sizes 4K,64M] [--quick] [--slots 4]
@@ -22,43 +23,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from typing import Any
 
 import torch
-
-
-def kept_consumer(endpoint: str, n: int, device: str, wait: str, results: Any, refs_check: bool = True,
-                  keep: int = 4) -> None:
-    """bench.py's consumer, keeping the views of the last ``keep`` items."""
-    import ipcsync
-    from bench import _sync, _touch
-
-    lat = []
-    kept: list[torch.Tensor] = []
-    with ipcsync.Consumer(endpoint, device=device, wait=wait, heartbeat=None, timeout=60,
-                          keep_refs_check=refs_check) as inp:
-        t0 = None
-        for k, item in enumerate(inp):
-            x = item["x"]
-            _touch(x)
-            kept.append(x)  # a view, kept past the item's release (no clone)
-            if len(kept) > keep:
-                del kept[0]
-            del x
-            now = time.monotonic_ns()
-            if t0 is None:
-                t0 = time.perf_counter()
-            lat.append((now - item.meta) / 1e9)
-            if k + 1 == n:
-                break
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        moved = inp.stats()["kept_moved"]
-    assert moved > 0 or n <= keep, "the kept views were never moved out of the ring"
-    kept.clear()
-    results.put((n - 1) / elapsed if n > 1 else float("nan"))
-    results.put(lat)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from bench_latency import child_device
+from benchdevice import child_device
 from benchprocs import ProcsError, load_example, report, run_procs, spawn
 
 KV = load_example("kv_handoff/kv")

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from benchdevice import child_device, touch  # every suite reads its items alike
 from benchprocs import ProcsError, context
-from bench import _touch  # the handoff suite's 1-byte touch: every suite reads its items alike
 
 LAT_SIZES = ("4K", "1M")
 READS = (False, True)
@@ -51,22 +51,13 @@ def _entry(results: Any, role: str, fn: Callable[..., Any], kwargs: dict[str, An
     results.put(("ok", role, value))
 
 
-def child_device(device: str) -> torch.device:
-    """This process's device, made current on CUDA (an explicit index)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", dev.index or 0)
-        torch.cuda.set_device(dev)
-    return dev
-
-
 def _receive(y: torch.Tensor, read: bool) -> None:
     if read:
         v = int(y[0])
         if v != 1:
             raise AssertionError(f"answer read {v}, expected 1")
     else:
-        _touch(y)
+        touch(y)
 
 
 # ------------------------------------------------------------------ ipcsync

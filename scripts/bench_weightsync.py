@@ -46,7 +46,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from bench_latency import child_device
+from benchdevice import child_device
 from benchprocs import ProcsError, load_example, report, run_procs, spawn
 
 METHODS = ("ipcsync", "zmq", "mpq")

@@ -17,7 +17,8 @@ Lifecycle of one attempt (torchrun's elastic agent is the model; one method each
    ``contain`` (the launcher), SIGKILL to every remaining descendant of the launcher
    (daemons that left their group: the launcher is a child subreaper, so they are its
    descendants); then the run directory and every shared-memory segment tagged with the
-   run id are removed.
+   run id are removed. What removes processes, directories and segments, here and after
+   a launcher that was killed, is ``launch.cleanup``.
 
 Invariants: nothing of an attempt outlives ``close`` (no process in its groups, with
 ``contain`` no descendant at all, no socket file, no /dev/shm segment of its run id); a
@@ -37,12 +38,10 @@ GPU streams, so partners are restarted too, never reconnected.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -51,9 +50,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from ..errors import ConfigError
-from ..runtime import files, host
-from ..runtime.shm import remove_run_segments
-from ..stage_contract import RUN_ID, STATS_DIR
+from ..runtime import host
+from ..stage_contract import STATS_DIR
+from .cleanup import (
+    OWNER_FILE, kill_descendants, reap_orphans, remove_run, set_child_subreaper, sweep_abandoned, write_owner,
+)
 from .plan import Instance, Plan, stage_environ
 from .reports import failure_report, incomplete_line, read_incomplete, read_stats
 from .summary import summarize
@@ -67,10 +68,7 @@ log = logging.getLogger(__name__)
 _READ_CHUNK = 65536
 _MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
 _PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-_OWNER = "owner.json"
 _PEER_FAILURE_GRACE = 3.0  # seconds to find the stage a consequence-failure came from
-_KILL_WAIT = 5.0  # seconds for SIGKILLed processes to be gone
 _ORPHAN_REAP_INTERVAL = 1.0  # seconds between reaping orphans re-parented to the launcher
 
 
@@ -203,7 +201,7 @@ class Supervisor:
         os.set_blocking(wfd, False)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-        if self._contain and not _set_child_subreaper():
+        if self._contain and not set_child_subreaper():
             self._say("cannot become a child subreaper here (not Linux?): processes that a stage "
                       "daemonizes are not stopped with it")
         try:
@@ -257,9 +255,9 @@ class Supervisor:
         os.chmod(run_dir, 0o700)
         owner: dict[str, Any] = {"pid": os.getpid(), "start_time": host.start_time(os.getpid()), "stages": []}
         try:
-            _write_owner(run_dir, owner)  # for sweep_abandoned
+            write_owner(run_dir, owner)  # for sweep_abandoned
         except OSError as exc:
-            _remove_run(run_dir, run_id)
+            remove_run(run_dir, run_id)
             raise ConfigError(f"cannot write to the runtime directory {self._base} ({exc.strerror or exc}): free "
                               "space there, or set IPCSYNC_RUNTIME_DIR to a directory with room") from None
         sel = selectors.DefaultSelector()
@@ -295,11 +293,11 @@ class Supervisor:
         launcher is killed); a full runtime directory is said once, not fatal."""
         a.owner["stages"].append({"label": label, "pid": pid, "start_time": host.start_time(pid), "pgid": pid})
         try:
-            _write_owner(a.run_dir, a.owner)
+            write_owner(a.run_dir, a.owner)
         except OSError as exc:
             if not a.owner_said:
                 a.owner_said = True
-                self._say(f"cannot update {_OWNER} in {a.run_dir} ({exc.strerror or exc}): if this "
+                self._say(f"cannot update {OWNER_FILE} in {a.run_dir} ({exc.strerror or exc}): if this "
                           "launcher is killed, a later one may not find every stage to stop")
 
     def _poll(self, a: _Attempt) -> None:
@@ -313,7 +311,7 @@ class Supervisor:
             if self._observer is not None:
                 self._observer.tick(a.run_id, a.run_dir, stages)
             if self._contain and time.monotonic() >= next_orphan_reap:
-                _reap_orphans(self._popen_pids())
+                reap_orphans(self._popen_pids())
                 next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
             if self._signal is not None:
                 self._interrupted(a, self._signal)
@@ -368,7 +366,7 @@ class Supervisor:
         self._stop(a.sel, death_sig=None if a.interrupted is not None else signal.SIGTERM,
                    timeout=self._stop_timeout)
         if self._contain:
-            left = _kill_descendants(self._popen_pids())
+            left = kill_descendants(self._popen_pids())
             if left:
                 self._say(
                     f"killed {len(left)} process(es) that the stages left running outside their "
@@ -389,7 +387,7 @@ class Supervisor:
         if self._observer is not None and a.plan is not None:
             self._observer.finish(a.run_id, a.run_dir, [s.name for s in a.plan.spec.stages],
                                   {p.popen.pid: p.inst.label for p in self._procs if p.popen is not None})
-        _remove_run(a.run_dir, a.run_id)
+        remove_run(a.run_dir, a.run_id)
         a.sel.close()
         return Outcome(a.code, a.cause, a.interrupted, a.final, stats, bool(unwritten))
 
@@ -633,208 +631,3 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
-
-
-def _remove_run(run_dir: str, run_id: str) -> None:
-    """Remove the run directory (sockets, locks, reports) and the run's shm segments."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    remove_run_segments(run_id)
-
-
-def _write_owner(run_dir: str, owner: dict[str, Any]) -> None:
-    """Replace the run's owner.json atomically (a reader sees the old or the new one)."""
-    files.write_atomic(os.path.join(run_dir, _OWNER), json.dumps(owner))
-
-
-def _set_child_subreaper() -> bool:
-    """Make orphaned descendants re-parent to this process instead of init (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        status: int = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        return status == 0
-    except (OSError, AttributeError):
-        return False
-
-
-@dataclass(frozen=True)
-class _PStat:
-    pid: int
-    state: str
-    ppid: int
-    pgrp: int
-    start: int
-    comm: str
-
-
-def _proc_table() -> dict[int, _PStat]:
-    """Every process this process can see, from /proc/<pid>/stat."""
-    table = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return {}
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        close = data.rfind(b")")
-        fields = data[close + 2 :].split()
-        try:
-            table[int(entry)] = _PStat(
-                int(entry), fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]),
-                data[data.find(b"(") + 1 : close].decode(errors="replace"),
-            )
-        except (IndexError, ValueError):
-            continue
-    return table
-
-
-def _descendants(root: int, table: dict[int, _PStat]) -> list[_PStat]:
-    children: dict[int, list[_PStat]] = {}
-    for st in table.values():
-        children.setdefault(st.ppid, []).append(st)
-    found, todo = [], [root]
-    while todo:
-        for st in children.get(todo.pop(), []):
-            if st.pid != root:
-                found.append(st)
-                todo.append(st.pid)
-    return found
-
-
-def _reap_orphans(keep: set[int]) -> None:
-    """Reap zombie children of this process that are no stage leader (orphans re-parented
-    to the subreaper), so that they do not pile up during a long run."""
-    me = os.getpid()
-    for st in _proc_table().values():
-        if st.ppid == me and st.state == "Z" and st.pid not in keep:
-            try:
-                os.waitpid(st.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-
-
-def _kill_descendants(keep: set[int]) -> list[tuple[int, str]]:
-    """SIGKILL every descendant of this process but the unreaped stage leaders ``keep``
-    (their Popen reaps them) and reap those re-parented to it; wait up to _KILL_WAIT s
-    until none is left. Returns (pid, command name) of those killed."""
-    me = os.getpid()
-    killed: dict[int, str] = {}
-    deadline = time.monotonic() + _KILL_WAIT
-    while True:
-        left = [st for st in _descendants(me, _proc_table()) if st.pid not in keep]
-        if not left:
-            break
-        for st in left:
-            if st.state != "Z":
-                try:
-                    os.kill(st.pid, signal.SIGKILL)
-                    killed.setdefault(st.pid, st.comm)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            if st.ppid == me:
-                try:
-                    os.waitpid(st.pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.01)
-    return sorted(killed.items())
-
-
-def _environ_has(pid: int, needle: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
-        return False
-    return needle in env.split(b"\0")
-
-
-def _processes_of_run(owner: dict[str, Any], run_id: str) -> list[_PStat]:
-    """Live processes of a run whose launcher is gone: every member of a recorded stage
-    process group whose leader (pid and start time) still runs, and every process whose
-    environment carries the run's IPCSYNC_RUN_ID (members of groups whose leader died,
-    daemons that left their group). Only this user's processes are looked at."""
-    uid = os.getuid()
-    table = {
-        pid: st for pid, st in _proc_table().items()
-        if st.state not in ("Z", "X") and _owned_by(pid, uid) and pid != os.getpid()
-    }
-    groups = set()
-    for rec in owner.get("stages") or []:
-        try:
-            pid, started, pgid = int(rec["pid"]), int(rec["start_time"]), int(rec["pgid"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if host.process_alive(pid, started):  # the group id cannot have been reused
-            groups.add(pgid)
-    needle = f"{RUN_ID.name}={run_id}".encode()
-    return [st for st in table.values() if st.pgrp in groups or _environ_has(st.pid, needle)]
-
-
-def _owned_by(pid: int, uid: int) -> bool:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid == uid
-    except OSError:
-        return False
-
-
-def _kill_run(owner: dict[str, Any], run_id: str) -> tuple[list[_PStat], list[_PStat]]:
-    """SIGKILL what lives of a dead launcher's run; wait until it is gone. Returns
-    (killed, still alive after _KILL_WAIT seconds)."""
-    victims = _processes_of_run(owner, run_id)
-    for st in victims:
-        try:
-            os.kill(st.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + _KILL_WAIT
-    while True:
-        alive = [st for st in victims if host.process_alive(st.pid, st.start)]
-        if not alive or time.monotonic() >= deadline:
-            return victims, alive
-        time.sleep(0.02)
-
-
-def sweep_abandoned(base: str, say: Callable[[str], None] | None = None) -> list[str]:
-    """Clean up after launchers that died without doing it (SIGKILL): for each run
-    directory whose launcher is gone, kill every process of that run still alive (a stage
-    that ignored the parent-death SIGTERM, its helpers), then remove the directory and
-    the run's shm segments. A directory whose processes cannot all be killed is left
-    (and reported through ``say``). Returns the run ids removed."""
-    removed = []
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
-    for name in names:
-        if not name.startswith("run-") or len(name) != 12:
-            continue
-        path = os.path.join(base, name)
-        try:
-            owner = files.read_json(os.path.join(path, _OWNER), 1 << 20)
-            pid, started = int(owner["pid"]), int(owner["start_time"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not ours, or being created right now
-        if host.process_alive(pid, started):
-            continue
-        run_id = name[4:]
-        killed, alive = _kill_run(owner, run_id)
-        if killed and say is not None:
-            say(f"killed {len(killed)} process(es) still running of run {run_id} (its launcher was killed): "
-                + ", ".join(f"pid {st.pid} ({st.comm})" for st in killed))
-        if alive:
-            if say is not None:
-                say(f"cannot kill process(es) of run {run_id}: "
-                    + ", ".join(f"pid {st.pid} ({st.comm})" for st in alive)
-                    + f"; leaving {path} in place (remove it once they are gone)")
-            continue
-        _remove_run(path, run_id)
-        removed.append(run_id)
-    return removed

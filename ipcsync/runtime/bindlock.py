@@ -24,7 +24,7 @@ from .. import interrupts
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .channel import Endpoint
+    from .address import Endpoint
 
 __all__ = ["BindLock", "remove_stale"]
 

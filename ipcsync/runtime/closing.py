@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 from ..errors import ConfigError
+from ..limits import FIRST_LINGER_S, LEFT_LINGER_S
 
 if TYPE_CHECKING:
     from .slots import Handoffs
@@ -36,10 +37,6 @@ __all__ = ["FIRST_LINGER_S", "LEFT_LINGER_S", "Linger", "DEFAULT_LINGER", "deliv
            "busy", "kept_report", "kept_words", "dropped_words", "failure_text"]
 
 log = logging.getLogger(__name__)
-
-# close(): how long items queued for nobody wait for a consumer to attach.
-FIRST_LINGER_S = 10.0  # no consumer ever attached
-LEFT_LINGER_S = 2.0  # every consumer that attached has left
 
 
 class Linger(NamedTuple):

@@ -60,7 +60,9 @@ from ..core.waits import HOST_WAIT, wait_strategy
 from ..errors import ClosedError, IpcSyncError, IpcTimeoutError
 from ..item import Item
 from . import aio
-from .channel import ConsumerChannel, CurveKeys, check_transport, resolve_endpoint
+from .address import resolve_endpoint
+from .consumer_channel import ConsumerChannel
+from .curve import CurveKeys, check_transport
 from .endpoint import EndpointBase, Unset, check_positive_int, check_timeout
 from .foreign import ForeignUse, Lender
 from .telemetry import tracer_for

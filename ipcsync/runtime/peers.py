@@ -31,7 +31,7 @@ from ..core.remote_session import LOSS_HEARTBEATS
 from ..core.ratelog import RateLog
 from ..core.ring import Ring
 from ..errors import ProtocolError
-from .channel import ProducerChannel
+from .producer_channel import ProducerChannel
 from .host import ProcessWatch
 from .lane import Lane
 

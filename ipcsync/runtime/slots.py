@@ -54,7 +54,7 @@ from ..core.ring import Acquired, Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
 from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
-from .closing import LEFT_LINGER_S
+from ..limits import LEFT_LINGER_S
 from .peers import Peer, PeerTable
 from .telemetry import tracer_for
 

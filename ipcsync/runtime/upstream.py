@@ -52,7 +52,8 @@ from ..errors import (
     BackendError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProducerFailedError, ProtocolError,
 )
 from . import host
-from .channel import Endpoint, diagnose_unanswered, producer_identity_problem, remove_stale
+from .address import Endpoint, diagnose_unanswered, producer_identity_problem
+from .bindlock import remove_stale
 from .foreign import Downstream
 from .keeping import Kept
 from .memory_wire import PLACEHOLDER, recv_memory

@@ -212,7 +212,7 @@ def test_handoff_runner_reports_a_crashed_child_at_once(runtime_dir: Path) -> No
 
 @pytest.mark.timeout(180)
 def test_handoff_rows_with_a_consumer_that_keeps_views(runtime_dir: Path) -> None:
-    """``--keep``'s consumer (scripts/bench_kept.py) keeps the views of its last 4 items:
+    """``--keep``'s consumer (scripts/benchkeep.py) keeps the views of its last 4 items:
     the ring goes on (its items moved out of the ring: the consumer checks they were),
     for send() and slot() alike; ``--keep both`` labels the kept rows."""
     for mode in ("send", "slot"):

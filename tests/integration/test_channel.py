@@ -62,7 +62,7 @@ def poll_until(pred: Callable[[], object], timeout: float = DEADLINE, step: floa
 class Events:
     """Accumulates a channel's monitor events across polls."""
 
-    def __init__(self, chan: ch._Channel) -> None:
+    def __init__(self, chan: ch.SocketChannel) -> None:
         self.chan = chan
         self.seen: list[tuple[int, int]] = []
 
@@ -658,7 +658,7 @@ def test_a_frame_reaching_a_quiet_socket_is_read_whatever_call_came_between(
     producer: ProducerChannel, endpoint: Endpoint, closing: Callable, between: str
 ) -> None:
     """A channel found empty skips its ZMQ_EVENTS queries until the socket's fd signals
-    (channel._Channel). A call that processes the socket's commands (a send) consumes that
+    (socket_channel.SocketChannel). A call that processes the socket's commands (a send) consumes that
     signal: the frame must still be read, with no wait() in between (it would mask this)."""
     import select
 

@@ -213,12 +213,12 @@ def test_an_unusable_lane_path_leaves_the_edge_on_zeromq(endpoints: Any) -> None
 def test_a_consumer_that_cannot_open_a_socket_stays_on_zeromq(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer's lane socket cannot be made (EMFILE, as under a full fd table): no
     lane, every item over ZeroMQ, a clean end."""
-    from ipcsync.runtime import channel
+    from ipcsync.runtime import consumer_channel
 
     def full(*args: Any, **kwargs: Any) -> Any:
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(channel, "connect_lane", full)
+    monkeypatch.setattr(consumer_channel, "connect_lane", full)
     p = endpoints.producer("lane-emfile", slots=4, slot_bytes=4096, device="cpu")
     c = endpoints.consumer("lane-emfile", device="cpu", timeout=10)
     _streams_on_zeromq(p, c)
