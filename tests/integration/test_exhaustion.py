@@ -15,6 +15,7 @@ import ipcsync
 from conftest import Procs, shm_segments
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")  # (torch's, at making one)
 def test_nested_tensor_is_refused_with_what_to_send_instead() -> None:
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with ipcsync.Producer("nested", slots=1, slot_bytes=4096, device="cpu") as p:
