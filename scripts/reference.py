@@ -328,9 +328,14 @@ def class_section(page: Page, name: str, cls: type, level: str = "###") -> None:
     defaults = {p.name: default(p.default) for p in sig.parameters.values() if p.default is not p.empty}
     attrs = class_attributes(cls)
     if dataclasses.is_dataclass(cls):  # fields: parameters and attributes at once
-        page.entries("Fields", {n: doc.attributes.get(n, doc.args.get(n, "")) for n in attrs}, attrs, defaults)
+        # A field a base class declares is described in that base's docstring.
+        described = {n: t for k in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(k)
+                     for n, t in parse_doc(k.__doc__).attributes.items()}
+        described.update(doc.args)
+        described.update(doc.attributes)
+        page.entries("Fields", {n: described.get(n, "") for n in attrs}, attrs, defaults)
         for n in attrs:
-            if not doc.attributes.get(n, doc.args.get(n)):
+            if not described.get(n):
                 page.problems.append(f"{name}: field {n!r} has no Attributes entry in its docstring")
     else:
         page.entries("Parameters", {n: doc.args[n] for n in params if n in doc.args}, types, defaults)

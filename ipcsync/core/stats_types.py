@@ -112,7 +112,15 @@ class Occupancy(StatsMapping):
 
 @dataclass(frozen=True, eq=False)
 class _Totals(StatsMapping):
-    """The fields every endpoint's snapshot has."""
+    """The fields every endpoint's snapshot has.
+
+    Attributes:
+        handoffs: items handed over: sent (producer) or received (consumer).
+        bytes: the bytes of their tensors.
+        elapsed_s: seconds since the endpoint was made (the rates are over it).
+        rate_per_s: handoffs / elapsed_s.
+        bytes_per_s: bytes / elapsed_s.
+    """
 
     handoffs: int  # items handed over: sent (producer) or received (consumer)
     bytes: int  # of their tensors
@@ -126,11 +134,6 @@ class ProducerStats(_Totals):
     """``Producer.stats()``.
 
     Attributes:
-        handoffs: items handed over: sent (producer) or received (consumer).
-        bytes: the bytes of their tensors.
-        elapsed_s: seconds since the endpoint was made (the rates are over it).
-        rate_per_s: handoffs / elapsed_s.
-        bytes_per_s: bytes / elapsed_s.
         latency_s: send to the last consumer's release (``Latency``).
         waiting_s: seconds sends waited, by cause: ``slot`` (every slot in use), ``consumer``
             (no consumer attached), ``release_event`` (a reused slot's readers, on the GPU).
@@ -170,11 +173,6 @@ class ConsumerStats(_Totals):
     """``Consumer.stats()``.
 
     Attributes:
-        handoffs: items handed over: sent (producer) or received (consumer).
-        bytes: the bytes of their tensors.
-        elapsed_s: seconds since the endpoint was made (the rates are over it).
-        rate_per_s: handoffs / elapsed_s.
-        bytes_per_s: bytes / elapsed_s.
         latency_s: the producer's send to this consumer's receipt (``Latency``).
         waiting_s: seconds calls waited, by cause: ``producer`` (no item announced yet),
             ``event`` (an announced item's data not ready: ``wait="host"``, a remote transfer).
@@ -211,11 +209,7 @@ class FanInStats(_Totals):
     """``FanIn.stats()``: totals over the sources, and each one's own snapshot.
 
     Attributes:
-        handoffs: items handed over: sent (producer) or received (consumer).
-        bytes: the bytes of their tensors.
-        elapsed_s: seconds since the longest-lived source was made.
-        rate_per_s: handoffs / elapsed_s.
-        bytes_per_s: bytes / elapsed_s.
+        elapsed_s: seconds since the longest-lived source was made (the rates are over it).
         waiting_s: seconds calls waited for an item from any source (``producer``).
         role: ``"fanin"``.
         sources: each source's own ``ConsumerStats``, by source label (``Item.source``).

@@ -357,7 +357,7 @@ class Handoffs:
             # Its steady branch: one previous reader, whose release event is complete
             # already (a query, ~0.1 us), and no forward of the slot pending: nothing to order.
             peer = self.peers.get(next(iter(holders))) if len(holders) == 1 and not self.ledger.pending else None
-            if peer is not None and peer.release_events:  # (a flag waits for the generation it last got)
+            if self.shared and peer is not None and peer.release_events:  # (a flag: the generation it got)
                 peer.release_events[acq.slot].value = self.pub_gen[acq.slot]
             if peer is None or not peer.release_done or not peer.release_done[acq.slot]():
                 try:
@@ -442,7 +442,8 @@ class Handoffs:
             peer = peers.get(cid)
             if peer is None or not peer.release_events:
                 continue
-            peer.release_events[slot].value = self.pub_gen[slot]
+            if self.shared:  # (a flag waits for the generation the peer last got of the slot)
+                peer.release_events[slot].value = self.pub_gen[slot]
             # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
             # which costs far more host time than the query when the event is another
             # process's. The peer re-records this event only after we hand it the slot again,
