@@ -347,6 +347,18 @@ def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypa
     for i in range(2):
         out.send({"x": value(i)}, timeout=10)  # queued: nobody attached yet
     errors: list[BaseException] = []
+    # The consumer attaches only once the third send waits with nobody attached (a send
+    # that begins waiting on an attached consumer is ordinary back-pressure: no report).
+    waiting_for_consumer = threading.Event()
+    handoffs = out.port.handoffs
+    port_wait = handoffs.waits.wait_until
+
+    def noting_wait(done: Any, timeout: Any, cause: str, *args: Any, **kwargs: Any) -> bool:
+        if cause == "consumer":
+            waiting_for_consumer.set()
+        return bool(port_wait(done, timeout, cause, *args, **kwargs))
+
+    handoffs.waits = handoffs.waits._replace(wait_until=noting_wait)
 
     def third() -> None:
         try:
@@ -356,6 +368,7 @@ def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypa
 
     sender = threading.Thread(target=third, daemon=True)
     sender.start()
+    assert waiting_for_consumer.wait(15), "the third send never waited"
     inp = endpoints.consumer("nag-held", heartbeat=None, timeout=10, auto_release=False)
     held = [inp.get(timeout=10) for _ in range(2)]
 
