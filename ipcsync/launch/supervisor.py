@@ -6,12 +6,12 @@ Lifecycle of one attempt (torchrun's elastic agent is the model; one method each
 1. start: the run directory (0700) holds every endpoint socket, the stats reports and
    ``owner.json`` (the launcher's and every stage's pid, start time and process group);
    each process starts in its own session and process group, stdin from /dev/null,
-   stdout+stderr into a pipe; on Linux it also gets SIGTERM if the launcher dies;
-2. poll: every line a process writes is printed as ``[stage/replica] line`` (a partial
-   line up to its last ``\r`` at once: progress bars stay live); a process exiting 0 is
-   done; the first one exiting non-zero (or killed) is the root cause; SIGINT or SIGTERM
-   to the launcher sends SIGTERM to every process group (SIGTERM, not SIGINT: a Python
-   stage then ends without a KeyboardInterrupt traceback);
+   stdout+stderr into a pipe, and gets SIGTERM if the launcher dies (``stageproc``);
+2. poll: every line a process writes is printed as ``[stage/replica] line`` (``relay``);
+   a process exiting 0 is done; the first one exiting non-zero (or killed) is the root
+   cause (``rootcause``: unless it only died of a peer's failure); SIGINT or SIGTERM to
+   the launcher (``signals``) sends SIGTERM to every process group (SIGTERM, not SIGINT:
+   a Python stage then ends without a KeyboardInterrupt traceback);
 3. close: SIGTERM to every group still running, up to ``stop_timeout`` for them to exit,
    then SIGKILL to every group (stragglers such as resource trackers included); with
    ``contain`` (the launcher), SIGKILL to every remaining descendant of the launcher
@@ -37,13 +37,11 @@ GPU streams, so partners are restarted too, never reconnected.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,20 +53,20 @@ from ..stage_contract import STATS_DIR
 from .cleanup import (
     OWNER_FILE, kill_descendants, reap_orphans, remove_run, set_child_subreaper, sweep_abandoned, write_owner,
 )
-from .plan import Instance, Plan, stage_environ
-from .reports import failure_report, incomplete_line, read_incomplete, read_stats
+from .plan import Plan
+from .relay import OutputRelay
+from .reports import incomplete_line, read_incomplete, read_stats
+from .rootcause import fault_hint, root_cause
+from .signals import LauncherSignals
+from .stageproc import StageProc, exit_code_of, killpg, reap, spawn
 from .summary import summarize
 
-__all__ = ["Supervisor", "Outcome", "exit_code_of", "sweep_abandoned", "summarize"]
+__all__ = ["Supervisor", "Outcome", "exit_code_of", "fault_hint", "sweep_abandoned", "summarize"]
 
 # The supervisor's own debug lines (``ipcsync-run --log-level debug``); its status lines
 # (starts, stops, root cause, summary) are program output, written by ``_say``.
 log = logging.getLogger(__name__)
 
-_READ_CHUNK = 65536
-_MAX_PARTIAL = 1 << 16  # a line longer than this is printed in pieces
-_PR_SET_PDEATHSIG = 1
-_PEER_FAILURE_GRACE = 3.0  # seconds to find the stage a consequence-failure came from
 _ORPHAN_REAP_INTERVAL = 1.0  # seconds between reaping orphans re-parented to the launcher
 
 
@@ -82,48 +80,6 @@ class Outcome:
     final: bool = False  # no restart, whatever the policy (a node of the group is gone)
     stats: list[dict[str, Any]] = field(default_factory=list)
     incomplete: bool = False  # some stage's telemetry could not be written: stats are partial
-
-
-def exit_code_of(returncode: int) -> int:
-    """A Popen returncode as a shell would report it (killed by signal N -> 128 + N)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def fault_hint(inst: Instance, returncode: int | None) -> str:
-    """What a stage's SIGSEGV most likely means when it reads inputs on the CPU backend,
-    which maps received items read-only (the reference rule): "" otherwise."""
-    inputs = inst.wiring.get("inputs") if isinstance(inst.wiring, dict) else None
-    if returncode != -signal.SIGSEGV or not inputs or not str(inst.device).startswith("cpu"):
-        return ""
-    return ("; it receives items read-only (CPU backend), and a write into a received tensor (an in-place "
-            "op such as x.mul_() or x.div_(), or x[...] = ...) faults: clone() it first (its stderr "
-            "above shows the line)")
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
-
-
-class _Proc:
-    """One running instance: its process, output pipe and partial line."""
-
-    def __init__(self, inst: Instance, popen: subprocess.Popen[bytes] | None, started: float) -> None:
-        self.inst = inst
-        self.popen = popen
-        self.started = started
-        self.partial = b""
-        self.returncode: int | None = None if popen is not None else 127
-        self.pipe_open = popen is not None
-
-    @property
-    def running(self) -> bool:
-        return self.returncode is None
 
 
 @dataclass
@@ -179,57 +135,47 @@ class Supervisor:
         self._base = runtime_base
         self._restart = restart
         self._stop_timeout = stop_timeout
-        self._out = out if out is not None else sys.stdout.buffer
         self._err = err if err is not None else sys.stderr
         self._summary = summary
         self._contain = contain
-        self._signal: int | None = None  # the last signal the launcher got
-        self._signals = 0  # how many
-        self._out_broken = False  # our stdout's reader is gone
-        self._procs: list[_Proc] = []
+        self._signals = LauncherSignals()
+        self._relay = OutputRelay(out if out is not None else sys.stdout.buffer,
+                                  on_broken=lambda: self._signals.note(signal.SIGPIPE))
+        self._procs: list[StageProc] = []
         self._observer = observer
         self._extra_env: dict[str, str] = {}  # the observer's, for this attempt's stages
         self._group = group
-        self._consequence = False  # the last root cause found here is a PeerLostError's
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         """Run attempts until one succeeds, the launcher is interrupted, or restarts run
         out; return the launcher's exit code."""
-        rfd, wfd = os.pipe()
-        os.set_blocking(rfd, False)
-        os.set_blocking(wfd, False)
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
-        if self._contain and not set_child_subreaper():
-            self._say("cannot become a child subreaper here (not Linux?): processes that a stage "
-                      "daemonizes are not stopped with it")
-        try:
-            for run_id in sweep_abandoned(self._base, say=self._say):
-                self._say(f"removed what an earlier launcher (killed) left of run {run_id}")
-            attempt = 0
-            while True:
-                outcome = self._attempt(attempt, rfd)
-                if outcome.code == 0:
-                    self._say("all stages finished")
-                    if self._summary:
-                        for line in summarize(outcome.stats, incomplete=outcome.incomplete):
-                            self._say(line)
-                    return 0
-                if outcome.interrupted is None and not outcome.final and attempt < self._restart:
-                    attempt += 1
-                    self._say(f"restarting the whole group (restart {attempt} of {self._restart}) after: {outcome.cause}")
-                    continue
-                self._say(f"failed: {outcome.cause}")
-                return outcome.code
-        finally:
-            if self._group is not None:
-                self._group.finish()
-            signal.set_wakeup_fd(old_wakeup)
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            os.close(rfd)
-            os.close(wfd)
+        with self._signals.watching() as wakeup_fd:
+            if self._contain and not set_child_subreaper():
+                self._say("cannot become a child subreaper here (not Linux?): processes that a stage "
+                          "daemonizes are not stopped with it")
+            try:
+                for run_id in sweep_abandoned(self._base, say=self._say):
+                    self._say(f"removed what an earlier launcher (killed) left of run {run_id}")
+                attempt = 0
+                while True:
+                    outcome = self._attempt(attempt, wakeup_fd)
+                    if outcome.code == 0:
+                        self._say("all stages finished")
+                        if self._summary:
+                            for line in summarize(outcome.stats, incomplete=outcome.incomplete):
+                                self._say(line)
+                        return 0
+                    if outcome.interrupted is None and not outcome.final and attempt < self._restart:
+                        attempt += 1
+                        self._say(f"restarting the whole group (restart {attempt} of {self._restart}) "
+                                  f"after: {outcome.cause}")
+                        continue
+                    self._say(f"failed: {outcome.cause}")
+                    return outcome.code
+            finally:
+                if self._group is not None:
+                    self._group.finish()
 
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, attempt: int, wakeup_fd: int) -> Outcome:
@@ -263,7 +209,7 @@ class Supervisor:
         sel = selectors.DefaultSelector()
         sel.register(wakeup_fd, selectors.EVENT_READ, None)
         self._procs = []
-        return _Attempt(attempt, run_id, run_dir, owner, sel, self._signals)
+        return _Attempt(attempt, run_id, run_dir, owner, sel, self._signals.count)
 
     def _start_all(self, a: _Attempt) -> None:
         """start: resolve the plan, start every process and record it in ``owner.json``;
@@ -273,7 +219,10 @@ class Supervisor:
         if self._observer is not None:
             self._extra_env = self._observer.env(a.run_dir)
         for inst in a.plan.instances:
-            proc = self._spawn(inst)
+            proc = spawn(inst, self._extra_env)
+            if proc.popen is not None:
+                log.debug("started stage %s: pid %d, command %s, cwd %s", inst.label, proc.popen.pid,
+                          list(inst.cmd), inst.cwd or os.getcwd())
             self._procs.append(proc)
             if proc.popen is None:  # could not even start: that is the root cause
                 a.end(f"stage {inst.label} could not start: {proc.partial.decode()}", 127)
@@ -307,14 +256,14 @@ class Supervisor:
         stages = [s.name for s in a.plan.spec.stages]
         next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
         while a.cause is None and (any(p.running for p in self._procs) or self._group is not None):
-            self._pump(a.sel, 0.1)
+            self._relay.pump(a.sel, 0.1)
             if self._observer is not None:
                 self._observer.tick(a.run_id, a.run_dir, stages)
             if self._contain and time.monotonic() >= next_orphan_reap:
                 reap_orphans(self._popen_pids())
                 next_orphan_reap = time.monotonic() + _ORPHAN_REAP_INTERVAL
-            if self._signal is not None:
-                self._interrupted(a, self._signal)
+            if self._signals.last is not None:
+                self._interrupted(a, self._signals.last)
                 return
             self._poll_stages(a)
             if self._poll_group(a):
@@ -338,13 +287,13 @@ class Supervisor:
         """Reap the stages that exited; the first non-zero exit ends the attempt with its
         root cause (the group's, over several nodes)."""
         for p in self._procs:
-            if p.running and _reap(p) and p.returncode != 0 and a.cause is None:
-                cause, code = self._root_cause(p, a.sel)
+            if p.running and reap(p) and p.returncode != 0 and a.cause is None:
+                found = root_cause(p, self._procs, lambda timeout: self._relay.pump(a.sel, timeout))
                 if self._group is not None:
-                    failure = self._group.fail(cause, code, consequence=self._consequence)
+                    failure = self._group.fail(found.line, found.code, consequence=found.consequence)
                     a.end(failure.cause, failure.code, final=not failure.restart)
                 else:
-                    a.end(cause, code)
+                    a.end(found.line, found.code)
 
     def _poll_group(self, a: _Attempt) -> bool:
         """The node group's news: True once every node's stages are done; a failure
@@ -372,10 +321,10 @@ class Supervisor:
                     f"killed {len(left)} process(es) that the stages left running outside their "
                     f"process groups: {', '.join(f'pid {pid} ({comm})' for pid, comm in left)}"
                 )
-        if a.interrupted is None and self._signals != a.signals_before:
+        if a.interrupted is None and self._signals.count != a.signals_before:
             # Interrupted while stopping a failed attempt: no restart; the failure stays
             # the root cause and sets the exit code.
-            a.interrupted = self._signal
+            a.interrupted = self._signals.last
         stats_dir = os.path.join(a.run_dir, STATS_DIR)
         unwritten = read_incomplete(stats_dir)
         if unwritten:
@@ -391,127 +340,12 @@ class Supervisor:
         a.sel.close()
         return Outcome(a.code, a.cause, a.interrupted, a.final, stats, bool(unwritten))
 
-    def _root_cause(self, p: _Proc, sel: selectors.BaseSelector) -> tuple[str, int]:
-        """The first failure of an attempt, as (one line, exit code). ``p`` exited non-zero
-        first; but if its failure report says it only died of a peer's failure (a
-        consumer's ProducerFailedError when its loader raised), the stage that failed on
-        its own is the root cause, even if its process took longer to exit: wait up to
-        _PEER_FAILURE_GRACE for one to report or exit non-zero."""
-        first = _failure_report(p.inst)
-        chosen, report = p, first
-        self._consequence = bool(first is not None and first.get("consequence"))
-        if first is not None and first.get("consequence"):
-            deadline = time.monotonic() + _PEER_FAILURE_GRACE
-            found: tuple[_Proc, dict[str, Any] | None] | None = None
-            while found is None and time.monotonic() < deadline:
-                for q in self._procs:
-                    if q is p:
-                        continue
-                    r = _failure_report(q.inst)
-                    if r is not None and not r.get("consequence"):
-                        found = (q, r)
-                        break
-                    if not q.running or _reap(q):
-                        if q.returncode not in (0, None) and r is None:
-                            found = (q, None)
-                            break
-                if found is None:
-                    self._pump(sel, 0.05)
-            if found is not None:
-                chosen, report = found
-                self._consequence = False
-                end = time.monotonic() + _PEER_FAILURE_GRACE  # it is exiting: its code
-                while chosen.running and not _reap(chosen) and time.monotonic() < end:
-                    self._pump(sel, 0.05)
-        pid = chosen.popen.pid if chosen.popen is not None else "?"
-        how = _describe(chosen.returncode) if chosen.returncode is not None else "failed"
-        line = f"stage {chosen.inst.label} (pid {pid}) {how} after {time.monotonic() - chosen.started:.1f} s"
-        if report is not None:
-            line += f": {report.get('type')}: {str(report.get('message'))[:300]}"
-        line += fault_hint(chosen.inst, chosen.returncode)
-        if chosen is not p:
-            line += f" (stage {p.inst.label} then failed because of it)"
-        returncode = chosen.returncode if chosen.returncode is not None else p.returncode
-        assert returncode is not None  # p has exited
-        return line, exit_code_of(returncode)
-
-    def _spawn(self, inst: Instance) -> _Proc:
-        """Start one process in its own session and process group (a _Proc with no popen
-        and the reason in ``partial`` if it cannot start)."""
-        env = stage_environ(os.environ, inst.env, self._extra_env)
-        parent = os.getpid()
-        try:
-            popen = subprocess.Popen(
-                list(inst.cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env, cwd=inst.cwd, start_new_session=True,
-                preexec_fn=lambda: _die_with_parent(parent), close_fds=True,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            proc = _Proc(inst, None, time.monotonic())
-            proc.partial = f"{exc} (cmd {list(inst.cmd)})".encode()
-            return proc
-        assert popen.stdout is not None  # stdout=PIPE
-        os.set_blocking(popen.stdout.fileno(), False)
-        log.debug("started stage %s: pid %d, command %s, cwd %s", inst.label, popen.pid, list(inst.cmd),
-                  inst.cwd or os.getcwd())
-        return _Proc(inst, popen, time.monotonic())
-
-    def _pump(self, sel: selectors.BaseSelector, timeout: float) -> None:
-        """Relay output (and notice signals) for up to ``timeout`` seconds."""
-        for key, _ in sel.select(timeout):
-            if key.data is None:  # the signal wakeup pipe
-                try:
-                    os.read(key.fd, 512)
-                except BlockingIOError:
-                    pass
-                continue
-            proc: _Proc = key.data
-            try:
-                chunk = os.read(key.fd, _READ_CHUNK)
-            except BlockingIOError:
-                continue
-            except OSError:
-                chunk = b""
-            if not chunk:
-                sel.unregister(key.fileobj)
-                proc.pipe_open = False
-                self._emit(proc, final=True)
-            else:
-                proc.partial += chunk
-                self._emit(proc)
-
-    def _emit(self, proc: _Proc, final: bool = False) -> None:
-        """Write the complete lines of ``proc.partial``, each prefixed; of the rest, a part
-        up to its last ``\r`` (a progress bar's update) is written at once, without a
-        newline; the rest waits for more (all of it if ``final`` or too long)."""
-        lines = proc.partial.split(b"\n")
-        rest = lines.pop()
-        prefix = f"[{proc.inst.label}] ".encode()
-        pieces = [prefix + line + b"\n" for line in lines]
-        if len(rest) > _MAX_PARTIAL or (final and rest):
-            pieces.append(prefix + rest + b"\n")
-            rest = b""
-        else:
-            cr = rest.rfind(b"\r")
-            if cr >= 0:
-                pieces.append(prefix + rest[: cr + 1])
-                rest = rest[cr + 1 :]
-        proc.partial = rest
-        if pieces and not self._out_broken:
-            try:
-                self._out.write(b"".join(pieces))
-                self._out.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                # Nobody reads our output (``| head`` exited): stop as if by SIGPIPE.
-                self._out_broken = True
-                self._on_signal(signal.SIGPIPE, None)
-
     def _signal_all(self, signum: int) -> None:
         for p in self._procs:
             if p.running and p.popen is not None:
                 log.debug("sending %s to stage %s (process group %d)", signal.Signals(signum).name,
                           p.inst.label, p.popen.pid)
-                _killpg(p.popen.pid, signum)
+                killpg(p.popen.pid, signum)
 
     def _stop(self, sel: selectors.BaseSelector, death_sig: int | None, timeout: float) -> None:
         """Stop every process: ``death_sig`` to every group (None: already sent), up to
@@ -521,18 +355,18 @@ class Supervisor:
             self._signal_all(death_sig)
         stopping = [p for p in self._procs if p.running]
         deadline = time.monotonic() + timeout
-        signals_before = self._signals
+        signals_before = self._signals.count
         again = False
         while True:
             for p in stopping:
-                if p.running and _reap(p):
+                if p.running and reap(p):
                     self._stopped(p)
             if not any(p.running for p in self._procs) or time.monotonic() >= deadline:
                 break
-            if self._signals != signals_before:
+            if self._signals.count != signals_before:
                 again = True
                 break  # interrupted (again) while stopping: kill now
-            self._pump(sel, 0.05)
+            self._relay.pump(sel, 0.05)
         for p in self._procs:
             if p.running and p.popen is not None:
                 if again:
@@ -542,26 +376,26 @@ class Supervisor:
                     sent = signal.Signals(death_sig).name if death_sig is not None else "SIGTERM"
                     self._say(f"stage {p.inst.label} (pid {p.popen.pid}) did not exit within "
                               f"{timeout:.1f} s of {sent}; sending SIGKILL")
-                _killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
+                killpg(p.popen.pid, signal.SIGKILL)  # leader not reaped: the group id is still ours
                 deadline = time.monotonic() + 5
-                reaped = _reap(p)  # (True once p no longer runs)
+                reaped = reap(p)  # (True once p no longer runs)
                 while not reaped and time.monotonic() < deadline:
                     time.sleep(0.01)
-                    reaped = _reap(p)
+                    reaped = reap(p)
                 if reaped:
                     self._stopped(p)
         # Last output: pipes reach EOF once every holder is dead.
         end = time.monotonic() + 1.0
         while any(p.pipe_open for p in self._procs) and time.monotonic() < end:
-            self._pump(sel, 0.05)
+            self._relay.pump(sel, 0.05)
         for p in self._procs:
             if p.popen is not None and p.popen.stdout is not None:
                 if p.partial:
-                    self._emit(p, final=True)
+                    self._relay.emit(p, final=True)
                 p.popen.stdout.close()
                 p.pipe_open = False
 
-    def _stopped(self, p: _Proc) -> None:
+    def _stopped(self, p: StageProc) -> None:
         """Say how a stage that was told to stop ended."""
         rc = p.returncode
         if rc is None:
@@ -579,55 +413,9 @@ class Supervisor:
         """Stage leaders not reaped yet: their status belongs to their Popen."""
         return {p.popen.pid for p in self._procs if p.popen is not None and p.popen.returncode is None}
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signal = signum
-        self._signals += 1
-
     def _say(self, line: str) -> None:
         try:
             self._err.write(f"ipcsync-run: {line}\n")
             self._err.flush()
         except (BrokenPipeError, ValueError, OSError):
             pass
-
-
-# ---------------------------------------------------------------------------- helpers
-def _failure_report(inst: Instance) -> dict[str, Any] | None:
-    """The failure report a stage left (``reports.failure_report``), or None."""
-    return failure_report(inst.wiring.get("stats_path") if isinstance(inst.wiring, dict) else None)
-
-
-def _reap(p: _Proc) -> bool:
-    """If ``p``'s leader has exited: SIGKILL what is left of its process group, then reap
-    it, and return True. The group is killed while the leader is still a zombie, so its
-    id cannot have been reused by an unrelated group."""
-    if p.popen is None or not p.running:
-        return True
-    try:
-        exited = os.waitid(os.P_PID, p.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped already (by Popen)
-        exited = True
-    if not exited:
-        return False
-    _killpg(p.popen.pid, signal.SIGKILL)
-    p.popen.wait()
-    p.returncode = p.popen.returncode
-    return True
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: get SIGTERM when the launcher dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
