@@ -66,7 +66,11 @@ from .curve import CurveKeys, check_transport
 from .endpoint import EndpointBase, Unset, check_positive_int, check_timeout
 from .foreign import ForeignUse, Lender
 from .telemetry import tracer_for
-from .upstream import ProducerLink, make_hello, unanswered_error
+from .upstream import ProducerLink
+from .upstream_loss import remove_stale_files
+from .upstream_loss import teardown as teardown_link
+from .upstream_loss import tick as tick_link
+from .upstream_setup import handshake
 from .verify import Verifier
 from .waiting import SourcePort
 
@@ -141,12 +145,7 @@ class ConsumerEndpoint(EndpointBase):
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
-                t = None if connect is None or math.isinf(connect) else connect
-                if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
-                    raise unanswered_error(self.endpoint, t)
-                if s.setup is None:  # refused in the handshake; an error after it is the first call's
-                    self._raise_if_broken()
+                handshake(link, credits, self._heartbeat, self._wait_until, connect)
                 if link.remote is not None:
                     # A producer on another host: its items' recvs are polled with the control
                     # channel pumped, so its death ends a wait at once (runtime.remote); a gloo
@@ -328,7 +327,7 @@ class ConsumerEndpoint(EndpointBase):
                     # BYE; only then may the socket close (linger 0 drops unsent frames).
                     self._wait_until(lambda: s.bye_acked or s.error is not None or not link.producer_alive(), t)
                     if not s.bye_acked and not link.producer_alive():
-                        link.remove_stale(0.0)  # it died after its BYE
+                        remove_stale_files(link, 0.0)  # it died after its BYE
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
             except BaseException as exc:  # KeyboardInterrupt, SystemExit: closed all the same
@@ -552,7 +551,7 @@ class ConsumerEndpoint(EndpointBase):
         if now >= self._next_tick:
             self._next_tick = now + self._tick
             self._link.pump()
-            self._link.tick(now)
+            tick_link(self._link, now)
             self._stats.settle()
             interrupts.protect()  # (back in place if the program's framework put the default back)
         elif woken is not None and (not woken or woken == self._lane_woken):
@@ -581,7 +580,7 @@ class ConsumerEndpoint(EndpointBase):
 
     def _teardown(self) -> None:
         self._lender.wake = None  # (closed when collected; see foreign.Wake)
-        self._link.teardown()
+        teardown_link(self._link)
 
 
 def let_go(ep: ConsumerEndpoint) -> None:
