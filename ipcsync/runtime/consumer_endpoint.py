@@ -1,21 +1,25 @@
 """The Consumer's runtime endpoint (``ConsumerEndpoint``): it owns the consumer's state
 (the lock, the closed flag, the session, the link, the lender) and does what
-``ipcsync.Consumer`` (a facade) asks of it. Its parts: the session
+``ipcsync.Consumer`` (a facade) asks of it. Its parts, each built once: the session
 (``core.consumer_session``: the protocol rules), the link to the producer
-(``runtime.upstream``), the ``Lender`` (``runtime.foreign``: where each item is, with the
-program or lent to a forwarding Producer), the wait strategy (``runtime.waiting``).
+(``runtime.upstream``; its handshake ``runtime.upstream_setup``, its loss and teardown
+``runtime.upstream_loss``), the ``Lender`` (``runtime.foreign``: where each item is, with
+the program or lent to a forwarding Producer), the general take (``runtime.consumer_take``:
+the ready wait, FanIn's and asyncio's non-blocking take), the release
+(``runtime.consumer_release``).
 
 Ordering rules of a handoff (receive):
 
 1. READY for (seq, slot, gen) arrives after the producer recorded the slot's ready event;
 2. before the item's tensors are used, the consumer's stream waits on that event
    (``wait="gpu"``: enqueued at once; ``"host"``: the host polls ``query()`` first, so a
-   producer that dies mid-record can never wedge the consumer's stream);
+   producer that dies mid-record can never wedge the consumer's stream;
+   ``Taker.make_item``);
 3. ``release()`` records the slot's release event on the consumer's stream, then queues
    RELEASE(seq, slot, gen); queued releases go out in one message at the next call once
    ``release_batch`` gathered, when the consumer has no more buffered items (before it
    waits), at once while another thread waits in a call, or from the service thread
-   while the user computes;
+   while the user computes (``Releaser.release``, ``ProducerLink.flush_releases``);
 4. after the producer's BYE and the last buffered item, iteration ends; the consumer
    answers BYE once it holds nothing.
 
@@ -29,7 +33,8 @@ releases once a batch gathered, take the next entry (else read the lane once,
 ``ProducerLink.pump_lane``), build the item from its slot's store, count it.
 ``release()`` is the reference check (one C call), the release event, a queued RELEASE.
 Anything else (a wait, an error or BYE, a host-mode wait that must poll, a remote or
-forwarded item, ``verify``, a trace, a torch without use counts) takes the general path.
+forwarded item, ``verify``, a trace, a torch without use counts) takes the general path
+(``Taker``).
 A Ctrl-C between taking an item's READY and handing the item out puts the entry back
 first in line: the next call returns that item.
 """
@@ -51,22 +56,27 @@ import torch
 from .. import interrupts
 from .. import limits as L
 from ..backends import backend_for, refs, resolve_device
-from ..backends.base import CurrentStream
 from ..core import protocol as P
 from ..core.consumer_session import ConsumerSession
 from ..core.layout import Recipe
 from ..core.stats import ConsumerStats, Stats
 from ..core.waits import HOST_WAIT, wait_strategy
-from ..errors import ClosedError, IpcSyncError, IpcTimeoutError
+from ..errors import ClosedError, IpcSyncError
 from ..item import Item
 from . import aio
 from .address import resolve_endpoint
 from .consumer_channel import ConsumerChannel
+from .consumer_release import Releaser
+from .consumer_take import Taker
 from .curve import CurveKeys, check_transport
 from .endpoint import EndpointBase, Unset, check_positive_int, check_timeout
-from .foreign import ForeignUse, Lender
+from .foreign import Lender
 from .telemetry import tracer_for
-from .upstream import ProducerLink, make_hello, unanswered_error
+from .upstream import ProducerLink
+from .upstream_loss import remove_stale_files
+from .upstream_loss import teardown as teardown_link
+from .upstream_loss import tick as tick_link
+from .upstream_setup import handshake
 from .verify import Verifier
 from .waiting import SourcePort
 
@@ -88,26 +98,22 @@ class ConsumerEndpoint(EndpointBase):
         limits: P.Limits, keep_refs_check: bool, verify: bool,
     ) -> None:
         super().__init__(endpoint, timeout, heartbeat)
-        self._wait = wait_strategy(wait)  # how an item's ready event is waited on
+        wait_for = wait_strategy(wait)  # how an item's ready event is waited on
         self.idle_timeout = check_timeout("idle_timeout", idle_timeout)
         if isinstance(connect_timeout, Unset):
             connect_timeout = L.DEFAULT_CONNECT_TIMEOUT if timeout is None else timeout
         connect = check_timeout("connect_timeout", connect_timeout)
         credits = check_positive_int("credits", credits, 1 << 20) if credits is not None else 1 << 20
         self.auto_release = bool(auto_release)
-        self._check_refs = bool(keep_refs_check)
+        check_refs = bool(keep_refs_check)
         # A torch that cannot count references: a storage per item (backends.refs).
-        self._per_item = self._check_refs and not refs.checks_references()
+        per_item = check_refs and not refs.checks_references()
         self._verify = Verifier(endpoint) if verify else None
-        self._release_locked: Callable[[Item, Any], None] = (
-            self._release_verified if verify else self._release_plain)
         self.device = resolve_device(device)
         self.endpoint = resolve_endpoint(endpoint)
         check_transport(self.endpoint, curve, insecure, "consumer")
-        self.source = endpoint  # what Item.source says; FanIn relabels it
         self._stream = stream
         self._backend = backend_for(self.device)
-        self._streams = CurrentStream(self._backend)  # (_release_plain's current stream)
         if self.device.type == "cpu" and not faulthandler.is_enabled():
             # Received items are mapped read-only (backends.cpu): an in-place op on one
             # is a SIGSEGV, and this shows the line that did it.
@@ -116,52 +122,54 @@ class ConsumerEndpoint(EndpointBase):
             except (RuntimeError, ValueError, OSError):  # no usable stderr (a daemon)
                 pass
         self._stats = Stats()
-        self._trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
+        trace = tracer_for(self.endpoint.name)  # None unless ipcsync-run --trace
         self.session = s = ConsumerSession(self.endpoint.name, self._backend.name, self._heartbeat, limits,
                                            time.monotonic())
         # Per task calling aget, its items (auto-released at that task's next aget).
         self._caller_items = aio.CallerItems()
         self._chan = ConsumerChannel(self.endpoint, b"c" + os.urandom(15), limits.max_frame, curve)
         self._link = link = ProducerLink(self.endpoint, self._chan, s, self._backend, stream, self._ratelog)
-        link.credits, link.check_refs = credits, self._check_refs
+        link.credits, link.check_refs = credits, check_refs
         # Weakly: items never keep the consumer alive (unreferenced, it is torn down at once).
-        # The lender owns where each item is (held, each thread's current, lent).
+        # The lender owns where each item is (held, each thread's current, lent) and the
+        # label items carry (``source``: the endpoint as given; FanIn relabels it).
         ref = weakref.ref(self)
-        self._lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
-                                            partial(_is_closed, ref))
+        self._lender = lender = link.lender = Lender(self._lock, self.device, stream, partial(_release, ref), link,
+                                                     partial(_is_closed, ref), endpoint)
         self._memory = link.memory  # (the link's part, which it fills at SETUP: the per-item paths read it)
         self._taken = self._stats.taken.append  # a handoff's (bytes, latency ns): Stats.settle
+        self._releaser = Releaser(link, lender, self._backend, stream, check_refs, trace)
+        self._release_locked: Callable[[Item, Any], None] = (
+            self._release_verified if verify else self._releaser.release)
+        self._takes = takes = Taker(link, lender, self._stats, stream, wait_for, self._timeout, per_item,
+                                    self._verify, trace, self._pump, self._call, self._wait_until)
+        # The steady path's branch to the general item (a bound method, as a method of ours
+        # would be: no call or attribute more per item).
+        self._make_item = takes.make_item
         # The steady path builds an item straight from its READY entry: a local edge (not
-        # remote), no per-item storage, no verify, no trace (each of those: _make_item).
+        # remote), no per-item storage, no verify, no trace (each of those: make_item).
         self._flat = False
         self._lane_woken = [-1]  # (set once the handshake is done)
         self._awaiting = 0  # asyncio calls (aget, async for) waiting for an item now
-        # A remote edge over gloo: its Wake (among our fds) says when an item's data is ready.
-        self._data_wakes = False
         try:
             self._fds = self._chan.fds()
             with self._lock:
-                link.send(s.hello(make_hello(self._backend, credits, self._heartbeat)))
-                t = None if connect is None or math.isinf(connect) else connect
-                if not self._wait_until(lambda: s.state is not P.State.AWAIT_SETUP, t):
-                    raise unanswered_error(self.endpoint, t)
-                if s.setup is None:  # refused in the handshake; an error after it is the first call's
-                    self._raise_if_broken()
+                handshake(link, credits, self._heartbeat, self._wait_until, connect)
                 if link.remote is not None:
                     # A producer on another host: its items' recvs are polled with the control
                     # channel pumped, so its death ends a wait at once (runtime.remote); a gloo
                     # edge's completion thread wakes that wait (its Wake among our fds).
-                    self._wait = HOST_WAIT
+                    takes.wait = HOST_WAIT
                     if link.remote.wake is not None:
                         self._fds = [*self._fds, link.remote.wake.fd]
-                        self._data_wakes = True
+                        takes.data_wakes = True
         except BaseException:
             self._closed = True
             self._teardown()
             raise
-        self._flat = (link.remote is None and not self._per_item and self._verify is None and self._trace is None)
+        self._flat = (link.remote is None and not per_item and self._verify is None and trace is None)
         mux = self._chan.mux  # what a wait that woke on the lane alone found readable
-        self._lane_woken = [mux.fd] if mux is not None and not self._data_wakes else [-1]
+        self._lane_woken = [mux.fd] if mux is not None and not takes.data_wakes else [-1]
         self._start_service()
 
     # ------------------------------------------------------------------ what the Consumer asks
@@ -184,8 +192,8 @@ class ConsumerEndpoint(EndpointBase):
         (``Recipe.build_in``: views made once per slot and layout); its ready event needs
         nothing (complete on record) or is complete already. Anything else (nothing
         arrived: wait; an error, BYE, a host-mode or remote wait, a forwarded item,
-        verify, trace, a per-item storage) takes the general path, ``_next_item`` /
-        ``_make_item``."""
+        verify, trace, a per-item storage) takes the general path (``Taker``:
+        ``wait_for_item``, ``make_item``)."""
         with self._lock:
             if self._closed:
                 self._check_open()
@@ -201,7 +209,7 @@ class ConsumerEndpoint(EndpointBase):
                     entry = s.take_ready()
                 except IndexError:
                     if s.error is not None or s.bye_received:
-                        return self._next_item(timeout)
+                        return self._takes.wait_for_item(timeout)
                     if time.monotonic() < self._next_tick:
                         self._link.pump_lane()
                     else:
@@ -209,7 +217,7 @@ class ConsumerEndpoint(EndpointBase):
                     try:
                         entry = s.take_ready()
                     except IndexError:
-                        return self._next_item(timeout, pumped=True)
+                        return self._takes.wait_for_item(timeout, pumped=True)
                 seq, slot, gen, sent_ns, meta, recipe = entry
                 try:
                     mem = self._memory
@@ -221,7 +229,7 @@ class ConsumerEndpoint(EndpointBase):
                         if store.ptr() != store.addr:  # its storage was moved: not the slot's any more
                             store = mem.renew(slot)
                         mem.seqs[slot] = seq  # (what a write fault in the slot names)
-                        item = Item(lender, self.source, seq, slot, gen, meta, recipe.build_in(store),
+                        item = Item(lender, lender.source, seq, slot, gen, meta, recipe.build_in(store),
                                     recipe.nbytes, store, recipe.extent)
                         lender.hold(seq, item)
                         self._taken((recipe.nbytes, time.monotonic_ns() - sent_ns))
@@ -229,7 +237,7 @@ class ConsumerEndpoint(EndpointBase):
                         item = self._make_item(entry, timeout)
                     lender.set_current(get_ident(), item)
                 except KeyboardInterrupt:
-                    self._untake(entry)
+                    self._takes.untake(entry)
                     raise
                 return item
             finally:
@@ -259,18 +267,10 @@ class ConsumerEndpoint(EndpointBase):
         self._awaiting += 1  # (a release meanwhile goes out at once: see _release)
         try:
             return await aio.wait_for_attempt(
-                self._poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
-                self._tick, lambda: self._last_attempt(timeout), partial(self._stats.waited, "producer"))
+                self._takes.poll, lambda poller: aio.fill_from_ports(poller, (port,), self._closed_error), timeout,
+                self._tick, lambda: self._takes.last_attempt(timeout), partial(self._stats.waited, "producer"))
         finally:
             self._awaiting -= 1
-
-    def _last_attempt(self, timeout: float | None) -> Item | None:
-        got, item = self._poll()
-        if got:
-            return item
-        raise IpcTimeoutError(
-            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
 
     def _closed_error(self) -> Exception:
         return ClosedError(f"this {self._role} was closed while this call waited")
@@ -290,7 +290,7 @@ class ConsumerEndpoint(EndpointBase):
     def source_port(self) -> SourcePort[Item]:
         """What FanIn uses of this consumer (``Consumer.port``)."""
         return SourcePort(self._lock, partial(_is_closed, weakref.ref(self)), self._io_fds, self._io_pending,
-                          self._lender.lent, self._poll)
+                          self._lender.lent, self._takes.poll)
 
     @property
     def setup(self) -> P.Setup | None:
@@ -301,7 +301,17 @@ class ConsumerEndpoint(EndpointBase):
     def wait_mode(self) -> str:
         """How items' ready events are waited on: ``"gpu"`` or ``"host"`` (always ``"host"``
         from a producer on another host: its items' transfers are polled)."""
-        return self._wait.name
+        return self._takes.wait.name
+
+    @property
+    def source(self) -> str:
+        """What ``Item.source`` says: the endpoint as given, or a FanIn's label (the
+        lender's, where items are made)."""
+        return self._lender.source
+
+    @source.setter
+    def source(self, value: str) -> None:
+        self._lender.source = value
 
     def close(self, timeout: float | None = None, forwarded_wait: bool = True, bye_waited: bool = False) -> None:
         """``Consumer.close`` (``forwarded_wait``: wait up to ``timeout`` for items this consumer
@@ -328,7 +338,7 @@ class ConsumerEndpoint(EndpointBase):
                     # BYE; only then may the socket close (linger 0 drops unsent frames).
                     self._wait_until(lambda: s.bye_acked or s.error is not None or not link.producer_alive(), t)
                     if not s.bye_acked and not link.producer_alive():
-                        link.remove_stale(0.0)  # it died after its BYE
+                        remove_stale_files(link, 0.0)  # it died after its BYE
             except IpcSyncError as exc:
                 log.debug("ipcsync consumer close: %s", exc)
             except BaseException as exc:  # KeyboardInterrupt, SystemExit: closed all the same
@@ -339,186 +349,7 @@ class ConsumerEndpoint(EndpointBase):
         if interrupted is not None:
             raise interrupted
 
-    # ------------------------------------------------------------------ items
-    def _next_item(self, timeout: float | None, pumped: bool = False) -> Item | None:
-        """``pumped``: the caller has just pumped (nothing is buffered)."""
-        self._release_current()
-        s = self.session
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not s.ready and not s.bye_received and s.error is None:
-            # A ring stalled by this program's own items (held, or kept and not movable)
-            # can bring nothing: past the consumer's timeout that is an error, never a hang.
-            link, limit = self._link, self._timeout
-            link.kept.stuck_since = None  # (measured within this call)
-            self._wait_until(lambda: bool(s.ready) or s.bye_received or s.error is not None or link.stuck(limit),
-                             timeout, "producer", self._stats.waited, pumped=pumped)
-            if not s.ready and not s.bye_received and link.kept.stuck(limit):
-                self._raise_if_broken()
-                raise self._stuck_error()
-        self._raise_if_broken()
-        if s.ready:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            entry = s.take_ready()
-            try:
-                item = self._make_item(entry, left, timeout)
-                self._lender.set_current(get_ident(), item)
-            except KeyboardInterrupt:
-                self._untake(entry)
-                raise
-            return item
-        if s.bye_received:
-            self._pump()  # answers BYE once nothing is held
-            return None
-        raise IpcTimeoutError(
-            f"no item from the producer on {self.endpoint.name!r} within {timeout} s; "
-            f"it is alive but sent nothing (pass a larger timeout, or None to wait){self._link.stall_text()}")
-
-    def _stuck_error(self) -> IpcTimeoutError:
-        """The ring has been full of this program's own items for the consumer's timeout
-        (``Kept.stuck``): no item can come."""
-        return IpcTimeoutError(
-            f"no item can come from the producer on {self.endpoint.name!r}: for {self._timeout} s (this "
-            f"consumer's timeout) the ring has been full of items this program holds or keeps"
-            f"{self._link.stall_text()}")
-
-    def _poll(self) -> tuple[bool, Item | None]:
-        """``port.poll``: see SourcePort."""
-        with self._call():
-            self._pump()
-            self._raise_if_broken()
-            s = self.session
-            if not s.ready and not s.bye_received and self._link.stuck(self._timeout):
-                raise self._stuck_error()  # (FanIn, asyncio: as next_item)
-            if self.session.ready:
-                # A gloo remote item whose transfer is still running is not waited for here:
-                # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
-                # the fds it waits on) or the SENT frame wakes it when this one is ready.
-                entry = self.session.take_ready()
-                try:
-                    return True, self._make_item(entry, 0.0 if self._data_wakes else None)
-                except IpcTimeoutError:
-                    return False, None  # (the entry is first in line again)
-                except KeyboardInterrupt:
-                    self._untake(entry)
-                    raise
-            if self.session.bye_received:
-                self._pump()  # answers BYE once nothing is held
-                return True, None
-            return False, None
-
-    def _release_current(self) -> None:
-        """This thread's iteration moves on: release its previous item (``auto_release``)."""
-        cur = self._lender.pop_current(get_ident(), None)
-        if cur is not None and self.auto_release and not cur.released:
-            self._release_locked(cur, None)
-
-    def _make_item(self, entry: tuple[int, int, int, int, Any, Any], timeout: float | None = None,
-                   asked: float | None = None) -> Item:
-        """The item of a READY entry, once its data may be read (its ready event). The
-        wait for that event (``wait="host"``, and every remote item: its transfer) is
-        bounded by ``timeout``: past it the entry goes back, first in line, for the next
-        call, and IpcTimeoutError is raised (naming ``asked``, the whole call's timeout,
-        when given); nothing is lost or released. (A Ctrl-C here or before the caller
-        handed the item out: the caller's ``_untake``.)"""
-        seq, slot, gen, sent_ns, meta, recipe = entry
-        # Built from the slot's own storage (a forwarded item: its region's), whose use
-        # count tells at release whether the program still views it (the reference rule).
-        # A store whose storage was moved (``share_memory_()`` on an earlier item's tensor,
-        # a kept item moved out of the ring) views its region no more: a fresh one.
-        if type(recipe) is ForeignUse:
-            store = recipe.store if not recipe.store.moved() else recipe.renew()
-        else:
-            store = self._memory.stores[slot]
-            if store.moved():
-                store = self._memory.renew(slot)
-            self._memory.seqs[slot] = seq  # (what a write fault in the slot names)
-        if self._per_item:
-            store = store.for_item()
-        item = Item(self._lender, self.source, seq, slot, gen, meta, recipe.build_in(store), recipe.nbytes, store,
-                    recipe.extent)
-        if self._per_item:
-            store.seal()
-        # Held before any wait below: a host-mode wait pumps, and a pump that saw the
-        # producer's BYE with nothing held would say BYE under this item.
-        self._lender.hold(seq, item)
-        ev = self._memory.ready_events[slot]
-        ev.value = gen  # (a flag's event waits for the item's generation; events ignore it)
-        # Complete already (the producer re-records it only after we release the slot):
-        # nothing to wait for. Tested here, not in the strategy: a call less per item.
-        if not ev.query():
-            try:
-                self._wait.order(ev, self._stream, lambda done: self._poll_event(done, timeout, asked))
-            except IpcTimeoutError:
-                self._lender.unhold(seq, None)
-                self.session.requeue(entry)
-                raise
-        if self._verify is not None:
-            self._verify.received(item, recipe.extent, self._stream)
-        now = time.monotonic_ns()
-        self._taken((recipe.nbytes, now - sent_ns))
-        if self._trace is not None:
-            self._trace.received(seq, now)
-        return item
-
-    def _untake(self, entry: tuple[int, int, int, int, Any, Any]) -> None:
-        """A KeyboardInterrupt (Ctrl-C) landed between taking READY ``entry`` and handing
-        its item out: nobody holds that item, so the entry goes back first in line for the
-        next call, as a timed-out wait's does, and nothing keeps its slot. Lock held."""
-        lender, tid = self._lender, get_ident()
-        item = lender.unhold(entry[0], None)
-        if item is not None and lender.current.get(tid) is item:
-            lender.pop_current(tid, None)
-        self.session.requeue(entry)
-
-    def _poll_event(self, done: Any, timeout: float | None = None, asked: float | None = None) -> None:
-        s = self.session  # (wait="host": the ready event is polled with the socket pumped)
-        # (Without a Wake nothing wakes the socket wait when the data is ready: poll.)
-        if not self._wait_until(lambda: s.error is not None or done(), timeout, "event", self._stats.waited,
-                                poll_event=not self._data_wakes):
-            self._raise_if_broken()
-            raise IpcTimeoutError(
-                f"an item from the producer on {self.endpoint.name!r} arrived but its data was not ready "
-                f"within {timeout if asked is None else asked} s (a remote transfer still running, or the "
-                "producer's stream behind); "
-                "it stays first in line for the next call")
-        self._raise_if_broken()  # complete now: nothing to enqueue
-
-    def _release_plain(self, item: Item, stream: Any) -> None:
-        """``_release_locked`` without ``verify``. Release ``item`` (lock held): straight-line, the reference rule first. Its
-        RELEASE is queued; queued releases go out together at the next call once
-        ``release_batch`` gathered, when the consumer is about to wait for more items
-        (``ProducerLink.pump``/``pump_lane``), or from the service thread."""
-        if item.released:
-            return
-        item.released = True
-        # The item stops viewing the slot: a leftover reference to it must not keep the
-        # producer's memory mapped (see ProducerLink.let_go_of_memory).
-        item.tensors = None
-        seq, slot = item.seq, item.slot
-        self._lender.unhold(seq, None)
-        if self._trace is not None:
-            self._trace.released(seq)
-        store = item.store
-        if self._check_refs and (store.count() > store.own or store.pyrefs() > store.own_py):
-            # The program still views the slot: it goes back once nothing does (the
-            # link polls it at every pump; a stall is reported at once).
-            self._link.kept.add(item)
-            return
-        item.store = None  # given back: nor does a leftover item keep the slot's storage
-        uses = self._link.downstream.uses  # (a forwarded item's region, by seq)
-        if uses:
-            uses.pop(seq, None)
-        s = self.session
-        mem = self._memory
-        if s.error is None and not mem.complete_on_record:
-            if stream is None and (stream := self._stream) is None:  # the current one
-                cs = self._streams
-                stream = cs.now if cs.key() == cs.seen else cs.resolve()
-            if mem.shared:
-                mem.release_events[slot].value = item.gen
-            mem.record_release[slot](stream)
-        s.queue_release((seq, slot, item.gen))
-
+    # ------------------------------------------------------------------ release
     def _release_verified(self, item: Item, stream: Any) -> None:
         """``_release_locked`` with ``verify=True``: the item's checksum is taken again
         before its release event, and a finished comparison that found a change raises
@@ -527,7 +358,7 @@ class ConsumerEndpoint(EndpointBase):
             return
         assert self._verify is not None
         self._verify.released(item, stream if stream is not None else self._stream)
-        self._release_plain(item, stream)
+        self._releaser.release(item, stream)
         if self._closer is None:
             self._verify.check()
         else:
@@ -552,7 +383,7 @@ class ConsumerEndpoint(EndpointBase):
         if now >= self._next_tick:
             self._next_tick = now + self._tick
             self._link.pump()
-            self._link.tick(now)
+            tick_link(self._link, now)
             self._stats.settle()
             interrupts.protect()  # (back in place if the program's framework put the default back)
         elif woken is not None and (not woken or woken == self._lane_woken):
@@ -581,7 +412,7 @@ class ConsumerEndpoint(EndpointBase):
 
     def _teardown(self) -> None:
         self._lender.wake = None  # (closed when collected; see foreign.Wake)
-        self._link.teardown()
+        teardown_link(self._link)
 
 
 def let_go(ep: ConsumerEndpoint) -> None:

@@ -191,18 +191,21 @@ class Lender:
     happens here. It is the ``ForwardOrigin`` of the consumer's items (``item.origin``).
     ``link``: the consumer's ``ProducerLink`` (session, memory, foreign arenas, flush);
     ``lock``: the consumer's lock; ``release(item, stream)``: what ``Item.release()``
-    calls; ``is_closed()``: whether the consumer is closed.
+    calls; ``is_closed()``: whether the consumer is closed; ``source``: the label the
+    consumer's items carry (``Item.source``: its endpoint as given, or what a FanIn or
+    ``stage.input()`` relabels it to), read where each item is made.
 
     The consumer's steady path asks with no Python frame: ``hold(seq, item)``,
     ``unhold(seq, None)``, ``set_current(thread, item)`` and ``pop_current(thread, None)``
     are the dicts' own (C) methods."""
 
     __slots__ = ("lock", "device", "stream", "release", "link", "held", "current", "is_closed", "forwarded",
-                 "back", "dropped", "wake", "outs", "hold", "unhold", "set_current", "pop_current")
+                 "back", "dropped", "wake", "outs", "hold", "unhold", "set_current", "pop_current", "source")
 
     def __init__(self, lock: threading.Lock, device: torch.device, stream: Any,
-                 release: Callable[[Any, Any], None], link: Any, is_closed: Callable[[], bool]) -> None:
+                 release: Callable[[Any, Any], None], link: Any, is_closed: Callable[[], bool], source: str) -> None:
         self.lock = lock
+        self.source = source
         self.device = device
         self.stream = stream  # the stream the consumer orders its waits on (None: current)
         self.release = release  # release(item, stream): what Item.release() calls

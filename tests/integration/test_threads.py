@@ -222,7 +222,7 @@ def test_ctrl_c_while_waiting_for_an_items_data_keeps_the_item_first_in_line(end
     assert wait_until(lambda: _waiting(getter, "next_item", "runtime/consumer_endpoint.py"), 30), caught
     out.send({"x": torch.full((4,), 1.0)}, meta=0)
     out.send({"x": torch.full((4,), 2.0)}, meta=1)
-    assert wait_until(lambda: _waiting(getter, "_make_item", "runtime/consumer_endpoint.py"), 30), caught
+    assert wait_until(lambda: _waiting(getter, "make_item", "runtime/consumer_take.py"), 30), caught
     ctrl_c.target = getter.ident
     _joined(getter)
     assert ctrl_c.fired.is_set() and isinstance(caught.get("error"), KeyboardInterrupt), caught
