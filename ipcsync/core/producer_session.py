@@ -171,6 +171,8 @@ class ProducerSession:
 
     def bad_frame(self, exc: ProtocolError) -> SessionEvent:
         """``exc``: why a frame from this consumer was refused. The session ends."""
+        if self.conv.may_send(MsgType.ERROR):  # (the reply goes out even where it may not: we end)
+            self.conv.send(MsgType.ERROR)
         self.conv.fail()
         return SessionEvent(Kind.BAD_FRAME, exc, error_frame(exc))
 
