@@ -23,7 +23,7 @@ from ..errors import ProtocolError
 from .messages import Message, MsgType
 
 __all__ = [
-    "Role", "State", "LanePhase", "Event", "MACHINES", "JOINT", "DEAF", "LANE_TRANSITIONS", "LANE_TYPES",
+    "Role", "State", "LanePhase", "Event", "MACHINES", "DATA_TYPES", "JOINT", "DEAF", "LANE_TRANSITIONS", "LANE_TYPES",
     "INITIAL", "ENDED", "DUE", "LANE_DUE", "PEER_OF", "Conversation",
 ]
 
@@ -110,6 +110,10 @@ _CONSUMER_SENDS: Final[dict[State, dict[MsgType, State]]] = {
 }
 MACHINES: Final[dict[Role, dict[State, dict[MsgType, State]]]] = {
     _PRODUCER: _PRODUCER_SENDS, _CONSUMER: _CONSUMER_SENDS}
+# Invariant: the data frames move no state (a self-loop of their sender's machine, no joint
+# rule), so the sessions' steady paths check a wake-up's READYs or RELEASEs once, by state.
+DATA_TYPES: Final = frozenset({MsgType.READY, MsgType.FOREIGN, MsgType.FORWARD_READY, MsgType.RELEASE,
+                               MsgType.HEARTBEAT, MsgType.SENT})
 INITIAL: Final[dict[Role, State]] = {_PRODUCER: State.AWAIT_HELLO, _CONSUMER: State.AWAIT_SETUP}
 ENDED: Final = frozenset({State.CLOSED, State.ERROR})  # nothing more is read or said
 # States, and lane phases, whose next event is a frame of the party's own, said before it

@@ -144,6 +144,16 @@ def test_machines_and_joint_rules_use_only_roles_states_and_message_types() -> N
         assert all(t in P.LANE_TYPES and isinstance(nxt, P.LanePhase) for (_, t), nxt in table.items())
 
 
+def test_data_frames_move_no_state() -> None:
+    """The steady paths check a batch of data frames once (``states.DATA_TYPES``)."""
+    from ipcsync.core.states import DATA_TYPES
+    for role, states in P.MACHINES.items():
+        for state, sends in states.items():
+            assert all(sends[t] is state for t in DATA_TYPES & set(sends)), (role, state)
+        assert not any((role, t) in P.JOINT for t in DATA_TYPES), role
+    assert not DATA_TYPES & P.LANE_TYPES
+
+
 def test_every_state_a_transition_reaches_is_a_state_of_that_role() -> None:
     for role, states in P.MACHINES.items():
         reached = {nxt for sends in states.values() for nxt in sends.values()}
