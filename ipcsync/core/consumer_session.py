@@ -9,8 +9,11 @@ in ``outbox``).
 
 Rules kept here, once:
 
-- what may be received and sent in each state is ``protocol.TRANSITIONS``, the one table
-  of both parties (a send outside it is a bug of ours: ProtocolError);
+- what each party may send in each state is its machine (``protocol.MACHINES``), and what
+  a frame does to its reader the joint rules (``protocol.JOINT``), checked for every
+  frame sent and read through ``protocol.Conversation`` (a send outside them is a bug of
+  ours: ProtocolError); the steady READYs are checked once per wake-up by their state
+  (``receive_frames``: a READY moves no state, so one check covers the batch);
 - READY items are buffered in ``ready`` in order; a layout travels once per id and is
   validated once (``RecipeCache``); an item arriving after our BYE is dropped (the
   producer frees its slot when it reads the BYE); the runtime changes ``ready`` and
@@ -35,7 +38,8 @@ Rules kept here, once:
   until its BYE; heartbeats from SETUP until our BYE;
 - lanes (see ``protocol``): LANE only after SETUP, once (``LaneOffered``); the
   producer's SWITCH only after a LANE, once (``SwitchReceived``: read the lane from now
-  on and answer with ``switch()``, our last ZeroMQ frame): ``protocol.LANE_TRANSITIONS``;
+  on and answer with ``switch()``, our last ZeroMQ frame): ``protocol.LANE_TRANSITIONS``,
+  the lane's joint region;
 - a producer of an older version refusing our HELLO's version: HELLO again one version
   lower (``HelloAgain``), down to ``OLDEST_VERSION`` (4 -> 3: no lane).
 """
@@ -139,9 +143,9 @@ _ACTIVE = State.ACTIVE
 # Handshake done, not ended: releases, BYE and its ack may still travel.
 _EXCHANGING = frozenset({State.ACTIVE, State.ENDING, State.BYE_SENT, State.AWAIT_ACK})
 _BYE_RECEIVED = frozenset({State.ENDING, State.AWAIT_ACK, State.CLOSED})
-# The states in which the table lets us send RELEASE (read once: release_frame is per batch).
-_RELEASING = frozenset(state for state, events in P.TRANSITIONS[P.Role.CONSUMER].items()
-                       if (P.Role.CONSUMER, MsgType.RELEASE) in events)
+# The states in which our machine lets us send RELEASE (read once: release_frame is per
+# batch; a RELEASE moves no state, so one check covers the batch).
+_RELEASING = frozenset(state for state, sends in P.MACHINES[P.Role.CONSUMER].items() if MsgType.RELEASE in sends)
 _BYE_SENT = frozenset({State.BYE_SENT, State.AWAIT_ACK, State.CLOSED})
 
 

@@ -4,8 +4,10 @@ come out of it too. No sockets, no /proc, no clock: ``now`` is passed in.
 
 Rules kept here:
 
-- transitions, for what we receive and for what we send: ``protocol.TRANSITIONS``, the
-  one table of both parties, through ``protocol.Conversation``;
+- transitions, for what we receive and for what we send: each party's machine
+  (``protocol.MACHINES``) and the joint rules (``protocol.JOINT``), through
+  ``protocol.Conversation``; the steady RELEASEs are checked once per wake-up by their
+  state (``release_frames``: a RELEASE moves no state, so one check covers the batch);
 - the goodbye is the state: our BYE is said at most once (``BYE_SENT``); a BYE received is
   always acknowledged (``ACK_DUE``, then ``CLOSED``: the consumer closes its socket only
   after the ack, which proves its earlier frames arrived);
@@ -18,7 +20,7 @@ Rules kept here:
 - liveness through ``core.liveness`` (heard / spoke / stalled / handshake overdue);
 - lanes (see ``protocol``): LANE goes only to a consumer of ``LANE_VERSION`` or later;
   its phases (LANE after SETUP, once; our SWITCH once, after it; the consumer's SWITCH
-  only as the answer to ours) are ``protocol.LANE_TRANSITIONS``.
+  only as the answer to ours) are ``protocol.LANE_TRANSITIONS``, the lane's joint region.
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ class ProducerSession:
 
     def bad_frame(self, exc: ProtocolError) -> SessionEvent:
         """``exc``: why a frame from this consumer was refused. The session ends."""
+        if self.conv.may_send(MsgType.ERROR):  # (the reply goes out even where it may not: we end)
+            self.conv.send(MsgType.ERROR)
         self.conv.fail()
         return SessionEvent(Kind.BAD_FRAME, exc, error_frame(exc))
 

@@ -7,8 +7,9 @@ P``); its parts live in three modules, each with one job:
   (``SCHEMAS``), the versions, error codes and hard caps (``Limits``);
 - ``ipcsync.core.codec``: frames to validated messages and back (``encode``, ``decode``),
   the hot-path encoders and fast decoders, the sender's checks;
-- ``ipcsync.core.states``: the per-connection state machine of both parties
-  (``TRANSITIONS``, ``LANE_TRANSITIONS``, ``Conversation``).
+- ``ipcsync.core.states``: the per-connection state machine: one machine per sender
+  (``MACHINES``), the joint rules (``JOINT``, ``LANE_TRANSITIONS``) and ``Conversation``,
+  the same in both processes.
 
 Conversation (one consumer connection)::
 
@@ -104,14 +105,16 @@ from .messages import (
     describe,
 )
 from .states import (
+    DEAF,
     DUE,
     ENDED,
     INITIAL,
     LANE_DUE,
     LANE_TRANSITIONS,
     LANE_TYPES,
+    JOINT,
+    MACHINES,
     PEER_OF,
-    TRANSITIONS,
     Conversation,
     Event,
     LanePhase,
@@ -127,7 +130,9 @@ __all__ = [
     "Role",
     "State",
     "LanePhase",
-    "TRANSITIONS",
+    "MACHINES",
+    "JOINT",
+    "DEAF",
     "LANE_TRANSITIONS",
     "LANE_TYPES",
     "INITIAL",

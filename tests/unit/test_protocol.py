@@ -906,10 +906,53 @@ def attached(role: str) -> Conversation:
         c.send(P.MsgType.SETUP)
         c.receive(ATTACH)
     else:
+        c.send(P.MsgType.HELLO)  # (a consumer's conversation begins with its HELLO)
         c.receive(SETUP)
         c.send(P.MsgType.ATTACH)
     assert c.state is State.ACTIVE
     return c
+
+
+# A way to each state of each party, from its start: (frame, "send" or "receive") steps.
+_M = P.MsgType
+PATHS: dict[P.Role, dict[State, list[tuple[_M, str]]]] = {
+    P.Role.PRODUCER: {
+        State.AWAIT_HELLO: [],
+        State.SETUP_DUE: [(_M.HELLO, "receive")],
+        State.AWAIT_ATTACH: [(_M.HELLO, "receive"), (_M.SETUP, "send")],
+        State.ACTIVE: [(_M.HELLO, "receive"), (_M.SETUP, "send"), (_M.ATTACH, "receive")],
+        State.BYE_SENT: [(_M.HELLO, "receive"), (_M.SETUP, "send"), (_M.ATTACH, "receive"), (_M.BYE, "send")],
+        State.ACK_DUE: [(_M.HELLO, "receive"), (_M.SETUP, "send"), (_M.ATTACH, "receive"), (_M.BYE, "receive")],
+        State.CLOSED: [(_M.HELLO, "receive"), (_M.SETUP, "send"), (_M.ATTACH, "receive"), (_M.BYE, "receive"),
+                       (_M.BYE, "send")],
+        State.ERROR: [(_M.HELLO, "receive"), (_M.ERROR, "send")],
+    },
+    P.Role.CONSUMER: {
+        State.AWAIT_SETUP: [(_M.HELLO, "send")],
+        State.ATTACH_DUE: [(_M.HELLO, "send"), (_M.SETUP, "receive")],
+        State.ACTIVE: [(_M.HELLO, "send"), (_M.SETUP, "receive"), (_M.ATTACH, "send")],
+        State.ENDING: [(_M.HELLO, "send"), (_M.SETUP, "receive"), (_M.ATTACH, "send"), (_M.BYE, "receive")],
+        State.BYE_SENT: [(_M.HELLO, "send"), (_M.SETUP, "receive"), (_M.ATTACH, "send"), (_M.BYE, "send")],
+        State.AWAIT_ACK: [(_M.HELLO, "send"), (_M.SETUP, "receive"), (_M.ATTACH, "send"), (_M.BYE, "receive"),
+                          (_M.BYE, "send")],
+        State.CLOSED: [(_M.HELLO, "send"), (_M.SETUP, "receive"), (_M.ATTACH, "send"), (_M.BYE, "send"),
+                       (_M.BYE, "receive")],
+        State.ERROR: [(_M.HELLO, "send"), (_M.ERROR, "send")],
+    },
+}
+
+
+def reach(role: P.Role | str, state: State) -> Conversation:
+    """A conversation of ``role`` in ``state``, reached by frames (``PATHS``)."""
+    c = Conversation(role)
+    for t, how in PATHS[c.role][state]:
+        c.send(t) if how == "send" else c.receive(t)
+    assert c.state is state
+    return c
+
+
+def test_every_state_of_each_machine_has_a_path() -> None:
+    assert all(set(PATHS[role]) == set(P.MACHINES[role]) for role in P.Role)
 
 
 def test_conversation_initial_states() -> None:
@@ -961,16 +1004,12 @@ def test_sent_is_for_an_attached_consumer_even_after_the_producers_bye() -> None
 
 @pytest.mark.parametrize("role", ["producer", "consumer"])
 def test_an_error_is_allowed_both_ways_in_every_state_that_is_not_ended(role: str) -> None:
-    for state, table in P.TRANSITIONS[P.Role(role)].items():
+    for state in P.MACHINES[P.Role(role)]:
         if state in P.ENDED or state in (State.ACK_DUE, State.AWAIT_HELLO):
             continue
-        c = Conversation(role)
-        c.state = state
         if state not in P.DUE:  # (a side whose frame is due reads nothing before it)
-            assert c.receive(ERROR) == "error"
-        c = Conversation(role)
-        c.state = state
-        assert c.send(P.MsgType.ERROR) == "error"
+            assert reach(role, state).receive(ERROR) == "error"
+        assert reach(role, state).send(P.MsgType.ERROR) == "error"
     # (A refused HELLO is answered by an ERROR frame outside any conversation.)
 
 
@@ -1013,7 +1052,7 @@ def test_producer_bye_first_then_the_consumers_releases_and_bye() -> None:
 def _state_cases() -> list[Any]:
     return [
         pytest.param(role, state, cls, id=f"{role.value}-{state.value}-{cls.__name__}")
-        for role, states in P.TRANSITIONS.items()
+        for role, states in P.MACHINES.items()
         for state in states
         for cls in TYPES
     ]
@@ -1021,22 +1060,33 @@ def _state_cases() -> list[Any]:
 
 @pytest.mark.parametrize("role,state,cls", _state_cases())
 def test_transition_table(role: P.Role, state: State, cls: type) -> None:
-    c = Conversation(role)
-    c.state = state
-    nxt = P.TRANSITIONS[role][state].get((P.PEER_OF[role], P.MsgType(cls.TYPE)))
+    """A frame read in a state reached by ``PATHS``: accepted, it moves its sender's machine
+    by that machine's table and its reader by the joint rule (or not at all); refused, a
+    ProtocolError names the frame, its sender and the state, and nothing changes."""
+    c = reach(role, state)
+    t = P.MsgType(cls.TYPE)
     if cls in (P.LaneOffer, P.Switch):
         c.lane = {P.LaneOffer: P.LanePhase.NONE, P.Switch: P.LanePhase.OFFERED}[cls]
         if role is P.Role.PRODUCER:  # (the consumer's SWITCH answers ours)
             c.lane = P.LanePhase.SWITCHING
-    if nxt is None or state in P.ENDED:
-        with pytest.raises(ProtocolError) as info:
-            c.receive(SAMPLE[cls])
-        assert c.state == state  # unchanged
-        assert cls.TYPE.name in str(info.value)
-        assert repr(state.value) in str(info.value) or state in P.ENDED
-    else:
-        assert c.receive(SAMPLE[cls]) == nxt
-        assert c.state == nxt
+    before = (c.state, c.peer_state, c.lane, list(c.unread))
+    try:
+        after = c.receive(SAMPLE[cls])
+    except ProtocolError as exc:
+        assert (c.state, c.peer_state, c.lane, c.unread) == before  # unchanged
+        assert t.name in str(exc) and c.peer.value in str(exc)
+        assert repr(state.value) in str(exc) or state in P.ENDED
+        return
+    assert state not in P.ENDED
+    assert after is c.state == P.JOINT.get((c.peer, t), {}).get(state, state)
+    if (c.peer, t) not in P.JOINT:
+        assert state not in P.DEAF  # (a deaf party reads only frames whose joint rule names its state)
+    # The sender's machine took the frame from the state it was in when it said it: its
+    # state here, once it read those of our frames it had read.
+    peer_from = before[1]
+    for event in before[3][:len(before[3]) - len(c.unread)]:
+        peer_from = P.JOINT[event].get(peer_from, peer_from)
+    assert P.MACHINES[c.peer][peer_from][t] is c.peer_state
 
 
 @pytest.mark.parametrize(
@@ -1098,24 +1148,37 @@ def test_close_then_receive_raises(role: str) -> None:
 
 
 @HYP_SLOW
-@given(st.sampled_from(list(P.Role)), st.lists(st.sampled_from(TYPES), max_size=12))
-def test_fuzz_conversation_matches_table(role: P.Role, seq: list[type]) -> None:
-    c = Conversation(role)
-    state, lane = c.state, c.lane
-    for cls in seq:
-        event = (P.PEER_OF[role], P.MsgType(cls.TYPE))
-        expected = None if state in P.ENDED else P.TRANSITIONS[role][state].get(event)
-        nxt_lane = lane
-        if expected is not None and event[1] in P.LANE_TYPES:
-            nxt_lane = P.LANE_TRANSITIONS[role][lane].get(event)  # type: ignore[assignment]
-            expected = expected if nxt_lane is not None else None
-        if expected is None:
-            with pytest.raises(ProtocolError):
-                c.receive(SAMPLE[cls])
-        else:
-            assert c.receive(SAMPLE[cls]) == expected
-            state, lane = expected, nxt_lane
-        assert (c.state, c.lane) == (state, lane)
+@given(st.lists(st.tuples(st.sampled_from(list(P.Role)), st.sampled_from(["say", "read", "junk"]),
+                          st.integers(0, 12)), max_size=40))
+def test_fuzz_two_conversations_accept_every_frame_the_other_may_send(steps: list[tuple[P.Role, str, int]]) -> None:
+    """Both parties' conversations, joined by two in-order queues: each step a side says
+    one of the frames its machine allows now, reads the next frame in flight to it, or is
+    handed any frame. Every frame said is accepted by the other side; a frame refused
+    changes nothing."""
+    sides = {P.Role.PRODUCER: Conversation("producer"), P.Role.CONSUMER: Conversation("consumer")}
+    queues: dict[P.Role, list[P.MsgType]] = {P.Role.PRODUCER: [], P.Role.CONSUMER: []}  # frames in flight to it
+    sides[P.Role.CONSUMER].send(P.MsgType.HELLO)
+    queues[P.Role.PRODUCER].append(P.MsgType.HELLO)
+    for role, what, i in steps:
+        me = sides[role]
+        if me.state in P.ENDED:
+            queues[role].clear()  # (it reads nothing more)
+            continue
+        may = [t for t in P.MsgType if t is not P.MsgType.HELLO and me.may_send(t)]
+        if what == "say" and may:
+            t = may[i % len(may)]
+            me.send(t)
+            queues[P.PEER_OF[role]].append(t)
+        elif what == "read" and queues[role] and me.state not in P.DUE:
+            me.receive(queues[role].pop(0))  # (raises if a frame said is refused)
+        elif what == "junk":
+            before = (me.state, me.peer_state, me.lane, list(me.unread))
+            try:
+                me.receive(list(P.MsgType)[i])
+            except ProtocolError:
+                assert (me.state, me.peer_state, me.lane, me.unread) == before
+            else:  # (a frame the peer might have said: the two no longer agree; end the walk)
+                return
 
 
 # --------------------------------------------------------------------------- lanes (version 4)
@@ -1144,6 +1207,7 @@ def test_lane_frames_are_allowed_only_where_the_state_machine_says() -> None:
     c = P.Conversation("consumer")
     with pytest.raises(ProtocolError, match="not allowed"):
         c.receive(LANE)  # before SETUP
+    c.send(P.MsgType.HELLO)
     c.receive(SETUP)
     c.send(P.MsgType.ATTACH)
     with pytest.raises(ProtocolError, match="SWITCH is not allowed while the consumer is in state 'active' with "

@@ -128,26 +128,43 @@ def test_errorcode_values_are_distinct_and_lower_case() -> None:
 
 
 # --------------------------------------------------------------------------- State
-def test_transitions_use_only_roles_states_and_message_types() -> None:
-    assert set(P.TRANSITIONS) == set(P.Role) == set(P.LANE_TRANSITIONS)
-    for role, states in P.TRANSITIONS.items():
-        for state, table in states.items():
+def test_machines_and_joint_rules_use_only_roles_states_and_message_types() -> None:
+    assert set(P.MACHINES) == set(P.Role)
+    for role, states in P.MACHINES.items():
+        for state, sends in states.items():
             assert isinstance(state, State), (role, state)
-            for (sender, t), nxt in table.items():
-                assert sender in P.Role and t in P.MsgType, (role, state, sender, t)
-                assert isinstance(nxt, State), (role, state, t, nxt)
-        for phase, table in P.LANE_TRANSITIONS[role].items():
-            assert isinstance(phase, P.LanePhase)
-            assert all(t in P.LANE_TYPES and isinstance(nxt, P.LanePhase) for (_, t), nxt in table.items())
+            assert all(t in P.MsgType and isinstance(nxt, State) for t, nxt in sends.items()), (role, state)
+    for (sender, t), rule in P.JOINT.items():
+        assert sender in P.Role and t in P.MsgType
+        reader = P.PEER_OF[sender]
+        assert set(rule) | set(rule.values()) <= set(P.MACHINES[reader]), (sender, t, rule)
+        assert not set(rule) & P.ENDED, (sender, t)  # an ended party reads nothing
+    for phase, table in P.LANE_TRANSITIONS.items():
+        assert isinstance(phase, P.LanePhase)
+        assert all(t in P.LANE_TYPES and isinstance(nxt, P.LanePhase) for (_, t), nxt in table.items())
+
+
+def test_data_frames_move_no_state() -> None:
+    """The steady paths check a batch of data frames once (``states.DATA_TYPES``)."""
+    from ipcsync.core.states import DATA_TYPES
+    for role, states in P.MACHINES.items():
+        for state, sends in states.items():
+            assert all(sends[t] is state for t in DATA_TYPES & set(sends)), (role, state)
+        assert not any((role, t) in P.JOINT for t in DATA_TYPES), role
+    assert not DATA_TYPES & P.LANE_TYPES
 
 
 def test_every_state_a_transition_reaches_is_a_state_of_that_role() -> None:
-    for role, states in P.TRANSITIONS.items():
-        reached = {nxt for table in states.values() for nxt in table.values()}
+    for role, states in P.MACHINES.items():
+        reached = {nxt for sends in states.values() for nxt in sends.values()}
+        reached |= {nxt for (sender, _t), rule in P.JOINT.items() if sender is P.PEER_OF[role]
+                    for nxt in rule.values()}
         assert reached <= set(states), (role, reached - set(states))
         assert P.Conversation(role).state in states
-        # Only the ends accept nothing.
-        assert {s for s, table in states.items() if not table} == P.ENDED
+        # Only the ends accept nothing (the producer, before the HELLO, says nothing but reads it).
+        silent = {s for s, sends in states.items() if not sends}
+        reads = {s for (sender, _t), rule in P.JOINT.items() if sender is P.PEER_OF[role] for s in rule}
+        assert {s for s in silent if s not in reads} == P.ENDED
 
 
 def test_state_values_are_their_lower_case_names() -> None:
