@@ -72,7 +72,7 @@ def deliver_queued(h: "Handoffs", deadline: float | None, attached_ever: Callabl
     never come. Items dropped at ``deadline`` are warned about the same way."""
     ring = h.ring
     done = lambda: ring.queued == 0 or alone_too_long(h, attached_ever(), linger)  # noqa: E731
-    h.wait_nagging(done, deadline, lambda: _queued_words(h, linger.after(attached_ever())))
+    h.slot_waits.wait_nagging(done, deadline, lambda: _queued_words(h, linger.after(attached_ever())))
     if ring.queued and not ring.consumers():
         dropped = ring.drop_queued()
         for slot in dropped:

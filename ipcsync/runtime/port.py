@@ -49,7 +49,8 @@ from .lane import polled_form
 from .peers import Peer, PeerTable
 from .remote_join import join_remote
 from .sharing import DescriptorSharing
-from .slots import Handoffs, SlotRecord, Waits
+from .slot_waits import Waits
+from .slots import Handoffs, SlotRecord
 
 __all__ = ["ProducerPort", "SlotTicket", "failure_text"]
 
@@ -569,7 +570,7 @@ class ProducerPort(EndpointBase):
             plan = self._plan_get(key)
             h = self.handoffs
             if plan is None:
-                plan = h.new_plan(key, plan_message(message, self.slot_bytes, h.check_layout))
+                plan = h.planner.new_plan(key, plan_message(message, self.slot_bytes, h.planner.check_layout))
             s = stream if stream is not None else self._stream
             rec = h.begin(timeout, s)
             try:
@@ -630,7 +631,7 @@ class ProducerPort(EndpointBase):
                 with self._lock:
                     taken = self.ring.free_slots == 0  # by another thread since we looked
                     if taken and deadline is not None and time.monotonic() >= deadline:
-                        raise self.handoffs.no_slot_error(t) from None
+                        raise self.handoffs.slot_waits.no_slot_error(t) from None
                 if not taken:
                     raise
 
@@ -736,8 +737,8 @@ class ProducerPort(EndpointBase):
                 closing.deliver_queued(h, deadline, lambda: self.attached_total, linger)
                 for peer in self.peers:
                     self.say_bye(peer, "producer closed")
-                h.wait_nagging(lambda: not closing.busy(h) and not self.peers and not fwd.ledger.pending,
-                               deadline, h.held_words)
+                h.slot_waits.wait_nagging(lambda: not closing.busy(h) and not self.peers and not fwd.ledger.pending,
+                                          deadline, h.slot_waits.held_words)
             except Exception as exc:  # close never fails because of a peer
                 log.debug("ipcsync producer close: %s", exc)
             except BaseException as exc:  # KeyboardInterrupt, SystemExit: no clean end
