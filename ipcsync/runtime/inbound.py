@@ -57,9 +57,9 @@ class Inbound:
         self.connections = connections
 
     def pump_steady(self) -> None:
-        """The steady pump (a send that found every slot taken; ``AsyncSlotWait.slot_free``): read the
-        lanes that have frames and hand each consumer's RELEASEs to the handoffs in one
-        call per wake-up (``ProducerSession.release_frames``, then ``Handoffs.released``);
+        """The steady pump (a send that found every slot taken; ``AsyncSlotWait.slot_free``):
+        read the lanes that have frames and hand each consumer's RELEASEs to the handoffs in
+        one call per wake-up (``ProducerSession.release_frames``, then ``Handoffs.released``);
         anything else goes to ``pump``, in order, losing nothing. Lock held.
 
         Each condition below needs the general pump's look, for the reason beside it.
@@ -145,7 +145,6 @@ class Inbound:
             self.next_tick = now + self.tick
             peers.tick(now)
             interrupts.protect()  # (back in place if the program's framework put the default back)
-
 
     def on_frame(self, identity: bytes, frames: list[bytes], fd: int) -> None:
         """A ZeroMQ frame (or a lane frame the general pump read) from ``identity``."""
