@@ -16,8 +16,10 @@ waits have nobody to end them, and neither is waited out:
   close does not take away (a CPU arena's name is unlinked, its mapping lives on with the
   tensor).
 
-The waits and words of both, on the producer's ``runtime.slots.Handoffs`` (lock held);
-and what an ``abort`` (a failed end of the stream) tells consumers: ``failure_text``.
+The waits and words of both, on the producer's ``runtime.slots.Handoffs`` (lock held):
+close()'s waits in order (``drain``), aclose()'s look (``settled``), what is left at the
+end (``report_left``); and what an ``abort`` (a failed end of the stream) tells
+consumers: ``failure_text``.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from ..limits import FIRST_LINGER_S, LEFT_LINGER_S
 if TYPE_CHECKING:
     from .slots import Handoffs
 
-__all__ = ["FIRST_LINGER_S", "LEFT_LINGER_S", "Linger", "DEFAULT_LINGER", "deliver_queued", "alone_too_long",
-           "busy", "kept_report", "kept_words", "dropped_words", "failure_text"]
+__all__ = ["FIRST_LINGER_S", "LEFT_LINGER_S", "Linger", "DEFAULT_LINGER", "deliver_queued", "drain", "settled",
+           "report_left", "alone_too_long", "busy", "kept_report", "kept_words", "dropped_words", "failure_text"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def deliver_queued(h: "Handoffs", deadline: float | None, attached_ever: Callabl
     never come. Items dropped at ``deadline`` are warned about the same way."""
     ring = h.ring
     done = lambda: ring.queued == 0 or alone_too_long(h, attached_ever(), linger)  # noqa: E731
-    h.wait_nagging(done, deadline, lambda: _queued_words(h, linger.after(attached_ever())))
+    h.slot_waits.wait_nagging(done, deadline, lambda: _queued_words(h, linger.after(attached_ever())))
     if ring.queued and not ring.consumers():
         dropped = ring.drop_queued()
         for slot in dropped:
@@ -80,6 +82,38 @@ def deliver_queued(h: "Handoffs", deadline: float | None, attached_ever: Callabl
         ever = attached_ever()
         wait = linger.after(ever) if alone_too_long(h, ever, linger) else None
         log.warning("ipcsync producer %r %s", h.name, dropped_words(len(dropped), ever, wait))
+
+
+def drain(h: "Handoffs", deadline: float | None, attached_ever: Callable[[], int], linger: Linger,
+          bye_all: Callable[[], None], done: Callable[[], bool]) -> None:
+    """close()'s waits, up to ``deadline``: every queued item out (``deliver_queued``),
+    then BYE every consumer (``bye_all``), then until ``done()`` (every release and
+    goodbye in), saying every NAG_S who holds items."""
+    deliver_queued(h, deadline, attached_ever, linger)
+    bye_all()
+    h.slot_waits.wait_nagging(done, deadline, h.slot_waits.held_words)
+
+
+def settled(h: "Handoffs", attached_ever: int, linger: Linger, bye_all: Callable[[], None]) -> bool:
+    """aclose(), at each look (after a pump): True once close() has nothing left to wait
+    for. Every item sent was delivered: goodbye now (``bye_all``), as close() says it
+    before it waits: a consumer gives back at our BYE the slots its program's tensors
+    still view (the reference rule), so a wait for every release before it could be endless."""
+    if h.ring.queued > 0:
+        # (Nobody left to take queued items: close() drops them, with its warning.)
+        return alone_too_long(h, attached_ever, linger)
+    bye_all()
+    return not busy(h)
+
+
+def report_left(h: "Handoffs", name: str) -> None:
+    """close(), at its end: warn of items consumers did not release, and of slots kept by
+    ``slot()`` tensors (close() waits for neither)."""
+    if busy(h):
+        log.warning("ipcsync producer %r closing with items not released by consumers "
+                    "(slot states %s)", name, h.ring.occupancy())
+    if (kept := kept_report(h)) is not None:
+        log.warning("ipcsync %s (close() does not wait for it)", kept)
 
 
 def alone_too_long(h: "Handoffs", attached_ever: int, linger: Linger) -> bool:

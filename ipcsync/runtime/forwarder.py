@@ -90,7 +90,7 @@ class Forwarder:
                 self.enter()
                 try:
                     self.check(origin, info)
-                    plan = h.forward_plan(layout, data_bytes)
+                    plan = h.planner.forward_plan(layout, data_bytes)
                     foreign = self.registry.arena_for(forward_key(info), lambda fid: P.encode(P.Foreign(
                         fid, info.backend, info.device, info.pid, info.start_time, info.handle, info.arena_bytes)))
                     if foreign is None:
@@ -171,11 +171,25 @@ class Forwarder:
                     f"this process cannot tell whether it can read) the item's device {info.device}")
 
     # ------------------------------------------------------------------ upstream release
+    def downstream_waits(self, slot: int) -> list[Wait]:
+        """The release event of each connected consumer that released ``slot``, set to
+        wait for the generation it was handed (the slot's last published one)."""
+        h = self.handoffs
+        waits = []
+        released: frozenset[Any] = h.ring.released_by(slot)  # (the ring's consumer ids: identities)
+        for cid in released:
+            peer = self.peers.get(cid)
+            if peer is not None and peer.release_events:
+                ev = peer.release_events[slot]
+                ev.value = h.pub_gen[slot]
+                waits.append((peer, ev))
+        return waits
+
     def freed(self, slot: int) -> None:
         """Every downstream holder of forwarded ``slot`` has released it or is gone:
         release the upstream item now (wait="host": once their release events are
         complete). Lock held."""
-        done = self.ledger.freed(slot, self.handoffs.downstream_waits(slot), _complete,
+        done = self.ledger.freed(slot, self.downstream_waits(slot), _complete,
                                  host=self.handoffs.wait.polls)
         if done is not None:
             self._finish(*done)
@@ -216,7 +230,7 @@ class Forwarder:
         h = self.handoffs
         held = 0
         for slot in self.ledger.outstanding_slots():
-            waits = [w for w in h.downstream_waits(slot) if h.wait.may_enqueue(w[1])]
+            waits = [w for w in self.downstream_waits(slot) if h.wait.may_enqueue(w[1])]
             if h.ring.holders[slot] or slot in self.ledger.pending:
                 held += 1
             done = self.ledger.finish(slot, waits)

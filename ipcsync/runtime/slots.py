@@ -5,7 +5,7 @@ way: ``begin`` (steps 1-2), their own write (step 3), ``finish`` (steps 3b-4).
 1. reserve (``begin``): a FREE slot. Rule: a slot is reused only after every consumer it
    went to has released it or is gone (the ring's invariant); backpressure blocks, never
    drops.
-2. order after the previous readers (``begin``, ``order_after_readers``). Rule: the writing
+2. order after the previous readers (``begin``; its general branch: ``runtime.reader_order``). Rule: the writing
    stream is ordered after each previous holder's release event, as the endpoint's wait
    strategy does it (``core.waits``; ``wait="host"``: the host polls it until complete);
    a lost holder's event is never waited on.
@@ -30,16 +30,16 @@ the same step. A host-synchronous backend (CPU: events complete once recorded) s
 record and the order-after-readers waits, which have nothing to do there, unless a remote
 consumer's release events (sends still running) are in play.
 
-Used under the producer's lock.
+The parts a handoff is built from, each in its own module: ``runtime.handoff_types``
+(``SlotRecord``), ``runtime.slot_waits`` (a send's wait for a free slot, close()'s waits,
+their reports), ``runtime.reader_order`` (step 2's general branch), ``runtime.planner``
+(plans and the checks that consumers accept them). Used under the producer's lock.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, Callable, NamedTuple, Protocol
-
-import msgpack
+from typing import Any
 
 from ..backends import Backend, Event
 from ..backends import native
@@ -47,79 +47,27 @@ from ..backends.base import CurrentStream
 from ..backends.refs import SlotStore
 from ..core import protocol as P
 from ..core.forwarding import ForeignArena, ForwardLedger
-from ..core.layout import LayoutIds, Placement, Plan, PlanCache, Recipe, plan_empty
-from ..core.metakeys import non_str_key
+from ..core.layout import LayoutIds, Plan, PlanCache
 from ..core.ratelog import RateLog
-from ..core.ring import Acquired, Ring
+from ..core.ring import Ring
 from ..core.stats import Stats
 from ..core.waits import WaitStrategy
-from ..errors import BackendError, ConfigError, IpcTimeoutError, ProtocolError, SlotKeptError
-from ..limits import LEFT_LINGER_S
+from ..errors import BackendError, ConfigError, SlotKeptError
+from .handoff_types import ForwardHooks, SlotRecord
 from .peers import Peer, PeerTable
+from .planner import Planner
+from .reader_order import ReaderOrder
+from .slot_waits import SlotWaits, Waits
 from .telemetry import tracer_for
 
-__all__ = ["Waits", "Handoffs", "SlotRecord", "NAG_S", "CLOSE_LINGER_S", "MAX_PLANS", "MAX_LAYOUT_IDS"]
+__all__ = ["Handoffs", "SlotRecord", "MAX_PLANS", "MAX_LAYOUT_IDS"]
 
-log = logging.getLogger(__name__)
-
-NAG_S = 5.0  # a wait nobody can end (no consumer) is reported after this long
-# close(): how long queued items wait for a consumer once every consumer that attached
-# has left (by default; runtime.closing); then they are dropped, with a warning naming how many.
-CLOSE_LINGER_S = LEFT_LINGER_S
 MAX_PLANS = 256  # distinct message signatures cached (least recently used dropped first)
 # Layout ids in use at once (least recently used reused), within what a consumer caches.
 MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
 
 
-class Waits(NamedTuple):
-    """The endpoint's wait machinery, as the handoff steps use it (all: lock held)."""
-
-    pump: Callable[[], None]  # the steady pump (the port's ``pump_steady``: the general one when needed)
-    wait_until: Callable[..., bool]  # EndpointBase's: (done, timeout, cause, stats_wait, ...)
-    timeout_error: Callable[[str, float | None, str], IpcTimeoutError]
-    resolve_timeout: Callable[[float | None], float | None]
-
-
-class ForwardHooks(Protocol):
-    """What the handoff steps tell the forwarding port (see runtime.forwarder)."""
-
-    def freed(self, slot: int) -> None: ...
-
-    def complete(self, slot: int) -> None: ...
-
-
 _READY = P.READY_TYPE
-
-
-class SlotRecord:
-    """One slot's handoff, from its reserve (``begin``) to its release: one record per
-    slot, reused for each item the slot holds (nothing is built per item). ``live``: an
-    item was published from it and is not yet released (or dropped)."""
-
-    __slots__ = ("slot", "gen", "last_holders", "stream", "live", "seq", "sent_ns", "layout_id",
-                 "layout_version", "layout", "meta", "short", "full", "fwd")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.gen = 0
-        self.last_holders: frozenset[Any] = frozenset()  # from the ring's acquire
-        self.stream: Any = None  # the stream steps 2-3b use (resolved by begin)
-        self.live = False
-        self.seq = -1
-        self.sent_ns = 0
-        self.layout_id = 0
-        self.layout_version = 0
-        self.layout: Any = None
-        self.meta: Any = None
-        self.short: bytes | None = None  # READY naming the layout by id (layout_id != 0)
-        self.full: bytes | None = None  # READY with the layout inline, once needed
-        # (foreign arena, region offset, region bytes) of a zero-copy forward, else None
-        self.fwd: tuple[ForeignArena, int, int] | None = None
-
-    def vacate(self) -> None:
-        """The item is released (or dropped): forget it, and what it referenced."""
-        self.live = False
-        self.meta = self.fwd = self.short = self.full = self.layout = None
 
 
 class Handoffs:
@@ -146,13 +94,10 @@ class Handoffs:
         self.stats = stats
         self.limits = limits
         self.wait = wait  # how a stream is ordered after a consumer's release event
-        self.order_after = wait.order  # (bound once: step 2 calls it per incomplete event)
         self.timeout = timeout  # the producer's default: bounds waits on release events
         self.waits = waits
         self.name = name
         self.ratelog = ratelog
-        self.plans = PlanCache(MAX_PLANS)
-        self.layout_ids = LayoutIds(MAX_LAYOUT_IDS)
         self.layouts_inline = 0  # READY/FREADY frames that carried their layout
         self.enc = P.Encoder()
         self.forwards: ForwardHooks | None = None  # set by the forwarding port
@@ -187,6 +132,17 @@ class Handoffs:
         self.slot_ptrs = [v.data_ptr() for v in slot_views] if self.host_copy or self.copy_record else []
         # Per slot: (cudaEvent_t, device index) of its ready event, once torch created it.
         self.ready_raw: list[tuple[int, int] | None] = [None] * self.slots
+        self.plans = PlanCache(MAX_PLANS)
+        self.layout_ids = LayoutIds(MAX_LAYOUT_IDS)
+        # The parts (cold, or bound once below where a steady path calls them).
+        self.planner = planner = Planner(
+            plans=self.plans, layout_ids=self.layout_ids, assign=self.assign_layout, limits=limits, enc=self.enc,
+            slot_bytes=slot_bytes, slot_ptrs=self.slot_ptrs, device=device)
+        self.encode = planner.encode  # (finish, an item with meta: no hop through the planner)
+        self.empty_plan_for = planner.empty_plan_for  # (each slot() block)
+        self.slot_waits = SlotWaits(ring=ring, peers=peers, ledger=ledger, stats=stats, waits=waits, name=name)
+        self.readers = ReaderOrder(peers=peers, ledger=ledger, wait=wait, pub_gen=self.pub_gen, shared=shared,
+                                   timeout=timeout, waits=waits, stats=stats)
 
     # ------------------------------------------------------------------ slot() blocks
     def slot_store(self, slot: int) -> SlotStore:
@@ -232,26 +188,6 @@ class Handoffs:
                 self.ring.abort(slot)
 
     # ------------------------------------------------------------------ plans
-    def new_plan(self, key: Any, placement: Placement) -> Plan:
-        """A plan for ``placement``, cached under ``key`` (None: not cached). ConfigError,
-        and nothing cached, for a layout the consumers' decoder would refuse."""
-        plan = Plan(placement, 0)
-        encoded = msgpack.packb(plan.layout, use_bin_type=True)
-        # Forwarded items' layouts travel in FREADY, which consumers cache apart from READY's.
-        lkey = (type(key) is tuple and bool(key) and key[0] == "forward", encoded)
-        if lkey not in self.layout_ids:  # (every layout that has an id was checked)
-            self.check_layout(plan.layout)
-        plan.layout_size = len(encoded)
-        plan.room = self.limits.max_frame - plan.layout_size
-        plan.layout_key = lkey
-        flat = plan.flat
-        if flat is not None and not (self.slot_ptrs and plan.flat_device == self.device
-                                     and 0 <= flat[0] and flat[0] + flat[1] <= self.slot_bytes):
-            plan.flat = None  # (the bytes stay inside the slot: checked once per plan)
-        self.assign_layout(plan)
-        self.plans.put(key, plan)
-        return plan
-
     def forget_plans(self) -> None:
         """Teardown: drop every plan (and with them their destination views of the slots)."""
         self.plans.clear()
@@ -265,70 +201,12 @@ class Handoffs:
         self.plans.touch(plan)
         self.mru_plan = plan
 
-    def check_layout(self, layout: list[Any]) -> None:
-        """ConfigError for a layout the consumers' decoder would refuse: the hard limits of
-        ``ipcsync.Limits``, which no slot size can lift (so placements check them before
-        the slot's size: ``plan_message(..., check_layout=)``)."""
-        try:
-            P.sendable_layout(layout, self.limits)
-        except ProtocolError as exc:
-            lim = self.limits
-            raise ConfigError(
-                f"this message cannot be sent: its consumers would refuse its layout ({exc}); "
-                f"a message holds at most {lim.max_tensors} tensors and {lim.max_items} "
-                f"entries in one dict/list, nests at most {lim.max_depth} deep and is "
-                f"described in at most {lim.max_frame} bytes (ipcsync.Limits)"
-            ) from None
-
     def assign_layout(self, plan: Plan) -> None:
         """Give ``plan`` its layout's id (see core.layout.LayoutIds): ids of items still in
         a slot are never reassigned."""
         self.mru_plan = None
         plan.layout_id, plan.layout_version = self.layout_ids.assign(
             plan.layout_key, lambda: [r.layout_id for r in self.records if r.live])
-
-    def empty_plan_for(self, spec: dict[str, Any]) -> tuple[Plan, Recipe]:
-        """The plan (and in-place views' recipe) of a ``slot()`` spec."""
-        try:
-            parts: list[Any] = ["slot"]
-            for k, v in spec.items():
-                parts.append((k, tuple(v[0]), v[1]))
-            key: Any = tuple(parts)
-            plan = self.plans.get(key)
-        except (TypeError, IndexError):  # malformed: let plan_empty say what is wrong
-            key, plan = None, None
-        if plan is None:
-            plan = self.new_plan(key, plan_empty(spec, self.slot_bytes, self.check_layout))
-            plan.recipe = Recipe(plan.layout, self.slot_bytes)
-        assert plan.recipe is not None
-        return plan, plan.recipe
-
-    def forward_plan(self, layout: list[Any], data_bytes: int) -> Plan:
-        key = ("forward", msgpack.packb(layout, use_bin_type=True))
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.new_plan(key, Placement(layout, [], data_bytes))
-        return plan
-
-    # ------------------------------------------------------------------ close
-    def wait_nagging(self, done: Callable[[], bool], deadline: float | None, words: Callable[[], str]) -> None:
-        """close(): ``wait_until(done)`` until ``deadline``, logging ``words()`` (what it is
-        waiting for) after NAG_S and then every NAG_S."""
-        nag = time.monotonic() + NAG_S
-        while True:
-            step_end = nag if deadline is None else min(nag, deadline)
-            if self.waits.wait_until(done, max(0.0, step_end - time.monotonic())):
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            log.warning("ipcsync producer %r close() is waiting: %s (close(timeout=...) bounds "
-                        "this; abort() ends the stream at once)", self.name, words())
-            nag = time.monotonic() + NAG_S
-
-    def held_words(self) -> str:
-        held = [f"{p.label} holds {len(self.ring.held_by(p.identity))} item(s)"
-                + (" (stalled)" if p.stalled else "") for p in self.peers]
-        return "; ".join(held) or f"slot states {self.ring.occupancy()}"
 
     # ------------------------------------------------------------------ 1-2. begin
     def begin(self, timeout: float | None, stream: Any) -> SlotRecord:
@@ -340,7 +218,7 @@ class Handoffs:
         if timeout is not None:  # bad input is refused whether or not the call has to wait
             self.waits.resolve_timeout(timeout)
         # 1. reserve. Rule: only a FREE slot, one every earlier holder released or left.
-        acq = self.ring.acquire() or self._wait_for_slot(timeout)
+        acq = self.ring.acquire() or self.slot_waits.wait_for_slot(timeout)
         rec = self.records[acq.slot]
         rec.gen = acq.gen
         rec.last_holders = acq.last_holders
@@ -361,113 +239,11 @@ class Handoffs:
                 peer.release_events[acq.slot].value = self.pub_gen[acq.slot]
             if peer is None or not peer.release_done or not peer.release_done[acq.slot]():
                 try:
-                    self.order_after_readers(rec)
+                    self.readers.order_after_readers(rec, self.forwards)
                 except BaseException:
                     self.ring.abort(rec.slot)
                     raise
         return rec
-
-    def _wait_for_slot(self, timeout: float | None) -> Acquired:
-        w = self.waits
-        t = w.resolve_timeout(timeout)
-        # Every slot is taken: the releases that already arrived usually free one (what
-        # wait_until would do first, without its set-up).
-        w.pump()
-        acq = self.ring.acquire()
-        if acq is not None:
-            return acq
-        cause = "consumer" if not self.ring.consumers() else "slot"
-        done = lambda: self.ring.free_slots > 0  # noqa: E731
-        waited = self.stats.waited
-        if cause == "consumer" and (t is None or t > NAG_S):
-            # Nobody to take the items: say so after a few seconds (a producer alone waits
-            # for a consumer as long as it takes, as mp.Queue.put waits for a reader).
-            ok = w.wait_until(done, NAG_S, cause, waited, pumped=True)
-            if not ok:
-                self._nag_no_slot()
-                ok = w.wait_until(done, None if t is None else t - NAG_S, cause, waited)
-        else:
-            ok = w.wait_until(done, t, cause, waited, pumped=True)
-        if not ok:
-            raise self.no_slot_error(t)
-        acq = self.ring.acquire()
-        assert acq is not None
-        return acq
-
-    def _nag_no_slot(self) -> None:
-        """A send has waited ``NAG_S`` for a slot: say who holds them, as things are now
-        (a consumer may have connected during the wait)."""
-        holders = len(self.ring.consumers())
-        if not holders:
-            log.warning("ipcsync producer %r: send() is waiting for a consumer to connect "
-                        "(all %d slots hold items nobody has taken); start a Consumer on %r, or "
-                        "pass timeout= to give up", self.name, self.slots, self.name)
-        else:
-            log.warning("ipcsync producer %r: send() has waited %.0f s for a free slot: all %d slots are "
-                        "held (%s) by %d connected consumer(s) that have not released them; a consumer must "
-                        "release its items (one whose program holds or keeps them says so in its own log), "
-                        "or pass timeout= to give up", self.name, NAG_S, self.slots,
-                        ", ".join(f"{k} {v}" for k, v in self.ring.occupancy().items() if v), holders)
-
-    def no_slot_error(self, timeout: float | None) -> IpcTimeoutError:
-        """No slot freed within ``timeout``, the wait the user asked for (an asyncio call
-        reports its whole wait, not the last non-blocking try)."""
-        forwarded = self.ledger.count()
-        return self.waits.timeout_error(
-            "no free slot", timeout,
-            f"all {self.slots} slots are held ({self.ring.occupancy()}) by "
-            f"{len(self.ring.consumers())} consumer(s); consumers must release items "
-            "(or connect), or raise timeout/slots"
-            + (f"; {forwarded} of them hold items forwarded without a copy, which also hold "
-               "their upstream slots until released" if forwarded else ""),
-        )
-
-    # ------------------------------------------------------------------ 2. order after readers
-    def order_after_readers(self, rec: SlotRecord) -> None:
-        """Step 2: order the overwrite after the previous holders' reads (their release
-        events), on ``rec.stream``.
-
-        As the wait strategy orders it (``wait="gpu"``: the stream waits on each event at
-        once; ``"host"``: the host polls ``query()``, pumping, so deaths are noticed). A
-        holder lost meanwhile is skipped: no wait is ever enqueued on an event a lost peer
-        recorded. A forwarded item of this slot still waiting for downstream events is
-        finished first.
-        """
-        slot, stream = rec.slot, rec.stream
-        if self.ledger.pending and slot in self.ledger.pending:
-            assert self.forwards is not None
-            self.forwards.complete(slot)
-        peers = self.peers
-        for cid in rec.last_holders:
-            peer = peers.get(cid)
-            if peer is None or not peer.release_events:
-                continue
-            if self.shared:  # (a flag waits for the generation the peer last got of the slot)
-                peer.release_events[slot].value = self.pub_gen[slot]
-            # Complete already (query() is ~0.1 us): nothing to order, and no wait to enqueue,
-            # which costs far more host time than the query when the event is another
-            # process's. The peer re-records this event only after we hand it the slot again,
-            # so a completed query() stands until then.
-            if peer.release_done[slot]():
-                continue
-            self.order_after(peer.release_events[slot], stream, self.release_poll(peer, slot))
-
-    def release_poll(self, peer: Peer, slot: int) -> Callable[[Callable[[], bool]], None]:
-        """The host wait for ``peer``'s release event of ``slot`` (``WaitStrategy.order``'s
-        ``poll``): pumping until ``done()`` or the peer is lost (its event is then never
-        waited on); IpcTimeoutError after the producer's timeout."""
-        peers, cid = self.peers, peer.identity
-
-        def poll(done: Callable[[], bool]) -> None:
-            t = self.timeout
-            if not self.waits.wait_until(lambda: peers.get(cid) is not peer or done(),
-                                         t, "release_event", self.stats.waited, poll_event=True):
-                raise self.waits.timeout_error(
-                    f"{peer.label} did not finish with slot {slot}", t,
-                    "its GPU work on the slot is still running (or wedged)",
-                )
-
-        return poll
 
     # ------------------------------------------------------------------ 3. write
     def write_flat(self, rec: SlotRecord, plan: Plan, tensors: list[Any]) -> bool:
@@ -535,7 +311,7 @@ class Handoffs:
             # The steady READY: its consumers' limits were checked for the layout (room).
             frame = self.enc.plain([_READY, seq, slot, rec.gen, sent_ns, lid, None, None])
             if len(frame) > plan.room:
-                self.check_frame(frame, meta, plan)
+                self.planner.check_frame(frame, meta, plan)
         else:
             frame = self.encode(rec, seq, sent_ns, plan, meta, fwd)
         # 4. publish. Rule: after the record (3b), in seq order; what the ring hands out
@@ -559,48 +335,6 @@ class Handoffs:
         elif ring.queued:
             self.dispatch()
         return seq
-
-    def encode(self, rec: SlotRecord, seq: int, sent_ns: int, plan: Plan, meta: Any,
-               fwd: tuple[ForeignArena, int, int] | None) -> bytes:
-        """The READY (or FREADY) of an item that is not the steady case, checked as its
-        consumers' decoder will check it: ConfigError if they would refuse it."""
-        lid = plan.layout_id
-        try:
-            # Cached layouts: the short frame now (what consumers that know the layout get);
-            # the full one only if a consumer needs it (see deliver).
-            if fwd is None:
-                frame = self.enc.ready(seq, rec.slot, rec.gen, sent_ns, lid, None if lid else plan.layout, meta)
-            else:
-                frame = self.enc.forward_ready(seq, rec.slot, rec.gen, sent_ns, lid, None if lid else plan.layout,
-                                               meta, fwd[0].fid, fwd[1], fwd[2])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ConfigError(f"meta is not msgpack-able: {exc}") from None
-        self.check_frame(frame, meta, plan)
-        return frame
-
-    def check_frame(self, frame: bytes, meta: Any, plan: Plan) -> None:
-        """ConfigError unless the consumers' decoder, under the same limits, accepts
-        ``frame`` (the layout was checked when its plan was made)."""
-        try:
-            P.check_outgoing(frame, meta, plan.layout_size if plan.layout_id else 0, self.limits)
-        except ProtocolError as exc:
-            if (key := non_str_key(meta)) is not None:
-                raise ConfigError(
-                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
-                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
-                    "(key, value) pairs. Nothing was sent") from None
-            if (key := non_str_key(meta)) is not None:
-                raise ConfigError(
-                    f"this message cannot be sent: {key}; meta dict keys must be str (consumers decode "
-                    "msgpack maps with string keys only): use str keys (e.g. str(key)), or a list of "
-                    "(key, value) pairs. Nothing was sent") from None
-            lim = self.limits
-            raise ConfigError(
-                f"this message cannot be sent: its consumers would refuse it ({exc}); meta holds "
-                f"at most {lim.max_items} entries in one dict/list and nests at most "
-                f"{lim.max_depth} deep, and layout and meta together fit in {lim.max_frame} "
-                "bytes (ipcsync.Limits): send less meta or fewer tensors"
-            ) from None
 
     def dispatch(self) -> None:
         """Queued items to consumers with free credits, in seq order."""
@@ -692,15 +426,3 @@ class Handoffs:
             if self.ledger.held[slot] is not None:
                 assert self.forwards is not None
                 self.forwards.freed(slot)
-
-    def downstream_waits(self, slot: int) -> list[tuple[Peer, Event]]:
-        """The release event of each connected consumer that released ``slot``."""
-        waits = []
-        released: frozenset[Any] = self.ring.released_by(slot)  # (the ring's consumer ids: identities)
-        for cid in released:
-            peer = self.peers.get(cid)
-            if peer is not None and peer.release_events:
-                ev = peer.release_events[slot]
-                ev.value = self.pub_gen[slot]
-                waits.append((peer, ev))
-        return waits

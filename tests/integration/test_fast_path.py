@@ -323,11 +323,11 @@ def test_a_bad_frame_on_a_lane_during_the_steady_pump(endpoints: Any, monkeypatc
         with endpoint._lock:
             lane = endpoint._link.chan.lane
             assert lane is not None and lane.send(BAD)
-        port._next_tick = time.monotonic() + 3600  # no tick due: the steady branch is taken
+        port.inbound.next_tick = time.monotonic() + 3600  # no tick due: the steady branch is taken
         try:
             port.pump_steady()
         finally:
-            port._next_tick = 0.0
+            port.inbound.next_tick = 0.0
         assert len(port.peers) == 1 and port.ring.free_slots == 4
     assert out.stats()["bad_frames"] == 1 and out.consumers == 1
     (read,) = reads.read  # one steady read found both lanes' frames

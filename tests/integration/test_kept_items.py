@@ -339,9 +339,9 @@ def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypa
     """A send that began waiting before any consumer attached, then a consumer attached
     and held every item: the producer's report names the consumer holding them. Before:
     "send() is waiting for a consumer to connect (... items nobody has taken)"."""
-    from ipcsync.runtime import slots as slots_module
+    from ipcsync.runtime import slot_waits
 
-    monkeypatch.setattr(slots_module, "NAG_S", 1.0)
+    monkeypatch.setattr(slot_waits, "NAG_S", 1.0)
     caplog.set_level(logging.WARNING, logger="ipcsync")
     out = endpoints.producer("nag-held", slots=2, slot_bytes=4096, heartbeat=None, timeout=10)
     for i in range(2):
@@ -350,15 +350,15 @@ def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypa
     # The consumer attaches only once the third send waits with nobody attached (a send
     # that begins waiting on an attached consumer is ordinary back-pressure: no report).
     waiting_for_consumer = threading.Event()
-    handoffs = out.port.handoffs
-    port_wait = handoffs.waits.wait_until
+    long_waits = out.port.handoffs.slot_waits
+    port_wait = long_waits.waits.wait_until
 
     def noting_wait(done: Any, timeout: Any, cause: str, *args: Any, **kwargs: Any) -> bool:
         if cause == "consumer":
             waiting_for_consumer.set()
         return bool(port_wait(done, timeout, cause, *args, **kwargs))
 
-    handoffs.waits = handoffs.waits._replace(wait_until=noting_wait)
+    long_waits.waits = long_waits.waits._replace(wait_until=noting_wait)
 
     def third() -> None:
         try:

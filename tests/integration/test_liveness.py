@@ -581,9 +581,9 @@ def test_defaults_are_one_set(endpoints: Any) -> None:
 def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any, endpoints: Any) -> None:
     """The quickstart producer started alone: its send() waits (no timeout by default),
     says after a few seconds that nobody has connected, and delivers once a consumer does."""
-    from ipcsync.runtime import slots as slots_mod
+    from ipcsync.runtime import slot_waits
 
-    monkeypatch.setattr(slots_mod, "NAG_S", 0.5)
+    monkeypatch.setattr(slot_waits, "NAG_S", 0.5)
     out = endpoints.producer("live-alone", slots=1, slot_bytes=4096)
     out.send({"x": torch.ones(2)}, meta=0)
     with caplog.at_level("WARNING", logger="ipcsync"):

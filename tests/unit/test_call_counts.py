@@ -211,11 +211,11 @@ def test_the_producers_steady_pump_makes_a_bounded_number_of_python_calls(endpoi
                     with inp._endpoint._lock:
                         link.flush_releases()
             del item, items
-            port._next_tick = float("inf")  # no tick due: the steady branch
+            port.inbound.next_tick = float("inf")  # no tick due: the steady branch
             try:
                 counts.append(python_calls(port.pump_steady))
             finally:
-                port._next_tick = 0.0
+                port.inbound.next_tick = 0.0
             assert port.ring.free_slots == SLOTS  # every RELEASE handled
     worst = max(counts)
     assert worst[0] <= STEADY_PUMP_MAX, f"the steady pump made {worst[0]} Python calls: {worst[1]}"
