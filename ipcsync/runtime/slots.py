@@ -68,6 +68,7 @@ MAX_LAYOUT_IDS = P.MAX_LAYOUT_IDS
 
 
 _READY = P.READY_TYPE
+_ACTIVE = P.State.ACTIVE  # the one state in which the producer's machine sends data (core.states)
 
 
 class Handoffs:
@@ -354,6 +355,8 @@ class Handoffs:
         if peer is None:  # lost by an earlier send of a dispatch loop; the ring freed its slots
             return
         session = peer.session
+        if session.conv.state is not _ACTIVE:  # every data frame through the state check: ProtocolError (ours)
+            session.check_send(P.MsgType.READY)
         fwd = rec.fwd
         if fwd is not None:  # forwarded zero-copy: the consumer must know the arena first
             foreign = fwd[0]
