@@ -35,7 +35,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time see __getattr__
     from .backends.cuda import IpcEvent, export_tensor, import_tensor
-    from .runtime.channel import CurveKeys
+    from .runtime.transport.channel import CurveKeys
     from .consumer import Consumer
     from .item import Item, SlotWriter
     from .fanin import FanIn
@@ -64,7 +64,7 @@ _LAZY = {
     "IpcEvent": ".backends.cuda",
     "export_tensor": ".backends.cuda",
     "import_tensor": ".backends.cuda",
-    "CurveKeys": ".runtime.channel",
+    "CurveKeys": ".runtime.transport.channel",
     "Consumer": ".consumer",
     "Item": ".item",
     "FanIn": ".fanin",

@@ -1,5 +1,5 @@
 """The public Consumer: a facade. Every call is its runtime endpoint's
-(``runtime.consumer_endpoint.ConsumerEndpoint``), which owns the consumer's state and
+(``runtime.consumer.endpoint.ConsumerEndpoint``), which owns the consumer's state and
 states the ordering rules of a receive.
 """
 
@@ -17,9 +17,9 @@ from .core.consumer_session import ConsumerSession
 from .core.stats_types import ConsumerStats
 from .item import Item
 from .runtime import aio
-from .runtime.channel import CurveKeys, Endpoint
-from .runtime.consumer_endpoint import ConsumerEndpoint
-from .runtime.consumer_endpoint import aclose as aclose_endpoint
+from .runtime.transport.channel import CurveKeys, Endpoint
+from .runtime.consumer.endpoint import ConsumerEndpoint
+from .runtime.consumer.endpoint import aclose as aclose_endpoint
 from .runtime.endpoint import UNSET, Unset
 from .runtime.waiting import SourcePort
 
@@ -78,7 +78,7 @@ class Consumer:
 
     ``session`` (read-only) is the protocol state (``ConsumerSession``); ``port`` is what
     FanIn uses of it (``SourcePort``). Every call is the consumer's runtime endpoint's
-    (``runtime.consumer_endpoint.ConsumerEndpoint``), which owns its state.
+    (``runtime.consumer.endpoint.ConsumerEndpoint``), which owns its state.
     """
 
     def __init__(

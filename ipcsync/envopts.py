@@ -162,12 +162,12 @@ class Switch(Generic[T]):
 RUNTIME_DIR: Switch[str | None] = Switch(
     "IPCSYNC_RUNTIME_DIR", TEXT, None,
     "the private directory for bare endpoint names, run directories and the launcher's files "
-    "(runtime.paths); it must be a directory of this user that no one else can enter",
+    "(system.paths); it must be a directory of this user that no one else can enter",
     shown_default="$XDG_RUNTIME_DIR/ipcsync, else /tmp/ipcsync-<uid>")
 LANE: Switch[bool] = Switch(
     "IPCSYNC_LANE", flag(), DEFAULT_LANE,
     "1: data frames between processes of one host travel on a lane (a SOCK_SEQPACKET socket beside "
-    "ZeroMQ, runtime.lane); 0: on ZeroMQ only. Read when an endpoint is made")
+    "ZeroMQ, runtime.transport.lane); 0: on ZeroMQ only. Read when an endpoint is made")
 NATIVE: Switch[bool] = Switch(
     "IPCSYNC_NATIVE", flag(), True,
     "1: the compiled helpers (copy into a slot, the SIGSEGV handler that explains a write to received "
@@ -189,12 +189,12 @@ LOG_LEVEL: Switch[str | None] = Switch(
     shown_default="unset: warnings and errors only")
 HOST_ID: Switch[str | None] = Switch(
     "IPCSYNC_HOST_ID", TEXT, None,
-    "added to this host's boot id in the identity peers compare (runtime.host): processes with different "
+    "added to this host's boot id in the identity peers compare (system.host): processes with different "
     "values count as different hosts, so their edges are remote edges (one machine posing as several)")
 REMOTE_TIMEOUT: Switch[float] = Switch(
     "IPCSYNC_REMOTE_TIMEOUT", seconds(), 120.0,
     "seconds one rendezvous or one item's transfer of a remote edge may take before the edge counts "
-    "as lost (runtime.remote)")
+    "as lost (runtime.remote.io)")
 REMOTE_TRANSPORT: Switch[str] = Switch(
     "IPCSYNC_REMOTE_TRANSPORT", choice("auto", "gloo"), "auto",
     "a producer's transport for remote edges: auto (NCCL between two CUDA ends, else gloo) or gloo "
@@ -225,7 +225,7 @@ WIRING: Switch[str | None] = Switch(
 RUN_ID: Switch[str | None] = Switch(
     "IPCSYNC_RUN_ID", TEXT, None,
     "the run's id (8 lowercase hex digits; another value is ignored): shared memory segments made in "
-    "the process carry it, so the launcher removes them when the stage dies (runtime.shm)", "ipcsync-run")
+    "the process carry it, so the launcher removes them when the stage dies (system.shm)", "ipcsync-run")
 STAGE: Switch[str | None] = Switch(
     "IPCSYNC_STAGE", TEXT, None, "the name of this process's stage (in trace file headers)", "ipcsync-run")
 REPLICA: Switch[str | None] = Switch(

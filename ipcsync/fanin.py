@@ -28,7 +28,7 @@ from . import limits
 from .core.stats_types import FanInStats, frozen_map
 from .runtime import aio
 from .runtime.endpoint import UNSET, check_timeout
-from .runtime.channel import resolve_endpoint
+from .runtime.transport.channel import resolve_endpoint
 from .runtime.waiting import Poller
 from .consumer import Consumer, Item
 from .errors import ClosedError, ConfigError, IpcSyncError, IpcTimeoutError, PeerLostError, ProtocolError

@@ -11,7 +11,7 @@ Two ways, chosen per call (``copy=``):
   The upstream slot is released only once every downstream holder has released the
   item: on the forwarding stream, after waiting on each downstream release event (see
   ``ipcsync/core/forwarding.py`` for the forwarding invariants and
-  ``ipcsync/runtime/slots.py`` for the handoff steps). Until then the item counts
+  ``ipcsync/runtime/producer/slots.py`` for the handoff steps). Until then the item counts
   against the middle stage's credits upstream: the middle holds at most ``out.slots``
   upstream items at once, and a downstream consumer can hold at most
   ``min(upstream slots, out.slots)`` forwarded items at once (one that waits for more

@@ -14,7 +14,7 @@ import torch
 from .errors import ClosedError
 
 if TYPE_CHECKING:
-    from .runtime.foreign import Lender
+    from .runtime.consumer.foreign import Lender
 
 __all__ = ["SlotWriter", "Item"]
 

@@ -39,10 +39,10 @@ IPC_PATH_MAX = 107  # sockaddr_un.sun_path minus the terminating NUL
 POLICIES = ("shard", "broadcast")  # how a producer's ring hands items to its consumers
 
 # Same-host ipc edges carry their per-item frames on a direct unix-socket lane once the
-# handshake is done (runtime/lane.py); IPCSYNC_LANE=0 keeps every frame on ZeroMQ.
+# handshake is done (runtime/transport/lane.py); IPCSYNC_LANE=0 keeps every frame on ZeroMQ.
 DEFAULT_LANE = True
 
 # close(): how long items queued for nobody wait for a consumer to attach
-# (runtime/closing.py; close(linger=...) overrides both).
+# (runtime/producer/closing.py; close(linger=...) overrides both).
 FIRST_LINGER_S = 10.0  # no consumer ever attached
 LEFT_LINGER_S = 2.0  # every consumer that attached has left

@@ -1,7 +1,7 @@
 """How ipcsync logs, and the one place its log level is taken from the environment.
 
 Every module of the library logs through ``logging.getLogger(__name__)``: loggers named
-``ipcsync.<module>`` (``ipcsync.producer``, ``ipcsync.runtime.peers``, ...), all below the
+``ipcsync.<module>`` (``ipcsync.producer``, ``ipcsync.runtime.producer.peers``, ...), all below the
 ``ipcsync`` logger; the library never prints (``tests/unit/test_logging_rules.py``). Only
 the command lines write to stdout/stderr themselves: their output is the program's
 output, not library logging (see ``launch/cli.py`` and ``doctor/cli.py``).

@@ -1,6 +1,6 @@
 """The public Producer: owns the slots, binds the endpoint, serves any number of consumers.
 
-A facade: every call is its runtime endpoint's (``runtime.port.ProducerPort``), which owns
+A facade: every call is its runtime endpoint's (``runtime.producer.port.ProducerPort``), which owns
 the producer's state (lock, closed and closing flags, ring, memory, consumers) and names
 the parts that do each job.
 """
@@ -16,10 +16,10 @@ from . import limits
 from .core import protocol as P
 from .core.stats_types import ProducerStats
 from .item import SlotWriter
-from .runtime.channel import CurveKeys, Endpoint
-from .runtime.closing import DEFAULT_LINGER, Linger
+from .runtime.transport.channel import CurveKeys, Endpoint
+from .runtime.producer.closing import DEFAULT_LINGER, Linger
 from .runtime.endpoint import UNSET, Unset, bind_hot
-from .runtime.port import ProducerPort
+from .runtime.producer.port import ProducerPort
 from .slot_entry import AsyncSlotEntry, SlotEntry
 
 __all__ = ["Producer", "SlotWriter"]
@@ -61,7 +61,7 @@ class Producer:
     already bound; BackendError when the slots' memory cannot be made.
 
     ``port`` is the runtime endpoint that owns the producer's state
-    (``runtime.port.ProducerPort``; other parts of ipcsync use it), not user API.
+    (``runtime.producer.port.ProducerPort``; other parts of ipcsync use it), not user API.
     """
 
     def __init__(
@@ -264,7 +264,7 @@ class Producer:
           to attach (seconds; None or inf: up to ``timeout``); then they are dropped
           with a warning naming how many. Default: 10 s if no consumer ever attached
           (either side may start first), 2 s once every consumer that attached has left
-          (``runtime.closing``). ``wait_for_consumers()`` before close() waits for a
+          (``runtime.producer.closing``). ``wait_for_consumers()`` before close() waits for a
           consumer as long as you choose.
         - A tensor of a ``slot()`` block kept past the block (``SlotKeptError``): its
           item was never sent and only the program can drop it, so close() does not wait

@@ -1,6 +1,6 @@
 """A ``Producer.slot()`` block: ``SlotEntry`` (``with out.slot(...) as s``) and
 ``AsyncSlotEntry`` (``async with out.aslot(...) as s``). On entry the handoff's steps 1-2
-(``runtime.slots``), on a clean exit 3b-4; a block that raises gives its slot back. A
+(``runtime.producer.slots``), on a clean exit 3b-4; a block that raises gives its slot back. A
 tensor of the block still referenced at its end means a later write could change the
 sent item: the item is not sent and ``SlotKeptError`` names the field."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from .item import SlotWriter
 
 if TYPE_CHECKING:
-    from .runtime.port import ProducerPort
+    from .runtime.producer.port import ProducerPort
 
 __all__ = ["SlotEntry", "AsyncSlotEntry"]
 
@@ -20,7 +20,7 @@ __all__ = ["SlotEntry", "AsyncSlotEntry"]
 class SlotEntry:
     """What ``Producer.slot()`` returns: a context manager that reserves the slot on entry
     and sends it (or, if the block raised, gives it back) on exit, through the producer's
-    port (``runtime.port.ProducerPort.open_slot``/``close_slot``)."""
+    port (``runtime.producer.port.ProducerPort.open_slot``/``close_slot``)."""
 
     __slots__ = ("port", "spec", "meta", "timeout", "stream", "ticket", "writer")
 

@@ -46,7 +46,8 @@ from .consumer import Consumer
 from .errors import ConfigError, PeerLostError
 from .fanin import FanIn
 from .producer import Producer
-from .runtime import files, telemetry
+from .system import files
+from .runtime import telemetry
 from .stage_contract import WIRING, WIRING_VERSION, failure_report_path, incomplete_marker_path
 
 __all__ = ["StageInfo", "info", "input", "output", "under_launcher"]
@@ -176,7 +177,7 @@ def _transport_in(edge: dict[str, Any]) -> dict[str, Any]:
     servers = edge.get("curve_servers")
     if servers is None:
         return {}
-    from .runtime.channel import CurveKeys  # noqa: PLC0415 (zmq: only for edges between nodes)
+    from .runtime.transport.channel import CurveKeys  # noqa: PLC0415 (zmq: only for edges between nodes)
 
     mine = edge.get("curve_client")
     if mine is None:
@@ -192,7 +193,7 @@ def _transport_out(edge: dict[str, Any]) -> dict[str, Any]:
     curve = edge.get("curve")
     if curve is None:
         return {}
-    from .runtime.channel import CurveKeys  # noqa: PLC0415
+    from .runtime.transport.channel import CurveKeys  # noqa: PLC0415
 
     clients = curve.get("clients")
     return {"curve": CurveKeys(curve["public"].encode(), curve["secret"].encode(),

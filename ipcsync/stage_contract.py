@@ -1,7 +1,7 @@
 """What ``ipcsync-run`` and its stage processes agree on: the environment it gives them and
 where in the run directory each writes for the other. Both sides import this module (the
 launcher: ``launch.plan``, ``launch.monitor``, ``launch.mps_daemon``, ``launch.reports``;
-the stage: ``ipcsync.stage``, ``runtime.telemetry``, ``runtime.shm``, ``mps_attach``);
+the stage: ``ipcsync.stage``, ``runtime.telemetry``, ``system.shm``, ``mps_attach``);
 the variables themselves, with their kinds and defaults, are switches of the one table
 (``ipcsync.envopts``). Loads neither torch nor zmq.
 

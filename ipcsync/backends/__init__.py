@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BackendError, ConfigError
-from ..runtime.shm import launcher_run_id
+from ..system.shm import launcher_run_id
 from .base import Arena, Backend, Event
 from .cpu import CpuBackend
 
@@ -14,7 +14,7 @@ __all__ = ["Arena", "Backend", "Event", "CpuBackend", "BACKEND_NAMES", "NATIVE_T
 
 BACKEND_NAMES = ("cpu", "cuda")  # the ``Backend.name`` of each backend ``backend_for`` makes
 # The torch.distributed backend that moves each backend's memory between hosts as it is
-# (runtime.remote): NCCL carries CUDA memory, gloo host memory. An edge whose two ends
+# (runtime.remote.io): NCCL carries CUDA memory, gloo host memory. An edge whose two ends
 # name the same one uses it; any other pair goes by gloo, its CUDA end (if any) staged
 # through pinned host memory.
 NATIVE_TRANSPORT = {"cpu": "gloo", "cuda": "nccl"}

@@ -5,7 +5,7 @@ per connection through a small handle) and both sides events (recorded by one pr
 waited on by another, exchanged once through a handle). The CPU backend's events are
 complete when recorded; the CUDA backend's are interprocess CUDA events, or flags where the
 memory is shared by descriptor (``descriptor_problem`` None: ``create_shared_arena``,
-``new_flags``; ``runtime.sharing``).
+``new_flags``; ``runtime.producer.sharing``).
 
 Rules:
 
@@ -115,7 +115,7 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # Host-synchronous: every event is complete once recorded and ignores streams (record,
     # wait: no-ops; query: True; current_stream: None). The handoff steps skip what then
-    # has nothing to do (runtime.slots), decided once, not per item.
+    # has nothing to do (runtime.producer.slots), decided once, not per item.
     host_sync: ClassVar[bool] = False
     # Why a consumer on this host in another PID namespace cannot share this backend's
     # memory (the refusal's text), or None where it can (admission asks it of every HELLO).
@@ -182,7 +182,7 @@ class Backend(abc.ABC):
     # ------------------------------------------------------------------ sharing by descriptor
     # Memory no peer's death can free and flags in shared host memory instead of events a
     # peer owns (backends.cuda_vmm, backends.flags): the producer creates them, and their
-    # descriptors travel once per connection over its lane (runtime.memory_wire).
+    # descriptors travel once per connection over its lane (runtime.transport.memory_wire).
 
     def descriptor_problem(self) -> str | None:
         """Why this backend does not share its memory by descriptor (the producer then

@@ -16,7 +16,7 @@ Arena lifetime:
     ``reclaim_dead_segments``: it unlinks the segments of this user whose owner provably
     no longer exists, and runs whenever a producer creates an arena and whenever a
     consumer loses its producer; ``ipcsync-run`` also removes every segment tagged with
-    its run id when the run ends (``runtime.shm.remove_run_segments``);
+    its run id when the run ends (``system.shm.remove_run_segments``);
 - the whole arena (slots x slot_bytes) is reserved when created (``posix_fallocate``: a
   full /dev/shm is a ConfigError then, never a SIGBUS at a later write) and faulted in when
   mapped (MAP_POPULATE), so no send pays page faults;
@@ -50,8 +50,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import interrupts
-from ..runtime import host
-from ..runtime.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
+from ..system import host
+from ..system.shm import NAME_RE, RUN_ID_RE, SHM_DIR, SHM_PREFIX, remove_run_segments
 from .. import writefaults
 from ..errors import BackendError, ConfigError, IpcTimeoutError
 from . import cpu_descriptors, flags

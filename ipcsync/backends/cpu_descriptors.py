@@ -1,5 +1,5 @@
 """The CPU backend sharing its memory by descriptor: the test route of the path the CUDA
-backend takes on a GPU (``runtime.sharing``, ``runtime.memory_wire``, ``backends.flags``),
+backend takes on a GPU (``runtime.producer.sharing``, ``runtime.transport.memory_wire``, ``backends.flags``),
 so the suite runs that protocol (descriptors on the lane, flags by generation, poison on
 a peer's death) on a machine without a GPU. On only with ``IPCSYNC_CPU_DESCRIPTORS=1``;
 the CPU backend otherwise shares its memory by name (``backends.cpu``).

@@ -6,7 +6,7 @@ producer (``CudaBackend.descriptor_problem``; ``ipcsync doctor`` shows which and
   tried once in this process, ``_self_test``): arenas from ``cuda_vmm`` (no
   process's death frees them under another; consumers map them read-only), ordered by
   ``flags`` (no process waits on a CUDA object another process owns). The descriptors travel
-  on the connection's lane (``runtime.sharing``, ``runtime.memory_wire``).
+  on the connection's lane (``runtime.producer.sharing``, ``runtime.transport.memory_wire``).
 - **By name** (the default; and wherever the driver cannot share by descriptor): one
   ``torch.empty(nbytes, uint8)`` arena exported once per connection with the machinery
   torch.multiprocessing uses (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``: a CUDA

@@ -440,7 +440,7 @@ class Plan:
         # One dense tensor with nothing to resolve (``placement.plain``: no conj/neg bit, no
         # grad): its bytes are its span, the same in the slot as in the source (same
         # strides). (byte offset in the slot, bytes), for a caller that copies the bytes
-        # itself (runtime.slots, Handoffs.write_flat), who also checks ``flat_device`` against
+        # itself (runtime.producer.slots, Handoffs.write_flat), who also checks ``flat_device`` against
         # the slot's and may clear ``flat``; None: ``write`` copies. The signature (the
         # plan's key) fixes all of it for every message of the plan.
         self.flat: tuple[int, int] | None = None

@@ -28,7 +28,7 @@ Conversation (one consumer connection)::
                                                                always acknowledged with a BYE)
     ERROR{code, message}       <->   ERROR{code, message}                     (then close)
 
-Lanes (version 4, same-host ipc edges; ``ipcsync.runtime.lane``): after SETUP the producer
+Lanes (version 4, same-host ipc edges; ``ipcsync.runtime.transport.lane``): after SETUP the producer
 may offer a direct AF_UNIX SOCK_SEQPACKET connection that carries the rest of the session::
 
                                <-    LANE{path, token}        (after SETUP, on ZeroMQ)

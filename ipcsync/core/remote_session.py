@@ -1,11 +1,11 @@
 """The rules of a remote edge, sans I/O: a producer and a consumer on different hosts,
 whose data travels by torch.distributed point-to-point instead of shared memory or CUDA IPC
-(the I/O is ``ipcsync.runtime.remote``).
+(the I/O is ``ipcsync.runtime.remote.io``).
 
 Invariants (each stated once, here):
 
 1. **Who is remote.** A consumer is remote when its HELLO's host identity (the ``boot_id``
-   field, see ``runtime.host.host_identity``) differs from the producer's, and the
+   field, see ``system.host.host_identity``) differs from the producer's, and the
    endpoint is ``tcp://``. On an ipc endpoint a different host identity is refused, as
    before (``ErrorCode.HOST``). The decision is made once, at HELLO; the local path is
    untouched by it.

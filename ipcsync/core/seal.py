@@ -2,7 +2,7 @@
 values that only holders of a shared secret can make or read.
 
 Two stores use it: the launchers' rendezvous store (``launch.nodes``: the run's secret,
-given to every launcher) and a producer's per-edge store (``runtime.remote``: the edge's
+given to every launcher) and a producer's per-edge store (``runtime.remote.io``: the edge's
 secret, sent only inside the CURVE-encrypted SETUP). Anyone who reaches a c10d store can
 list, read, write and delete its keys; sealing turns that into "can break it, cannot
 use it":

@@ -12,7 +12,7 @@ found and, for WARN and FAIL, the fix. The checks:
   edge: slots x slot_bytes x replicas of the producing stage; arenas of GPU stages live in
   GPU memory); a container hint (``--shm-size``, ``--ipc=host``) where it is small.
 - the runtime directory, where bare endpoint names live (chosen as
-  ``ipcsync.runtime.paths.runtime_dir`` chooses it), and the ipc path length it leaves.
+  ``ipcsync.system.paths.runtime_dir`` chooses it), and the ipc path length it leaves.
 - ``RLIMIT_NOFILE``.
 - versions: Python, torch, pyzmq and libzmq, msgpack, numpy.
 - namespaces: a container, and whether PID 1 is the init of a private PID namespace.

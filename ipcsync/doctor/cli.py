@@ -10,7 +10,7 @@ import sys
 from typing import IO, Callable, Iterator, Sequence
 
 from .. import __version__
-from ..runtime.paths import runtime_dir_choice
+from ..system.paths import runtime_dir_choice
 from .cuda import check_cuda, visible_gpus
 from .host import check_namespaces, check_nofile, check_runtime_dir, check_shm, check_versions
 from .probe import DEFAULT_IPC_TIMEOUT

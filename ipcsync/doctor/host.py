@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..envopts import RUNTIME_DIR
 from ..limits import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, IPC_PATH_MAX
-from ..runtime.paths import FALLBACK_SUFFIX, runtime_dir_choice
+from ..system.paths import FALLBACK_SUFFIX, runtime_dir_choice
 from .cuda import visible_gpus
 from .report import FAIL, PASS, WARN, Check, size_text
 from .spec import resolve_device
@@ -34,7 +34,7 @@ MIN_LIBZMQ = (4, 3)
 MIN_MSGPACK = (1, 0)
 NOFILE_WANTED = 4096  # below this soft limit a producer with many consumers runs short
 NOFILE_TINY = 256  # a hard limit below this cannot hold one producer's connections
-MAX_NAME = 64  # the longest bare endpoint name (runtime.channel)
+MAX_NAME = 64  # the longest bare endpoint name (runtime.transport.channel)
 _CONTAINER_CGROUP_RE = re.compile(r"docker|kubepods|containerd|libpod|lxc|crio|podman")
 _HOST_INITS = {"systemd", "init", "upstart", "launchd", "openrc-init", "runit", "s6-svscan"}
 _CONTAINER_INITS = {"tini", "docker-init", "dumb-init", "catatonit", "s6-overlay", "pause"}

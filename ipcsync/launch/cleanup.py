@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..runtime import files, host
-from ..runtime.shm import remove_run_segments
+from ..system import files, host
+from ..system.shm import remove_run_segments
 from ..stage_contract import RUN_ID
 
 __all__ = ["OWNER_FILE", "write_owner", "remove_run", "set_child_subreaper", "reap_orphans", "kill_descendants",

@@ -255,7 +255,7 @@ _ANY_RUN_ID = "xxxxxxxx"  # run ids are 8 hex digits, one per attempt: this stan
 def run(config: LaunchConfig) -> int:
     """Launch ``config``'s pipeline (or, with ``dry_run``, show and check its plan) and
     return the launcher's exit code; ConfigError for what the machine rules out."""
-    from ..runtime.paths import runtime_dir
+    from ..system.paths import runtime_dir
 
     base = runtime_dir()
     spec = config.spec

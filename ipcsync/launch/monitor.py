@@ -55,7 +55,7 @@ from typing import IO, Any, Iterable
 
 from .. import stage_contract as contract
 from ..core.trace import ProcessTrace, chrome_trace, parse_lines
-from ..runtime import files
+from ..system import files
 from ..runtime.telemetry import SNAPSHOT_VERSION
 from .reported import Reported, parse
 from .reports import INCOMPLETE, MAX_REPORT, clean_report, read_incomplete

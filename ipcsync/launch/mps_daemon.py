@@ -51,7 +51,7 @@ from .. import stage_contract as contract
 from ..errors import ConfigError
 from ..limits import IPC_PATH_MAX
 from ..mps_attach import LOG_ENV, PIPE_ENV, ask
-from ..runtime import files, host
+from ..system import files, host
 from .plan import Plan
 
 __all__ = [

@@ -111,7 +111,7 @@ class NodeGroup:
     def start(self) -> None:
         """Serve (node 0) or join the store, and start heartbeating."""
         quiet_c10d_import()
-        from ..runtime.paths import runtime_dir  # noqa: PLC0415
+        from ..system.paths import runtime_dir  # noqa: PLC0415
 
         self.secret, self._secret_written = load_secret(self.rank, self.secret_file, self.insecure, self.rdzv_timeout,
                                                         self._say, self.secret_dir or runtime_dir())

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from ..envopts import NODE_TIMEOUT
 from ..errors import ConfigError
-from ..runtime.host import host_identity
+from ..system.host import host_identity
 from . import runbind
 from .grouprecords import GroupFailure, GroupRecords, forged
 from .plan import ClientKey, Nodes, RemoteEndpoint, remote_producers
@@ -135,7 +135,7 @@ def join_store(*, rank: int, nnodes: int, host: str, port: int, secret: bytes | 
                rdzv_timeout: float) -> Joined:
     """Serve (node 0) or join node 0's store at ``host``:``port``, and bind to the run
     (``runbind``). ConfigError, saying what to check, if that fails."""
-    from ..runtime.sealed_store import serve_store  # noqa: PLC0415
+    from ..runtime.remote.sealed_store import serve_store  # noqa: PLC0415
 
     store: BoundedStore | None = None
     try:

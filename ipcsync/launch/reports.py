@@ -20,7 +20,7 @@ are (readers check them where used).
 ``runtime.telemetry.write_failed`` leaves, e.g. on a full runtime directory): the
 launcher says so once and marks the figures it prints and writes with ``INCOMPLETE``.
 
-Every file a stage leaves is read through ``runtime.files`` (regular files only, never
+Every file a stage leaves is read through ``system.files`` (regular files only, never
 blocking, size-capped): ``read_stats`` (exit stats) and ``failure_report`` (a stage's
 ``.error`` report) skip a file that cannot be read or decoded, JSON nested too deeply
 included, and ``read_stats`` returns a line for each one it skipped.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..runtime import files
+from ..system import files
 from ..stage_contract import INCOMPLETE_SUFFIX, failure_report_path
 from .reported import MAX_COUNT, Reported, parse
 

@@ -11,7 +11,7 @@ File rules (a name another user could have made first, or can swap, must not giv
 the run):
 
 - **Read**: a regular file only, opened ``O_NONBLOCK | O_NOFOLLOW`` and checked on that
-  descriptor (``runtime.files.read_regular``): a link, a FIFO, a directory or a device at
+  descriptor (``system.files.read_regular``): a link, a FIFO, a directory or a device at
   the path is refused at once, never followed or waited on. The file must be owned by
   this launcher's user (or root), have one name (no hard link to it elsewhere) and give
   no access to group or others; at most 4 KiB.
@@ -37,7 +37,7 @@ from typing import Callable
 from ..core import seal
 from ..envopts import RDZV_SECRET
 from ..errors import ConfigError
-from ..runtime import files
+from ..system import files
 from .plan import SECRET_ENV
 
 __all__ = ["load_secret", "read_secret", "write_secret", "SECRET_ENV", "MAX_SECRET_FILE"]

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..runtime.bounded import Job, within
+from ..system.bounded import Job, within
 
 __all__ = ["BoundedStore", "Job", "StoreUnresponsive", "bounded"]
 

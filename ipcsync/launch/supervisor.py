@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from ..errors import ConfigError
-from ..runtime import host
+from ..system import host
 from ..stage_contract import STATS_DIR
 from .cleanup import (
     OWNER_FILE, kill_descendants, reap_orphans, remove_run, set_child_subreaper, sweep_abandoned, write_owner,

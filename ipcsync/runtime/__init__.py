@@ -1,4 +1,4 @@
-"""The I/O parts of ipcsync: endpoints and their service thread, the ZeroMQ channel, the
-host (processes, /proc, credentials), the runtime directory (paths) and
-shared-memory naming (shm). paths and shm load neither torch nor zmq: the launcher uses them.
-"""
+"""The I/O parts of ipcsync. Here: what the two runtime endpoints share (endpoint,
+waiting, aio, handover, telemetry); by job: transport/ (the ZeroMQ channel, the
+lane), producer/ (ProducerPort and its parts), consumer/ (ConsumerEndpoint and its
+parts), remote/ (edges between hosts). The OS helpers below them: ipcsync.system."""

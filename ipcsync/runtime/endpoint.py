@@ -1,5 +1,5 @@
-"""What the runtime endpoints of Producer and Consumer (``runtime.port.ProducerPort``,
-``runtime.consumer_endpoint.ConsumerEndpoint``; the public classes are facades over them)
+"""What the runtime endpoints of Producer and Consumer (``runtime.producer.port.ProducerPort``,
+``runtime.consumer.endpoint.ConsumerEndpoint``; the public classes are facades over them)
 share: the endpoint lock, the service thread, option checks, timeouts, and the endpoints'
 life across exit and fork.
 
@@ -441,7 +441,7 @@ def _close_all_at_exit() -> None:
                     ep.close(timeout=1.0)
             except BaseException:
                 pass
-    remote = sys.modules.get("ipcsync.runtime.remote")  # (loaded only where remote edges were)
+    remote = sys.modules.get("ipcsync.runtime.remote.io")  # (loaded only where remote edges were)
     if remote is not None:
         remote.settle_at_exit()
 

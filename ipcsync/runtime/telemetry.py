@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from ..envopts import TRACE_MAX_EVENTS
 from ..stage_contract import REPLICA, STAGE, TELEMETRY_DIR, TELEMETRY_INTERVAL, TRACE_DIR
-from . import files
+from ..system import files
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ How a stream is ordered after a peer's event (``wait="gpu"`` / ``"host"``) is
 
 The poller sleeps in ``select`` on the OS file descriptors behind ZeroMQ sockets
 (``ZMQ_FD``: edge-triggered, safe to wait on from any thread) and on each channel's lane
-epoll descriptor (``runtime.lane.LaneMux``: readable while a lane has input). An fd may not signal
+epoll descriptor (``runtime.transport.lane.LaneMux``: readable while a lane has input). An fd may not signal
 again for input that is already queued, so every socket is checked for pending input
 (``ZMQ_EVENTS``) first, under its owner's lock, and the poller does not sleep then.
 

@@ -55,7 +55,7 @@ def blocked_alone(out: ipcsync.Producer) -> bool:
     can only wait."""
     stats = out.stats()
     return (stats["consumers"] == 0 and stats["consumers_lost"] >= 1
-            and in_call(threading.main_thread(), "send", "runtime/port.py"))
+            and in_call(threading.main_thread(), "send", "runtime/producer/port.py"))
 
 
 def produce(a: dict[str, Any]) -> None:

@@ -165,7 +165,7 @@ def test_cancelled_aget_loses_nothing(endpoints: Any) -> None:
     out, inp = pair(endpoints, "aio-cancel", credits=2)
     n = 60
     # The edge's lane (if any) is set up after the handshake: count descriptors once it is.
-    from ipcsync.runtime.lane import lane_enabled
+    from ipcsync.runtime.transport.lane import lane_enabled
 
     deadline = time.monotonic() + 10
     while lane_enabled() and not inp.stats()["lane"] and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The ZeroMQ layer (ipcsync.runtime.channel): endpoints, the runtime dir, the exclusive bind,
+"""The ZeroMQ layer (ipcsync.runtime.transport.channel): endpoints, the runtime dir, the exclusive bind,
 round trips, disconnect detection and the frame-size limit. No Producer/Consumer here.
 
 Every socket is closed (linger 0) by a fixture or a finally, and every wait is bounded by
@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import zmq
 
-import ipcsync.runtime.channel as ch
-from ipcsync.runtime.channel import (
+import ipcsync.runtime.transport.channel as ch
+from ipcsync.runtime.transport.channel import (
     BindLock,
     ConsumerChannel,
     Endpoint,
@@ -416,7 +416,7 @@ def test_bind_lock_retries_when_the_holder_unlinks_during_acquire(
             holder.release(remove_socket=False)
         real_flock(fd, op)
 
-    monkeypatch.setattr(fcntl, "flock", flock)  # (the module runtime.bindlock calls)
+    monkeypatch.setattr(fcntl, "flock", flock)  # (the module runtime.transport.bindlock calls)
     lock = BindLock(endpoint)
     try:
         assert lock.acquire()

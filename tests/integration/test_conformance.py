@@ -18,7 +18,7 @@ import zmq
 
 import ipcsync
 from ipcsync.core import protocol as P
-from ipcsync.runtime.channel import resolve_endpoint
+from ipcsync.runtime.transport.channel import resolve_endpoint
 
 # Each test twice: the steady write step copying natively and with torch (conftest's copy_path).
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("copy_path")]

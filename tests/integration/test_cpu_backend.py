@@ -1,5 +1,5 @@
 """The CPU backend (shared-memory arenas, trivially complete events), device resolution,
-and host/process identity (ipcsync.runtime.host)."""
+and host/process identity (ipcsync.system.host)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ipcsync.runtime import host as _host
+from ipcsync.system import host as _host
 from ipcsync.backends import Backend, backend_for, resolve_device
 from ipcsync.backends.cpu import SHM_DIR, CpuArena, CpuBackend, CpuEvent
 from ipcsync.errors import BackendError, ConfigError, IpcTimeoutError

@@ -363,7 +363,7 @@ def test_missing_producer_fails_handshake_and_frees_the_others(fan, runtime_dir)
 def test_bad_arguments_raise_config_error_at_once(runtime_dir, monkeypatch, args, kwargs, match):
     """Rejected before any handshake: no producer exists, yet the error comes at once (no
     source connects, so no handshake waits; the work is checked, not the time)."""
-    from ipcsync.runtime import consumer_endpoint
+    from ipcsync.runtime.consumer import endpoint as consumer_endpoint
 
     def no_handshake(*a: Any, **kw: Any) -> None:
         raise AssertionError(f"a source connected before the arguments were checked: {a[:1]}")

@@ -1,5 +1,5 @@
 """The producer's fast path hands over to the general path, and back, at every edge,
-without losing or reordering an item (runtime.slots: a steady send takes each step's fast
+without losing or reordering an item (runtime.producer.slots: a steady send takes each step's fast
 branch; anything else takes the general one):
 
 - the layout changes mid-stream (a new plan, its id reassigned, no id free: inline);
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import ipcsync
-from ipcsync.runtime import slots as slots_module
+from ipcsync.runtime.producer import slots as slots_module
 
 from peers.common import check, expected
 

@@ -1,5 +1,5 @@
 """The consumer's fast path hands over to the general path at every edge, losing and
-reordering nothing (consumer.Consumer._get, runtime.upstream.ProducerLink.pump_lane).
+reordering nothing (consumer.Consumer._get, runtime.consumer.upstream.ProducerLink.pump_lane).
 
 Each test first streams items until frames travel on the lane (the steady path), then
 crosses one edge: a new layout mid-stream, the producer's BYE after a burst, the producer
@@ -228,7 +228,7 @@ def test_a_release_then_no_call_still_reaches_the_producer(endpoints: Any, devic
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    assert wait_until(lambda: in_call(sender, "send", "runtime/port.py"), 30)  # no slot free: it waits
+    assert wait_until(lambda: in_call(sender, "send", "runtime/producer/port.py"), 30)  # no slot free: it waits
     items[0].release()  # one release, fewer than a batch; then this thread calls nothing
     sender.join(30)
     assert not sender.is_alive() and result.get("seq") == 4, result

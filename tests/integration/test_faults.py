@@ -733,7 +733,7 @@ def test_close_after_peer_lost_is_prompt(procs: Any, endpoints: Any, runtime_dir
     whoever noticed first), close() has nothing left to clean up: it does not retry removing
     them until its 0.5 s budget runs out (the bug: a 0.5 s close). The work is counted, not
     timed: no removal is attempted for files that are gone."""
-    from ipcsync.runtime import upstream_loss
+    from ipcsync.runtime.consumer import upstream_loss
 
     victim = procs.start("fault_produce", module="peers.faults", endpoint="pk-close", slots=SLOTS, heartbeat=HB, n=None)
     victim.read_until(event("bound"), timeout=30)

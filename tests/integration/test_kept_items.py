@@ -339,7 +339,7 @@ def test_a_send_waiting_on_a_connected_consumer_says_so(endpoints: Any, monkeypa
     """A send that began waiting before any consumer attached, then a consumer attached
     and held every item: the producer's report names the consumer holding them. Before:
     "send() is waiting for a consumer to connect (... items nobody has taken)"."""
-    from ipcsync.runtime import slot_waits
+    from ipcsync.runtime.producer import slot_waits
 
     monkeypatch.setattr(slot_waits, "NAG_S", 1.0)
     caplog.set_level(logging.WARNING, logger="ipcsync")

@@ -1,4 +1,4 @@
-"""Lanes (``ipcsync.runtime.lane``): a same-host ipc edge moves its frames from ZeroMQ to a
+"""Lanes (``ipcsync.runtime.transport.lane``): a same-host ipc edge moves its frames from ZeroMQ to a
 direct unix-socket lane after the handshake, keeping their order across the switch; a
 lane that cannot be made or is refused leaves the edge on ZeroMQ; a lane that closes is
 the same evidence as a closed connection, judged by the same liveness rule."""
@@ -106,7 +106,7 @@ def test_frames_sent_before_a_close_are_read_before_the_end_even_after_a_reset()
     """A side that closes its lane with frames of ours unread (an aborting producer with
     releases not yet read) makes the kernel report ECONNRESET ahead of the frames it sent
     last: they are still returned, in order, then the end."""
-    from ipcsync.runtime.lane import Lane, LaneClosed
+    from ipcsync.runtime.transport.lane import Lane, LaneClosed
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours, theirs = Lane(a, 1 << 20), Lane(b, 1 << 20)
@@ -213,7 +213,7 @@ def test_an_unusable_lane_path_leaves_the_edge_on_zeromq(endpoints: Any) -> None
 def test_a_consumer_that_cannot_open_a_socket_stays_on_zeromq(endpoints: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer's lane socket cannot be made (EMFILE, as under a full fd table): no
     lane, every item over ZeroMQ, a clean end."""
-    from ipcsync.runtime import consumer_channel
+    from ipcsync.runtime.transport import consumer_channel
 
     def full(*args: Any, **kwargs: Any) -> Any:
         raise OSError(24, "Too many open files")
@@ -304,7 +304,7 @@ def test_a_lane_arriving_after_its_consumer_left_is_closed_quietly_an_unknown_to
     import logging
 
     from ipcsync.core.ratelog import RateLog
-    from ipcsync.runtime.lane import LaneHub, connect_lane
+    from ipcsync.runtime.transport.lane import LaneHub, connect_lane
 
     hub = LaneHub(str(tmp_path / "lane"), 1 << 16, "late", RateLog(logging.getLogger("ipcsync.test.lane")))
     conns = []

@@ -1127,7 +1127,7 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 # limits, segment naming (the run id's variable), the launcher's pure layers and the wait
 # strategies' registry (core.waits, pure: the spec accepts the modes it names). No
 # endpoint, backend, channel, torch or zmq.
-LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.runtime", "ipcsync.runtime.shm",
+LAUNCHER_MODULES = {"ipcsync", "ipcsync.errors", "ipcsync.limits", "ipcsync.logs", "ipcsync.system", "ipcsync.system.shm",
                     "ipcsync.envopts", "ipcsync.stage_contract",  # the switches' table, the launcher-stage contract
                     "ipcsync.core", "ipcsync.core.waits",
                     "ipcsync.launch", "ipcsync.launch.spec", "ipcsync.launch.plan", "ipcsync.launch.cli",
@@ -1182,7 +1182,7 @@ def test_dry_run_loads_neither_torch_nor_zmq(launcher: Launcher, device: str) ->
     heavy = HEAVY if device == "cpu" or not any(os.path.exists(p) for p in GPU_DRIVER_FILES) else HEAVY - {"torch"}
     assert not imported & heavy, sorted(imported & heavy)  # "auto" on a GPU host: torch counts the GPUs
     ours = {m for m in imported if m.split(".")[0] == "ipcsync"}
-    allowed = LAUNCHER_MODULES | {"ipcsync.runtime.paths",  # the runtime directory
+    allowed = LAUNCHER_MODULES | {"ipcsync.system.paths",  # the runtime directory
                                   "ipcsync.launch.mps", "ipcsync.mps_attach"}  # the MPS decision
     assert ours <= allowed, sorted(ours - allowed)
     assert not list(launcher.runtime_dir.glob("run-*"))

@@ -38,7 +38,7 @@ from ipcsync import doctor
 from ipcsync.errors import ConfigError
 from ipcsync.launch import mps as mpsmod
 from ipcsync.launch import mps_daemon
-from ipcsync.runtime.host import start_time
+from ipcsync.system.host import start_time
 from ipcsync.mps_attach import ENV_CONTROL, ENV_PIPE, LOG_ENV, PIPE_ENV, ask, check_attached, clients
 
 PY = sys.executable

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ipcsync
-from ipcsync.runtime import slots as slots_mod
+from ipcsync.runtime.producer import slots as slots_mod
 
 
 def msg(shape_index: int, value: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import ipcsync
-from ipcsync.runtime import host as _host
+from ipcsync.system import host as _host
 
 from conftest import ROOT, Peer, wait_no_segments
 from polling import in_call, wait_until
@@ -132,7 +132,7 @@ def test_an_error_reading_proc_is_not_death() -> None:
     never as "the process is gone"."""
     code = r"""
 import os, resource, sys
-from ipcsync.runtime import host as _host
+from ipcsync.system import host as _host
 me = os.getpid()
 started = _host.start_time(me)
 watch = _host.ProcessWatch(me, started)
@@ -245,7 +245,7 @@ def test_sigint_on_a_producer_blocked_without_consumer_exits_at_once(procs: Any,
     assert rc != 0
     err = prod.stderr()
     assert "KeyboardInterrupt" in err, err
-    assert re.search(r'runtime/port\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
+    assert re.search(r'runtime/producer/port\.py", line \d+, in send\n', err), f"not interrupted inside send():\n{err}"
 
 
 SIGINT_RUNS = 20
@@ -399,7 +399,7 @@ def test_a_blocked_send_holds_no_lock_and_close_from_another_thread_ends_it(endp
     held = inp.get(timeout=10)  # holds the only slot
     t, caught = _in_thread(lambda: out.send({"x": torch.ones(2, device=device)}, meta=1))
     # In send() with no slot free: it can only wait (backpressure; no timeout).
-    assert wait_until(lambda: in_call(t, "send", "runtime/port.py"), timeout=30), caught
+    assert wait_until(lambda: in_call(t, "send", "runtime/producer/port.py"), timeout=30), caught
     assert out.stats()["occupancy"]["free"] == 0
     stats = _returns_while_alive(out.stats, t)  # stats() from here does not wait for it
     assert stats["occupancy"]["in_flight"] == 1 and t.is_alive()
@@ -416,7 +416,7 @@ def test_a_blocked_iteration_holds_no_lock_and_close_from_another_thread_ends_it
     inp = endpoints.consumer("live-thr-c", device=device)
     t, caught = _in_thread(lambda: next(iter(inp)))  # an idle stream: waits (no timeout)
     # (Iteration is Consumer._get, called by the iterator: inside it, the thread waits.)
-    assert wait_until(lambda: in_call(t, "next_item", "runtime/consumer_endpoint.py"), timeout=30), caught
+    assert wait_until(lambda: in_call(t, "next_item", "runtime/consumer/endpoint.py"), timeout=30), caught
     _returns_while_alive(inp.stats, t)  # stats() from here does not wait for it
     assert t.is_alive()
     inp.close()
@@ -581,7 +581,7 @@ def test_defaults_are_one_set(endpoints: Any) -> None:
 def test_a_producer_alone_waits_for_a_consumer_and_says_so(monkeypatch: Any, caplog: Any, endpoints: Any) -> None:
     """The quickstart producer started alone: its send() waits (no timeout by default),
     says after a few seconds that nobody has connected, and delivers once a consumer does."""
-    from ipcsync.runtime import slot_waits
+    from ipcsync.runtime.producer import slot_waits
 
     monkeypatch.setattr(slot_waits, "NAG_S", 0.5)
     out = endpoints.producer("live-alone", slots=1, slot_bytes=4096)

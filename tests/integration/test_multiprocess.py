@@ -17,7 +17,7 @@ import zmq
 
 import ipcsync
 from ipcsync.core import protocol as P
-from ipcsync.runtime.channel import resolve_endpoint
+from ipcsync.runtime.transport.channel import resolve_endpoint
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -280,7 +280,7 @@ def test_verify_mode_finds_a_write_between_receipt_and_release() -> None:
     """The check itself, on CPU tensors (the mapping is read-only there, so a consumer
     cannot write; here a stand-in item over writable memory)."""
     from ipcsync.backends.refs import SlotStore
-    from ipcsync.runtime.verify import Verifier
+    from ipcsync.runtime.consumer.verify import Verifier
 
     class Stand:
         def __init__(self, seq: int, store: SlotStore) -> None:

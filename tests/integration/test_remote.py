@@ -252,7 +252,7 @@ def test_joining_an_edge_whose_store_never_answers_fails_within_the_remote_timeo
 
     from ipcsync.core.remote_session import EdgeAddress
     from ipcsync.errors import BackendError
-    from ipcsync.runtime.remote import OP_TIMEOUT_ENV, open_consumer_edge
+    from ipcsync.runtime.remote.io import OP_TIMEOUT_ENV, open_consumer_edge
 
     monkeypatch.setenv(OP_TIMEOUT_ENV, "1")
     with silent_listener() as port:

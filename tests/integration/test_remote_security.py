@@ -19,8 +19,8 @@ import zmq
 import ipcsync
 from peers.common import expected
 from ipcsync.core import protocol as P
-from ipcsync.runtime import host as _host
-from ipcsync.runtime.remote import MAX_PENDING_JOINS
+from ipcsync.system import host as _host
+from ipcsync.runtime.remote.io import MAX_PENDING_JOINS
 
 MODULE = "peers.remote"
 

@@ -15,9 +15,9 @@ import torch
 import zmq
 
 import ipcsync
-from ipcsync.runtime import host as _host
+from ipcsync.system import host as _host
 from ipcsync.core import protocol as P
-from ipcsync.runtime.channel import resolve_endpoint
+from ipcsync.runtime.transport.channel import resolve_endpoint
 
 
 def free_port() -> int:
@@ -272,7 +272,7 @@ class TestProducerIdentity:
     def test_identity_check_with_fake_file_and_credentials(self) -> None:
         from types import SimpleNamespace
 
-        from ipcsync.runtime.channel import Endpoint, producer_identity_problem
+        from ipcsync.runtime.transport.channel import Endpoint, producer_identity_problem
 
         ep = Endpoint("ipc:///x/p.sock", "ipc:///x/p.sock", "/x/p.sock")
         ns = _host.pid_namespace()

@@ -1,4 +1,4 @@
-"""Memory shared by descriptor (runtime.sharing, runtime.memory_wire, backends.flags) on
+"""Memory shared by descriptor (runtime.producer.sharing, runtime.transport.memory_wire, backends.flags) on
 the CPU route (IPCSYNC_CPU_DESCRIPTORS=1, backends.cpu_descriptors): the path the CUDA
 backend takes on a GPU, run without one. The descriptors travel on the lane, flags order
 the items by generation, a peer's death poisons the survivor's waits, and nothing a peer
@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 import ipcsync
 from ipcsync.backends import flags as F
 from ipcsync.errors import BackendError
-from ipcsync.runtime import memory_wire as W
+from ipcsync.runtime.transport import memory_wire as W
 
 ROUTE = {"IPCSYNC_CPU_DESCRIPTORS": "1"}
 

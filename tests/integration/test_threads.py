@@ -87,9 +87,9 @@ def test_a_second_close_waits_for_the_first_and_neither_cuts_its_wait(endpoints:
     held = inp.get(timeout=10)
     assert held is not None
     first, caught1 = _in_thread(lambda: out.close(timeout=30))
-    assert wait_until(lambda: _waiting(first, "close", "runtime/port.py"), 30), caught1
+    assert wait_until(lambda: _waiting(first, "close", "runtime/producer/port.py"), 30), caught1
     second, caught2 = _in_thread(lambda: out.close(timeout=30))
-    assert wait_until(lambda: in_call(second, "close", "runtime/port.py") or not second.is_alive(), 30)
+    assert wait_until(lambda: in_call(second, "close", "runtime/producer/port.py") or not second.is_alive(), 30)
     with caplog.at_level(logging.WARNING, logger="ipcsync"):
         # Both wait for the held item (the first's wait is the close, the second waits for it).
         assert wait_until(lambda: not first.is_alive(), 0.5) is False, caught1
@@ -111,9 +111,9 @@ def test_two_threads_closing_one_consumer_close_it_once(endpoints: Any) -> None:
     assert inp.get(timeout=10) is not None
     with out.port.lock:  # the producer answers nothing: the first close waits for its BYE's ack
         first, caught1 = _in_thread(lambda: inp.close(timeout=5))
-        assert wait_until(lambda: _waiting(first, "close", "runtime/consumer_endpoint.py"), 30), caught1
+        assert wait_until(lambda: _waiting(first, "close", "runtime/consumer/endpoint.py"), 30), caught1
         second, caught2 = _in_thread(lambda: inp.close(timeout=5))
-        assert wait_until(lambda: in_call(second, "close", "runtime/consumer_endpoint.py")
+        assert wait_until(lambda: in_call(second, "close", "runtime/consumer/endpoint.py")
                           or not second.is_alive(), 30)
     _joined(first, second)
     assert "error" not in caught1 and "error" not in caught2, (caught1, caught2)
@@ -130,7 +130,7 @@ def test_send_and_slot_while_another_thread_closes_raise_closed_error(endpoints:
     out.send({"x": torch.ones(4)}, meta=0)
     held = inp.get(timeout=10)
     closer, caught = _in_thread(lambda: out.close(timeout=30))
-    assert wait_until(lambda: _waiting(closer, "close", "runtime/port.py"), 30), caught
+    assert wait_until(lambda: _waiting(closer, "close", "runtime/producer/port.py"), 30), caught
     with pytest.raises(ipcsync.ClosedError, match="clos"):
         out.send({"x": torch.ones(4)}, meta=1, timeout=1)
     with pytest.raises(ipcsync.ClosedError, match="clos"):
@@ -155,7 +155,7 @@ def test_a_slot_block_that_ends_after_close_began_is_refused_not_lost(endpoints:
                 s["x"].fill_(3)
                 closer, caught = _in_thread(lambda: out.close(timeout=30))
                 # close() said goodbye and waits for the consumer's: the block ends now.
-                assert wait_until(lambda: _waiting(closer, "close", "runtime/port.py"), 30), caught
+                assert wait_until(lambda: _waiting(closer, "close", "runtime/producer/port.py"), 30), caught
         assert list(inp) == []  # a clean end: nothing was sent
         _joined(closer)
     assert "error" not in caught, caught
@@ -176,7 +176,7 @@ def test_ctrl_c_inside_producer_close_leaves_it_closed_and_its_consumers_told(en
     out.send({"x": torch.full((4,), 6.0)}, meta=1)  # queued: the consumer has one credit
     held = inp.get(timeout=10)
     # close() waits to deliver the queued item (no goodbye yet): Ctrl-C there.
-    ctrl_c.interrupt(lambda: out.close(timeout=30), "runtime/port.py")
+    ctrl_c.interrupt(lambda: out.close(timeout=30), "runtime/producer/port.py")
     assert out.closed
     with pytest.raises(ipcsync.ClosedError):
         out.send({"x": torch.ones(4)}, timeout=1)
@@ -196,7 +196,7 @@ def test_ctrl_c_inside_consumer_close_leaves_it_closed(endpoints: Any, monkeypat
     out.send({"x": torch.ones(4)}, meta=0)
     assert inp.get(timeout=10) is not None
     with out.port.lock:  # the producer answers nothing: close waits for its BYE's ack
-        ctrl_c.interrupt(lambda: inp.close(timeout=5), "runtime/consumer_endpoint.py")
+        ctrl_c.interrupt(lambda: inp.close(timeout=5), "runtime/consumer/endpoint.py")
     assert inp.closed
     with pytest.raises(ipcsync.ClosedError):
         inp.get(timeout=1)
@@ -219,10 +219,10 @@ def test_ctrl_c_while_waiting_for_an_items_data_keeps_the_item_first_in_line(end
     inp = endpoints.consumer("thr-kihost", wait="host", timeout=10)
     getter, caught = _in_thread(lambda: inp.get(timeout=30))
     # Sent while get() waits, so the item is made on the general path, which polls its event.
-    assert wait_until(lambda: _waiting(getter, "next_item", "runtime/consumer_endpoint.py"), 30), caught
+    assert wait_until(lambda: _waiting(getter, "next_item", "runtime/consumer/endpoint.py"), 30), caught
     out.send({"x": torch.full((4,), 1.0)}, meta=0)
     out.send({"x": torch.full((4,), 2.0)}, meta=1)
-    assert wait_until(lambda: _waiting(getter, "make_item", "runtime/consumer_take.py"), 30), caught
+    assert wait_until(lambda: _waiting(getter, "make_item", "runtime/consumer/take.py"), 30), caught
     ctrl_c.target = getter.ident
     _joined(getter)
     assert ctrl_c.fired.is_set() and isinstance(caught.get("error"), KeyboardInterrupt), caught
@@ -274,7 +274,7 @@ def test_ctrl_c_right_after_the_consumer_switched_to_its_lane_keeps_the_connecti
     # went out, then a Ctrl-C landed before the consumer noted it. Before: the SWITCH was
     # sent again at the next pump and the producer refused the consumer ("SWITCH is not
     # allowed ... with the lane 'switched'"), a ProtocolError at its next call.
-    from ipcsync.runtime.channel import ConsumerChannel
+    from ipcsync.runtime.transport.channel import ConsumerChannel
 
     switch_in = ConsumerChannel.switch_in
     fired: list[bool] = []

@@ -1,4 +1,4 @@
-"""runtime.admission: which HELLOs a producer refuses before any session exists."""
+"""runtime.producer.admission: which HELLOs a producer refuses before any session exists."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from ipcsync.backends import CpuBackend
 from ipcsync.backends.cuda import CudaBackend
 from ipcsync.core import protocol as P
 from ipcsync.core.protocol import ErrorCode
-from ipcsync.runtime import host
-from ipcsync.runtime.admission import hello_problem, is_remote
+from ipcsync.system import host
+from ipcsync.runtime.producer.admission import hello_problem, is_remote
 
 CPU = CpuBackend()
 

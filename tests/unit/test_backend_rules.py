@@ -44,7 +44,7 @@ def test_runtime_compares_no_backend_name_with_a_literal() -> None:
     # or "cuda" (the remote edge's transport included: backends.NATIVE_TRANSPORT).
     runtime = Path(__file__).resolve().parents[2] / "ipcsync" / "runtime"
     found = []
-    for path in sorted(runtime.glob("*.py")):
+    for path in sorted(runtime.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]

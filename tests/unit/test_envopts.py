@@ -9,7 +9,7 @@ import pytest
 from ipcsync.envopts import env_seconds
 from ipcsync.errors import ConfigError
 from ipcsync.launch.nodes import NODE_TIMEOUT_ENV, node_timeout
-from ipcsync.runtime.remote import OP_TIMEOUT_ENV, op_timeout
+from ipcsync.runtime.remote.io import OP_TIMEOUT_ENV, op_timeout
 
 
 @pytest.mark.parametrize("raw, want", [(None, 7.0), ("", 7.0), ("2.5", 2.5), ("1e3", 1000.0)])

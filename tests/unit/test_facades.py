@@ -1,5 +1,5 @@
 """Producer and Consumer are facades over a runtime endpoint that owns their state
-(``runtime.port.ProducerPort``, ``runtime.consumer_endpoint.ConsumerEndpoint``): each
+(``runtime.producer.port.ProducerPort``, ``runtime.consumer.endpoint.ConsumerEndpoint``): each
 class stays small, holds nothing but its endpoint, and no dict of the consumer's state is
 shared by aliasing between its parts (one owner; the others ask it through methods)."""
 

@@ -1,4 +1,4 @@
-"""Files the library and the launcher write (``ipcsync.runtime.files``): never through a
+"""Files the library and the launcher write (``ipcsync.system.files``): never through a
 name another user planted (a symbolic link at the temporary's name or at an appended
 file's name), whole or not at all, and a failed write (a full disk) leaves the previous
 file and no temporary behind. Files the launcher reads: regular files only, never a wait
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from ipcsync.launch.monitor import Observer, merge_trace
-from ipcsync.runtime import files
+from ipcsync.system import files
 
 
 def victim(tmp_path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""``runtime.keeping.Kept``: when kept items move out of the ring, and what is reported
+"""``runtime.consumer.keeping.Kept``: when kept items move out of the ring, and what is reported
 when the ring stays stalled (pure: stand-in items and stores, the clock passed in); and
 ``backends.refs.SlotStore.move_out`` itself on plain memory."""
 
@@ -12,7 +12,7 @@ import torch
 
 from ipcsync.backends import refs
 from ipcsync.backends.refs import SlotStore
-from ipcsync.runtime.keeping import MOVE_GRACE_S, Kept
+from ipcsync.runtime.consumer.keeping import MOVE_GRACE_S, Kept
 
 
 class Store:

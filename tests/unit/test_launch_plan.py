@@ -25,7 +25,7 @@ from ipcsync.launch import cli
 from ipcsync.launch.config import LaunchConfig
 from ipcsync.launch.plan import ENV_WIRING, OMP_THREADS, WIRING_VERSION, Plan, endpoint_url, resolve, resolve_command
 from ipcsync.launch.spec import PipelineSpec, SpecError, from_cli, loads
-from ipcsync.runtime.shm import ENV_RUN_ID
+from ipcsync.system.shm import ENV_RUN_ID
 
 RUN_ID = "0badcafe"
 RUN_DIR = "/run/user/1000/ipcsync/run-0badcafe"

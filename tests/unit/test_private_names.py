@@ -52,7 +52,7 @@ def _violations(path: Path) -> list[str]:
 # Underscore names of other projects that ipcsync needs on purpose: torch's CUDA IPC
 # machinery (what torch.multiprocessing's reductions use) and os._exit in a forked child.
 THIRD_PARTY = {"_C", "_share_cuda_", "_new_shared_cuda", "_new_with_weak_ptr", "_release_ipc_counter", "_exit",
-               # torch.distributed's process-group options (runtime/remote.py: a group built
+               # torch.distributed's process-group options (runtime/remote/io.py: a group built
                # on a store without init_process_group has no public way to set them)
                "_Options", "_devices", "_timeout",
                # torch's storage weak references (what torch.multiprocessing's
@@ -95,9 +95,9 @@ def test_no_module_uses_another_modules_private_names() -> None:
 
 
 # Modules already clean: kept so while the endpoints are being split.
-CLEAN = ("launch/", "stage.py", "limits.py", "backends/cpu.py", "runtime/shm.py", "runtime/host.py",
-         "runtime/channel.py", "runtime/paths.py", "runtime/address.py", "runtime/curve.py",
-         "runtime/socket_channel.py", "runtime/producer_channel.py", "runtime/consumer_channel.py")
+CLEAN = ("launch/", "stage.py", "limits.py", "backends/cpu.py", "system/shm.py", "system/host.py",
+         "runtime/transport/channel.py", "system/paths.py", "runtime/transport/address.py", "runtime/transport/curve.py",
+         "runtime/transport/socket_channel.py", "runtime/transport/producer_channel.py", "runtime/transport/consumer_channel.py")
 
 
 def test_launcher_and_host_modules_use_no_private_names() -> None:

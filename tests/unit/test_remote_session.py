@@ -107,7 +107,7 @@ def test_sent_watermark_refuses_a_confirmation_out_of_order(first: int | None, t
 def test_transport_is_nccl_only_between_two_cuda_ends_unless_gloo_is_asked_for(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from ipcsync.errors import ConfigError
-    from ipcsync.runtime.remote import TRANSPORT_ENV, transport_for
+    from ipcsync.runtime.remote.io import TRANSPORT_ENV, transport_for
 
     monkeypatch.delenv(TRANSPORT_ENV, raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)

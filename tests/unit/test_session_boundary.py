@@ -15,7 +15,7 @@ from ipcsync.core.producer_session import Kind, ProducerSession
 from ipcsync.core.protocol import State
 from ipcsync.core.ratelog import RateLog
 from ipcsync.core.ring import Ring
-from ipcsync.runtime.peers import Peer, PeerTable
+from ipcsync.runtime.producer.peers import Peer, PeerTable
 
 PKG = Path(__file__).resolve().parents[2] / "ipcsync"
 MUTATORS = {"append", "appendleft", "extend", "extendleft", "pop", "popleft", "clear", "remove", "add",
@@ -55,7 +55,7 @@ def _writes(path: Path) -> list[str]:
 
 def test_runtime_and_facades_write_no_session_or_clock_state() -> None:
     found = []
-    for path in sorted([*PKG.joinpath("runtime").glob("*.py"), *PKG.glob("*.py")]):
+    for path in sorted([*PKG.joinpath("runtime").rglob("*.py"), *PKG.glob("*.py")]):
         rel = str(path.relative_to(PKG))
         found += [f"{rel}: {w}" for w in _writes(path) if (rel, w) not in PENDING]
     assert not found, "session state written from outside the session:\n" + "\n".join(found)

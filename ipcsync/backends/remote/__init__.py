@@ -1,4 +1,4 @@
-"""The remote edge's backend objects (see ``transfer``); ``runtime.remote`` does its I/O."""
+"""The remote edge's backend objects (see ``transfer``); ``runtime.remote.io`` does its I/O."""
 
 from .transfer import POLL_S, ReceiveArena, RecvEvent, ReleaseEvent, SendEvent, TransferEvent, slot_tensors, staged
 

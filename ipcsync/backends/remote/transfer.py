@@ -1,11 +1,11 @@
 """A remote edge's transfer objects (``core.remote_session``; the I/O that drives them is
-``runtime.remote``): the events that stand for a transfer, and the receive ring's memory.
+``runtime.remote.io``): the events that stand for a transfer, and the receive ring's memory.
 
 On a remote edge an item's bytes move by one torch.distributed send (producer) and one
 recv (consumer) per item. What the rest of ipcsync sees of that is the backend interface:
 
 - ``SendEvent``: the producer's stand-in for a remote consumer's release event of one
-  slot: complete when no send from that slot is pending (invariant 5), so ``runtime.slots``
+  slot: complete when no send from that slot is pending (invariant 5), so ``runtime.producer.slots``
   orders an overwrite after the previous send as it orders it after a local reader;
 - ``RecvEvent``: a remote item's ready event: the recv into its receive slot, and the
   producer's confirmation of its send (invariant 7);
@@ -50,7 +50,7 @@ def staged(buffers: dict[int, torch.Tensor], slot: int, capacity: int, nbytes: i
 class TransferEvent(Event):
     """One slot's pending transfer on a remote edge, as an ``Event``: NCCL records a CUDA
     event on the edge's stream after the transfer; gloo counts the transfers posted into
-    (or from) the slot and those the edge's completion thread (``runtime.remote``) saw
+    (or from) the slot and those the edge's completion thread (``runtime.remote.io``) saw
     finish. Recorded only by the transfer."""
 
     __slots__ = ("edge", "work", "cuda_event", "posted", "completed")

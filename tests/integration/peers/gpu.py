@@ -240,6 +240,6 @@ def bystander(a: dict[str, Any]) -> None:
 
 
 def sharing_state(a: dict[str, Any]) -> None:
-    """How this process's CUDA producer shares its memory (``runtime.sharing``)."""
+    """How this process's CUDA producer shares its memory (``runtime.producer.sharing``)."""
     with ipcsync.Producer(a["endpoint"], device="cuda", slots=2, slot_bytes=4096, timeout=5) as out:
         say(event="done", problem=out.port.share_problem, arena=type(out.port.arena).__name__)

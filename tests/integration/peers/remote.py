@@ -225,7 +225,7 @@ def conf_consume(a: dict[str, Any]) -> None:
     NCCL's communicator takes on a busy machine)."""
     device = a.get("device", "cpu")
     if a.get("join_delay"):
-        import ipcsync.runtime.remote as remote
+        import ipcsync.runtime.remote.io as remote
 
         join = remote.open_consumer_edge
 
@@ -341,7 +341,7 @@ def hand_produce(a: dict[str, Any]) -> None:
     from ipcsync.core import protocol as P
     from ipcsync.core.layout import Plan, plan_message, signature
     from ipcsync.core.remote_session import READY_PLACEHOLDER, EdgeAddress, layout_extent
-    from ipcsync.runtime import host
+    from ipcsync.system import host
 
     then, size, nslots, slot_bytes = a["then"], 16, 2, 1 << 12
     ctx = zmq.Context()
@@ -376,7 +376,7 @@ def hand_produce(a: dict[str, Any]) -> None:
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = datetime.timedelta(seconds=30)
-    from ipcsync.runtime.sealed_store import SealedStore
+    from ipcsync.runtime.remote.sealed_store import SealedStore
 
     pg = dist.ProcessGroupGloo(SealedStore(store, addr.edge.encode(), 30.0), 0, 2, opts)
     while type(recv()[1]) is not P.Attach:

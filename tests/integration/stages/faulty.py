@@ -4,7 +4,7 @@
 
 - ``--disk-full-after N``: after N successful writes, every byte ipcsync writes to a
   file fails with ENOSPC, as on a full runtime directory (through the library's one
-  write seam, ``ipcsync.runtime.files.write_all``; creating an empty file still works,
+  write seam, ``ipcsync.system.files.write_all``; creating an empty file still works,
   as on a full tmpfs).
 - ``--corrupt-stats``: at exit, once ipcsync.stage wrote this process's exit stats,
   rewrite them as valid JSON of the wrong shape (every ``handoffs`` becomes "many").
@@ -44,7 +44,7 @@ if a.corrupt_stats:
     atexit.register(corrupt)  # registered before ipcsync.stage's hook: runs after it
 
 if a.disk_full_after is not None:
-    from ipcsync.runtime import files
+    from ipcsync.system import files
 
     real_write_all = files.write_all
     left = [a.disk_full_after]
