@@ -33,7 +33,7 @@ def test_log_level_debug_shows_the_stages_debug_lines(launcher: Any, tmp_path: P
     assert run.proc.returncode == 0, run.dump()
     lines = probe_lines(run)
     # A real debug line of the library, from a logger below ipcsync, with the stage's pid.
-    assert any(line.startswith("DEBUG ipcsync.runtime.producer.port[") and "attached" in line for line in lines), run.dump()
+    assert any(line.startswith("DEBUG ipcsync.runtime.producer.connections[") and "attached" in line for line in lines), run.dump()
     for level in ("DEBUG", "INFO", "WARNING"):
         assert sum(f"{level} ipcsync.probe[" in line and f"probe {level.lower()}" in line
                    for line in lines) == 1, run.dump()
