@@ -64,15 +64,19 @@ class SteadyReads:
         monkeypatch.setattr(lanes, "read_lanes", counted)
 
 
-def _sender(out: ipcsync.Producer, size: int) -> Callable[[Callable[[], bool]], int]:
+def _sender(out: ipcsync.Producer, size: int,
+            state: Callable[[], Any] = lambda: None) -> Callable[[Callable[[], bool]], int]:
     """``send_until(done)``: send the next items (meta ``{"i": i, ...}``) until ``done()``
-    (looked at every 8 items); returns how many were sent in all."""
+    (looked at every 8 items); returns how many were sent in all. One that never gets
+    there fails within 90 s, saying ``state()`` and the producer's stats."""
     sent = 0
 
     def send_until(done: Callable[[], bool]) -> int:
         nonlocal sent
+        give_up = time.monotonic() + 90
         while sent % 8 or not done():
-            assert sent < 300_000, "the producer never got there"
+            assert sent < 300_000 and time.monotonic() < give_up, (
+                f"the producer never got there: {sent} sent, {state()}, {out.stats().as_dict()}")
             out.send(expected(sent, size), meta={"i": sent, "tag": f"item-{sent}"}, timeout=30)
             sent += 1
         return sent
@@ -355,7 +359,8 @@ def test_the_tick_runs_while_the_producer_runs_steady(endpoints: Any, procs: Any
                          credits=1, progress=1)
     out.wait_for_consumers(2, timeout=30)
     reads = SteadyReads(out, monkeypatch)
-    send_until = _sender(out, size)
+    stopped_at = 0
+    send_until = _sender(out, size, lambda: f"steady reads {reads.count} ({stopped_at} when stopped)")
     send_until(lambda: out.stats()["handoffs"] >= 32)  # (the paused one takes some)
     paused.read_until(lambda line: line.get("event") == "received", timeout=30)
     os.kill(paused.pid, signal.SIGSTOP)
