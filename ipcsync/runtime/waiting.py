@@ -13,11 +13,15 @@ Lent endpoints (``Pumpable``: the forwarding Producers an item was lent to) are 
 too, since the releases the wait may depend on arrive on their sockets: their locks are
 only ever tried (whoever holds one is pumping that endpoint already), held to read their
 sockets, and their ``pump()`` runs after the sleep.
+
+``Wake``: an eventfd another thread sets to end a poll (a remote edge's receive thread;
+a forwarding consumer's lender).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import select
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, TypeVar
 
@@ -26,7 +30,7 @@ from ..interrupts import wait_point
 if TYPE_CHECKING:  # (this module loads neither torch nor zmq)
     from .handover import Pumpable
 
-__all__ = ["EVENT_SPIN_S", "Poller", "SourcePort"]
+__all__ = ["EVENT_SPIN_S", "Poller", "SourcePort", "Wake"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +115,32 @@ class SourcePort(Generic[ItemT]):
                  poll: Callable[[], tuple[bool, ItemT | None]]) -> None:
         self.lock, self.is_closed, self.io_fds, self.io_pending = lock, is_closed, io_fds, io_pending
         self.lent, self.poll = lent, poll
+
+
+class Wake:
+    """An eventfd that another thread writes to wake our poll. Closed when collected, not
+    at teardown: a thread that still holds a reference may be writing to it, and a closed
+    fd number can be reused by anything."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except OSError:  # not set (EAGAIN)
+            pass
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass

@@ -21,7 +21,6 @@ out, the Consumer does not say BYE, its waits poll the forwarding Producers too
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -35,8 +34,9 @@ from ...core.layout import Recipe
 from ...core.ratelog import RateLog, best_effort
 from ...errors import ConfigError
 from ..handover import CannotForward, ForwardSource, Pumpable
+from ..waiting import Wake
 
-__all__ = ["ForeignArena", "ForeignUse", "Downstream", "Wake", "Lender"]
+__all__ = ["ForeignArena", "ForeignUse", "Downstream", "Lender"]
 
 log = logging.getLogger(__name__)
 
@@ -152,35 +152,6 @@ class Downstream:
         best_effort("consumer: closing a foreign arena",
                     *(e.arena.close for e in self.arenas.values() if e.arena is not None))
         self.arenas.clear()
-
-
-class Wake:
-    """An eventfd that another thread writes to wake our poll. Closed when collected, not
-    at teardown: a thread that still holds a reference may be writing to it, and a closed
-    fd number can be reused by anything."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self) -> None:
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-
-    def set(self) -> None:
-        try:
-            os.eventfd_write(self.fd, 1)
-        except OSError:
-            pass
-
-    def clear(self) -> None:
-        try:
-            os.eventfd_read(self.fd)
-        except OSError:  # not set (EAGAIN)
-            pass
-
-    def __del__(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
 
 
 class Lender:

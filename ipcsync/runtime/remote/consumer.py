@@ -14,7 +14,7 @@ from ...backends.remote import ReceiveArena, RecvEvent, ReleaseEvent, slot_tenso
 from ...core.remote_session import EdgeAddress, RecvLedger, SentWatermark
 from ...errors import BackendError, ConfigError
 from ...system.bounded import within
-from ..consumer.foreign import Wake
+from ..waiting import Wake
 from .completer import CLOSE_JOIN_S, LOST_JOIN_S, Completer, edge_ids
 from .groups import (
     OP_TIMEOUT_ENV, local_address_towards, make_group, nccl_transfer, op_timeout, shut_down_or_abort,
