@@ -1290,7 +1290,7 @@ def test_sweep_kills_a_killed_launchers_stage_before_removing_its_run(launcher: 
                               "--stop-timeout", "2")
         assert second.proc.returncode == 0, second.dump()
         assert re.search(rf"killed 1 process\(es\) still running of run {run_id} .*pid {stubborn.pid} ",
-                         second.err), second.dump()
+                         second.err), f"{second.dump()}\nthe stage (pid {stubborn.pid}) alive now: {stubborn.alive()}"
         assert f"removed what an earlier launcher (killed) left of run {run_id}" in second.err, second.dump()
         assert not stubborn.alive(), second.dump()
         # Killed before its run directory went: it never saw the directory gone.
