@@ -8,10 +8,9 @@ Its parts, each with one job: ``runtime.producer.memory`` (the arena, made once)
 connection's protocol, sans I/O), ``runtime.producer.connections`` + ``runtime.producer.admission`` (a
 consumer from HELLO to leaving), ``runtime.producer.forwarder`` + ``core.forwarding`` (zero-copy
 forwarding), ``runtime.producer.aio_slot`` (an asyncio call's wait for a slot),
-``runtime.producer.closing`` (close's bounded waits), ``runtime.producer.stats``. The port handles
-what arrives (the pump: monitor events, frames, a steady RELEASE to the handoffs and any
-other to ``Connections``, the liveness tick; the steady pump, ``pump_steady``: only the
-lanes' RELEASEs, while nothing else needs a look), and it is what other parts of
+``runtime.producer.closing`` (close's bounded waits), ``runtime.producer.stats``; what
+arrives is handled by ``runtime.producer.inbound`` (the pump and the steady pump, bound
+as the port's own ``pump`` and ``pump_steady``). The port is what other parts of
 ipcsync use: ``Pumpable`` (``runtime.handover``: a Consumer that lent items to this
 producer pumps it while it waits), the entry of ``ipcsync.forward`` (``forward``) and of
 ``Producer.slot()`` blocks (``open_slot``/``close_slot``). Not user API. Used under its
