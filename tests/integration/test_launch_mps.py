@@ -281,9 +281,14 @@ def by_hand(root: str, fake: Path, roots: list[str], **env: str) -> tuple[int, i
     pipe = os.path.join(root, "pipe")
     e = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"), **env)
     assert subprocess.run([str(fake), "-d"], env=e, timeout=30).returncode == 0
-    wait_until(lambda: all(os.path.exists(os.path.join(pipe, n)) for n in ("control", mps_daemon.PID_FILE)), 20,
-               "the fake daemon")
-    pid = int(Path(pipe, mps_daemon.PID_FILE).read_text())
+    pid_file = Path(pipe, mps_daemon.PID_FILE)
+
+    def pid_written() -> bool:  # the daemon creates the file, then writes it: both must have happened
+        return os.path.exists(os.path.join(pipe, "control")) and pid_file.exists() \
+            and pid_file.read_text().strip().isdigit()
+
+    wait_until(pid_written, 20, "the fake daemon's pid file")
+    pid = int(pid_file.read_text())
     DAEMONS[root] = (pid, start_time(pid))
     return DAEMONS[root]
 
