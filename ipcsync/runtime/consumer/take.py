@@ -12,6 +12,9 @@ anything else, lock held.
 - ``wait_for_item``: the blocking take (``get``, iteration): waits for an item, the end
   of the stream or an error; a ring stalled by the program's own items (held, or kept
   and not movable) past the consumer's timeout is an error, never a hang.
+- ``take_nowait``: the non-blocking core of every take (a buffered READY, or the end of
+  the stream); ``wait_for_item`` waits, then takes through it; ``poll`` pumps, then takes
+  through it.
 - ``poll``: the non-blocking take that ``FanIn`` and the asyncio calls wrap
   (``waiting.SourcePort``, ``aio.wait_for_attempt``); ``last_attempt`` is their final
   try at the timeout."""
@@ -162,19 +165,10 @@ class Taker:
                 self.raise_if_broken()
                 raise self.stuck_error()
         self.raise_if_broken()
-        if s.ready:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            entry = s.take_ready()
-            try:
-                item = self.make_item(entry, left, timeout)
-                self.lender.set_current(get_ident(), item)
-            except KeyboardInterrupt:
-                self.untake(entry)
-                raise
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        got, item = self.take_nowait(left, timeout, current=True)
+        if got:
             return item
-        if s.bye_received:
-            self.pump()  # answers BYE once nothing is held
-            return None
         raise IpcTimeoutError(
             f"no item from the producer on {self.name!r} within {timeout} s; "
             f"it is alive but sent nothing (pass a larger timeout, or None to wait){self.link.stall_text()}")
@@ -195,22 +189,36 @@ class Taker:
             s = self.session
             if not s.ready and not s.bye_received and self.link.stuck(self.timeout):
                 raise self.stuck_error()  # (FanIn, asyncio: as next_item)
-            if s.ready:
-                # A gloo remote item whose transfer is still running is not waited for here:
-                # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
-                # the fds it waits on) or the SENT frame wakes it when this one is ready.
-                entry = s.take_ready()
-                try:
-                    return True, self.make_item(entry, 0.0 if self.data_wakes else None)
-                except IpcTimeoutError:
-                    return False, None  # (the entry is first in line again)
-                except KeyboardInterrupt:
-                    self.untake(entry)
-                    raise
-            if s.bye_received:
-                self.pump()  # answers BYE once nothing is held
-                return True, None
-            return False, None
+            # A gloo remote item whose transfer is still running is not waited for here:
+            # the reader (FanIn) serves its other sources meanwhile, and our Wake (among
+            # the fds it waits on) or the SENT frame wakes it when this one is ready.
+            try:
+                return self.take_nowait(0.0 if self.data_wakes else None)
+            except IpcTimeoutError:
+                return False, None  # (the entry is first in line again)
+
+    def take_nowait(self, timeout: float | None, asked: float | None = None,
+                    current: bool = False) -> tuple[bool, Item | None]:
+        """The non-blocking core of every take, lock held, pumped already: ``(True, item)``
+        for the first buffered READY (its data waited for up to ``timeout``, ``make_item``;
+        ``current``: it becomes the calling thread's current item, as ``get`` and iteration
+        hand out), ``(True, None)`` at the end of the stream, ``(False, None)`` when nothing
+        is buffered. A Ctrl-C before the item is handed out puts its entry back."""
+        s = self.session
+        if s.ready:
+            entry = s.take_ready()
+            try:
+                item = self.make_item(entry, timeout, asked)
+                if current:
+                    self.lender.set_current(get_ident(), item)
+            except KeyboardInterrupt:
+                self.untake(entry)
+                raise
+            return True, item
+        if s.bye_received:
+            self.pump()  # answers BYE once nothing is held
+            return True, None
+        return False, None
 
     def last_attempt(self, timeout: float | None) -> Item | None:
         """The asyncio wait's last try at its ``timeout``: an item, None (the end), or
