@@ -23,9 +23,13 @@ from polling import wait_until
 def _stream(p: ipcsync.Producer, c: ipcsync.Consumer, n: int, start: int = 0) -> list[int]:
     """Send ``n`` items (meta and content ``start + i``), receive them all; their order."""
     got: list[int] = []
+    # Items in flight, as many as leave room for the consumer's queued releases: a release
+    # is queued until a batch gathers (at most half the ring), the consumer next waits, or
+    # its service thread's tick, so one thread keeping more in flight waits a tick per send.
+    in_flight = max(0, p.slots // 2 - 1)
     for i in range(start, start + n):
         p.send({"x": torch.full((16,), float(i))}, meta={"i": i})
-        while len(got) < i - start + 1 - (p.slots - 1):  # keep a few in flight
+        while len(got) < i - start + 1 - in_flight:
             item = c.get(timeout=10)
             assert item is not None
             assert float(item.tensors["x"][0]) == item.meta["i"]
