@@ -764,3 +764,28 @@ def test_close_after_peer_lost_is_prompt(procs: Any, endpoints: Any, runtime_dir
            device="cpu", result="closed", close_s=round(took, 3))
     assert cons.closed
     assert attempts == [], f"close() tried {len(attempts)} times to remove socket files that are gone"
+
+
+# --------------------------------------------------------------------------- a loss before death
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("then", ["consumer-open", "consumer-closed"])
+def test_an_arena_left_by_a_producer_lost_before_it_was_gone_is_reclaimed_once_it_is(
+        procs: Any, endpoints: Any, then: str) -> None:
+    """A killed process closes its sockets before it is provably gone (a zombie), so the
+    consumer that sees its connection close may find it alive still and must spare its
+    /dev/shm arena then: here the producer closes its socket, lives 1.5 s more, and exits
+    leaving its arena. The consumer (still open, or closed after its PeerLostError)
+    reclaims the arena once the process is gone."""
+    victim = procs.start("raw_producer", module="peers.faults", endpoint="pk-late", mode="setup-then-close",
+                         slots=SLOTS, heartbeat=HB, close_after=0.3, live_after=1.5)
+    victim.read_until(event("bound"), timeout=30)
+    cons = endpoints.consumer("pk-late", device="cpu", heartbeat=HB, timeout=10)
+    victim.read_until(event("closed"), timeout=10)
+    with pytest.raises(PeerLostError):
+        cons.get(timeout=10)
+    assert segments(victim.pid), "the producer's arena went while its process lived"
+    if then == "consumer-closed":
+        cons.close()  # (waits up to 0.5 s for the process to be gone)
+    victim.proc.wait(timeout=10)
+    left = wait_for(lambda: not segments(victim.pid), SHM_WAIT, step=0.02)
+    assert left is not None, f"the arena of dead pid {victim.pid} is still there: {segments(victim.pid)}"

@@ -41,7 +41,7 @@ class LinkParts(Protocol):
     remote: Any
     shared_setup: tuple[P.Setup, Any] | None
     lender: Any
-    closed_after_bye: bool
+    reclaim_when_gone: bool
 
     def send(self, frame: bytes) -> bool: ...
 

@@ -79,10 +79,11 @@ class ProducerLink:
         # descriptors came on the lane (``upstream_setup.open_shared_memory``).
         self.shared_setup: tuple[P.Setup, Any] | None = None
         self.lane_loss_seen = False  # a closed lane was handled as a closed connection
-        # The producer closed its connection after its BYE: a clean end, unless it died
-        # inside its close() (e.g. while we held items), leaving its /dev/shm arena behind.
-        # Until its process is provably gone (then reclaim) the ticks look.
-        self.closed_after_bye = False
+        # The producer's connection closed while its process may not be provably gone yet
+        # (after its BYE: it may have died inside its close(), e.g. while we held items;
+        # a loss: a killed process closes its sockets before it is a zombie), so its
+        # /dev/shm arena may be left: until it is provably gone (then reclaim) ticks look.
+        self.reclaim_when_gone = False
         # Items the program released while its tensors still view their slot (the
         # reference rule): given back at a pump once nothing references them.
         self.kept = Kept()
@@ -286,7 +287,7 @@ class ProducerLink:
             if s.closed_by_peer():
                 on_lost(self)
             elif s.bye_received:
-                self.closed_after_bye = True
+                self.reclaim_when_gone = True
         if s.error is None:
             if not s.ready:
                 if self.kept:

@@ -39,7 +39,7 @@ from ..transport.bindlock import remove_stale
 from .link_parts import LinkParts
 from .ring_memory import RingMemory
 
-__all__ = ["tick", "on_lost", "say_torn", "remove_stale_endpoint", "remove_stale_files", "teardown"]
+__all__ = ["tick", "on_lost", "reclaim_once_gone", "say_torn", "remove_stale_endpoint", "remove_stale_files", "teardown"]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,7 @@ def tick(link: LinkParts, now: float) -> None:
     setup = s.setup
     if setup is None:  # (before SETUP every verdict is ALIVE, with no frame)
         return
-    if link.closed_after_bye and link.watch is not None and link.watch.gone():
-        link.closed_after_bye = False
-        reclaim_dead_segments()  # its arena, if it died inside its close()
+    reclaim_once_gone(link)
     gone = (not link.producer_alive()) if s.watching else None
     w = link.watch
     remote = link.remote is not None  # (exactly when w is a RemoteWatch)
@@ -94,6 +92,17 @@ def on_lost(link: LinkParts) -> None:
         pass
     remove_stale_files(link, 0.0)
     reclaim_dead_segments()  # a dead producer's /dev/shm arena, whoever tracks it
+    # A killed process closes its sockets before it is provably gone (a zombie): its
+    # arena may have been spared just now.
+    link.reclaim_when_gone = link.watch is not None and not link.watch.gone()
+
+
+def reclaim_once_gone(link: LinkParts) -> None:
+    """The producer's connection closed while its process was not provably gone: once it
+    is, its /dev/shm arena (if left) is reclaimed, once."""
+    if link.reclaim_when_gone and link.watch is not None and link.watch.gone():
+        link.reclaim_when_gone = False
+        reclaim_dead_segments()
 
 
 def say_torn(mem: RingMemory, lender: Any, name: str) -> None:
@@ -142,7 +151,8 @@ def teardown(link: LinkParts) -> None:
     """Free what the link holds (the consumer's teardown, lock held or being collected)."""
     error = link.session.error
     if isinstance(error, PeerLostError) and not isinstance(error, ProducerFailedError):
-        remove_stale_files(link, 0.5)
+        remove_stale_files(link, 0.5)  # (waits up to 0.5 s for its process to be gone)
+    reclaim_once_gone(link)
     link.session.drop_buffered()
     link.let_go_of_memory()
     if link.watch is not None:

@@ -245,7 +245,9 @@ def raw_producer(a: dict[str, Any]) -> None:
     first HELLO, report it, never answer. ``mode="setup"``: answer it with a valid SETUP (a
     real shared-memory arena, named as the library's are so that ``reclaim_dead_segments``
     removes it once we are killed; CPU event handles), then never read the ATTACH and only
-    send HEARTBEATs, until killed."""
+    send HEARTBEATs, until killed. ``mode="setup-then-close"``: the same, then after
+    ``close_after`` seconds close the socket and live ``live_after`` seconds more (as a
+    killed process's sockets close before it is gone), then exit leaving the arena."""
     import zmq
 
     from ipcsync.core import protocol as P
@@ -262,7 +264,7 @@ def raw_producer(a: dict[str, Any]) -> None:
             return
         identity, frame = sock.recv_multipart()
         say(event="hello", kind=type(P.decode(frame)).__name__, t=time.monotonic())
-        if a.get("mode") == "setup":
+        if a.get("mode") in ("setup", "setup-then-close"):
             me = _proc_identity()
             ns = me["pid_ns"].split("[")[-1].rstrip("]")
             name = f"ipcsync-{os.getpid()}-{me['start_time']}-{ns}-{os.urandom(8).hex()}"
@@ -278,6 +280,15 @@ def raw_producer(a: dict[str, Any]) -> None:
             )
             sock.send_multipart([identity, P.encode(setup)])
             say(event="setup-sent", t=time.monotonic())
+            if a.get("mode") == "setup-then-close":
+                until = time.monotonic() + a.get("close_after", 0.5)
+                while time.monotonic() < until:
+                    sock.send_multipart([identity, P.encode(P.Heartbeat())])
+                    time.sleep(0.1)
+                sock.close(linger=0)
+                say(event="closed", t=time.monotonic())
+                time.sleep(a.get("live_after", 1.5))
+                os._exit(0)  # (no clean-up of ours: the arena stays behind)
             while True:
                 sock.send_multipart([identity, P.encode(P.Heartbeat())])
                 time.sleep(0.1)
