@@ -768,24 +768,27 @@ def test_close_after_peer_lost_is_prompt(procs: Any, endpoints: Any, runtime_dir
 
 # --------------------------------------------------------------------------- a loss before death
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("then", ["consumer-open", "consumer-closed"])
+@pytest.mark.parametrize("then, live_after", [("consumer-open", 1.5), ("consumer-closed", 0.2)])
 def test_an_arena_left_by_a_producer_lost_before_it_was_gone_is_reclaimed_once_it_is(
-        procs: Any, endpoints: Any, then: str) -> None:
+        procs: Any, endpoints: Any, then: str, live_after: float) -> None:
     """A killed process closes its sockets before it is provably gone (a zombie), so the
     consumer that sees its connection close may find it alive still and must spare its
-    /dev/shm arena then: here the producer closes its socket, lives 1.5 s more, and exits
-    leaving its arena. The consumer (still open, or closed after its PeerLostError)
-    reclaims the arena once the process is gone."""
+    /dev/shm arena then: here the producer closes its socket, lives ``live_after`` s more,
+    and exits leaving its arena. The consumer reclaims the arena once the process is gone:
+    still open, at a tick; closed at once after its PeerLostError, within close() (which
+    looks for up to 0.5 s: a killed process is gone a moment after its sockets close)."""
     victim = procs.start("raw_producer", module="peers.faults", endpoint="pk-late", mode="setup-then-close",
-                         slots=SLOTS, heartbeat=HB, close_after=0.3, live_after=1.5)
+                         slots=SLOTS, heartbeat=HB, close_after=0.3, live_after=live_after)
     victim.read_until(event("bound"), timeout=30)
     cons = endpoints.consumer("pk-late", device="cpu", heartbeat=HB, timeout=10)
     victim.read_until(event("closed"), timeout=10)
     with pytest.raises(PeerLostError):
         cons.get(timeout=10)
-    assert segments(victim.pid), "the producer's arena went while its process lived"
     if then == "consumer-closed":
-        cons.close()  # (waits up to 0.5 s for the process to be gone)
+        cons.close()
+        assert not segments(victim.pid), f"close() left the arena of pid {victim.pid}"
+    else:
+        assert segments(victim.pid), "the producer's arena went while its process lived"
     victim.proc.wait(timeout=10)
     left = wait_for(lambda: not segments(victim.pid), SHM_WAIT, step=0.02)
     assert left is not None, f"the arena of dead pid {victim.pid} is still there: {segments(victim.pid)}"

@@ -97,12 +97,20 @@ def on_lost(link: LinkParts) -> None:
     link.reclaim_when_gone = link.watch is not None and not link.watch.gone()
 
 
-def reclaim_once_gone(link: LinkParts) -> None:
+def reclaim_once_gone(link: LinkParts, wait: float = 0.0) -> None:
     """The producer's connection closed while its process was not provably gone: once it
-    is, its /dev/shm arena (if left) is reclaimed, once."""
-    if link.reclaim_when_gone and link.watch is not None and link.watch.gone():
-        link.reclaim_when_gone = False
-        reclaim_dead_segments()
+    is (looked at for up to ``wait`` seconds), its /dev/shm arena (if left) is reclaimed,
+    once."""
+    w = link.watch
+    if not link.reclaim_when_gone or w is None:
+        return
+    deadline = time.monotonic() + wait
+    while not w.gone():
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+    link.reclaim_when_gone = False
+    reclaim_dead_segments()
 
 
 def say_torn(mem: RingMemory, lender: Any, name: str) -> None:
@@ -151,8 +159,12 @@ def teardown(link: LinkParts) -> None:
     """Free what the link holds (the consumer's teardown, lock held or being collected)."""
     error = link.session.error
     if isinstance(error, PeerLostError) and not isinstance(error, ProducerFailedError):
-        remove_stale_files(link, 0.5)  # (waits up to 0.5 s for its process to be gone)
-    reclaim_once_gone(link)
+        # A killed process is gone a moment after its sockets closed: up to 0.5 s each for
+        # its files and its arena (a remote producer's are not ours to remove).
+        remove_stale_files(link, 0.5)
+        reclaim_once_gone(link, 0.5 if isinstance(link.watch, host.ProcessWatch) else 0.0)
+    else:
+        reclaim_once_gone(link)  # (a producer that closed cleanly may live on: no wait)
     link.session.drop_buffered()
     link.let_go_of_memory()
     if link.watch is not None:
