@@ -1283,7 +1283,8 @@ def test_sweep_kills_a_killed_launchers_stage_before_removing_its_run(launcher: 
         os.kill(first.proc.pid, signal.SIGKILL)
         assert first.wait(STOP_TIMEOUT) == -signal.SIGKILL
         wait_until(lambda: launcher.markers("sig-SIGTERM", "stubborn/0"), STOP_TIMEOUT, "the parent-death SIGTERM")
-        assert stubborn.alive(), "the stage ignores SIGTERM: it must still run"
+        assert stubborn.alive(), ("the stage ignores SIGTERM: it must still run; its markers: "
+                                  f"{sorted(f.name for f in launcher.state.iterdir())}")
         done = tmp_path / "done"
         done.touch()
         second = launcher.run("--stage", f"quick={shlex.join(stage('sleeper.py', '--exit-when', done))}",

@@ -6,7 +6,9 @@ On SIGTERM/SIGINT it writes a ``sig-<NAME>`` marker and exits with 128+N, or wit
 only on attempt R). ``--exit-when FILE --code C``:
 exit with code C once FILE exists. ``--chatty``: print a line every 10 ms.
 ``--watch-run-dir``: write a ``run-dir-gone`` marker if its run directory disappears
-while it runs. Writes a ``ready`` marker once its handlers are set.
+while it runs. Writes a ``ready`` marker once its handlers are set; an ``exit`` or
+``died`` marker when it ends by itself, a ``sig-<NAME>`` marker for any other signal
+that ends it (so a test that finds it gone can say why; SIGKILL leaves none).
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+    def on_fatal(signum: int, frame: object) -> None:  # (a test that finds it dead says why)
+        stagelib.mark(f"sig-{signal.Signals(signum).name}")
+        os._exit(128 + signum)
+
+    for fatal in (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(fatal, on_fatal)
     stagelib.mark("ready")
     stagelib.say(event="sleeping", pid=os.getpid())
     n = 0
@@ -69,4 +78,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except BaseException as exc:  # (a test that finds it dead says why)
+        stagelib.mark("died", error=repr(exc))
+        raise
+    stagelib.mark("exit", code=code)
+    sys.exit(code)
